@@ -1,0 +1,109 @@
+"""The tensorwire exception tree.
+
+Every error tensorwire raises derives from :class:`TensorWireError`. Errors of
+the libraries underneath (ucxx, grpc, sockets) are translated where they enter
+tensorwire and chained with ``raise ... from exc`` so the original stays
+visible in the traceback.
+
+::
+
+    TensorWireError
+    ├── ConfigError            bad configuration or arguments (also a ValueError)
+    ├── SpecError              an invalid TensorSpec (also a ValueError)
+    │   └── ShapeMismatchError a tensor or spec differs from the negotiated one
+    ├── AuthError              missing/wrong token, TLS mismatch, bad session credential
+    ├── ResourceExhaustedError over a configured memory or size limit
+    ├── NotFoundError          no tensor of that name (serve)
+    ├── ProtocolError          the peer broke the wire protocol
+    │   └── VersionMismatchError  the peer speaks another protocol version
+    ├── TransportError         the data plane or control plane failed
+    │   ├── PeerLostError      the peer went away (killed, link cut, reset)
+    │   ├── ConnectTimeout     could not connect or negotiate in time (also TimeoutError)
+    │   └── TransferTimeout    a send/recv did not complete in time (also TimeoutError)
+    └── ClosedError            you used a Link/Node/Client after closing it
+
+``ClosedError`` (you closed it) and ``PeerLostError`` (the peer broke it) are
+deliberately different, as in trio's ``ClosedResourceError`` /
+``BrokenResourceError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TensorWireError",
+    "ConfigError",
+    "SpecError",
+    "ShapeMismatchError",
+    "AuthError",
+    "ResourceExhaustedError",
+    "NotFoundError",
+    "ProtocolError",
+    "VersionMismatchError",
+    "TransportError",
+    "PeerLostError",
+    "ConnectTimeout",
+    "TransferTimeout",
+    "ClosedError",
+]
+
+
+class TensorWireError(Exception):
+    """Root of every error raised by tensorwire."""
+
+
+class ConfigError(TensorWireError, ValueError):
+    """Invalid configuration, argument or environment variable."""
+
+
+class SpecError(TensorWireError, ValueError):
+    """A TensorSpec is invalid (bad name, dtype, rank or size)."""
+
+
+class ShapeMismatchError(SpecError):
+    """A tensor or a declared spec differs from what was negotiated.
+
+    The message always names the tensor and shows both sides.
+    """
+
+
+class AuthError(TensorWireError):
+    """Authentication or authorization failed (token, TLS, data-plane credential)."""
+
+
+class ResourceExhaustedError(TensorWireError):
+    """A configured limit (e.g. ``--max-bytes``) would be exceeded; nothing changed."""
+
+
+class NotFoundError(TensorWireError, KeyError):
+    """No tensor of that name."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want plain text
+        return str(self.args[0]) if self.args else ""
+
+
+class ProtocolError(TensorWireError):
+    """The peer sent something that breaks the wire protocol."""
+
+
+class VersionMismatchError(ProtocolError):
+    """The peer speaks a protocol version this build does not."""
+
+
+class TransportError(TensorWireError):
+    """The data plane or the control plane failed."""
+
+
+class PeerLostError(TransportError, ConnectionError):
+    """The peer is gone: killed, connection reset, or the network cut."""
+
+
+class ConnectTimeout(TransportError, TimeoutError):
+    """Connecting to or negotiating with a peer did not finish in time."""
+
+
+class TransferTimeout(TransportError, TimeoutError):
+    """A send or receive did not complete within its timeout."""
+
+
+class ClosedError(TensorWireError):
+    """The object was closed by its owner and cannot be used any more."""

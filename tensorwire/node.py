@@ -1,0 +1,620 @@
+"""``Node`` (one per process) and ``Link`` (a negotiated channel to one peer).
+
+A :class:`Node` owns the process's control server, its data-plane listeners
+and its handle on the bootstrap store. :meth:`Node.link` negotiates a
+:class:`Link` with a peer rank: both sides declare what they send and what they
+expect to receive, the declarations are checked against each other (a
+difference fails on both sides with :class:`~tensorwire.ShapeMismatchError`),
+a transport is chosen, the data connection is made, and every slot is
+allocated — once.
+
+On the hot path (:meth:`Link.send` / :meth:`Link.recv`) nothing is allocated
+(beyond small Python objects), nothing is serialized, and no gRPC call is made.
+
+Receive slots are double-buffered: :meth:`Link.recv` returns the slot tensor,
+valid until the next ``recv`` of that name, while the other buffer is already
+posted for the next message. So a peer can send message *k+1* while this side
+still holds message *k*, and two ranks that each ``send`` then ``recv`` every
+step never deadlock.
+
+Transport choice (both sides compute the same answer from both offers):
+
+- ``tcp`` or ``ucx`` asked on either side wins (asked on both and different: error);
+- ``auto``: UCX when both sides have it **and** the link needs what only UCX
+  gives here — CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect) or an
+  RDMA network device; TCP otherwise, because on host memory over
+  tcp/shared-memory UCX is measured slower than a plain socket (see
+  ``bench/results/``). ``TENSORWIRE_AUTO_PREFER=ucx`` forces UCX first under auto.
+  If UCX is chosen but cannot connect, the link falls back to TCP with a WARNING.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+
+from .buffers import Slot, as_bytes, cuda_available
+from .errors import (
+    ClosedError,
+    ConfigError,
+    ConnectTimeout,
+    PeerLostError,
+    ProtocolError,
+    ShapeMismatchError,
+    TensorWireError,
+    TransferTimeout,
+    TransportError,
+)
+from .spec import TensorSpec, check_same_specs
+from .transport.base import Listener, Transport, get_factory, new_nonce
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .v1 import control_pb2
+
+__all__ = ["Node", "Link", "SendHandle", "TransportChoice", "choose_transport"]
+
+log = logging.getLogger(__name__)
+
+TransportChoice = Literal["auto", "ucx", "tcp"]
+_CHOICES = ("auto", "ucx", "tcp")
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_PEER_TIMEOUT = 30.0
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be > 0")
+    return value
+
+
+def _check_choice(transport: str, *, source: str) -> TransportChoice:
+    if transport not in _CHOICES:
+        raise ConfigError(f"{source}: transport must be one of {', '.join(_CHOICES)}, got {transport!r}")
+    return transport  # type: ignore[return-value]
+
+
+def ucx_has_rdma() -> bool:
+    """Whether UCX here sees an RDMA device (InfiniBand/RoCE). Cheap check of /sys."""
+    try:
+        return any(os.scandir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def choose_transport(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer", *, needs_cuda: bool) -> list[str]:
+    """Transports to try, in order, for a link between two offers (symmetric).
+
+    Raises:
+        ConfigError: the two sides insist on different transports, or one
+            insists on a transport the other cannot use.
+    """
+    kinds_a = [d.kind for d in mine.data]
+    kinds_b = [d.kind for d in theirs.data]
+    common = [k for k in kinds_a if k in kinds_b]
+    asked = {mine.transport, theirs.transport} - {"auto"}
+    if len(asked) > 1:
+        raise ConfigError(f"the two sides ask for different transports: {mine.transport!r} and {theirs.transport!r}")
+    if asked:
+        kind = asked.pop()
+        if kind not in common:
+            who = "this side" if kind not in kinds_a else "the peer"
+            raise ConfigError(f"transport {kind!r} was asked for but {who} cannot use it (available: {common})")
+        return [kind]
+    prefer_ucx = "ucx" in common and (
+        needs_cuda or os.environ.get("TENSORWIRE_AUTO_PREFER", "").lower() == "ucx" or ucx_has_rdma()
+    )
+    order = ["ucx", "tcp"] if prefer_ucx else ["tcp"]
+    return [k for k in order if k in common]
+
+
+class SendHandle:
+    """Completion handle of :meth:`Link.isend`."""
+
+    __slots__ = ("_future", "_name")
+
+    def __init__(self, future: "concurrent.futures.Future[None]", name: str) -> None:
+        self._future = future
+        self._name = name
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the bytes are out of the tensor given to ``isend``.
+
+        Raises:
+            TransferTimeout: not done within ``timeout`` (the send goes on).
+            the send's own error (PeerLostError, ...).
+        """
+        try:
+            self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeout(f"isend of {self._name!r} not complete within {timeout}s") from None
+
+
+class _RecvState:
+    __slots__ = ("spec", "tag", "slots", "next", "held", "device_slot", "staged")
+
+    def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], device_slot: Slot | None) -> None:
+        self.spec = spec
+        self.tag = tag
+        self.slots = slots
+        self.next = 0
+        self.held: int | None = None
+        self.device_slot = device_slot  # CUDA slot the staged host bytes are copied into
+        self.staged = device_slot is not None
+
+
+class _SendState:
+    __slots__ = ("spec", "tag", "slot", "step", "lock")
+
+    def __init__(self, spec: TensorSpec, tag: int, slot: Slot) -> None:
+        self.spec = spec
+        self.tag = tag
+        self.slot = slot  # staging for non-contiguous input or CUDA data over a host-only transport
+        self.step = 0
+        self.lock = threading.Lock()
+
+
+class Link:
+    """A negotiated channel to one peer. Create with :meth:`Node.link`.
+
+    Attributes:
+        peer: the peer's rank.
+        transport: the chosen transport's kind ("ucx" or "tcp").
+        send_specs / recv_specs: the negotiated specs by name.
+    """
+
+    def __init__(self, *, node_rank: int, peer: int, name: str, transport: Transport,
+                 send: Sequence[TensorSpec], recv: Sequence[TensorSpec], timeout: float,
+                 device: "torch.device | None") -> None:
+        self.peer = peer
+        self.name = name
+        self.rank = node_rank
+        self._t = transport
+        self.transport = transport.kind
+        self._timeout = timeout
+        self._closed = False
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        host_only = not transport.reaches_cuda
+        self.send_specs = {s.name: s for s in send}
+        self.recv_specs = {s.name: s for s in recv}
+        self._send: dict[str, _SendState] = {}
+        for tag, spec in enumerate(sorted(self.send_specs)):
+            s = self.send_specs[spec]
+            staging_on_host = host_only and s.device == "cuda"
+            self._send[spec] = _SendState(s, tag, Slot(s, device=device, host=staging_on_host))
+        self._recv: dict[str, _RecvState] = {}
+        for tag, spec in enumerate(sorted(self.recv_specs)):
+            s = self.recv_specs[spec]
+            staged = host_only and s.device == "cuda"
+            slots = [Slot(s, device=device, host=staged) for _ in range(2)]
+            st = _RecvState(s, tag, slots, Slot(s, device=device) if staged else None)
+            self._recv[spec] = st
+            for slot in slots:
+                transport.post_recv(tag, slot.raw, header=s.is_dynamic)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # -- info -------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"Link(rank {self.rank} <-> {self.peer}, {self.transport}, send={sorted(self.send_specs)}, "
+                f"recv={sorted(self.recv_specs)})")
+
+    def slots(self) -> list[Slot]:
+        """Every preallocated slot of this link (for inspection and tests)."""
+        out = [st.slot for st in self._send.values()]
+        for st in self._recv.values():
+            out.extend(st.slots)
+            if st.device_slot is not None:
+                out.append(st.device_slot)
+        return out
+
+    # -- send -------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"link to rank {self.peer} is closed")
+
+    def send(self, name: str, tensor: "torch.Tensor", *, timeout: float | None = None) -> None:
+        """Send ``tensor`` as ``name`` into the peer's preallocated slot.
+
+        Blocks until the bytes are out of ``tensor`` (it may be modified after).
+        CUDA tensors: ordered after the work already queued on the current stream.
+
+        Raises:
+            ShapeMismatchError: ``tensor`` differs from the negotiated spec (nothing sent).
+            TransferTimeout, PeerLostError, ClosedError.
+        """
+        self._check_open()
+        st = self._send.get(name)
+        if st is None:
+            raise ShapeMismatchError(f"{name!r} was not declared as sent on this link (declared: {sorted(self._send)})")
+        st.spec.check_tensor(tensor)
+        tensor = tensor.detach()
+        shape = tuple(tensor.shape)
+        nbytes = tensor.numel() * st.spec.itemsize
+        with st.lock:
+            if tensor.is_cuda:
+                import torch
+
+                if st.slot.is_cuda:
+                    # UCX reads device memory directly: wait for queued writes to this tensor.
+                    torch.cuda.current_stream(tensor.device).synchronize()
+                    data = as_bytes(tensor) if tensor.is_contiguous() else self._stage(st, tensor, shape)
+                else:
+                    data = self._stage(st, tensor, shape)
+                    torch.cuda.current_stream(tensor.device).synchronize()
+            elif tensor.is_contiguous():
+                data = as_bytes(tensor)
+            else:
+                data = self._stage(st, tensor, shape)
+            st.step += 1
+            self._t.send(st.tag, data[:nbytes] if data.numel() != nbytes else data, step=st.step,
+                         shape=shape if st.spec.is_dynamic else None,
+                         timeout=self._timeout if timeout is None else timeout)
+        self.bytes_sent += nbytes
+
+    @staticmethod
+    def _stage(st: _SendState, tensor: "torch.Tensor", shape: tuple[int, ...]) -> "torch.Tensor":
+        """Copy into the preallocated send slot (no allocation); returns its bytes."""
+        view = st.slot.view(shape)
+        view.copy_(tensor, non_blocking=view.is_pinned() if not view.is_cuda else True)
+        return st.slot.raw
+
+    def isend(self, name: str, tensor: "torch.Tensor", *, timeout: float | None = None) -> SendHandle:
+        """Start sending; returns a handle whose ``wait()`` returns once the bytes are out.
+
+        The tensor must not be modified before ``wait()`` returns. Validation
+        happens here, before anything is queued.
+
+        Raises:
+            ShapeMismatchError: as :meth:`send`, immediately.
+        """
+        self._check_open()
+        st = self._send.get(name)
+        if st is None:
+            raise ShapeMismatchError(f"{name!r} was not declared as sent on this link (declared: {sorted(self._send)})")
+        st.spec.check_tensor(tensor)
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tw-isend-{self.peer}")
+        return SendHandle(self._executor.submit(self.send, name, tensor, timeout=timeout), name)
+
+    # -- recv -------------------------------------------------------------------
+    def recv(self, name: str, *, out: "torch.Tensor | None" = None, timeout: float | None = None) -> "torch.Tensor":
+        """Receive the next message of ``name``.
+
+        Returns the preallocated slot tensor (valid until the next ``recv`` of
+        ``name``; its shape is the actual shape for dynamic specs), or, with
+        ``out``, copies into ``out`` and returns it.
+
+        Raises:
+            TransferTimeout: nothing arrived within ``timeout`` (default: the link's).
+            ShapeMismatchError: ``out`` does not fit the received tensor.
+            PeerLostError, ProtocolError, ClosedError.
+        """
+        self._check_open()
+        st = self._recv.get(name)
+        if st is None:
+            raise ShapeMismatchError(f"{name!r} is not received on this link (declared: {sorted(self._recv)})")
+        if st.held is not None:
+            held, st.held = st.held, None
+            self._t.post_recv(st.tag, st.slots[held].raw, header=st.spec.is_dynamic)
+        got = self._t.wait_recv(st.tag, timeout=self._timeout if timeout is None else timeout)
+        idx = st.next
+        st.next ^= 1
+        slot = st.slots[idx]
+        shape = got.shape if got.shape is not None else st.spec.shape
+        try:
+            st.spec.check_shape(shape)
+        except ShapeMismatchError as exc:
+            self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+            raise ProtocolError(f"peer sent {name!r} with shape {shape}: {exc}") from exc
+        expected = slot.view(shape).numel() * st.spec.itemsize
+        if got.nbytes != expected:
+            self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+            raise ProtocolError(f"peer sent {got.nbytes} bytes for {name!r} {shape}, expected {expected}")
+        self.bytes_received += got.nbytes
+        view = slot.view(shape)
+        if st.staged:
+            assert st.device_slot is not None
+            dev_view = st.device_slot.view(shape)
+            dev_view.copy_(view, non_blocking=True)
+            import torch
+
+            torch.cuda.current_stream(dev_view.device).synchronize()  # host slot is re-posted right away
+            self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+            view = dev_view
+            if out is None:
+                return view
+        if out is not None:
+            if tuple(out.shape) != tuple(view.shape) or out.dtype != view.dtype:
+                if not st.staged:
+                    st.held = idx
+                raise ShapeMismatchError(f"out= for {name!r} is {out.dtype}{list(out.shape)}, received "
+                                         f"{view.dtype}{list(view.shape)}")
+            out.copy_(view)
+            if not st.staged:
+                self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+            return out
+        st.held = idx
+        return view
+
+    # -- lifecycle --------------------------------------------------------------
+    def close(self) -> None:
+        """Close the data connection and release the slots. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._t.close()
+
+    def __enter__(self) -> "Link":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Node:
+    """One per process: control server, data listeners, bootstrap store.
+
+    Args:
+        rank, world_size: this process's rank and the number of ranks.
+        store: a ``torch.distributed.Store`` (e.g. ``TCPStore``) shared by all
+            ranks, used to publish and look up control addresses. ``None``:
+            built from MASTER_ADDR/MASTER_PORT (rank 0 hosts it on MASTER_PORT+1).
+        host: address to bind listeners to and to advertise to peers.
+        transport: ``"auto"`` (default; env ``TENSORWIRE_TRANSPORT``), ``"ucx"`` or ``"tcp"``.
+        timeout: default timeout (s) for negotiation and transfers (env ``TENSORWIRE_TIMEOUT``).
+        peer_timeout: how long an unresponsive peer may stay silent before it
+            is declared lost (env ``TENSORWIRE_PEER_TIMEOUT``).
+        prefix: store key prefix (``tw.init`` keys it by run id and restart count).
+        device: CUDA device for CUDA slots (default: the current device).
+
+    Raises:
+        ConfigError: bad arguments or environment.
+        TransportError: a listener or the control server could not bind.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, store: Any = None, host: str = "127.0.0.1",
+                 transport: TransportChoice | None = None, timeout: float | None = None,
+                 peer_timeout: float | None = None, prefix: str = "tensorwire/default/0/",
+                 device: "torch.device | str | None" = None) -> None:
+        if not isinstance(rank, int) or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+        env_t = os.environ.get("TENSORWIRE_TRANSPORT")
+        if transport is None:
+            transport = _check_choice(env_t or "auto", source="TENSORWIRE_TRANSPORT")
+        self.transport = _check_choice(transport, source="Node(transport=...)")
+        self.rank = rank
+        self.world_size = world_size
+        self.host = host
+        self.timeout = float(timeout) if timeout is not None else _env_float("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT)
+        self.peer_timeout = (float(peer_timeout) if peer_timeout is not None
+                             else _env_float("TENSORWIRE_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT))
+        self.prefix = prefix
+        self.device = device
+        self._closed = False
+        self._links: list[Link] = []
+        self._owns_store = False
+        if store is None:
+            store = self._store_from_env()
+        self.store = store
+        from .control import ControlServer
+
+        self._control = ControlServer(host)
+        self._listeners: dict[str, Listener] = {}
+        try:
+            self._open_listeners()
+            self.store.set(self._key(f"ctrl/{rank}"), self._control.address)
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensorwire node rank %d/%d: control %s, data %s", rank, world_size, self._control.address,
+                 ", ".join(f"{k}://{h}:{p}" for k, (h, p) in ((k, v.address) for k, v in self._listeners.items())))
+
+    def _key(self, suffix: str) -> str:
+        return self.prefix + suffix
+
+    def _store_from_env(self) -> Any:
+        from .torchrun import bootstrap_store
+
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise ConfigError("Node(store=None) needs MASTER_ADDR and MASTER_PORT in the environment, or pass store=")
+        try:
+            port_n = int(port)
+        except ValueError:
+            raise ConfigError(f"MASTER_PORT={port!r} is not a port number") from None
+        self._owns_store = True
+        return bootstrap_store(master_addr=addr, master_port=port_n, rank=self.rank, world_size=self.world_size,
+                               use_agent_store=False, timeout=self.timeout)
+
+    def _open_listeners(self) -> None:
+        kinds = ["tcp"] if self.transport == "tcp" else (["ucx"] if self.transport == "ucx" else ["ucx", "tcp"])
+        for kind in kinds:
+            try:
+                factory = get_factory(kind)
+                self._listeners[kind] = factory(self.host, port=0, peer_timeout=self.peer_timeout)
+            except ImportError as exc:
+                if self.transport == kind:
+                    raise ConfigError(f"transport {kind!r} requested but unavailable: {exc}") from exc
+                log.warning("tensorwire: %s transport unavailable (%s); links from rank %d will use TCP",
+                            kind, exc, self.rank)
+            except TensorWireError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a dependency failing to start
+                if self.transport == kind:
+                    raise TransportError(f"cannot start the {kind} listener: {exc}") from exc
+                log.warning("tensorwire: %s listener failed to start (%s); falling back to TCP", kind, exc)
+
+    @property
+    def control_address(self) -> str:
+        return self._control.address
+
+    def link(self, peer: int, *, send: Iterable[TensorSpec] = (), recv: Iterable[TensorSpec] = (),
+             timeout: float | None = None, name: str = "default") -> Link:
+        """Negotiate a link with ``peer``; both ranks must call this with mirrored specs.
+
+        Args:
+            peer: the other rank.
+            send: specs this side will send (the peer must list them in its ``recv``).
+            recv: specs this side expects (the peer must list them in its ``send``).
+            timeout: for negotiation and connection (default: the node's).
+            name: distinguishes several links between the same two ranks.
+
+        Raises:
+            ShapeMismatchError: the declarations differ (raised on both sides;
+                names the tensor and both specs).
+            ConnectTimeout: the peer did not show up in time.
+            ConfigError: bad arguments or incompatible transport requests.
+        """
+        if self._closed:
+            raise ClosedError("node is closed")
+        if not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
+            raise ConfigError(f"peer must be another rank in [0, {self.world_size}), got {peer!r}")
+        send_l, recv_l = list(send), list(recv)
+        for s in send_l + recv_l:
+            if not isinstance(s, TensorSpec):
+                raise ConfigError(f"send/recv take TensorSpec objects, got {type(s).__name__}")
+        for label, specs in (("send", send_l), ("recv", recv_l)):
+            names = [s.name for s in specs]
+            if len(set(names)) != len(names):
+                raise ConfigError(f"duplicate names in {label}: {sorted(n for n in names if names.count(n) > 1)}")
+        if any(s.device == "cuda" for s in send_l + recv_l) and not cuda_available():
+            raise ConfigError("CUDA specs given but CUDA is not available in this process")
+        timeout = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        from . import control
+        from .v1 import control_pb2, types_pb2
+
+        nonce = new_nonce()
+        mine = control_pb2.LinkOffer(
+            protocol_version=control.PROTOCOL_VERSION, run_id=self.prefix, from_rank=self.rank, to_rank=peer,
+            link_name=name, send=[s.to_proto() for s in send_l], recv=[s.to_proto() for s in recv_l],
+            data=[types_pb2.TransportAddress(kind=k, host=lst.address[0], port=lst.address[1])
+                  for k, lst in self._listeners.items()],
+            transport=self.transport, nonce=nonce, has_cuda=cuda_available(),
+        )
+        for lst in self._listeners.values():
+            lst.expect(nonce)
+        self._control.declare(mine)
+        try:
+            peer_addr = self._lookup(peer, deadline)
+            theirs = control.negotiate(peer_addr, mine, timeout=max(0.1, deadline - time.monotonic()))
+            if theirs.run_id != mine.run_id:
+                raise ProtocolError(f"rank {peer} belongs to run {theirs.run_id!r}, this rank to {mine.run_id!r}")
+            peer_send = [TensorSpec.from_proto(m) for m in theirs.send]
+            peer_recv = [TensorSpec.from_proto(m) for m in theirs.recv]
+            errors = []
+            for a, b, what in ((send_l, peer_recv, f"rank {self.rank} sends -> rank {peer} receives"),
+                               (peer_send, recv_l, f"rank {peer} sends -> rank {self.rank} receives")):
+                try:
+                    check_same_specs(a, b, what=what)
+                except ShapeMismatchError as exc:
+                    errors.append(str(exc))
+            if errors:
+                raise ShapeMismatchError("; ".join(errors))
+            needs_cuda = any(s.device == "cuda" for s in send_l + recv_l)
+            order = choose_transport(mine, theirs, needs_cuda=needs_cuda)
+            if not order:
+                raise ConfigError(f"no transport in common with rank {peer}")
+            transport = self._connect(order, mine, theirs, deadline)
+        finally:
+            for lst in self._listeners.values():
+                lst.forget(nonce)
+        try:
+            link = Link(node_rank=self.rank, peer=peer, name=name, transport=transport, send=send_l, recv=recv_l,
+                        timeout=self.timeout, device=self.device)
+        except BaseException:
+            transport.abort()
+            raise
+        self._links.append(link)
+        log.info("tensorwire: link rank %d <-> %d (%s) over %s: %d send, %d recv slots", self.rank, peer, name,
+                 transport.describe(), len(send_l), len(recv_l))
+        return link
+
+    def _lookup(self, peer: int, deadline: float) -> str:
+        from datetime import timedelta
+
+        key = self._key(f"ctrl/{peer}")
+        try:
+            self.store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            return self.store.get(key).decode()
+        except (RuntimeError, TimeoutError) as exc:  # torch raises DistStoreError (a RuntimeError)
+            raise ConnectTimeout(f"rank {peer} did not publish its control address in time: {exc}") from exc
+
+    def _connect(self, order: list[str], mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer",
+                 deadline: float) -> Transport:
+        """Lower rank dials, higher rank accepts; under auto, UCX failure falls back to TCP loudly."""
+        dial = self.rank < theirs.from_rank
+        last: BaseException | None = None
+        if not dial:
+            # Accept whichever transport the dialer manages to connect on.
+            kinds = [k for k in order if k in self._listeners]
+            while time.monotonic() < deadline:
+                for kind in kinds:
+                    try:
+                        t = self._listeners[kind].accept(mine.nonce, timeout=0.05)
+                    except ConnectTimeout:
+                        continue
+                    if kind != order[0]:
+                        log.warning("tensorwire: link with rank %d fell back to %s (peer could not connect over %s)",
+                                    theirs.from_rank, kind, order[0])
+                    return t
+            raise ConnectTimeout(f"rank {theirs.from_rank} did not connect a data channel in time")
+        addrs = {d.kind: d for d in theirs.data}
+        for i, kind in enumerate(order):
+            addr = addrs[kind]
+            try:
+                factory = get_factory(kind)
+                per_try = max(0.1, deadline - time.monotonic()) if i == len(order) - 1 else min(
+                    10.0, max(0.1, deadline - time.monotonic()))
+                return factory.connect(addr.host, addr.port, theirs.nonce, timeout=per_try,
+                                       peer_timeout=self.peer_timeout)
+            except (TensorWireError, ImportError, OSError) as exc:
+                last = exc
+                if i + 1 < len(order):
+                    log.warning("tensorwire: %s connection to rank %d at %s:%d failed (%s); falling back to %s",
+                                kind, theirs.from_rank, addr.host, addr.port, exc, order[i + 1])
+        assert last is not None
+        if isinstance(last, TensorWireError):
+            raise last
+        raise PeerLostError(f"cannot connect to rank {theirs.from_rank}: {last}") from last
+
+    def close(self) -> None:
+        """Close every link, the listeners and the control server. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links:
+            link.close()
+        for lst in self._listeners.values():
+            lst.close()
+        if hasattr(self, "_control"):
+            self._control.close()
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Node(rank={self.rank}, world_size={self.world_size}, transport={self.transport!r})"

@@ -1,0 +1,242 @@
+"""Conformance checks that every :class:`~tensorwire.transport.base.Transport` must pass.
+
+Like trio's ``check_two_way_stream``: give :func:`check_transport` a function
+that returns a fresh connected pair ``(a, b)`` and it exercises the contract —
+FIFO per tag, credits (a send waits for a posted buffer), bit-exact bytes,
+empty messages, shapes carried for dynamic tags, both directions at once,
+timeouts, and close/peer-loss errors. The in-memory, TCP and UCX transports
+all run it (``tests/test_transport_conformance.py``).
+
+Everything here runs in one process with threads; multi-process behaviour
+(peer killed, garbage on the port) is tested separately.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from .errors import ClosedError, PeerLostError, TensorWireError, TransferTimeout
+from .transport.base import Transport
+
+__all__ = ["check_transport", "CHECKS"]
+
+PairMaker = Callable[[], "tuple[Transport, Transport]"]
+
+
+def _u8(n: int, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _empty(n: int):
+    import torch
+
+    return torch.zeros(n, dtype=torch.uint8)
+
+
+def _run(fn: Callable[[], None], *, timeout: float = 30.0) -> threading.Thread:
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported by the joiner
+            errors.append(exc)
+
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    th.errors = errors  # type: ignore[attr-defined]
+    th.deadline = time.monotonic() + timeout  # type: ignore[attr-defined]
+    return th
+
+
+def _join(th: threading.Thread) -> None:
+    th.join(max(0.0, th.deadline - time.monotonic()))  # type: ignore[attr-defined]
+    if th.is_alive():
+        raise AssertionError("helper thread did not finish in time (deadlock?)")
+    if th.errors:  # type: ignore[attr-defined]
+        raise th.errors[0]  # type: ignore[attr-defined]
+
+
+def check_roundtrip_bytes(make: PairMaker) -> None:
+    """Bytes arrive bit-exact, for sizes from 0 to 4 MiB + 1, in both directions."""
+    a, b = make()
+    try:
+        for i, n in enumerate([0, 1, 7, 4096, 65537, (4 << 20) + 1]):
+            src = _u8(n, seed=i)
+            dst = _empty(n)
+            b.post_recv(i, dst)
+            a.send(i, src, step=1, timeout=10)
+            got = b.wait_recv(i, timeout=10)
+            assert got.nbytes == n, f"size {n}: nbytes {got.nbytes}"
+            assert bool((dst == src).all()), f"size {n}: bytes differ"
+            back = _empty(n)
+            a.post_recv(100 + i, back)
+            b.send(100 + i, dst, step=1, timeout=10)
+            a.wait_recv(100 + i, timeout=10)
+            assert bool((back == src).all()), f"size {n}: bytes differ on the way back"
+    finally:
+        a.close()
+        b.close()
+
+
+def check_fifo_per_tag(make: PairMaker) -> None:
+    """Messages on one tag fill posted buffers in order; tags do not block each other."""
+    a, b = make()
+    try:
+        bufs = [_empty(16) for _ in range(3)]
+        for buf in bufs:
+            b.post_recv(5, buf)
+        other = _empty(4)
+        b.post_recv(6, other)
+        for k in range(3):
+            a.send(5, _u8(16, seed=10 + k), step=k + 1, timeout=10)
+        a.send(6, _u8(4, seed=99), step=1, timeout=10)
+        assert b.wait_recv(6, timeout=10).nbytes == 4
+        for k in range(3):
+            b.wait_recv(5, timeout=10)
+            assert bool((bufs[k] == _u8(16, seed=10 + k)).all()), f"message {k} landed out of order"
+    finally:
+        a.close()
+        b.close()
+
+
+def check_credit_blocks_sender(make: PairMaker) -> None:
+    """A send with no posted buffer waits (TransferTimeout), then succeeds once one is posted."""
+    a, b = make()
+    try:
+        t0 = time.monotonic()
+        try:
+            a.send(3, _u8(8), step=1, timeout=0.3)
+        except TransferTimeout:
+            pass
+        else:
+            raise AssertionError("send without a posted buffer did not wait")
+        assert time.monotonic() - t0 >= 0.25, "send gave up before its timeout"
+        dst = _empty(8)
+        b.post_recv(3, dst)
+        th = _run(lambda: a.send(3, _u8(8, seed=3), step=1, timeout=10))
+        b.wait_recv(3, timeout=10)
+        _join(th)
+        assert bool((dst == _u8(8, seed=3)).all())
+    finally:
+        a.close()
+        b.close()
+
+
+def check_shape_travels(make: PairMaker) -> None:
+    """A shape given to send is reported by wait_recv on a header tag."""
+    a, b = make()
+    try:
+        dst = _empty(64)
+        b.post_recv(9, dst, header=True)
+        a.send(9, _u8(24), step=1, shape=(2, 3), timeout=10)
+        got = b.wait_recv(9, timeout=10)
+        assert got.nbytes == 24 and got.shape == (2, 3), got
+    finally:
+        a.close()
+        b.close()
+
+
+def check_both_directions_at_once(make: PairMaker, *, steps: int = 50, nbytes: int = 8 << 20) -> None:
+    """Both sides send large messages at the same time, repeatedly: no deadlock, bytes exact."""
+    a, b = make()
+    try:
+        def side(me: Transport, out_tag: int, in_tag: int, seed: int) -> Callable[[], None]:
+            def run() -> None:
+                bufs = [_empty(nbytes), _empty(nbytes)]
+                for buf in bufs:
+                    me.post_recv(in_tag, buf)
+                src = _u8(nbytes, seed=seed)
+                for k in range(steps):
+                    src[:8] = k  # mark the step
+                    me.send(out_tag, src, step=k + 1, timeout=30)
+                    me.wait_recv(in_tag, timeout=30)
+                    got = bufs[k % 2]
+                    assert int(got[0]) == k % 256, f"step {k}: got step {int(got[0])}"
+                    me.post_recv(in_tag, got)
+            return run
+
+        ta = _run(side(a, 1, 2, 1), timeout=120)
+        tb = _run(side(b, 2, 1, 2), timeout=120)
+        _join(ta)
+        _join(tb)
+    finally:
+        a.close()
+        b.close()
+
+
+def check_recv_timeout(make: PairMaker) -> None:
+    """wait_recv with nothing sent raises TransferTimeout within about its timeout; the link stays usable."""
+    a, b = make()
+    try:
+        dst = _empty(4)
+        b.post_recv(1, dst)
+        t0 = time.monotonic()
+        try:
+            b.wait_recv(1, timeout=0.3)
+        except TransferTimeout:
+            pass
+        else:
+            raise AssertionError("wait_recv returned with nothing sent")
+        assert 0.25 <= time.monotonic() - t0 < 5
+        a.send(1, _u8(4, seed=4), step=1, timeout=10)
+        b.wait_recv(1, timeout=10)
+        assert bool((dst == _u8(4, seed=4)).all())
+    finally:
+        a.close()
+        b.close()
+
+
+def check_close_semantics(make: PairMaker) -> None:
+    """close() is idempotent; using a closed transport raises ClosedError; the peer sees PeerLostError."""
+    a, b = make()
+    try:
+        dst = _empty(4)
+        b.post_recv(1, dst)
+        th_errors: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                b.wait_recv(1, timeout=10)
+            except TensorWireError as exc:
+                th_errors.append(exc)
+
+        th = threading.Thread(target=waiter, daemon=True)
+        th.start()
+        time.sleep(0.1)
+        a.close()
+        a.close()
+        th.join(15)
+        assert not th.is_alive(), "peer waiter not woken by close"
+        assert th_errors and isinstance(th_errors[0], PeerLostError), th_errors
+        try:
+            a.send(1, _u8(4), step=1, timeout=1)
+        except ClosedError:
+            pass
+        else:
+            raise AssertionError("send on a closed transport did not raise ClosedError")
+    finally:
+        a.close()
+        b.close()
+
+
+CHECKS: dict[str, Callable[[PairMaker], None]] = {
+    "roundtrip_bytes": check_roundtrip_bytes,
+    "fifo_per_tag": check_fifo_per_tag,
+    "credit_blocks_sender": check_credit_blocks_sender,
+    "shape_travels": check_shape_travels,
+    "both_directions_at_once": check_both_directions_at_once,
+    "recv_timeout": check_recv_timeout,
+    "close_semantics": check_close_semantics,
+}
+
+
+def check_transport(make: PairMaker) -> None:
+    """Run every conformance check against fresh pairs from ``make``."""
+    for check in CHECKS.values():
+        check(make)

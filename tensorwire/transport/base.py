@@ -1,0 +1,242 @@
+"""The data-plane interface: one small abstract class, two real implementations.
+
+A :class:`Transport` is a connected, bidirectional, tag-matched message channel
+to exactly one peer. Its model is UCX's tagged rendezvous, which the TCP
+transport reproduces:
+
+- The **receiver posts** preallocated buffers per tag (:meth:`Transport.post_recv`).
+  Messages on one tag fill that tag's posted buffers in FIFO order. A posted
+  buffer is the sender's *credit*: the sender of a message on a tag with no
+  free posted buffer waits (bounded by its timeout) — so a receiver never has
+  to allocate, buffer or drop anything, and nothing is ever written over a
+  buffer the application still holds.
+- The **sender sends** straight from the caller's memory (:meth:`Transport.send`
+  returns once the bytes are out of it). Sends on one tag are delivered in order.
+- :meth:`Transport.wait_recv` waits for the oldest posted buffer of a tag to be
+  filled and returns a :class:`Received` (actual shape for dynamic specs, step).
+
+Buffers are flat ``uint8`` torch tensors, contiguous, allocated once
+(:class:`tensorwire.buffers.Slot`). A transport with ``reaches_cuda = False``
+only ever gets host buffers (the Link stages CUDA data through pinned slots).
+
+Errors (all :class:`tensorwire.TensorWireError`):
+
+- :class:`~tensorwire.PeerLostError`: connection reset/closed by the peer, or
+  the peer unreachable for longer than the liveness timeout;
+- :class:`~tensorwire.TransferTimeout`: the operation's own timeout expired;
+- :class:`~tensorwire.ProtocolError`: the peer sent a malformed frame;
+- :class:`~tensorwire.ClosedError`: used after :meth:`Transport.close`.
+
+``close()`` is idempotent and always frees the connection; pending waits in
+other threads are woken with :class:`~tensorwire.ClosedError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import secrets
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "Transport",
+    "Listener",
+    "Received",
+    "TransportKind",
+    "NONCE_BYTES",
+    "new_nonce",
+    "register",
+    "get_factory",
+    "available_kinds",
+]
+
+TransportKind = Literal["tcp", "ucx", "memory"]
+NONCE_BYTES = 16
+#: Dims carried in a frame header for dynamic shapes (== spec.MAX_RANK).
+HEADER_DIMS = 8
+
+
+def new_nonce() -> bytes:
+    """A fresh random data-plane credential."""
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Received:
+    """What a completed receive reports.
+
+    Attributes:
+        nbytes: bytes written into the posted buffer.
+        shape: actual shape, when the sender sent one (dynamic specs), else None.
+        step: the sender's per-tag message counter, when the transport carries it.
+    """
+
+    nbytes: int
+    shape: tuple[int, ...] | None = None
+    step: int | None = None
+
+
+class Transport(abc.ABC):
+    """A connected, tag-matched, bidirectional channel to one peer."""
+
+    #: "tcp", "ucx" or "memory".
+    kind: ClassVar[str]
+    #: Whether buffers may live in CUDA memory.
+    reaches_cuda: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def post_recv(self, tag: int, buf: "torch.Tensor", *, header: bool = False) -> None:
+        """Post ``buf`` to receive the next unfilled message on ``tag``.
+
+        Args:
+            tag: the slot's tag (0 <= tag < 2**31).
+            buf: flat contiguous uint8 tensor; must stay alive and untouched
+                until :meth:`wait_recv` returns it.
+            header: the messages on this tag carry an actual shape (dynamic spec).
+
+        Raises:
+            ClosedError, PeerLostError.
+        """
+
+    @abc.abstractmethod
+    def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
+        """Wait for the oldest posted buffer on ``tag`` to be filled.
+
+        Raises:
+            TransferTimeout: nothing arrived within ``timeout`` seconds (the
+                posted buffer stays posted).
+            PeerLostError, ProtocolError, ClosedError.
+        """
+
+    @abc.abstractmethod
+    def send(
+        self,
+        tag: int,
+        buf: "torch.Tensor",
+        *,
+        step: int,
+        shape: tuple[int, ...] | None = None,
+        timeout: float | None,
+    ) -> None:
+        """Send ``buf`` (flat uint8) as the next message on ``tag``.
+
+        Returns once the bytes are out of ``buf`` (it may be reused). Waits for
+        the receiver's credit (a posted buffer) first.
+
+        Raises:
+            TransferTimeout: no credit or not all bytes out within ``timeout``;
+                if the timeout hit after the first byte went out, the transport
+                is broken (closed) because the stream can no longer be framed.
+            PeerLostError, ClosedError.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the connection. Idempotent; wakes other threads with ClosedError."""
+
+    def abort(self) -> None:
+        """Close without any goodbye; default: :meth:`close`."""
+        self.close()
+
+    @property
+    def closed(self) -> bool:  # pragma: no cover - overridden
+        return False
+
+    def describe(self) -> str:
+        """One line for logs: kind and endpoints."""
+        return self.kind
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Listener(abc.ABC):
+    """Accepts data-plane connections for any number of pending links.
+
+    A connecting peer presents a nonce it learned over the control plane; a
+    connection that presents anything else (or nothing, or garbage, in time)
+    is dropped and the listener keeps serving.
+    """
+
+    kind: ClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> tuple[str, int]:
+        """(host, port) the listener is bound to (the real port when bound to 0)."""
+
+    @abc.abstractmethod
+    def expect(self, nonce: bytes) -> None:
+        """Announce a connection that will present ``nonce``."""
+
+    @abc.abstractmethod
+    def accept(self, nonce: bytes, *, timeout: float | None) -> Transport:
+        """Wait for the connection that presents ``nonce``.
+
+        Raises:
+            ConnectTimeout, ClosedError.
+        """
+
+    def forget(self, nonce: bytes) -> None:
+        """Drop a pending expectation (and any connection already parked for it)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop accepting. Idempotent."""
+
+
+# -- registry of lazy creators ---------------------------------------------------
+# kind -> (listen(host, *, port, **opts) -> Listener, connect(host, port, nonce, *, timeout, **opts) -> Transport)
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "tcp": ("tensorwire.transport.tcp", "TcpListener"),
+    "ucx": ("tensorwire.transport.ucx", "UcxListener"),
+}
+
+
+def register(kind: str, module: str, listener_class: str) -> None:
+    """Register a transport kind by module and listener class name (imported lazily)."""
+    _REGISTRY[kind] = (module, listener_class)
+
+
+def get_factory(kind: str) -> Callable[..., Listener]:
+    """The listener class of a transport kind (its ``connect`` classmethod dials out).
+
+    Raises:
+        ConfigError: unknown kind.
+        ImportError: the kind's dependency is missing (caller decides whether to fall back).
+    """
+    import importlib
+
+    from ..errors import ConfigError
+
+    try:
+        module, cls = _REGISTRY[kind]
+    except KeyError:
+        raise ConfigError(f"unknown transport {kind!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return getattr(importlib.import_module(module), cls)
+
+
+def available_kinds() -> list[str]:
+    """Kinds whose dependency imports here (ucx needs ucxx)."""
+    out = []
+    for kind in _REGISTRY:
+        try:
+            get_factory(kind)
+        except ImportError:
+            continue
+        out.append(kind)
+    return out
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    return v.strip().lower() in ("1", "true", "yes", "on")

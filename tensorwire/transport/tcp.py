@@ -1,0 +1,737 @@
+"""TCP data plane: plain sockets, fixed-size frame headers, ``recv_into`` the slot.
+
+Wire format (little-endian, every frame starts with the same 88-byte header)::
+
+    magic  "TW"        2s   protocol marker; anything else breaks the connection
+    type   u8          1 = DATA, 2 = CREDIT, 3 = BYE
+    ndim   u8          dims in use for DATA with a shape (0..8), 255 = no shape
+    tag    u32         DATA: slot tag
+    step   u64         DATA: per-tag message counter (checked: +1 each time)
+    nbytes u64         DATA: payload bytes that follow
+    ctag   u32         credits granted for this tag ...
+    ccount u32         ... this many (any frame type may carry a grant)
+    dims   8 x i64     DATA: actual shape (dynamic specs)
+
+DATA is followed by exactly ``nbytes`` payload bytes, received with
+``recv_into`` directly into the posted slot buffer (no intermediate copy).
+
+Flow control reproduces UCX's rendezvous: the receiver grants one CREDIT per
+posted buffer, and a sender spends one credit per DATA frame. So every DATA
+frame that arrives has a free buffer waiting and the reader never blocks on
+the application — two peers can send large tensors at each other at once.
+Credits ride in the header of the next DATA frame going the other way; a
+separate CREDIT frame is sent only when a thread of this process is about to
+block (then every pending credit of every connection is flushed, so no cycle
+of links can wait on each other). A separate frame would wake the peer's
+process once more per message, which costs more than the syscall itself.
+
+Progress model ("caller progresses"): there is no background thread per
+connection. A thread waiting for a receive or a credit becomes the *reader*
+(one at a time) and pumps frames off the socket into posted buffers; a thread
+whose write would block also pumps reads when no one else does. This keeps the
+small-message path free of thread hand-offs (see bench/ for the figures).
+
+Connection set-up: the connecting side sends a hello (magic, protocol version,
+16-byte nonce learned over the control plane); the listener answers OK or
+drops the connection. Garbage, truncated or slow hellos are dropped without
+disturbing other connections.
+
+Liveness: TCP keepalive and ``TCP_USER_TIMEOUT`` bounded by ``peer_timeout``,
+so a cut network surfaces as :class:`~tensorwire.PeerLostError` rather than a hang.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import select
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Deque
+
+from ..errors import (
+    AuthError,
+    ClosedError,
+    ConnectTimeout,
+    PeerLostError,
+    ProtocolError,
+    TransferTimeout,
+    TensorWireError,
+    TransportError,
+    VersionMismatchError,
+)
+from .base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["TcpTransport", "TcpListener", "FRAME", "HELLO"]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+FRAME = struct.Struct("<2sBBIQQII8q")
+assert FRAME.size == 96
+HELLO = struct.Struct(f"<8sI{NONCE_BYTES}s")
+HELLO_MAGIC = b"TWHELLO\0"
+HELLO_OK = b"TWOK"
+DATA, CREDIT, BYE = 1, 2, 3
+NO_SHAPE = 255
+_MAGIC = b"TW"
+_ZERO_DIMS = (0,) * HEADER_DIMS
+_PEER_GONE = (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+_POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return deadline - time.monotonic()
+
+
+def _poll_ms(deadline: float | None, cap: float = 0.5) -> int:
+    """Milliseconds to poll: bounded so closed/broken state is noticed promptly."""
+    if deadline is None:
+        return int(cap * 1000)
+    return max(0, min(int((deadline - time.monotonic()) * 1000) + 1, int(cap * 1000)))
+
+
+def tune_socket(sock: socket.socket, *, peer_timeout: float) -> None:
+    """TCP_NODELAY, keepalive and TCP_USER_TIMEOUT so a dead peer is detected in ~peer_timeout."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(peer_timeout / 3))
+    for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 2)), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(peer_timeout * 1000))
+
+
+class _Posted:
+    __slots__ = ("view", "header", "result")
+
+    def __init__(self, view: memoryview, header: bool) -> None:
+        self.view = view
+        self.header = header
+        self.result: Received | None = None
+
+
+# Transports holding credits not yet sent. Before any thread blocks, every one
+# of them is flushed: a peer may be blocked on a credit we still hold, on this
+# link or on another one that closes a cycle.
+_PENDING: "weakref.WeakSet[TcpTransport]" = weakref.WeakSet()
+_PENDING_LOCK = threading.Lock()
+
+
+def flush_pending_credits(exclude: "TcpTransport | None" = None) -> None:
+    """Send every credit this process still holds back (called before blocking)."""
+    with _PENDING_LOCK:
+        if not _PENDING:
+            return
+        todo = [t for t in _PENDING if t is not exclude]
+    for t in todo:
+        t._flush_credits()
+
+
+def _host_view(buf: Any) -> memoryview:
+    if isinstance(buf, memoryview):
+        return buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+    if buf.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview(buf.detach().numpy()).cast("B")
+
+
+class TcpTransport(Transport):
+    """A framed, credit-flow-controlled TCP connection to one peer. See the module docstring."""
+
+    kind = "tcp"
+    reaches_cuda = False
+    #: How long one blocking read waits before re-checking deadlines and state.
+    READ_SLICE = 0.2
+
+    def __init__(self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0) -> None:
+        sock.setblocking(True)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(self.READ_SLICE * 1e6)))
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._peer = peer
+        self._peer_timeout = peer_timeout
+        self._cond = threading.Condition(threading.Lock())
+        self._posted: dict[int, Deque[_Posted]] = collections.defaultdict(collections.deque)
+        self._credits: dict[int, int] = collections.defaultdict(int)
+        self._recv_steps: dict[int, int] = collections.defaultdict(int)
+        self._send_steps: dict[int, int] = collections.defaultdict(int)
+        self._pending_credits: collections.Counter[int] = collections.Counter()
+        self._reader_busy = False
+        self._send_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+        # reader state (touched only by the thread holding the reader role)
+        self._hdr = bytearray(FRAME.size)
+        self._hdr_view = memoryview(self._hdr)
+        self._rphase = 0  # 0: header, 1: payload
+        self._roff = 0
+        self._rtarget: memoryview | None = None
+        self._rpost: _Posted | None = None
+        self._rmeta: tuple[int, int, int, tuple[int, ...] | None] | None = None
+        self._poll_w = select.poll()
+        self._poll_w.register(self._fd, select.POLLOUT)
+        self._poll_rw = select.poll()
+        self._poll_rw.register(self._fd, select.POLLIN | select.POLLOUT)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # -- public API ------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def describe(self) -> str:
+        return f"tcp to {self._peer}"
+
+    def post_recv(self, tag: int, buf: Any, *, header: bool = False) -> None:
+        view = _host_view(buf)
+        with self._cond:
+            self._check_usable()
+            self._posted[tag].append(_Posted(view, header))
+            # The credit rides on our next DATA frame, or is flushed before any
+            # thread of this process blocks (see flush_pending_credits).
+            self._pending_credits[tag] += 1
+        with _PENDING_LOCK:
+            _PENDING.add(self)
+
+    def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def ready() -> bool:
+            q = self._posted.get(tag)
+            return bool(q) and q[0].result is not None
+
+        self._wait_for(ready, deadline, what=f"receive on tag {tag}")
+        with self._cond:
+            return self._posted[tag].popleft().result  # type: ignore[return-value]
+
+    def send(
+        self,
+        tag: int,
+        buf: Any,
+        *,
+        step: int | None = None,
+        shape: tuple[int, ...] | None = None,
+        timeout: float | None,
+    ) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        payload = _host_view(buf)
+        if shape is None:
+            ndim, dims = NO_SHAPE, _ZERO_DIMS
+        else:
+            if len(shape) > HEADER_DIMS:
+                raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+            ndim, dims = len(shape), tuple(shape) + (0,) * (HEADER_DIMS - len(shape))
+        while True:
+            self._wait_for(lambda: self._credits[tag] > 0, deadline, what=f"credit to send on tag {tag}")
+            if not self._send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+                raise TransferTimeout(f"send on tag {tag}: another send held the connection past the timeout")
+            with self._cond:
+                if self._credits[tag] > 0 or self._error is not None:
+                    break
+            self._send_lock.release()  # another sender took the credit first: wait again
+        try:
+            with self._cond:
+                self._check_usable()
+                self._credits[tag] -= 1
+                s = self._send_steps[tag] = self._send_steps[tag] + 1
+                grants = self._take_credits()
+            ctag, cn = grants.pop() if grants else (0, 0)
+            header = FRAME.pack(_MAGIC, DATA, ndim, tag, s if step is None else step, len(payload), ctag, cn, *dims)
+            views = [memoryview(header), payload] if len(payload) else [memoryview(header)]
+            if grants:
+                views.insert(0, memoryview(self._credit_frames(grants)))
+            self._write(views, deadline)
+            self.bytes_sent += len(payload)
+        finally:
+            self._send_lock.release()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            if self._error is None:
+                self._error = ClosedError("transport closed")
+            self._cond.notify_all()
+        # Best-effort goodbye so the peer reports a clean close, then free the fd.
+        if self._send_lock.acquire(timeout=0.2):
+            try:
+                self._sock.send(FRAME.pack(_MAGIC, BYE, NO_SHAPE, 0, 0, 0, 0, 0, *_ZERO_DIMS), socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+            finally:
+                self._send_lock.release()
+        self._shutdown()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._closed = True
+            if self._error is None:
+                self._error = ClosedError("transport aborted")
+            self._cond.notify_all()
+        self._shutdown()
+
+    # -- internals -------------------------------------------------------------
+    def _shutdown(self) -> None:
+        with _PENDING_LOCK:
+            _PENDING.discard(self)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _check_usable(self) -> None:
+        err = self._error
+        if err is not None:
+            if isinstance(err, (TransportError, ClosedError, ProtocolError, AuthError)):
+                raise type(err)(str(err)) from err
+            raise PeerLostError(str(err)) from err
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record a fatal error (first one wins) and wake everyone."""
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def _translate(self, exc: OSError, doing: str) -> TransportError:
+        if isinstance(exc, (ConnectionError, TimeoutError)) or exc.errno in _PEER_GONE:
+            return PeerLostError(f"{doing}: peer {self._peer} lost ({exc})")
+        return TransportError(f"{doing}: {exc}")
+
+    def _take_credits(self) -> list[tuple[int, int]]:
+        """Under the lock: take all pending credits as (tag, count)."""
+        if not self._pending_credits:
+            return []
+        grants = list(self._pending_credits.items())
+        self._pending_credits.clear()
+        return grants
+
+    @staticmethod
+    def _credit_frames(grants: list[tuple[int, int]]) -> bytes:
+        return b"".join(FRAME.pack(_MAGIC, CREDIT, NO_SHAPE, 0, 0, 0, t, c, *_ZERO_DIMS) for t, c in grants)
+
+    def _flush_credits(self) -> None:
+        """Send pending credits now, unless a send is in progress (it carries them)."""
+        if not self._send_lock.acquire(blocking=False):
+            return
+        try:
+            with self._cond:
+                if self._error is not None:
+                    grants = []
+                else:
+                    grants = self._take_credits()
+            if grants:
+                self._write([memoryview(self._credit_frames(grants))], time.monotonic() + self._peer_timeout)
+        except TransferTimeout as exc:
+            self._fail(PeerLostError(f"could not grant credits to {self._peer}: {exc}"))
+        except TensorWireError:
+            pass  # recorded by _write; waiters will see it
+        finally:
+            self._send_lock.release()
+            with self._cond:
+                still = bool(self._pending_credits)
+            if not still:
+                with _PENDING_LOCK:
+                    _PENDING.discard(self)
+
+    def _wait_for(self, pred: Any, deadline: float | None, *, what: str) -> None:
+        """Wait until ``pred()`` (evaluated under the lock) holds, reading the socket when no one else is."""
+        with self._cond:
+            while True:
+                if pred():
+                    return
+                self._check_usable()
+                rem = _remaining(deadline)
+                if rem is not None and rem <= 0:
+                    raise TransferTimeout(f"{what} timed out (peer {self._peer})")
+                if not self._reader_busy:
+                    self._reader_busy = True
+                    self._cond.release()
+                    try:
+                        self._pump(pred, deadline)
+                    finally:
+                        self._cond.acquire()
+                        self._reader_busy = False
+                        self._cond.notify_all()
+                else:
+                    self._cond.release()
+                    try:
+                        flush_pending_credits()
+                    finally:
+                        self._cond.acquire()
+                    if not pred():
+                        self._cond.wait(self.READ_SLICE if rem is None else min(rem, self.READ_SLICE))
+
+    def _pump(self, pred: Any, deadline: float | None) -> None:
+        """Reader role: read frames until pred() holds, the deadline passes, or an error."""
+        block = False
+        while True:
+            try:
+                progressed = self._read_some(block=block)
+            except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by waiters
+                self._fail(exc)
+                return
+            if progressed:
+                with self._cond:
+                    self._cond.notify_all()
+                    if pred() or self._error is not None:
+                        return
+                block = False
+                continue
+            if self._error is not None:
+                return
+            rem = _remaining(deadline)
+            if rem is not None and rem <= 0:
+                return
+            if not block:
+                # About to block: first hand back every credit this process holds.
+                flush_pending_credits()
+                with self._cond:
+                    if pred() or self._error is not None:
+                        return
+                block = True
+
+    def _recv(self, view: memoryview, n: int, block: bool) -> int:
+        try:
+            if block:
+                return self._sock.recv_into(view, n, socket.MSG_WAITALL if n > 65536 else 0)
+            return self._sock.recv_into(view, n, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return -1
+        except OSError as exc:
+            if self._closed:
+                raise ClosedError("transport closed") from exc
+            raise self._translate(exc, "receive") from exc
+
+    def _read_some(self, *, block: bool) -> bool:
+        """Advance the frame reader. True if a whole frame completed; False if no data (yet)."""
+        while True:
+            if self._rphase == 0:
+                n = self._recv(self._hdr_view[self._roff :], FRAME.size - self._roff, block)
+                if n < 0:
+                    return False
+                if n == 0:
+                    raise ClosedError("transport closed") if self._closed else PeerLostError(
+                        f"peer {self._peer} closed the connection")
+                self._roff += n
+                if self._roff < FRAME.size:
+                    continue
+                self._roff = 0
+                if self._on_header():
+                    return True
+            else:
+                target = self._rtarget
+                assert target is not None
+                n = self._recv(target[self._roff :], len(target) - self._roff, block)
+                if n < 0:
+                    return False
+                if n == 0:
+                    raise PeerLostError(f"peer {self._peer} closed the connection mid-message")
+                self._roff += n
+                self.bytes_received += n
+                if self._roff == len(target):
+                    self._complete_data()
+                    return True
+            block = True  # a frame has started: wait for the rest of it
+
+    def _on_header(self) -> bool:
+        """Parse a header. True if the frame is complete (no payload)."""
+        magic, ftype, ndim, tag, step, nbytes, ctag, ccount, *dims = FRAME.unpack(self._hdr)
+        if magic != _MAGIC:
+            raise ProtocolError(f"bad frame magic {bytes(magic)!r} from {self._peer}")
+        if ccount:
+            with self._cond:
+                self._credits[ctag] += ccount
+        if ftype == CREDIT:
+            return True
+        if ftype == BYE:
+            raise PeerLostError(f"peer {self._peer} closed the link")
+        if ftype != DATA:
+            raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
+        with self._cond:
+            q = self._posted.get(tag)
+            post = next((p for p in q if p.result is None), None) if q else None
+        if post is None:
+            raise ProtocolError(f"peer {self._peer} sent on tag {tag} without a credit")
+        if nbytes > len(post.view):
+            raise ProtocolError(f"peer {self._peer} sent {nbytes} bytes on tag {tag}; the slot holds {len(post.view)}")
+        expected = self._recv_steps[tag] + 1
+        if step != expected:
+            raise ProtocolError(f"tag {tag}: step {step} arrived, expected {expected} (lost or reordered message)")
+        self._recv_steps[tag] = step
+        if ndim == NO_SHAPE:
+            shape = None
+        elif ndim <= HEADER_DIMS:
+            shape = tuple(dims[:ndim])
+        else:
+            raise ProtocolError(f"bad ndim {ndim} from {self._peer}")
+        self._rpost = post
+        self._rmeta = (tag, step, nbytes, shape)
+        if nbytes == 0:
+            self._complete_data()
+            return True
+        self._rtarget = post.view[:nbytes]
+        self._rphase = 1
+        return False
+
+    def _complete_data(self) -> None:
+        post, meta = self._rpost, self._rmeta
+        assert post is not None and meta is not None
+        _, step, nbytes, shape = meta
+        with self._cond:
+            post.result = Received(nbytes, shape, step)
+        self._rphase = 0
+        self._roff = 0
+        self._rtarget = None
+        self._rpost = None
+        self._rmeta = None
+
+    def _write(self, views: list[memoryview], deadline: float | None) -> None:
+        """Write all views (gather, non-blocking), pumping reads while the socket is full."""
+        sock = self._sock
+        total = sum(len(v) for v in views)
+        sent_any = False
+        flushed = False
+        while views:
+            try:
+                n = sock.sendmsg(views, (), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:
+                err = ClosedError("transport closed") if self._closed else self._translate(exc, "send")
+                self._fail(err)
+                raise err from exc
+            if n:
+                sent_any = True
+                total -= n
+                while n:
+                    if n >= len(views[0]):
+                        n -= len(views[0])
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][n:]
+                        n = 0
+                continue
+            rem = _remaining(deadline)
+            if rem is not None and rem <= 0:
+                err = TransferTimeout(f"send to {self._peer} timed out with {total} bytes left")
+                if sent_any:
+                    # A half-written frame cannot be resumed by anyone else: the stream is broken.
+                    self._fail(PeerLostError(f"send to {self._peer} stalled mid-frame past its timeout"))
+                raise err
+            with self._cond:
+                self._check_usable()
+                can_read = not self._reader_busy
+                if can_read:
+                    self._reader_busy = True
+            if not flushed:
+                # About to block: other links' credits must not wait on us. (Our
+                # own cannot be written mid-frame; the peer reads while it waits.)
+                flushed = True
+                flush_pending_credits(exclude=self)
+            if can_read:
+                try:
+                    events = self._poll_rw.poll(_poll_ms(deadline))
+                    if any(ev & select.POLLIN for _, ev in events):
+                        try:
+                            while self._read_some(block=False):
+                                pass
+                        except BaseException as exc:  # noqa: BLE001
+                            self._fail(exc)
+                finally:
+                    with self._cond:
+                        self._reader_busy = False
+                        self._cond.notify_all()
+            else:
+                self._poll_w.poll(_poll_ms(deadline))
+
+
+# -- connection set-up -----------------------------------------------------------
+
+
+class TcpListener(Listener):
+    """Accepts framed TCP data connections; routes each to the link whose nonce it presents."""
+
+    kind = "tcp"
+    HELLO_TIMEOUT = 5.0
+    MAX_HANDSHAKES = 64
+
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0, backlog: int = 128) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(backlog)
+        self._sock.settimeout(0.2)
+        self._host = host
+        self._port = self._sock.getsockname()[1]
+        self._peer_timeout = peer_timeout
+        self._cond = threading.Condition()
+        self._expected: set[bytes] = set()
+        self._parked: dict[bytes, TcpTransport] = {}
+        self._closed = False
+        self._handshakes = threading.BoundedSemaphore(self.MAX_HANDSHAKES)
+        self.rejected = 0
+        self._thread = threading.Thread(target=self._accept_loop, name=f"tensorwire-tcp-accept:{self._port}", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self._host, self._port)
+
+    def expect(self, nonce: bytes) -> None:
+        with self._cond:
+            self._expected.add(bytes(nonce))
+
+    def forget(self, nonce: bytes) -> None:
+        with self._cond:
+            self._expected.discard(nonce)
+            t = self._parked.pop(nonce, None)
+        if t is not None:
+            t.abort()
+
+    def accept(self, nonce: bytes, *, timeout: float | None) -> TcpTransport:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while nonce not in self._parked:
+                if self._closed:
+                    raise ClosedError("listener closed")
+                rem = _remaining(deadline)
+                if rem is not None and rem <= 0:
+                    raise ConnectTimeout(f"no data connection arrived on {self._host}:{self._port} within {timeout}s")
+                self._cond.wait(0.5 if rem is None else min(rem, 0.5))
+            self._expected.discard(nonce)
+            return self._parked.pop(nonce)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            parked = list(self._parked.values())
+            self._parked.clear()
+            self._cond.notify_all()
+        for t in parked:
+            t.abort()
+        self._thread.join(timeout=2)
+        self._sock.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)
+                continue
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("tcp data listener: too many pending handshakes; dropping %s", addr)
+                conn.close()
+                continue
+            threading.Thread(target=self._handshake, args=(conn, addr), daemon=True, name="tensorwire-tcp-hello").start()
+
+    def _handshake(self, conn: socket.socket, addr: Any) -> None:
+        try:
+            conn.settimeout(self.HELLO_TIMEOUT)
+            buf = bytearray(HELLO.size)
+            view = memoryview(buf)
+            got = 0
+            while got < HELLO.size:
+                n = conn.recv_into(view[got:], HELLO.size - got)
+                if n == 0:
+                    raise ProtocolError("connection closed during hello")
+                got += n
+            magic, version, nonce = HELLO.unpack(buf)
+            if magic != HELLO_MAGIC:
+                raise ProtocolError(f"bad hello magic {bytes(magic)[:8]!r}")
+            if version != PROTOCOL_VERSION:
+                raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
+            with self._cond:
+                ok = nonce in self._expected and nonce not in self._parked and not self._closed
+            if not ok:
+                raise AuthError("unknown data-plane credential")
+            conn.sendall(HELLO_OK + struct.pack("<I", PROTOCOL_VERSION))
+            tune_socket(conn, peer_timeout=self._peer_timeout)
+            transport = TcpTransport(conn, peer=f"{addr[0]}:{addr[1]}", peer_timeout=self._peer_timeout)
+            with self._cond:
+                if self._closed or nonce not in self._expected:
+                    transport.abort()
+                    return
+                self._parked[nonce] = transport
+                self._cond.notify_all()
+        except (OSError, ProtocolError, AuthError) as exc:
+            self.rejected += 1
+            log.warning("tcp data listener: dropped connection from %s: %s", addr, exc)
+            try:
+                conn.close()
+            except OSError:
+                pass
+        finally:
+            self._handshakes.release()
+
+    @classmethod
+    def connect(
+        cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0
+    ) -> TcpTransport:
+        """Dial a listener and present ``nonce``.
+
+        Raises:
+            ConnectTimeout: no connection/answer within ``timeout``.
+            AuthError: the listener refused the credential.
+            PeerLostError: the connection was refused or reset.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=_remaining(deadline))
+                break
+            except ConnectionRefusedError as exc:
+                rem = _remaining(deadline)
+                if rem is not None and rem <= delay:
+                    raise ConnectTimeout(f"connection to {host}:{port} refused until the timeout") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except (socket.timeout, TimeoutError) as exc:
+                raise ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
+            except OSError as exc:
+                raise PeerLostError(f"cannot connect to {host}:{port}: {exc}") from exc
+        try:
+            sock.settimeout(_remaining(deadline))
+            sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, nonce))
+            reply = b""
+            while len(reply) < 8:
+                chunk = sock.recv(8 - len(reply))
+                if not chunk:
+                    raise AuthError(f"data listener {host}:{port} refused the connection (bad credential or version)")
+                reply += chunk
+            if reply[:4] != HELLO_OK:
+                raise ProtocolError(f"unexpected hello reply {reply!r} from {host}:{port}")
+            tune_socket(sock, peer_timeout=peer_timeout)
+        except (socket.timeout, TimeoutError) as exc:
+            sock.close()
+            raise ConnectTimeout(f"hello to {host}:{port} timed out") from exc
+        except ConnectionError as exc:
+            sock.close()
+            raise AuthError(f"data listener {host}:{port} dropped the connection: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return TcpTransport(sock, peer=f"{host}:{port}", peer_timeout=peer_timeout)

@@ -1,0 +1,82 @@
+"""Run real multi-process tensorwire jobs from tests: spawn context, port 0, bounded, no leaks.
+
+The test process hosts the bootstrap TCPStore on port 0 and passes the real
+port to the workers. Each worker's return value (or its exception, as type
+name + message + traceback text) comes back on a queue; a worker that does
+not finish in time is killed and the test fails with what is known.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+CTX = mp.get_context("spawn")
+
+
+class WorkerError(AssertionError):
+    def __init__(self, rank: int, etype: str, message: str, tb: str) -> None:
+        super().__init__(f"rank {rank} raised {etype}: {message}\n{tb}")
+        self.rank, self.etype, self.message = rank, etype, message
+
+
+def make_store():
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60), wait_for_workers=False)
+
+
+def _entry(target: Callable[..., Any], rank: int, world: int, port: int, q: Any, kwargs: dict) -> None:
+    os.environ.setdefault("TENSORWIRE_LOG_LEVEL", "WARNING")
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=60))
+        result = target(rank=rank, world=world, store=store, **kwargs)
+        q.put((rank, "ok", result, ""))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        q.put((rank, type(exc).__name__, str(exc), traceback.format_exc()))
+
+
+def run_ranks(target: Callable[..., Any], world: int = 2, *, timeout: float = 120, expect_fail: bool = False,
+              per_rank: dict[int, dict] | None = None, **kwargs: Any) -> dict[int, Any]:
+    """Run ``target(rank=, world=, store=, **kwargs)`` in ``world`` processes; return {rank: result}.
+
+    With ``expect_fail`` exceptions are returned as ``("error", etype, message)`` instead of raised.
+    """
+    store = make_store()
+    q = CTX.Queue()
+    procs = []
+    try:
+        for r in range(world):
+            kw = dict(kwargs, **(per_rank or {}).get(r, {}))
+            p = CTX.Process(target=_entry, args=(target, r, world, store.port, q, kw), daemon=True)
+            p.start()
+            procs.append(p)
+        results: dict[int, Any] = {}
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(results) < world:
+            try:
+                rank, status, value, tb = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s")
+            if status == "ok":
+                results[rank] = value
+            elif expect_fail:
+                results[rank] = ("error", status, value)
+            else:
+                raise WorkerError(rank, status, value, tb)
+        return results
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
