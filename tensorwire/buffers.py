@@ -83,6 +83,9 @@ class Slot:
             self.pinned = False
         else:
             self.raw = allocate_host(nbytes)
+            # Fault every page in now, so the first transfer into this slot does
+            # not pay for (or show up as) memory growth on the hot path.
+            self.raw.zero_()
             self.pinned = bool(self.raw.is_pinned()) if nbytes else False
         self.tensor = _typed_view(self.raw, spec.torch_dtype, spec.shape)
         self._np = None

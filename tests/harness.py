@@ -62,11 +62,22 @@ def run_ranks(target: Callable[..., Any], world: int = 2, *, timeout: float = 12
         import time
 
         deadline = time.monotonic() + timeout
+        dead_since: dict[int, float] = {}
         while len(results) < world:
             try:
-                rank, status, value, tb = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, status, value, tb = q.get(timeout=0.5)
             except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s")
+                now = time.monotonic()
+                for r, p in enumerate(procs):
+                    if r not in results and p.exitcode is not None:
+                        # give its last queue message a moment to arrive before calling it dead
+                        if now - dead_since.setdefault(r, now) > 2.0:
+                            if not expect_fail:
+                                raise AssertionError(f"rank {r} died with exit code {p.exitcode}")
+                            results[r] = ("died", p.exitcode, "")
+                if now > deadline:
+                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s")
+                continue
             if status == "ok":
                 results[rank] = value
             elif expect_fail:
