@@ -50,7 +50,6 @@ import socket
 import struct
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any, Deque
 
 from ..errors import (
@@ -124,26 +123,30 @@ class _Posted:
 # Transports holding credits not yet sent. Before any thread blocks, every one
 # of them is flushed: a peer may be blocked on a credit we still hold, on this
 # link or on another one that closes a cycle.
-_PENDING: "weakref.WeakSet[TcpTransport]" = weakref.WeakSet()
+_PENDING: "set[TcpTransport]" = set()
 _PENDING_LOCK = threading.Lock()
 
 
 def flush_pending_credits(exclude: "TcpTransport | None" = None) -> None:
     """Send every credit this process still holds back (called before blocking)."""
+    if not _PENDING:  # fast path, no lock: a stale answer only delays by one read slice
+        return
     with _PENDING_LOCK:
-        if not _PENDING:
-            return
         todo = [t for t in _PENDING if t is not exclude]
     for t in todo:
         t._flush_credits()
 
 
 def _host_view(buf: Any) -> memoryview:
+    """Flat byte view of a host buffer (flat uint8 tensor or memoryview), zero-copy."""
     if isinstance(buf, memoryview):
         return buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
     if buf.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(buf.detach().numpy()).cast("B")
+    if buf.requires_grad:
+        buf = buf.detach()
+    mv = memoryview(buf.numpy())
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
 class TcpTransport(Transport):
@@ -153,21 +156,27 @@ class TcpTransport(Transport):
     reaches_cuda = False
     #: How long one blocking read waits before re-checking deadlines and state.
     READ_SLICE = 0.2
+    #: How long one blocking write waits before reading what the peer sent meanwhile.
+    SEND_SLICE = 0.02
 
     def __init__(self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0) -> None:
         sock.setblocking(True)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(self.READ_SLICE * 1e6)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, int(self.SEND_SLICE * 1e6)))
         self._sock = sock
         self._fd = sock.fileno()
         self._peer = peer
         self._peer_timeout = peer_timeout
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # guards the state below; plain lock for short updates
+        self._cond = threading.Condition(self._lock)  # same lock, for waiting
+        self._views: dict[int, tuple[Any, memoryview]] = {}
         self._posted: dict[int, Deque[_Posted]] = collections.defaultdict(collections.deque)
         self._credits: dict[int, int] = collections.defaultdict(int)
         self._recv_steps: dict[int, int] = collections.defaultdict(int)
         self._send_steps: dict[int, int] = collections.defaultdict(int)
         self._pending_credits: collections.Counter[int] = collections.Counter()
         self._reader_busy = False
+        self._waiters = 0  # threads in cond.wait: notify only when someone listens
         self._send_lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
@@ -195,25 +204,32 @@ class TcpTransport(Transport):
         return f"tcp to {self._peer}"
 
     def post_recv(self, tag: int, buf: Any, *, header: bool = False) -> None:
-        view = _host_view(buf)
-        with self._cond:
+        # Posted buffers are long-lived slots: cache their views (the cache holds the object, so its id stays unique).
+        cached = self._views.get(id(buf))
+        if cached is None or cached[0] is not buf:
+            cached = (buf, _host_view(buf))
+            self._views[id(buf)] = cached
+        with self._lock:
             self._check_usable()
-            self._posted[tag].append(_Posted(view, header))
+            self._posted[tag].append(_Posted(cached[1], header))
             # The credit rides on our next DATA frame, or is flushed before any
             # thread of this process blocks (see flush_pending_credits).
             self._pending_credits[tag] += 1
-        with _PENDING_LOCK:
-            _PENDING.add(self)
+        if self not in _PENDING:
+            with _PENDING_LOCK:
+                _PENDING.add(self)
 
     def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        q = self._posted.get(tag)
+        if not (q and q[0].result is not None):  # not there yet: wait (fast path skips this)
+            deadline = None if timeout is None else time.monotonic() + timeout
 
-        def ready() -> bool:
-            q = self._posted.get(tag)
-            return bool(q) and q[0].result is not None
+            def ready() -> bool:
+                q = self._posted.get(tag)
+                return bool(q) and q[0].result is not None
 
-        self._wait_for(ready, deadline, what=f"receive on tag {tag}")
-        with self._cond:
+            self._wait_for(ready, deadline, what=f"receive on tag {tag}")
+        with self._lock:
             return self._posted[tag].popleft().result  # type: ignore[return-value]
 
     def send(
@@ -226,27 +242,39 @@ class TcpTransport(Transport):
         timeout: float | None,
     ) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        payload = _host_view(buf)
+        payload = buf if type(buf) is memoryview else _host_view(buf)
         if shape is None:
             ndim, dims = NO_SHAPE, _ZERO_DIMS
         else:
             if len(shape) > HEADER_DIMS:
                 raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
             ndim, dims = len(shape), tuple(shape) + (0,) * (HEADER_DIMS - len(shape))
-        while True:
+        # Fast path: a credit is there and nobody else is sending.
+        have = self._credits[tag] > 0 and self._send_lock.acquire(False)
+        if have:
+            with self._lock:
+                if not (self._credits[tag] > 0 or self._error is not None):
+                    have = False
+            if not have:
+                self._send_lock.release()
+        while not have:
             self._wait_for(lambda: self._credits[tag] > 0, deadline, what=f"credit to send on tag {tag}")
             if not self._send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
                 raise TransferTimeout(f"send on tag {tag}: another send held the connection past the timeout")
-            with self._cond:
+            with self._lock:
                 if self._credits[tag] > 0 or self._error is not None:
                     break
             self._send_lock.release()  # another sender took the credit first: wait again
         try:
-            with self._cond:
+            with self._lock:
                 self._check_usable()
                 self._credits[tag] -= 1
                 s = self._send_steps[tag] = self._send_steps[tag] + 1
                 grants = self._take_credits()
+            if grants and self in _PENDING:
+                with _PENDING_LOCK:
+                    if not self._pending_credits:
+                        _PENDING.discard(self)
             ctag, cn = grants.pop() if grants else (0, 0)
             header = FRAME.pack(_MAGIC, DATA, ndim, tag, s if step is None else step, len(payload), ctag, cn, *dims)
             views = [memoryview(header), payload] if len(payload) else [memoryview(header)]
@@ -366,7 +394,8 @@ class TcpTransport(Transport):
                     finally:
                         self._cond.acquire()
                         self._reader_busy = False
-                        self._cond.notify_all()
+                        if self._waiters:
+                            self._cond.notify_all()
                 else:
                     self._cond.release()
                     try:
@@ -374,11 +403,15 @@ class TcpTransport(Transport):
                     finally:
                         self._cond.acquire()
                     if not pred():
-                        self._cond.wait(self.READ_SLICE if rem is None else min(rem, self.READ_SLICE))
+                        self._waiters += 1
+                        try:
+                            self._cond.wait(self.READ_SLICE if rem is None else min(rem, self.READ_SLICE))
+                        finally:
+                            self._waiters -= 1
 
     def _pump(self, pred: Any, deadline: float | None) -> None:
         """Reader role: read frames until pred() holds, the deadline passes, or an error."""
-        block = False
+        block = not _PENDING  # with credits to hand back, look before blocking
         while True:
             try:
                 progressed = self._read_some(block=block)
@@ -386,11 +419,12 @@ class TcpTransport(Transport):
                 self._fail(exc)
                 return
             if progressed:
-                with self._cond:
-                    self._cond.notify_all()
+                with self._lock:
+                    if self._waiters:
+                        self._cond.notify_all()
                     if pred() or self._error is not None:
                         return
-                block = False
+                block = not _PENDING
                 continue
             if self._error is not None:
                 return
@@ -454,7 +488,7 @@ class TcpTransport(Transport):
         if magic != _MAGIC:
             raise ProtocolError(f"bad frame magic {bytes(magic)!r} from {self._peer}")
         if ccount:
-            with self._cond:
+            with self._lock:
                 self._credits[ctag] += ccount
         if ftype == CREDIT:
             return True
@@ -462,7 +496,7 @@ class TcpTransport(Transport):
             raise PeerLostError(f"peer {self._peer} closed the link")
         if ftype != DATA:
             raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
-        with self._cond:
+        with self._lock:
             q = self._posted.get(tag)
             post = next((p for p in q if p.result is None), None) if q else None
         if post is None:
@@ -492,7 +526,7 @@ class TcpTransport(Transport):
         post, meta = self._rpost, self._rmeta
         assert post is not None and meta is not None
         _, step, nbytes, shape = meta
-        with self._cond:
+        with self._lock:
             post.result = Received(nbytes, shape, step)
         self._rphase = 0
         self._roff = 0
@@ -501,14 +535,23 @@ class TcpTransport(Transport):
         self._rmeta = None
 
     def _write(self, views: list[memoryview], deadline: float | None) -> None:
-        """Write all views (gather, non-blocking), pumping reads while the socket is full."""
+        """Write all views (gather) without ever blocking the peer's progress.
+
+        First a non-blocking attempt (small frames finish here). If the socket is
+        full, block in the kernel for at most one send slice at a time (cheap
+        for one-way streams), and between slices read whatever the peer sent us
+        when no other thread is reading, so two peers writing large frames at
+        each other cannot deadlock. Once the peer is seen writing too, switch to
+        poll()-driven interleaving of reads and writes for the rest of the frame.
+        """
         sock = self._sock
-        total = sum(len(v) for v in views)
         sent_any = False
         flushed = False
+        flags = socket.MSG_DONTWAIT
+        interleave = False
         while views:
             try:
-                n = sock.sendmsg(views, (), socket.MSG_DONTWAIT)
+                n = sock.sendmsg(views, (), flags)
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as exc:
@@ -517,7 +560,6 @@ class TcpTransport(Transport):
                 raise err from exc
             if n:
                 sent_any = True
-                total -= n
                 while n:
                     if n >= len(views[0]):
                         n -= len(views[0])
@@ -525,28 +567,33 @@ class TcpTransport(Transport):
                     else:
                         views[0] = views[0][n:]
                         n = 0
-                continue
+                if not views:
+                    return
+                if interleave:
+                    continue
             rem = _remaining(deadline)
             if rem is not None and rem <= 0:
+                total = sum(len(v) for v in views)
                 err = TransferTimeout(f"send to {self._peer} timed out with {total} bytes left")
                 if sent_any:
                     # A half-written frame cannot be resumed by anyone else: the stream is broken.
                     self._fail(PeerLostError(f"send to {self._peer} stalled mid-frame past its timeout"))
                 raise err
-            with self._cond:
-                self._check_usable()
-                can_read = not self._reader_busy
-                if can_read:
-                    self._reader_busy = True
             if not flushed:
                 # About to block: other links' credits must not wait on us. (Our
                 # own cannot be written mid-frame; the peer reads while it waits.)
                 flushed = True
                 flush_pending_credits(exclude=self)
+            with self._lock:
+                self._check_usable()
+                can_read = not self._reader_busy
+                if can_read:
+                    self._reader_busy = True
             if can_read:
                 try:
-                    events = self._poll_rw.poll(_poll_ms(deadline))
+                    events = self._poll_rw.poll(_poll_ms(deadline) if interleave else 0)
                     if any(ev & select.POLLIN for _, ev in events):
+                        interleave = True  # the peer is writing to us as well
                         try:
                             while self._read_some(block=False):
                                 pass
@@ -555,9 +602,11 @@ class TcpTransport(Transport):
                 finally:
                     with self._cond:
                         self._reader_busy = False
-                        self._cond.notify_all()
-            else:
+                        if self._waiters:
+                            self._cond.notify_all()
+            elif interleave:
                 self._poll_w.poll(_poll_ms(deadline))
+            flags = socket.MSG_DONTWAIT if interleave else 0  # 0: block up to SEND_SLICE (SO_SNDTIMEO)
 
 
 # -- connection set-up -----------------------------------------------------------
