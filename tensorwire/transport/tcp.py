@@ -158,6 +158,8 @@ class TcpTransport(Transport):
     READ_SLICE = 0.2
     #: How long one blocking write waits before reading what the peer sent meanwhile.
     SEND_SLICE = 0.02
+    #: Posted-buffer views kept for reuse (a Link re-posts the same slots every step).
+    VIEW_CACHE = 256
 
     def __init__(self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0) -> None:
         sock.setblocking(True)
@@ -207,6 +209,8 @@ class TcpTransport(Transport):
         # Posted buffers are long-lived slots: cache their views (the cache holds the object, so its id stays unique).
         cached = self._views.get(id(buf))
         if cached is None or cached[0] is not buf:
+            if len(self._views) >= self.VIEW_CACHE:
+                self._views.clear()  # callers posting ever-new buffers (serve) must not grow this
             cached = (buf, _host_view(buf))
             self._views[id(buf)] = cached
         with self._lock:

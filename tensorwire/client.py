@@ -1,0 +1,743 @@
+"""``Client``: talk to a ``tensorwire serve`` daemon.
+
+::
+
+    import tensorwire as tw
+
+    with tw.Client("127.0.0.1:7100") as c:
+        c.put("weights", torch.randn(1024, 256))
+        w = c.get("weights")                      # the whole tensor, one version
+        rows = c.get_rows("weights", [3, 17, 99])  # only these rows travel
+        c.add_rows("weights", [3, 17], torch.ones(2, 256))
+
+Control calls go over gRPC (small messages only); tensor bytes go over the
+session's data transport (UCX or TCP) straight into preallocated buffers: the
+daemon's slots on a put, this client's per-name receive buffers on a get.
+
+Buffers: ``get`` returns a tensor backed by a per-name receive buffer that is
+reused by later gets **only once you no longer hold any reference to it**
+(checked through the storage's use count), so a loop ``x = c.get(name)``
+allocates nothing after its second iteration and a tensor you keep is never
+overwritten. ``out=`` receives straight into your tensor when it is a
+contiguous CPU tensor (else through the buffer plus one copy). CUDA tensors
+are staged through pinned host memory.
+
+Errors are :class:`tensorwire.TensorWireError` subclasses: ``AuthError`` (token,
+TLS), ``NotFoundError``, ``ShapeMismatchError`` (naming both specs),
+``ResourceExhaustedError`` (``--max-bytes``), ``PeerLostError`` (server gone),
+``TransferTimeout``, ``ClosedError`` (used after ``close()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from .errors import (
+    ClosedError,
+    ConfigError,
+    NotFoundError,
+    ProtocolError,
+    ShapeMismatchError,
+    SpecError,
+    TensorWireError,
+)
+from .serve.config import DEFAULT_PORT, TLSConfig
+from .serve.protocol import (
+    AUTH_KEY,
+    MAX_INDEX_ROWS,
+    MAX_MESSAGE_BYTES,
+    MAX_ROWS_BYTES,
+    PROTOCOL_VERSION,
+    SessionLost,
+    as_index,
+    encode_index,
+    error_name,
+    release_posted,
+    rpc_error,
+)
+from .spec import TensorSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .transport.base import Transport
+
+__all__ = ["Client", "TensorStat", "SnapshotInfo", "TLSConfig"]
+
+log = logging.getLogger(__name__)
+
+_TRANSPORTS = ("auto", "ucx", "tcp")
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(msg, *args)
+
+
+@dataclass(frozen=True)
+class TensorStat:
+    """What the store holds under a name."""
+
+    spec: TensorSpec
+    #: Incremented by every put and row update; 0 = declared, no data yet.
+    version: int
+    #: Bytes of one version.
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def bytes(self) -> int:  # noqa: A003 - the word the API speaks
+        """Alias of :attr:`nbytes`."""
+        return self.nbytes
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    path: str
+    tensors: int
+    nbytes: int
+    seconds: float
+
+
+def _stat(info: Any) -> TensorStat:
+    return TensorStat(TensorSpec.from_proto(info.spec), int(info.version), int(info.nbytes))
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, ``host`` (port 7100), optionally ``grpc://``-prefixed."""
+    if not isinstance(address, str) or not address.strip():
+        raise ConfigError(f"address must be 'host:port', got {address!r}")
+    a = address.strip()
+    for scheme in ("grpc://", "tensorwire://", "tw://"):
+        if a.startswith(scheme):
+            a = a[len(scheme) :]
+    if a.startswith("["):
+        host, _, rest = a[1:].partition("]")
+        port_s = rest[1:] if rest.startswith(":") else ""
+    elif a.count(":") == 1:
+        host, port_s = a.split(":")
+    else:
+        host, port_s = a, ""
+    if not host:
+        raise ConfigError(f"address {address!r} has no host")
+    try:
+        port = int(port_s) if port_s else DEFAULT_PORT
+    except ValueError:
+        raise ConfigError(f"address {address!r}: port must be a number") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"address {address!r}: port out of range")
+    return host, port
+
+
+# -- receive buffers ------------------------------------------------------------------------------
+
+
+def _use_count(t: "torch.Tensor") -> int | None:
+    import torch
+
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    if fn is None:  # pragma: no cover - a torch without it: never reuse
+        return None
+    return int(fn(t.untyped_storage()._cdata))
+
+
+class _Pool:
+    """Reusable host buffers for one name; a buffer is reused only when nobody else references it."""
+
+    KEEP = 2
+
+    def __init__(self, *, round_up: bool = False) -> None:
+        self._bufs: list[tuple["torch.Tensor", int | None]] = []
+        self._round_up = round_up
+        self.allocations = 0
+
+    def acquire(self, nbytes: int) -> "torch.Tensor":
+        from .buffers import allocate_host
+
+        for i, (raw, base) in enumerate(self._bufs):
+            if raw.numel() >= nbytes and base is not None and _use_count(raw) == base:
+                return raw[:nbytes]
+        cap = nbytes
+        if self._round_up and nbytes > 4096:
+            cap = 1 << (nbytes - 1).bit_length()
+        new = allocate_host(cap)
+        self.allocations += 1
+        entry = (new, _use_count(new))
+        if len(self._bufs) < self.KEEP:
+            self._bufs.append(entry)
+        else:
+            # replace a free buffer that was too small, if any; else this one is not pooled
+            for i, (raw, base) in enumerate(self._bufs):
+                if base is not None and _use_count(raw) == base:
+                    self._bufs[i] = entry
+                    break
+        return new[:nbytes]
+
+
+def _typed(raw: "torch.Tensor", dtype: "torch.dtype", shape: tuple[int, ...]) -> "torch.Tensor":
+    import torch
+
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw.view(dtype).view(shape)
+
+
+def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
+    from .buffers import as_bytes
+
+    return as_bytes(t)
+
+
+class Client:
+    """A connection to a ``tensorwire serve`` daemon. See the module docstring.
+
+    Args:
+        address: ``host:port`` of the daemon's control plane.
+        token: bearer token (the content of the daemon's ``--token-file``).
+        tls: :class:`TLSConfig` or a dict with ``ca``, ``cert``, ``key``
+            (``server_name``); ``True`` for TLS with the system roots.
+        transport: ``auto`` (UCX when the daemon offers it and it imports and
+            connects here, else TCP with a logged WARNING), ``ucx`` or ``tcp``.
+        timeout: seconds for each operation (control call and transfer).
+        connect_timeout: seconds to reach the daemon and connect the data plane.
+
+    Raises:
+        AuthError: wrong or missing token, TLS mismatch.
+        PeerLostError / ConnectTimeout: the daemon is not reachable.
+
+    A client is thread-safe; its operations run one at a time (use one client
+    per thread for parallel transfers: each has its own data connection).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: "TLSConfig | Mapping[str, Any] | bool | None" = None,
+        transport: str = "auto",
+        timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        name: str = "",
+    ) -> None:
+        import grpc
+
+        from .v1 import store_pb2_grpc
+
+        if transport not in _TRANSPORTS:
+            raise ConfigError(f"transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}")
+        if not timeout or timeout <= 0:
+            raise ConfigError("timeout must be positive")
+        if token is not None and (not isinstance(token, str) or not token.strip()):
+            raise ConfigError("token must be a non-empty string")
+        self._host, self._port = parse_address(address)
+        self.address = f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+        self._tls = TLSConfig.coerce(tls)
+        self._want = transport
+        self._timeout = float(timeout)
+        self._connect_timeout = float(connect_timeout)
+        self._name = name[:128]
+        self._md = ((AUTH_KEY, f"Bearer {token.strip()}"),) if token else ()
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if self._tls is not None:
+            ca, key, cert = self._tls.read()
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            if self._tls.server_name:
+                options.append(("grpc.ssl_target_name_override", self._tls.server_name))
+            self._channel = grpc.secure_channel(self.address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.address, options=options)
+        self._stub = store_pb2_grpc.StoreStub(self._channel)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._sid: str | None = None
+        self._transport: "Transport | None" = None
+        self.transport_kind: str | None = None
+        self._specs: dict[str, TensorSpec] = {}
+        self._pools: dict[tuple[str, str], _Pool] = {}
+        try:
+            self._open_session()
+        except BaseException:
+            self._channel.close()
+            self._closed = True
+            raise
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _rpc(self, method: str, request: Any, *, timeout: float | None = None, data_op: bool = False) -> Any:
+        import grpc
+
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout or self._timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            err = rpc_error(exc, method, tls=self._tls is not None, connecting=method == "OpenSession")
+            if data_op and error_name(exc) is None:
+                # Outcome unknown (deadline, connection lost): the server may have
+                # scheduled a transfer this client will never match. Start afresh.
+                self._drop_session()
+            raise err from exc
+
+    def _open_session(self) -> None:
+        from .transport.base import get_factory
+        from .v1 import store_pb2
+
+        kinds: list[str]
+        if self._want == "tcp":
+            kinds = ["tcp"]
+        elif self._want == "ucx":
+            kinds = ["ucx"]
+        else:
+            try:
+                get_factory("ucx")
+                kinds = ["auto", "tcp"]
+            except ImportError as exc:
+                _warn_once("ucx-import", "transport auto: UCX is not available here (%s); using TCP", exc)
+                kinds = ["tcp"]
+        last: BaseException | None = None
+        for kind in kinds:
+            req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name)
+            resp = self._rpc("OpenSession", req, timeout=self._connect_timeout + 5)
+            if not resp.data:
+                raise ProtocolError("the server offered no data listener")
+            addr = resp.data[0]
+            host = addr.host
+            if host in ("0.0.0.0", "::", ""):
+                host = self._host
+            try:
+                factory = get_factory(addr.kind)
+                t = factory.connect(host, addr.port, resp.nonce, timeout=self._connect_timeout)
+            except (ImportError, TensorWireError, OSError) as exc:
+                self._close_remote(resp.session_id)
+                if kind == "auto" and addr.kind == "ucx":
+                    _warn_once("ucx-connect", "transport auto: UCX did not connect (%s); using TCP", exc)
+                    last = exc
+                    continue
+                if isinstance(exc, ImportError):
+                    raise ConfigError(f"transport {addr.kind!r} is not available here: {exc}") from exc
+                raise
+            if self._want == "auto" and addr.kind == "tcp" and kind == "auto":
+                _warn_once("ucx-server", "transport auto: the server offers no UCX; using TCP")
+            self._sid = resp.session_id
+            self._transport = t
+            self.transport_kind = addr.kind
+            log.debug("session %s open over %s", self._sid[:8], t.describe())
+            return
+        raise last if last is not None else ProtocolError("no usable data transport")  # pragma: no cover
+
+    def _close_remote(self, sid: str) -> None:
+        from .v1 import store_pb2
+
+        try:
+            self._stub.CloseSession(store_pb2.CloseSessionRequest(session_id=sid), timeout=2.0, metadata=self._md)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def _drop_session(self) -> None:
+        t, self._transport = self._transport, None
+        sid, self._sid = self._sid, None
+        if sid is not None:
+            self._close_remote(sid)
+        if t is not None:
+            t.abort()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("client is closed")
+
+    def _session(self) -> tuple[str, "Transport"]:
+        if self._sid is None or self._transport is None or self._transport.closed:
+            self._drop_session()
+            self._open_session()
+        assert self._sid is not None and self._transport is not None
+        return self._sid, self._transport
+
+    def _with_session(self, fn: Callable[[str, "Transport"], Any]) -> Any:
+        """Run ``fn(session_id, transport)``; once more on a fresh session if the server lost ours."""
+        with self._lock:
+            self._check_open()
+            for attempt in (0, 1):
+                sid, t = self._session()
+                try:
+                    return fn(sid, t)
+                except SessionLost:
+                    self._drop_session()
+                    if attempt:
+                        raise
+
+    def _timeout_ms(self) -> int:
+        return int(self._timeout * 1000)
+
+    def _recv(self, t: "Transport", tr: Any, raw: "torch.Tensor") -> None:
+        try:
+            t.post_recv(tr.tag, raw)
+            r = t.wait_recv(tr.tag, timeout=self._timeout)
+        except TensorWireError:
+            self._drop_session()
+            raise
+        finally:
+            release_posted(t, raw)
+        if r.nbytes != tr.nbytes or (r.step is not None and r.step != tr.step):
+            self._drop_session()
+            raise ProtocolError(f"received {r.nbytes} bytes (step {r.step}); expected {tr.nbytes} (step {tr.step})")
+
+    def _send_commit(self, sid: str, t: "Transport", tr: Any, src: "torch.Tensor") -> TensorStat:
+        import grpc
+
+        from .v1 import store_pb2
+
+        if tr.nbytes != src.numel():
+            self._drop_session()
+            raise ProtocolError(f"server expects {tr.nbytes} bytes, this client has {src.numel()}")
+        fut = self._stub.CommitPut.future(
+            store_pb2.CommitPutRequest(session_id=sid, op_id=tr.op_id), timeout=self._timeout + 10, metadata=self._md
+        )
+        try:
+            t.send(tr.tag, src, step=tr.step, timeout=self._timeout)
+        except TensorWireError:
+            fut.cancel()
+            self._drop_session()
+            raise
+        try:
+            resp = fut.result()
+        except grpc.RpcError as exc:
+            err = rpc_error(exc, "CommitPut", tls=self._tls is not None)
+            if not isinstance(err, (NotFoundError, SessionLost)):
+                self._drop_session()
+            raise err from exc
+        return _stat(resp.info)
+
+    def _source(self, key: str, tensor: "torch.Tensor") -> "torch.Tensor":
+        """Flat uint8 host bytes of ``tensor``: zero-copy when contiguous on CPU, else staged."""
+        t = tensor.detach()
+        if t.device.type == "cpu" and t.is_contiguous():
+            return _as_bytes(t)
+        nbytes = t.numel() * t.element_size()
+        raw = self._pool(key, "send").acquire(nbytes)
+        _typed(raw, t.dtype, tuple(t.shape)).copy_(t)
+        return raw
+
+    def _pool(self, name: str, kind: str) -> _Pool:
+        p = self._pools.get((name, kind))
+        if p is None:
+            p = self._pools[(name, kind)] = _Pool(round_up=kind == "rows")
+        return p
+
+    @staticmethod
+    def _check_tensor(what: str, tensor: Any) -> "torch.Tensor":
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise SpecError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+        return tensor
+
+    @staticmethod
+    def _check_out(spec: TensorSpec, out: "torch.Tensor", shape: tuple[int, ...]) -> None:
+        if tuple(out.shape) != shape or out.dtype != spec.torch_dtype:
+            raise ShapeMismatchError(
+                f"{spec.name}: out= is {str(out.dtype).removeprefix('torch.')}{list(out.shape)}, "
+                f"the stored tensor gives {spec.dtype}{list(shape)}"
+            )
+
+    # -- the API -----------------------------------------------------------------------------------
+    def declare(self, spec: TensorSpec) -> TensorStat:
+        """Declare ``spec`` (the server preallocates it); a no-op if it exists with the same spec."""
+        from .v1 import store_pb2
+
+        if not isinstance(spec, TensorSpec):
+            raise SpecError("declare needs a TensorSpec")
+        with self._lock:
+            self._check_open()
+            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec.to_proto()))
+        st = _stat(resp.info)
+        self._specs[st.name] = st.spec
+        return st
+
+    def put(self, name: str, tensor: "torch.Tensor") -> TensorStat:
+        """Store ``tensor`` under ``name`` as a new version.
+
+        The first put of a name declares its spec (dtype and shape); later puts
+        must match it. Returns the new version's stat.
+
+        Raises:
+            ShapeMismatchError: naming the stored spec and this tensor's.
+            ResourceExhaustedError: over the daemon's ``--max-bytes``; nothing changed.
+        """
+        from .v1 import store_pb2
+
+        tensor = self._check_tensor("put: tensor", tensor)
+        spec = TensorSpec(name, tuple(tensor.shape), tensor.dtype, "cpu")
+
+        def op(sid: str, t: "Transport") -> TensorStat:
+            src = self._source(name, tensor)
+            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec.to_proto(), timeout_ms=self._timeout_ms())
+            resp = self._rpc("BeginPut", req, timeout=self._timeout + 10, data_op=True)
+            return self._send_commit(sid, t, resp.transfer, src)
+
+        st = self._with_session(op)
+        self._specs[name] = st.spec
+        return st
+
+    def get(self, name: str, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """The current version of ``name``, whole (never a mix of two puts).
+
+        Without ``out``, returns a CPU tensor backed by this client's receive
+        buffer for ``name`` (pinned when CUDA is available); it is not reused
+        while you hold it. With ``out`` (any device), fills and returns it.
+
+        Raises:
+            NotFoundError: no such name (or declared but never written).
+            ShapeMismatchError: ``out`` does not match the stored spec.
+        """
+        from .v1 import store_pb2
+
+        if out is not None:
+            self._check_tensor("get: out", out)
+
+        def op(sid: str, t: "Transport") -> "torch.Tensor":
+            resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms()), data_op=True)
+            spec = TensorSpec.from_proto(resp.info.spec)
+            self._specs[name] = spec
+            tr = resp.transfer
+            direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+            if out is not None:
+                try:
+                    self._check_out(spec, out, spec.shape)
+                except ShapeMismatchError:
+                    self._drain(t, tr)
+                    raise
+            if direct:
+                self._recv(t, tr, _as_bytes(out))  # type: ignore[arg-type]
+                return out  # type: ignore[return-value]
+            raw = self._pool(name, "get").acquire(tr.nbytes)
+            self._recv(t, tr, raw)
+            result = _typed(raw, spec.torch_dtype, spec.shape)
+            if out is not None:
+                out.copy_(result)
+                return out
+            return result
+
+        return self._with_session(op)
+
+    def _drain(self, t: "Transport", tr: Any) -> None:
+        """Receive and discard a scheduled transfer (keeps the session in step)."""
+        raw = self._pool("", "discard").acquire(tr.nbytes)
+        self._recv(t, tr, raw)
+
+    def _row_spec(self, name: str) -> TensorSpec:
+        spec = self._specs.get(name)
+        if spec is None:
+            spec = self.stat(name).spec
+        return spec
+
+    def _chunk_rows(self, spec: TensorSpec) -> int:
+        if not spec.shape:
+            raise SpecError(f"{spec.name}: a 0-d tensor has no rows")
+        row_bytes = max(1, spec.nbytes // spec.shape[0]) if spec.shape[0] else max(1, spec.itemsize * math.prod(spec.shape[1:]))
+        return max(1, min(MAX_INDEX_ROWS, MAX_ROWS_BYTES // row_bytes))
+
+    def get_rows(self, name: str, index: Any, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """Rows ``index`` of dim 0 of ``name``, gathered by the server: only they travel.
+
+        ``index`` is any 1-D integer sequence (list, ndarray, tensor); the
+        result has shape ``[len(index), *shape[1:]]``. Requests above 262,144
+        rows (or 256 MiB) are split, each part being read whole.
+
+        Raises:
+            SpecError: an index out of range (nothing is sent).
+        """
+        from .v1 import store_pb2
+
+        idx = as_index(index)
+        if out is not None:
+            self._check_tensor("get_rows: out", out)
+        n = idx.numel()
+
+        def op(sid: str, t: "Transport") -> "torch.Tensor":
+            spec = self._row_spec(name)
+            chunk = self._chunk_rows(spec)
+            result: "torch.Tensor | None" = None
+            dest_raw: "torch.Tensor | None" = None
+            row_bytes = 0
+            for start in range(0, max(n, 1), chunk):
+                part = idx[start : start + chunk]
+                req = store_pb2.GetRowsRequest(
+                    session_id=sid, name=name, index=encode_index(part), timeout_ms=self._timeout_ms()
+                )
+                resp = self._rpc("GetRows", req, data_op=True)
+                tr = resp.transfer
+                got = TensorSpec.from_proto(resp.info.spec)
+                if result is None:
+                    spec = got
+                    self._specs[name] = got
+                    shape = (n, *got.shape[1:])
+                    row_bytes = (got.nbytes // got.shape[0]) if got.shape[0] else 0
+                    if out is not None:
+                        try:
+                            self._check_out(got, out, shape)
+                        except ShapeMismatchError:
+                            self._drain(t, tr)
+                            raise
+                    if out is not None and out.device.type == "cpu" and out.is_contiguous():
+                        result, dest_raw = out, _as_bytes(out)
+                    else:
+                        dest_raw = self._pool(name, "rows").acquire(n * row_bytes)
+                        result = _typed(dest_raw, got.torch_dtype, shape)
+                elif got != spec:
+                    self._drain(t, tr)
+                    raise ShapeMismatchError(f"{name} was replaced by {got.describe()} during get_rows")
+                assert dest_raw is not None
+                self._recv(t, tr, dest_raw[start * row_bytes : start * row_bytes + tr.nbytes])
+            assert result is not None
+            if out is not None and result is not out:
+                out.copy_(result)
+                return out
+            return result
+
+        return self._with_session(op)
+
+    def put_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
+        """Overwrite rows ``index`` of dim 0 of ``name`` with ``values`` (``[len(index), *shape[1:]]``).
+
+        Indices must be unique. Atomic per request (262,144 rows / 256 MiB at most; larger ones are split).
+        """
+        return self._rows(name, index, values, add=False)
+
+    def add_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
+        """Add ``values`` to rows ``index`` of ``name`` server-side (duplicates accumulate)."""
+        return self._rows(name, index, values, add=True)
+
+    def _rows(self, name: str, index: Any, values: "torch.Tensor", *, add: bool) -> TensorStat:
+        from .v1 import store_pb2
+
+        idx = as_index(index)
+        values = self._check_tensor("values", values)
+        n = idx.numel()
+        if values.dim() < 1 or values.shape[0] != n:
+            raise ShapeMismatchError(f"{name}: {n} indices but values of shape {list(values.shape)}")
+
+        def op(sid: str, t: "Transport") -> TensorStat:
+            spec = self._row_spec(name)
+            chunk = self._chunk_rows(spec)
+            src = self._source(name, values)
+            row_bytes = src.numel() // n if n else 0
+            st: TensorStat | None = None
+            for start in range(0, max(n, 1), chunk):
+                part = idx[start : start + chunk]
+                k = part.numel()
+                vspec = TensorSpec(name, (k, *values.shape[1:]), values.dtype)
+                req = store_pb2.PutRowsRequest(
+                    session_id=sid,
+                    name=name,
+                    index=encode_index(part),
+                    values=vspec.to_proto(),
+                    add=add,
+                    timeout_ms=self._timeout_ms(),
+                )
+                resp = self._rpc("PutRows", req, data_op=True)
+                st = self._send_commit(sid, t, resp.transfer, src[start * row_bytes : (start + k) * row_bytes])
+            assert st is not None
+            return st
+
+        return self._with_session(op)
+
+    def list(self) -> dict[str, TensorSpec]:
+        """Every name the store holds, with its spec."""
+        return {k: v.spec for k, v in self.stats().items()}
+
+    def stats(self) -> dict[str, TensorStat]:
+        """Every name the store holds, with its spec, version and size."""
+        from .v1 import store_pb2
+
+        out: dict[str, TensorStat] = {}
+        token = ""
+        with self._lock:
+            self._check_open()
+            while True:
+                resp = self._rpc("List", store_pb2.ListRequest(page_token=token))
+                for info in resp.tensors:
+                    st = _stat(info)
+                    out[st.name] = st
+                token = resp.next_page_token
+                if not token:
+                    return out
+
+    def stat(self, name: str) -> TensorStat:
+        """Spec, version and size of ``name``.
+
+        Raises:
+            NotFoundError: no such name.
+        """
+        from .v1 import store_pb2
+
+        with self._lock:
+            self._check_open()
+            resp = self._rpc("Stat", store_pb2.StatRequest(name=name))
+        st = _stat(resp.info)
+        self._specs[name] = st.spec
+        return st
+
+    def delete(self, name: str) -> None:
+        """Delete ``name`` (its memory is freed once in-flight reads finish).
+
+        Raises:
+            NotFoundError: no such name.
+        """
+        from .v1 import store_pb2
+
+        with self._lock:
+            self._check_open()
+            self._rpc("Delete", store_pb2.DeleteRequest(name=name))
+            self._specs.pop(name, None)
+            for key in [k for k in self._pools if k[0] == name]:
+                del self._pools[key]
+
+    def snapshot(self) -> SnapshotInfo:
+        """Ask the daemon to write its snapshot now (needs ``--snapshot-dir``)."""
+        from .v1 import store_pb2
+
+        with self._lock:
+            self._check_open()
+            resp = self._rpc("Snapshot", store_pb2.SnapshotRequest(), timeout=max(self._timeout, 600.0))
+        return SnapshotInfo(resp.path, int(resp.tensors), int(resp.nbytes), float(resp.seconds))
+
+    def bytes_moved(self) -> int:
+        """Data-plane bytes sent + received on the current session (when the transport counts them)."""
+        t = self._transport
+        return int(getattr(t, "bytes_sent", 0) or 0) + int(getattr(t, "bytes_received", 0) or 0)
+
+    def close(self) -> None:
+        """Close the session, the data connection and the channel. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._drop_session()
+            self._channel.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else (self.transport_kind or "not connected")
+        return f"Client({self.address!r}, {state})"

@@ -1,0 +1,324 @@
+"""The daemon's tensors: per-name double-buffered slots, versions, and memory accounting.
+
+Consistency model (per name):
+
+- Two slots: ``current`` (what readers get) and ``staging``. A put receives
+  into staging and its commit swaps the two under the entry's lock, so a
+  reader sees the old version or the new one, whole.
+- A reader *pins* the slot it reads for as long as its transfer runs; a put
+  does not start receiving into a slot with pins on it (it waits, bounded),
+  so a slot is never overwritten under a reader.
+- Row updates (``put_rows``/``add_rows``) change ``current`` in place: they
+  wait until it has no readers and hold off new ones meanwhile (writer
+  preference), so a reader never sees half a row update either.
+- Every commit increments ``version``. Version 0 = declared, no data yet
+  (not readable).
+- A put that never commits (client died, timed out, aborted) leaves the
+  previous version untouched: it only ever wrote into staging.
+
+Memory: validation happens before any allocation. A tensor of N bytes
+reserves 2N against ``max_bytes`` (current + staging); the staging slot is
+allocated on the first replacing put only, so tensors that are written once
+and then updated by rows hold N.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..buffers import Slot
+from ..errors import NotFoundError, ResourceExhaustedError, ShapeMismatchError, SpecError, TransferTimeout
+from ..spec import TensorSpec
+from .config import format_size
+from .protocol import MAX_TENSORS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .metrics import Metrics
+
+__all__ = ["Store", "Entry", "Info", "normalise_spec"]
+
+log = logging.getLogger(__name__)
+
+
+def normalise_spec(spec: TensorSpec) -> TensorSpec:
+    """What the store keeps: static shapes, host memory (the device of the writer is not part of it)."""
+    if spec.is_dynamic:
+        raise SpecError(f"{spec.name}: the store holds static shapes; dynamic dims are not supported")
+    if spec.device != "cpu":
+        spec = TensorSpec(spec.name, spec.shape, spec.dtype, "cpu")
+    return spec
+
+
+@dataclass(frozen=True)
+class Info:
+    spec: TensorSpec
+    version: int
+    nbytes: int
+
+
+def _wait(cond: threading.Condition, pred, deadline: float, what: str) -> None:
+    """Under ``cond``: wait until ``pred()``; TransferTimeout at ``deadline``."""
+    while not pred():
+        rem = deadline - time.monotonic()
+        if rem <= 0:
+            raise TransferTimeout(f"{what}: timed out waiting for other transfers on this tensor")
+        cond.wait(min(rem, 1.0))
+
+
+class Entry:
+    """One name: its spec, two slots, version and reader/writer state."""
+
+    def __init__(self, spec: TensorSpec, store: "Store") -> None:
+        self.spec = spec
+        self.nbytes = spec.nbytes
+        self._store = store
+        self.slots: list[Slot | None] = [Slot(spec), None]
+        self.cur = 0
+        self.version = 0
+        self.readers = [0, 0]
+        self.row_writer = False
+        self.row_waiting = 0
+        self.putting = False
+        self.deleted = False
+        self.cond = threading.Condition(threading.Lock())
+
+    def info(self) -> Info:
+        return Info(self.spec, self.version, self.nbytes)
+
+    # -- readers ---------------------------------------------------------------
+    def acquire_read(self, deadline: float) -> tuple[int, int]:
+        """Pin the current slot. Returns (slot index, version).
+
+        Raises:
+            NotFoundError: deleted, or never written.
+        """
+        with self.cond:
+            _wait(self.cond, lambda: self.deleted or not (self.row_writer or self.row_waiting), deadline, self.spec.name)
+            self._check_readable()
+            self.readers[self.cur] += 1
+            return self.cur, self.version
+
+    def release_read(self, idx: int) -> None:
+        with self.cond:
+            self.readers[idx] -= 1
+            if self.readers[idx] == 0:
+                self.cond.notify_all()
+
+    def _check_readable(self) -> None:
+        if self.deleted:
+            raise NotFoundError(f"no tensor named {self.spec.name!r} (deleted)")
+        if self.version == 0:
+            raise NotFoundError(f"{self.spec.name!r} is declared but has no data yet: put it first")
+
+    # -- whole-tensor puts -------------------------------------------------------
+    def begin_put(self, deadline: float) -> int:
+        """Reserve the staging slot (allocating it on first use). Returns its index."""
+        with self.cond:
+            _wait(self.cond, lambda: self.deleted or not self.putting, deadline, self.spec.name)
+            if self.deleted:
+                raise NotFoundError(f"no tensor named {self.spec.name!r} (deleted)")
+            self.putting = True
+        try:
+            if self.version == 0:
+                return self.cur  # nothing readable yet: write in place
+            idx = 1 - self.cur
+            if self.slots[idx] is None:
+                slot = self._store._allocate_staging(self.spec)
+                with self.cond:
+                    self.slots[idx] = slot
+            with self.cond:
+                # a slot with readers on it is not reused until they finish
+                _wait(self.cond, lambda: self.readers[idx] == 0, deadline, self.spec.name)
+            return idx
+        except BaseException:
+            self.end_put()
+            raise
+
+    def commit_put(self, idx: int, deadline: float) -> Info:
+        with self.cond:
+            try:
+                _wait(self.cond, lambda: self.deleted or not self.row_writer, deadline, self.spec.name)
+                if self.deleted:
+                    raise NotFoundError(f"{self.spec.name!r} was deleted while being written")
+                self.cur = idx
+                self.version += 1
+                return self.info()
+            finally:
+                self.putting = False
+                self.cond.notify_all()
+
+    def end_put(self) -> None:
+        """Release the staging reservation without committing."""
+        with self.cond:
+            self.putting = False
+            self.cond.notify_all()
+
+    def slot(self, idx: int) -> Slot:
+        s = self.slots[idx]
+        assert s is not None
+        return s
+
+    # -- row updates -------------------------------------------------------------
+    def begin_rows(self, deadline: float) -> int:
+        """Exclusive access to the current slot for an in-place row update."""
+        with self.cond:
+            self.row_waiting += 1
+            try:
+                _wait(
+                    self.cond,
+                    lambda: self.deleted or not (self.row_writer or self.readers[self.cur]),
+                    deadline,
+                    self.spec.name,
+                )
+            finally:
+                self.row_waiting -= 1
+            if self.deleted:
+                self.cond.notify_all()
+                raise NotFoundError(f"no tensor named {self.spec.name!r} (deleted)")
+            if self.version == 0:
+                self.cond.notify_all()
+                raise NotFoundError(f"{self.spec.name!r} is declared but has no data yet: put it first")
+            self.row_writer = True
+            return self.cur
+
+    def end_rows(self, *, changed: bool) -> Info:
+        with self.cond:
+            self.row_writer = False
+            if changed:
+                self.version += 1
+            self.cond.notify_all()
+            return self.info()
+
+    def memory(self) -> int:
+        return sum(self.nbytes for s in self.slots if s is not None)
+
+
+class Store:
+    """All tensors of the daemon, with the ``max_bytes`` accounting."""
+
+    def __init__(self, max_bytes: int, metrics: "Metrics | None" = None) -> None:
+        self.max_bytes = max_bytes
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self._reserved = 0
+        self._allocated = 0
+        self._nslots = 0
+        if metrics is not None:
+            metrics.max_bytes.set(max_bytes)
+
+    # -- accounting ---------------------------------------------------------------
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def allocated(self) -> int:
+        return self._allocated
+
+    def _update_gauges(self) -> None:
+        m = self._metrics
+        if m is not None:
+            m.tensors.set(len(self._entries))
+            m.slots.set(self._nslots)
+            m.memory.set(self._allocated)
+            m.reserved.set(self._reserved)
+
+    def _allocate_staging(self, spec: TensorSpec) -> Slot:
+        slot = Slot(spec)  # already reserved at declare
+        with self._lock:
+            self._allocated += spec.nbytes
+            self._nslots += 1
+            self._update_gauges()
+        return slot
+
+    # -- names ------------------------------------------------------------------
+    def get(self, name: str) -> Entry:
+        with self._lock:
+            e = self._entries.get(name)
+        if e is None:
+            raise NotFoundError(f"no tensor named {name!r}")
+        return e
+
+    def declare(self, spec: TensorSpec) -> tuple[Entry, bool]:
+        """The entry for ``spec.name``, creating (and allocating) it if new.
+
+        Everything is validated before anything is allocated.
+
+        Raises:
+            SpecError: dynamic spec.
+            ShapeMismatchError: the name exists with another spec (both named).
+            ResourceExhaustedError: over ``max_bytes`` or the tensor count; nothing changed.
+        """
+        spec = normalise_spec(spec)
+        need = 2 * spec.nbytes
+        with self._lock:
+            e = self._entries.get(spec.name)
+            if e is not None:
+                if e.spec != spec:
+                    raise ShapeMismatchError(
+                        f"{spec.name}: stored as {e.spec.describe()}, this put is {spec.describe()} "
+                        f"(delete it first to change its spec)"
+                    )
+                return e, False
+            if len(self._entries) >= MAX_TENSORS:
+                raise ResourceExhaustedError(f"the store holds the maximum of {MAX_TENSORS} tensors")
+            if self._reserved + need > self.max_bytes:
+                raise ResourceExhaustedError(
+                    f"{spec.name}: {spec.describe()} needs {format_size(need)} (2 x {format_size(spec.nbytes)}, "
+                    f"double-buffered) but only {format_size(max(0, self.max_bytes - self._reserved))} of "
+                    f"--max-bytes {format_size(self.max_bytes)} is free; nothing was changed"
+                )
+            self._reserved += need
+            try:
+                e = Entry(spec, self)
+            except (RuntimeError, MemoryError) as exc:
+                self._reserved -= need
+                raise ResourceExhaustedError(f"{spec.name}: cannot allocate {format_size(spec.nbytes)}: {exc}") from exc
+            self._entries[spec.name] = e
+            self._allocated += spec.nbytes
+            self._nslots += 1
+            self._update_gauges()
+        log.debug("declared %s", spec)
+        return e, True
+
+    def delete(self, name: str) -> None:
+        with self._lock:
+            e = self._entries.pop(name, None)
+            if e is None:
+                raise NotFoundError(f"no tensor named {name!r}")
+            self._reserved -= 2 * e.nbytes
+            self._allocated -= e.memory()
+            self._nslots -= sum(1 for s in e.slots if s is not None)
+            self._update_gauges()
+        with e.cond:
+            e.deleted = True
+            e.cond.notify_all()
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return [self._entries[k] for k in sorted(self._entries)]
+
+    def names_after(self, token: str, limit: int) -> tuple[list[Entry], str]:
+        """A page of entries by name after ``token``; returns (entries, next token or '')."""
+        with self._lock:
+            names = sorted(n for n in self._entries if n > token)
+            page = names[:limit]
+            out = [self._entries[n] for n in page]
+        nxt = page[-1] if len(names) > limit else ""
+        return out, nxt
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def restore(self, spec: TensorSpec, version: int, fill) -> None:
+        """Declare ``spec`` and fill its current slot via ``fill(flat_uint8)`` (startup only)."""
+        e, _ = self.declare(spec)
+        fill(e.slot(e.cur).raw)
+        with e.cond:
+            e.version = max(1, int(version))

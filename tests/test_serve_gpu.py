@@ -1,0 +1,46 @@
+"""CUDA tensors through the store: staged through pinned host memory (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorwire.client import Client
+
+from test_serve_common import in_process
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.timeout(120)
+def test_cuda_tensors_put_get_rows_staged_through_pinned_memory():
+    dev = torch.device("cuda")
+    with in_process(transport="auto") as s, Client(s.address, transport="auto") as c:
+        x = torch.randint(-1000, 1000, (512, 64), device=dev).float()  # integral: sums are exact in any order
+        st = c.put("g", x)
+        assert st.spec.device == "cpu"  # the store holds host memory, whatever the writer's device
+        entry = s.service.store.get("g")
+        assert entry.slot(entry.cur).pinned, "server slots are pinned when CUDA exists"
+        host = c.get("g")
+        assert host.device.type == "cpu" and host.is_pinned() and torch.equal(host.to(dev), x)
+        out = torch.empty(512, 64, device=dev)
+        assert c.get("g", out=out) is out and torch.equal(out, x)
+        idx = torch.tensor([0, 511, 7], device=dev)
+        rows = c.get_rows("g", idx)
+        assert rows.is_pinned() and torch.equal(rows.to(dev, non_blocking=True), x[idx])
+        rout = torch.empty(3, 64, device=dev)
+        c.get_rows("g", idx, out=rout)
+        assert torch.equal(rout, x[idx])
+        upd = torch.ones(2, 64, device=dev)
+        c.add_rows("g", torch.tensor([1, 1], device=dev), upd)
+        c.put_rows("g", [2], torch.zeros(1, 64, device=dev))
+        x[1] += 2
+        x[2] = 0
+        assert torch.equal(c.get("g").to(dev), x)
+        c.put("g", x.t().contiguous().t())  # non-contiguous CUDA source
+        assert torch.equal(c.get("g").to(dev), x)
+        c.put("h", torch.arange(10, device=dev, dtype=torch.bfloat16))
+        assert torch.equal(c.get("h"), torch.arange(10, dtype=torch.bfloat16))
