@@ -225,6 +225,60 @@ def check_close_semantics(make: PairMaker) -> None:
         b.close()
 
 
+def check_messages_sent_before_close_are_delivered(make: PairMaker) -> None:
+    """Messages sent before close() still reach the peer; only waits nothing can satisfy raise PeerLostError.
+
+    Like a TCP stream read up to the peer's goodbye: ``a`` sends (small and
+    large, with and without a header) and closes at once; ``b`` looks only
+    afterwards. A wait on a tag nothing was sent on raises PeerLostError within
+    a few seconds, and that does not lose what had arrived on other tags.
+    """
+    a, b = make()
+    try:
+        n_big = (1 << 20) + 3  # large enough for a rendezvous where the transport has one
+        small = [_empty(16) for _ in range(3)]
+        for buf in small:
+            b.post_recv(7, buf)
+        big = _empty(n_big + 5)
+        b.post_recv(8, big, header=True)
+        for k in range(3):
+            a.send(7, _u8(16, seed=20 + k), step=k + 1, timeout=10)
+        a.send(8, _u8(n_big, seed=30), step=1, shape=(n_big,), timeout=10)
+        a.close()
+        time.sleep(0.3)  # let the goodbye and the connection teardown reach b first
+        b.wait_recv(7, timeout=10)
+        assert bool((small[0] == _u8(16, seed=20)).all()), "message 0 sent before close differs"
+        t0 = time.monotonic()
+        try:
+            # Nothing is ever sent on tag 9. (Posted only now: a credit left unread in a
+            # closed TCP socket makes it reset the connection.) A transport may refuse the
+            # post already, since the peer is gone.
+            b.post_recv(9, _empty(4))
+            b.wait_recv(9, timeout=10)
+        except PeerLostError:
+            pass
+        else:
+            raise AssertionError("wait_recv on a tag nothing was sent on returned after the peer closed")
+        assert time.monotonic() - t0 < 5, "the peer's close took too long to surface"
+        for k in (1, 2):
+            b.wait_recv(7, timeout=10)
+            assert bool((small[k] == _u8(16, seed=20 + k)).all()), f"message {k} sent before close differs"
+        got = b.wait_recv(8, timeout=10)
+        assert got.nbytes == n_big and got.shape == (n_big,), got
+        assert bool((big[:n_big] == _u8(n_big, seed=30)).all()), "large message sent before close differs"
+        t0 = time.monotonic()
+        try:
+            b.send(7, _u8(16), step=1, timeout=10)
+        except PeerLostError:
+            pass
+        else:
+            raise AssertionError("send to a peer that closed did not raise PeerLostError")
+        assert time.monotonic() - t0 < 5, "send to a closed peer took too long to fail"
+    finally:
+        a.close()
+        b.close()
+
+
 CHECKS: dict[str, Callable[[PairMaker], None]] = {
     "roundtrip_bytes": check_roundtrip_bytes,
     "fifo_per_tag": check_fifo_per_tag,
@@ -233,6 +287,7 @@ CHECKS: dict[str, Callable[[PairMaker], None]] = {
     "both_directions_at_once": check_both_directions_at_once,
     "recv_timeout": check_recv_timeout,
     "close_semantics": check_close_semantics,
+    "messages_sent_before_close_are_delivered": check_messages_sent_before_close_are_delivered,
 }
 
 

@@ -301,11 +301,27 @@ class TcpTransport(Transport):
         if self._send_lock.acquire(timeout=0.2):
             try:
                 self._sock.send(FRAME.pack(_MAGIC, BYE, NO_SHAPE, 0, 0, 0, 0, 0, *_ZERO_DIMS), socket.MSG_DONTWAIT)
+                self._sock.shutdown(socket.SHUT_WR)  # FIN after the BYE
             except OSError:
                 pass
             finally:
                 self._send_lock.release()
+        self._drain()
         self._shutdown()
+
+    def _drain(self, limit: float = 0.25) -> None:
+        """Discard unread input before closing: closing with unread bytes makes the
+        kernel send RST, and an RST can destroy frames the peer has not read yet."""
+        scratch = bytearray(1 << 16)
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            try:
+                if self._sock.recv_into(scratch, len(scratch), socket.MSG_DONTWAIT) == 0:
+                    return  # the peer closed too: nothing left
+            except (BlockingIOError, InterruptedError):
+                return  # nothing unread now
+            except OSError:
+                return
 
     def abort(self) -> None:
         with self._cond:

@@ -1,0 +1,1349 @@
+"""UCX data plane (ucxx core API): tagged rendezvous straight into the posted slots.
+
+Importing this module raises :class:`ImportError` when ucxx is not installed
+(the caller falls back to TCP). Importing ucxx makes it write a few ``UCX_*``
+variables into ``os.environ``; this module undoes that and hands the same
+settings to its UCX context instead, so importing tensorwire never changes
+the process environment. No UCX context or worker exists until the first
+listener or connection is made.
+
+Tag layout (64-bit UCX tags; matching is per *worker*, not per endpoint, and
+one worker serves every connection of the process)::
+
+    63 ........ 33 | 32 31 | 30 ........ 0
+    receiver's id  | kind  | slot tag (0 <= tag < 2**31)
+
+    kind 0 DATA    payload, received straight into the posted buffer
+    kind 1 HEADER  88-byte header (step, nbytes, shape) for header tags
+    kind 2 CREDIT  16-byte credit (capacity, flags) from receiver to sender
+    kind 3 CTRL    8-byte goodbye, slot tag 0
+
+The receiver's id is a 31-bit number the *receiving* process assigns to the
+connection (unique for the life of the process; ids are never reused) and
+tells its peer during the handshake. So data, header and credit tags are
+disjoint, and two connections of one process never match each other's
+messages.
+
+Credits (``check_credit_blocks_sender``): :meth:`UcxTransport.post_recv`
+posts a real UCX tag receive on the slot's memory (no intermediate buffer:
+eager messages are copied in by UCX, rendezvous messages are fetched
+zero-copy into it) and sends one 16-byte CREDIT message (the buffer's
+capacity and whether it wants a header) to the peer. :meth:`UcxTransport.send`
+spends one credit per message: without one it waits, up to its timeout, and
+raises :class:`~tensorwire.TransferTimeout` having sent nothing. UCX's
+rendezvous alone would only make *large* sends wait; small (eager) sends
+complete at once and UCX would buffer them in its unexpected queue, without
+bound. The explicit credit makes every message size behave like the base
+contract and like the TCP transport, and it also carries what the sender must
+know: whether the receiver wants a header, and the capacity, so a message that
+does not fit is refused on the sender (:class:`~tensorwire.ProtocolError`,
+nothing sent, the credit kept) instead of breaking the receive. Measured cost
+(bench/results/ucx_progress_mode.md, raw ucxx with the same progress loop):
+a 4 KiB round trip goes from ~42 to ~76 µs on this 2-core machine -- one more
+small message each way, which costs CPU on both sides even when the credit
+is off the critical path (it is sent when the buffer is posted, normally well
+before the data is needed) -- and nothing measurable from 1 MiB up. Holding
+credits back to send them next to the data (as the TCP transport does) did not
+measure better here, so credits go out at once and no thread ever has to
+flush another connection's credits before it blocks.
+
+Headers: a tag posted with ``header=True`` gets a second small receive on the
+HEADER tag; the credit tells the sender, which then sends the header (step,
+byte count, shape) before the payload. Header-less tags carry no header:
+ucxx's Python API does not report how many bytes a tag receive got, so on
+those tags a message must fill the posted buffer exactly (fixed specs always
+do); the sender enforces it from the credit's capacity.
+
+Progress model ("caller progresses: spin, then sleep"), chosen by measurement
+(bench/ucx_progress_probe.py; table in bench/results/ucx_progress_mode.md).
+There is one UCX context and one worker per process, created lazily and
+shared by every listener and connection, and one process-wide lock around
+every UCX call. A thread that waits (for a receive, a credit, a send to
+complete, a connection) drives the worker itself: it calls
+``worker.progress()`` for up to ``SPIN_US`` (100 µs; env
+``TENSORWIRE_UCX_SPIN_US``), with ``sched_yield()`` between two polls, then
+arms the worker and sleeps in ``poll()`` on the worker's epoll fd. It is woken
+by UCX events, or through an eventfd when another thread closes something or
+progressed on its behalf; further waiting threads sleep on a condition
+variable meanwhile, and a thread that needs the lock for a post or a send
+makes a spinning waiter step aside. Why:
+
+- pure polling in the waiting thread has the best latency but keeps a core
+  busy for as long as anything waits;
+- ucxx's progress thread (``start_progress_thread``) hands every completion
+  from its thread to the waiting one: several times the round-trip latency
+  of polling on this 2-core machine, and the polling variant burns a core;
+- blocking mode alone (``progress_worker_event``) burns nothing but pays a
+  sleep/wake-up on every message;
+- spinning a little first catches a reply that is on its way (a round trip
+  here is 20-60 µs) at polling's latency, and sleeping afterwards costs ~0 %
+  CPU while idle. Yielding while spinning matters when cores are oversubscribed
+  (the probe's ``--paired-yield`` experiment): it costs ~1-2 µs when the answer
+  is immediate, but without it the spinner holds the core the peer needs to
+  answer, and round trips grow towards the spin length (72 vs 184 µs median
+  with a peer that works 30 µs before answering).
+
+A daemon thread progresses the worker every 50 ms while no thread waits, so
+handshakes, credits and peer-loss notices move while the application computes.
+
+Handshake: the connecting side creates a UCX endpoint to the listener and
+sends, over the UCX *stream* API (per endpoint, unlike tags), a 32-byte hello:
+magic, protocol version, its receiver id and the 16-byte nonce learned over
+the control plane. The listener answers OK plus its own receiver id, or NO
+(then closes the endpoint). An endpoint that sends garbage, a wrong nonce or
+nothing within ``HELLO_TIMEOUT`` (5 s) is closed; the listener keeps serving.
+Note: ucxx listeners bind every interface; ``host`` is only reported back.
+
+Liveness: endpoint error handling is on; a lost peer fires the endpoint's
+close callback and UCX cancels its requests, so pending and later operations
+raise :class:`~tensorwire.PeerLostError` (a SIGKILLed local peer: ~40 ms here,
+its sockets close), after ``LOST_GRACE_S`` (1 s) in which messages or a
+goodbye may still show up. Graceful close (like TCP, where frames already in
+the stream are read before the goodbye): ``close()`` waits (bounded,
+``CLOSE_DRAIN_S``) for this side's sends in flight, sends an 8-byte BYE on the
+CTRL tag and waits (bounded, ``CLOSE_ACK_S``) for the peer's ACK, which the
+peer's progress (any waiting thread or the ticker) sends as soon as the BYE is
+processed -- UCX delivers it after everything sent before it, so those
+receives have completed by then -- and only then closes the endpoint. After a
+BYE, completed receives are still returned, buffers may still be posted (no
+credit goes out), a wait with nothing arrived raises PeerLostError after
+``BYE_GRACE_S`` and sends raise PeerLostError. A receive UCX cancelled when the
+endpoint failed is refilled from the unexpected queue if its message is there. For peers that vanish without closing anything, UCX's endpoint keepalive
+runs every ``KEEPALIVE_S`` (2 s) and its TCP sockets use keepalive like the TCP
+transport's (idle ``peer_timeout``/3, probes every idle/2, 3 probes). UCX
+settings are per context, so the first listener or connection of the process
+decides them; ``UCX_*`` variables set by the user always win.
+
+Buffers: CPU tensors go to UCX as zero-copy NumPy views, CUDA tensors through
+``__cuda_array_interface__``. ucxx does not keep a buffer alive for an
+in-flight request, so the transport holds a reference to every buffer until
+UCX is done with it. Close your transports: ``close()`` cancels the endpoint's
+requests, closes it and drains this connection's leftover small messages
+(e.g. unused credits) from UCX's unexpected queue.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable, Deque
+
+from ..errors import (
+    AuthError,
+    ClosedError,
+    ConfigError,
+    ConnectTimeout,
+    PeerLostError,
+    ProtocolError,
+    TensorWireError,
+    TransferTimeout,
+    TransportError,
+    VersionMismatchError,
+)
+from .base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
+
+
+def _import_ucxx() -> tuple[Any, Any, dict[str, str]]:
+    """Import ucxx's core API; undo its os.environ edits and return them as UCX options."""
+    already = "ucxx" in sys.modules
+    before = None if already else dict(os.environ)
+    try:
+        import ucxx._lib.libucxx as libucxx
+        from ucxx._lib.arr import Array
+    except ImportError:
+        raise
+    except Exception as exc:  # a broken install (libucx missing, ...): same as absent
+        raise ImportError(f"ucxx is installed but cannot be loaded: {exc}") from exc
+    finally:
+        changed: dict[str, str] = {}
+        if before is not None:
+            after = dict(os.environ)
+            for k, v in after.items():
+                if before.get(k) != v:
+                    changed[k] = v
+            for k in after:
+                if k not in before:
+                    del os.environ[k]
+            for k, v in before.items():
+                if after.get(k) != v:
+                    os.environ[k] = v
+    return libucxx, Array, changed
+
+
+_ucx, _Array, _UCXX_ENV_DEFAULTS = _import_ucxx()
+_Tag = _ucx.UCXXTag
+import numpy as np  # noqa: E402 - ucxx depends on numpy; after the ucxx check on purpose
+
+__all__ = ["UcxTransport", "UcxListener"]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+#: Microseconds a waiting thread polls the worker (yielding in between) before it sleeps.
+SPIN_US = float(os.environ.get("TENSORWIRE_UCX_SPIN_US", "100"))
+#: UCX endpoint keepalive interval (seconds) unless UCX_KEEPALIVE_INTERVAL is set.
+KEEPALIVE_S = 2.0
+#: close(): how long it waits for this side's sends (and then its goodbye) to complete.
+CLOSE_DRAIN_S = 2.0
+#: After the peer's goodbye, how long a wait whose message has not arrived keeps looking.
+BYE_GRACE_S = 0.1
+#: After an endpoint error without a goodbye, how long messages (or the goodbye) may still show up.
+LOST_GRACE_S = 1.0
+
+DATA, HEADER, CREDIT, CTRL = 0, 1, 2, 3
+_TAG_BITS = 31
+_KIND_SHIFT = 31
+_RID_SHIFT = 33
+_RID_MASK = (1 << 31) - 1
+_MAX_TAG = 1 << _TAG_BITS
+
+HELLO = struct.Struct(f"<8sII{NONCE_BYTES}s")  # magic, version, client receiver id, nonce
+REPLY = struct.Struct("<8sII")  # magic, version, server receiver id
+HELLO_MAGIC = b"TWUCXHI\0"
+REPLY_OK = b"TWUCXOK\0"
+REPLY_NO = b"TWUCXNO\0"
+HDR = struct.Struct(f"<QQB7x{HEADER_DIMS}q")  # step, nbytes, ndim (255: none), dims
+CRED = struct.Struct("<QI4x")  # capacity, flags
+F_HEADER = 1
+NO_SHAPE = 255
+BYE = b"TWUCXBYE"
+ACK = b"TWUCXACK"  # answer to BYE: everything sent before the goodbye has been received here
+#: close(): how long it waits for the peer's ACK of its goodbye (the peer's progress answers it).
+CLOSE_ACK_S = 5.0
+assert HELLO.size == 32 and REPLY.size == 16 and HDR.size == 88 and CRED.size == 16
+
+_LOST_ERRORS = tuple(
+    getattr(_ucx, n)
+    for n in (
+        "UCXConnectionResetError",
+        "UCXEndpointTimeoutError",
+        "UCXUnreachableError",
+        "UCXNotConnectedError",
+        "UCXRejectedError",
+        "UCXIOError",
+        "UCXTimedOutError",
+        "UCXCloseError",
+        "UCXCanceledError",
+    )
+    if hasattr(_ucx, n)
+)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _u8(n: int) -> Any:
+    return np.zeros(n, dtype=np.uint8)
+
+
+def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
+    """(keep-alive object, ucxx Array, nbytes) for a flat uint8 buffer. Zero-copy."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor):
+        if buf.dtype is not torch.uint8 or not buf.is_contiguous():
+            raise ConfigError("UCX buffers must be contiguous uint8 tensors")
+        n = buf.numel()
+        if n == 0:
+            z = _u8(0)
+            return z, _Array(z), 0
+        if buf.dim() != 1:
+            buf = buf.reshape(-1)
+        if buf.requires_grad:
+            buf = buf.detach()
+        if buf.is_cuda:
+            if not _engine().ctx.cuda_support:
+                raise ConfigError("this UCX build has no CUDA support; use host buffers")
+            return buf, _Array(buf), n  # __cuda_array_interface__: straight to/from GPU memory
+        arr = buf.numpy()
+        return (buf, arr), _Array(arr), n
+    mv = memoryview(buf)
+    if writable and mv.readonly:
+        raise ConfigError("receive buffer is read-only")
+    arr = np.frombuffer(mv.cast("B"), dtype=np.uint8) if mv.nbytes else _u8(0)
+    return (buf, arr), _Array(arr), arr.nbytes
+
+
+def _check_tag(tag: int) -> int:
+    if not 0 <= tag < _MAX_TAG:
+        raise ConfigError(f"tag {tag} out of range [0, 2**31)")
+    return tag
+
+
+# -- the process-wide progress engine --------------------------------------------------
+
+
+class _Engine:
+    """One UCX context + worker per process, progressed by the threads that wait on it.
+
+    Every UCX call and every transport's bookkeeping happens under ``lock``.
+    ``wait(pred, deadline)`` progresses the worker until ``pred()`` (called
+    under the lock; it may raise) holds: it spins for ``spin`` seconds, then one
+    thread sleeps on the worker's epoll fd and the others on ``cond``.
+    """
+
+    SLICE = 0.25
+    TICK = 0.05
+
+    def __init__(self, peer_timeout: float = 30.0) -> None:
+        opts = _ucx.get_current_options()
+        config: dict[str, str] = {}
+        for k, v in _UCXX_ENV_DEFAULTS.items():
+            if k.startswith("UCX_") and k[4:] in opts and k not in os.environ:
+                config[k[4:]] = v
+        # Liveness (process-wide: the first listener/connection's peer_timeout decides),
+        # like the TCP transport's keepalive: idle peer_timeout/3, probes every idle/2, 3 of them.
+        idle = max(1, int(peer_timeout / 3))
+        for name, value in (("KEEPALIVE_INTERVAL", f"{KEEPALIVE_S}s"), ("TCP_KEEPIDLE", f"{idle}s"),
+                            ("TCP_KEEPINTVL", f"{max(1, idle // 2)}s"), ("TCP_KEEPCNT", "3")):
+            if f"UCX_{name}" not in os.environ:
+                config[name] = value
+        feats = (_ucx.Feature.TAG, _ucx.Feature.WAKEUP, _ucx.Feature.STREAM)
+        try:
+            self.ctx = _ucx.UCXContext(config_dict=config, feature_flags=feats)
+            self.worker = _ucx.UCXWorker(self.ctx)
+            self.worker.init_blocking_progress_mode()
+            epfd = self.worker.epoll_file_descriptor
+        except _ucx.UCXError as exc:
+            raise TransportError(f"cannot start UCX: {exc}") from exc
+        self.pid = os.getpid()
+        self.spin = SPIN_US / 1e6
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.poller = select.poll()
+        self.poller.register(epfd, select.POLLIN)
+        self.poller.register(self.wake_fd, select.POLLIN)
+        self.sleeping = False
+        self.wanted: list[None] = []  # one entry per thread queued for the lock (append/pop are atomic)
+        self.active = 0  # threads inside wait()
+        self.servicing: set[Any] = set()  # listeners with handshakes in progress
+        self.objects: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.ctrl_watch: "weakref.WeakSet[Any]" = weakref.WeakSet()  # transports awaiting a control message
+        self.stopped = False
+        self._rids = itertools.count(secrets.randbelow(_RID_MASK))
+        self._ticker = threading.Thread(target=_tick, args=(weakref.ref(self),), daemon=True,
+                                        name="tensorwire-ucx-tick")
+        self._ticker.start()
+
+    def new_rid(self) -> int:
+        while True:
+            rid = next(self._rids) & _RID_MASK
+            if rid:
+                return rid
+
+    # -- locking -------------------------------------------------------------------
+    def op(self) -> "_Op":
+        """Context manager: take the lock for a short operation (a spinning waiter yields)."""
+        return _Op(self)
+
+    def notify(self) -> None:
+        """Under the lock: wake every waiter so it re-checks its condition."""
+        self.cond.notify_all()
+        if self.sleeping:
+            try:
+                os.eventfd_write(self.wake_fd, 1)
+            except OSError:
+                pass
+
+    def progress(self) -> bool:
+        """Under the lock: progress the worker; True if anything happened."""
+        w = self.worker
+        did = False
+        while w.progress_once():
+            did = True
+        w.progress()  # also runs ucxx's housekeeping (cancellations after endpoint errors)
+        if did and self.ctrl_watch:  # answer a peer's goodbye whoever progresses (the ticker too)
+            for t in list(self.ctrl_watch):
+                req = t._ctrl_req
+                if req is not None and req.completed:
+                    t._poll_ctrl()
+        return did
+
+    def service(self) -> None:
+        for lst in list(self.servicing):
+            lst._service()
+
+    # -- waiting -------------------------------------------------------------------
+    def wait(self, pred: Callable[[], bool], deadline: float | None) -> bool:
+        """Progress until ``pred()`` is true (True) or the deadline passes (False)."""
+        worker = self.worker
+        lock = self.lock
+        self.wanted.append(None)
+        lock.acquire()
+        self.wanted.pop()
+        self.active += 1
+        try:
+            if pred():  # already there: no need to progress
+                return True
+            spin_end = time.monotonic() + self.spin
+            while True:
+                if self.progress():
+                    self.notify()  # what we progressed may be what other threads wait for
+                if self.servicing:
+                    self.service()
+                if pred():
+                    return True
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                if now < spin_end:
+                    # Spin, but give the core away between two polls: on a busy machine
+                    # the peer (or our own sender thread) may need it to answer us.
+                    if self.wanted:
+                        lock.release()
+                        os.sched_yield()
+                        lock.acquire()
+                    else:
+                        os.sched_yield()
+                    continue
+                step = self.SLICE if deadline is None else min(self.SLICE, deadline - now)
+                if self.sleeping:
+                    self.cond.wait(step)
+                    continue
+                if not worker.arm():
+                    continue  # events pending: progress again
+                self.sleeping = True
+                lock.release()
+                try:
+                    self.poller.poll(max(1, int(step * 1000) + 1))
+                    try:
+                        os.eventfd_read(self.wake_fd)
+                    except OSError:
+                        pass
+                finally:
+                    lock.acquire()
+                    self.sleeping = False
+                spin_end = time.monotonic() + self.spin
+        finally:
+            self.active -= 1
+            lock.release()
+
+
+class _Op:
+    __slots__ = ("eng",)
+
+    def __init__(self, eng: _Engine) -> None:
+        self.eng = eng
+
+    def __enter__(self) -> _Engine:
+        eng = self.eng
+        eng.wanted.append(None)
+        eng.lock.acquire()
+        eng.wanted.pop()
+        return eng
+
+    def __exit__(self, *exc: object) -> None:
+        self.eng.lock.release()
+
+
+def _tick(ref: "weakref.ref[_Engine]") -> None:
+    """Progress the worker now and then while no thread waits (handshakes, credits, peer loss)."""
+    while True:
+        time.sleep(_Engine.TICK)
+        eng = ref()
+        if eng is None or eng.stopped or eng.pid != os.getpid():
+            return
+        if eng.active or eng.wanted or not eng.lock.acquire(blocking=False):
+            del eng
+            continue
+        try:
+            did = eng.progress()
+            if eng.servicing:
+                eng.service()
+            if did:
+                eng.notify()
+        except Exception:  # noqa: BLE001 - never let the ticker die
+            log.exception("ucx progress tick failed")
+        finally:
+            eng.lock.release()
+        del eng
+
+
+_ENGINE: _Engine | None = None
+_ENGINE_LOCK = threading.Lock()
+
+
+def _engine(peer_timeout: float = 30.0) -> _Engine:
+    """The process's engine, created on first use (and again in a forked child)."""
+    global _ENGINE
+    eng = _ENGINE
+    if eng is not None and eng.pid == os.getpid():
+        return eng
+    with _ENGINE_LOCK:
+        if _ENGINE is None or _ENGINE.pid != os.getpid():
+            _ENGINE = _Engine(peer_timeout)
+        return _ENGINE
+
+
+@atexit.register
+def _shutdown() -> None:
+    eng = _ENGINE
+    if eng is None or eng.pid != os.getpid():
+        return
+    eng.stopped = True
+    for obj in list(eng.objects):
+        try:
+            obj.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+# -- endpoint state shared by the handshake and the transport --------------------------
+
+
+class _EpState:
+    """Filled by the endpoint's close callback (called during worker progress)."""
+
+    __slots__ = ("lost", "owner", "__weakref__")
+
+    def __init__(self) -> None:
+        self.lost = False
+        self.owner: "weakref.ref[UcxTransport] | None" = None
+
+
+def _on_ep_closed(state: _EpState) -> None:
+    state.lost = True
+    t = state.owner() if state.owner is not None else None
+    if t is not None:
+        t._on_ep_lost()
+
+
+def _watch(ep: Any) -> _EpState:
+    state = _EpState()
+    ep.set_close_callback(_on_ep_closed, cb_args=(state,))
+    return state
+
+
+def _cancelled(req: Any) -> bool:
+    """True for no request, or one that ended cancelled (UCX cancels an endpoint's requests on error)."""
+    if req is None:
+        return True
+    if not req.completed:
+        return False
+    try:
+        req.check_error()
+    except _ucx.UCXCanceledError:
+        return True
+    except _ucx.UCXError:
+        return False
+    return False
+
+
+def _filled(req: Any) -> bool:
+    """Completed and not cancelled (a failed one counts: _finish reports its error)."""
+    return req is not None and req.completed and not _cancelled(req)
+
+
+def _close_ep(ep: Any) -> None:
+    """Cancel the endpoint's requests and close it (force: never waits for the peer)."""
+    try:
+        ep.close_blocking()
+    except Exception as exc:  # noqa: BLE001 - closing is best effort
+        log.debug("ucx endpoint close: %s", exc)
+
+
+# -- the transport ---------------------------------------------------------------------
+
+
+class _Post:
+    __slots__ = ("req", "keep", "arr", "cap", "hreq", "hbuf", "harr")
+
+    def __init__(self, req: Any, keep: Any, arr: Any, cap: int, hreq: Any, hbuf: Any, harr: Any) -> None:
+        self.req = req  # None: posted after the peer left, filled only from UCX's unexpected queue
+        self.keep = keep
+        self.arr = arr
+        self.cap = cap
+        self.hreq = hreq
+        self.hbuf = hbuf
+        self.harr = harr
+
+
+class _CreditRx:
+    __slots__ = ("req", "buf", "arr")
+
+    def __init__(self) -> None:
+        self.req: Any = None
+        self.buf = _u8(CRED.size)
+        self.arr = _Array(self.buf)
+
+
+class UcxTransport(Transport):
+    """A UCX endpoint to one peer with credit flow control. See the module docstring."""
+
+    kind = "ucx"
+    reaches_cuda = True
+
+    def __init__(self, eng: _Engine, ep: Any, state: _EpState, *, rid: int, peer_rid: int, peer: str,
+                 peer_timeout: float = 30.0) -> None:
+        # Called with the engine lock held.
+        self._eng = eng
+        self._ep = ep
+        self._state = state
+        self._rid = rid << _RID_SHIFT
+        self._peer_rid = peer_rid << _RID_SHIFT
+        self._peer = peer
+        self._peer_timeout = peer_timeout
+        self._posted: dict[int, Deque[_Post]] = collections.defaultdict(collections.deque)
+        self._credits: dict[int, Deque[tuple[int, int]]] = collections.defaultdict(collections.deque)
+        self._credit_rx: dict[int, _CreditRx] = {}
+        self._send_steps: dict[int, int] = collections.defaultdict(int)
+        self._sends: Deque[tuple[Any, Any]] = collections.deque()  # small sends in flight + their buffers
+        self._credit_pool: list[tuple[Any, Any]] = []
+        self._error: BaseException | None = None
+        self._closed = False
+        self._bye_at: float | None = None  # when the peer's goodbye arrived (a graceful close)
+        self._lost_at: float | None = None  # when the endpoint reported an error
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._ctrl_buf = _u8(len(BYE))
+        self._ctrl_arr = _Array(self._ctrl_buf)
+        self._ctrl_req = ep.tag_recv(self._ctrl_arr, tag=_Tag(self._rid | (CTRL << _KIND_SHIFT)))
+        self._acked = False  # the peer answered our goodbye
+        self._ctrl_sends: list[Any] = []
+        eng.ctrl_watch.add(self)
+        state.owner = weakref.ref(self)
+        if state.lost:
+            self._on_ep_lost()
+        eng.objects.add(self)
+
+    # -- public API ----------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def describe(self) -> str:
+        return f"ucx to {self._peer}"
+
+    def post_recv(self, tag: int, buf: Any, *, header: bool = False) -> None:
+        _check_tag(tag)
+        keep, arr, cap = _as_array(buf, writable=True)
+        with self._eng.op():
+            self._check_usable()
+            hbuf = harr = None
+            if header:
+                hbuf = _u8(HDR.size)
+                harr = _Array(hbuf)
+            if self._peer_gone():
+                # The peer said goodbye (or its endpoint failed moments ago): like a TCP
+                # stream not yet read up to its end, accept the post; no credit goes out and
+                # only a message already sent can fill it (else its wait raises PeerLostError).
+                self._posted[tag].append(_Post(None, keep, arr, cap, None, hbuf, harr))
+                return
+            try:
+                req = self._ep.tag_recv(arr, tag=_Tag(self._rid | (DATA << _KIND_SHIFT) | tag))
+                hreq = None
+                if header:
+                    hreq = self._ep.tag_recv(harr, tag=_Tag(self._rid | (HEADER << _KIND_SHIFT) | tag))
+                self._posted[tag].append(_Post(req, keep, arr, cap, hreq, hbuf, harr))
+                self._grant(tag, cap, F_HEADER if header else 0)
+            except _ucx.UCXError as exc:
+                raise self._fail_from(exc, f"posting a receive on tag {tag}") from exc
+
+    def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[Received] = []
+
+        def ready() -> bool:
+            q = self._posted.get(tag)
+            if q:
+                p = q[0]
+                if self._peer_gone() and not self._closed:
+                    self._salvage(tag, p)
+                if _filled(p.req) and (p.hreq is None or _filled(p.hreq)):
+                    q.popleft()
+                    out.append(self._finish(tag, p))
+                    return True
+            self._check_usable()
+            if self._bye_at is not None and time.monotonic() - self._bye_at >= BYE_GRACE_S:
+                raise PeerLostError(f"peer {self._peer} closed the link (nothing more arrived on tag {tag})")
+            return False
+
+        if not self._eng.wait(ready, deadline):
+            raise TransferTimeout(f"receive on tag {tag} timed out after {timeout}s (peer {self._peer})")
+        return out[0]
+
+    def send(
+        self,
+        tag: int,
+        buf: Any,
+        *,
+        step: int | None = None,
+        shape: tuple[int, ...] | None = None,
+        timeout: float | None,
+    ) -> None:
+        _check_tag(tag)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keep, arr, n = _as_array(buf, writable=False)
+        if shape is not None and len(shape) > HEADER_DIMS:
+            raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+        reqs: list[Any] = []  # (request, buffers it reads) once the message is posted
+
+        def progressed() -> bool:
+            if not reqs:  # phase 1: a credit, then post header + payload
+                self._check_usable()
+                if self._bye_at is not None:
+                    raise PeerLostError(f"peer {self._peer} closed the link")
+                if self._lost_at is not None:
+                    self._fail(PeerLostError(f"peer {self._peer} lost (UCX endpoint error)"))
+                    self._check_usable()
+                credit = self._take_credit(tag)
+                if credit is None:
+                    return False
+                self._post_send(tag, credit, keep, arr, n, step, shape, reqs)
+            # phase 2: the payload is out of ``buf`` (eager sends usually finish right here)
+            for r, _ in reqs:
+                if not r.completed:
+                    self._check_usable()
+                    return False
+            for r, _ in reqs:
+                try:
+                    r.check_error()
+                except _ucx.UCXError as exc:
+                    raise self._fail_from(exc, f"send on tag {tag}") from exc
+            return True
+
+        try:
+            ok = self._eng.wait(progressed, deadline)
+        except TensorWireError:
+            if reqs:
+                with self._eng.op():
+                    self._settle(reqs)
+            raise
+        if not ok:
+            if not reqs:
+                raise TransferTimeout(
+                    f"no credit to send on tag {tag} within {timeout}s (peer {self._peer} posted no buffer)")
+            # The message is on its way and cannot be recalled: the link is broken.
+            with self._eng.op():
+                self._fail(PeerLostError(f"send on tag {tag} to {self._peer} stalled past its timeout"))
+                self._teardown(goodbye=True)
+                self._settle(reqs)
+            raise TransferTimeout(f"send on tag {tag} did not complete within {timeout}s (peer {self._peer})")
+        self.bytes_sent += n
+
+    def _post_send(self, tag: int, credit: tuple[int, int], keep: Any, arr: Any, n: int, step: int | None,
+                   shape: tuple[int, ...] | None, reqs: list[Any]) -> None:
+        """Spend ``credit``: post the header (if the receiver wants one) and the payload."""
+        cap, flags = credit
+        want_header = bool(flags & F_HEADER)
+        if n > cap or (n != cap and not want_header):
+            self._credits[tag].appendleft(credit)
+            raise ProtocolError(
+                f"{n} bytes do not fit the peer's {cap}-byte buffer on tag {tag}"
+                + ("" if want_header else " (a tag without header takes exactly its buffer's size)"))
+        s = self._send_steps[tag] = self._send_steps[tag] + 1
+        try:
+            if want_header:
+                hbuf = _u8(HDR.size)
+                if shape is None:
+                    HDR.pack_into(hbuf, 0, s if step is None else step, n, NO_SHAPE, *((0,) * HEADER_DIMS))
+                else:
+                    dims = tuple(int(d) for d in shape) + (0,) * (HEADER_DIMS - len(shape))
+                    HDR.pack_into(hbuf, 0, s if step is None else step, n, len(shape), *dims)
+                harr = _Array(hbuf)
+                reqs.append((self._ep.tag_send(harr, tag=_Tag(self._peer_rid | (HEADER << _KIND_SHIFT) | tag)),
+                             (hbuf, harr)))
+            reqs.append((self._ep.tag_send(arr, tag=_Tag(self._peer_rid | (DATA << _KIND_SHIFT) | tag)), (keep, arr)))
+        except _ucx.UCXError as exc:
+            raise self._fail_from(exc, f"send on tag {tag}") from exc
+
+    def close(self) -> None:
+        self._close(goodbye=True)
+
+    def abort(self) -> None:
+        self._close(goodbye=False)
+
+    # -- internals (engine lock held unless noted) ------------------------------------
+    def _close(self, *, goodbye: bool) -> None:
+        eng = self._eng
+        with eng.op():
+            if self._closed:
+                return
+            self._closed = True
+            alive = self._error is None and not self._peer_gone()
+            if self._error is None:
+                self._error = ClosedError("transport closed")
+            eng.notify()  # other threads' waits end with ClosedError
+            bye = None
+            if goodbye and alive and self._ep is not None:
+                bye = self._start_goodbye()
+        if bye is not None:
+            # Graceful close: this side's sends still in flight complete first (the peer
+            # receives them: rendezvous data is fetched from us), then the goodbye, which
+            # UCX delivers after them; only then the endpoint closes. Bounded.
+            state = self._state
+            end = time.monotonic() + CLOSE_DRAIN_S
+
+            def drained() -> bool:
+                if state.lost:
+                    return True
+                if any(not r.completed for r, _ in self._sends):
+                    return False
+                if bye[0] is None:
+                    bye[0] = self._post_goodbye(bye)
+                    if bye[0] is not False:
+                        nonlocal end
+                        end = time.monotonic() + CLOSE_ACK_S
+                if bye[0] is False:
+                    return True
+                self._poll_ctrl()
+                return bye[0].completed and (self._acked or self._bye_at is not None)
+
+            try:
+                while not eng.wait(drained, end) and time.monotonic() < end:
+                    pass  # ``end`` moved: the goodbye went out and now waits for its ACK
+            except Exception as exc:  # noqa: BLE001 - closing is best effort
+                log.debug("ucx close: draining: %s", exc)
+        with eng.op():
+            self._teardown(goodbye=False)
+            eng.notify()
+
+    def _start_goodbye(self) -> list[Any]:
+        """[request or None (not sent yet) or False (failed), buffers]: the goodbye's state."""
+        bye = np.frombuffer(bytearray(BYE), dtype=np.uint8)
+        return [None, (bye, _Array(bye))]
+
+    def _post_goodbye(self, bye: list[Any]) -> Any:
+        ep = self._ep
+        if ep is None:
+            return False
+        try:
+            return ep.tag_send(bye[1][1], tag=_Tag(self._peer_rid | (CTRL << _KIND_SHIFT)))
+        except _ucx.UCXError:
+            return False
+
+    def _teardown(self, *, goodbye: bool) -> None:
+        """Say goodbye (best effort), cancel every request of the endpoint and close it."""
+        if self._ep is None:
+            return
+        ep, self._ep = self._ep, None
+        if goodbye and not self._state.lost:
+            try:
+                bye = np.frombuffer(bytearray(BYE), dtype=np.uint8)
+                barr = _Array(bye)
+                req = ep.tag_send(barr, tag=_Tag(self._peer_rid | (CTRL << _KIND_SHIFT)))
+                end = time.monotonic() + 0.2
+                while not req.completed and time.monotonic() < end and not self._state.lost:
+                    self._eng.worker.progress()
+            except _ucx.UCXError:
+                pass
+        self._state.owner = None
+        self._eng.ctrl_watch.discard(self)
+        _close_ep(ep)
+        self._drain_unexpected()
+        # Requests were cancelled by the close; completion may need one more progress.
+        self._eng.worker.progress()
+        self._credit_rx.clear()
+        self._sends.clear()
+        self._eng.objects.discard(self)
+
+    def _drain_unexpected(self) -> None:
+        """Take small messages still queued for this connection out of UCX's unexpected queue."""
+        worker = self._eng.worker
+        mask = _ucx.UCXXTagMask(_RID_MASK << _RID_SHIFT)
+        scratch = _u8(4096)
+        sarr = _Array(scratch)
+        for _ in range(10000):
+            try:
+                probe = worker.tag_probe(_Tag(self._rid), mask, remove=False)
+                if not probe.matched or probe.length > len(scratch):
+                    return
+                probe = worker.tag_probe(_Tag(self._rid), mask, remove=True)
+                if not probe.matched:
+                    return
+                req = worker.tag_recv_with_handle(sarr, probe)
+                end = time.monotonic() + 0.1
+                while not req.completed and time.monotonic() < end:
+                    worker.progress()
+            except Exception as exc:  # noqa: BLE001 - best effort
+                log.debug("draining unexpected ucx messages: %s", exc)
+                return
+
+    def _settle(self, reqs: list[Any]) -> None:
+        """Keep in-flight buffers referenced until UCX is done with them."""
+        pending = [(r, k) for r, k in reqs if not r.completed]
+        if pending:
+            self._sends.extend(pending)
+
+    def _grant(self, tag: int, cap: int, flags: int) -> None:
+        """Send one credit; its 16-byte buffer comes from a pool (eager sends usually finish at once)."""
+        pool = self._credit_pool
+        cbuf, carr = pool.pop() if pool else (_u8(CRED.size), None)
+        if carr is None:
+            carr = _Array(cbuf)
+        CRED.pack_into(cbuf, 0, cap, flags)
+        req = self._ep.tag_send(carr, tag=_Tag(self._peer_rid | (CREDIT << _KIND_SHIFT) | tag))
+        if req.completed:
+            pool.append((cbuf, carr))
+        else:
+            self._sends.append((req, (cbuf, carr)))
+        sends = self._sends
+        while sends and sends[0][0].completed:
+            sends.popleft()
+
+    def _take_credit(self, tag: int) -> tuple[int, int] | None:
+        q = self._credits[tag]
+        rx = self._credit_rx.get(tag)
+        if rx is None:
+            rx = self._credit_rx[tag] = _CreditRx()
+        while True:
+            if rx.req is None:
+                rx.req = self._ep.tag_recv(rx.arr, tag=_Tag(self._rid | (CREDIT << _KIND_SHIFT) | tag))
+            if not rx.req.completed:
+                break
+            req, rx.req = rx.req, None
+            try:
+                req.check_error()
+            except _ucx.UCXError as exc:
+                raise self._fail_from(exc, f"waiting for a credit on tag {tag}") from exc
+            q.append(CRED.unpack_from(rx.buf))
+        return q.popleft() if q else None
+
+    def _finish(self, tag: int, p: _Post) -> Received:
+        try:
+            p.req.check_error()
+            if p.hreq is not None:
+                p.hreq.check_error()
+        except _ucx.UCXError as exc:
+            raise self._fail_from(exc, f"receive on tag {tag}") from exc
+        if p.hreq is None:
+            self.bytes_received += p.cap
+            return Received(p.cap)
+        step, nbytes, ndim, *dims = HDR.unpack_from(p.hbuf)
+        if nbytes > p.cap:
+            self._fail(ProtocolError(f"peer {self._peer} announced {nbytes} bytes for a {p.cap}-byte slot"))
+            self._check_usable()
+        if ndim == NO_SHAPE:
+            shape = None
+        elif ndim <= HEADER_DIMS:
+            shape = tuple(dims[:ndim])
+        else:
+            self._fail(ProtocolError(f"bad ndim {ndim} from {self._peer}"))
+            self._check_usable()
+        self.bytes_received += nbytes
+        return Received(nbytes, shape, step)
+
+    def _on_ep_lost(self) -> None:
+        # Not fatal yet: after a graceful close the endpoint error follows the goodbye, and
+        # messages sent before it may still be queued here (UCX cancels this endpoint's
+        # receives; _salvage takes their messages from the unexpected queue). Without a
+        # goodbye within LOST_GRACE_S, _check_usable declares the peer lost.
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+        try:
+            self._eng.notify()
+        except RuntimeError:  # called outside the engine lock (UCX's async thread)
+            pass
+
+    def _send_ctrl(self, msg: bytes) -> None:
+        """Best effort: the peer may be gone already."""
+        if self._ep is None or self._state.lost:
+            return
+        buf = np.frombuffer(bytearray(msg), dtype=np.uint8)
+        arr = _Array(buf)
+        try:
+            req = self._ep.tag_send(arr, tag=_Tag(self._peer_rid | (CTRL << _KIND_SHIFT)))
+        except _ucx.UCXError:
+            return
+        if not req.completed:
+            self._sends.append((req, (buf, arr)))
+
+    def _peer_gone(self) -> bool:
+        return self._bye_at is not None or self._lost_at is not None
+
+    def _salvage(self, tag: int, p: _Post) -> None:
+        """The peer is gone: refill a receive UCX cancelled (or never posted) from the unexpected queue."""
+        worker = self._eng.worker
+        for kind, attr, arr in ((DATA, "req", p.arr), (HEADER, "hreq", p.harr)):
+            if arr is None or not _cancelled(getattr(p, attr)):
+                continue
+            try:
+                probe = worker.tag_probe(_Tag(self._rid | (kind << _KIND_SHIFT) | tag), remove=True)
+                if probe.matched:
+                    setattr(p, attr, worker.tag_recv_with_handle(arr, probe))
+            except _ucx.UCXError as exc:
+                raise self._fail_from(exc, f"receive on tag {tag}") from exc
+
+    def _poll_ctrl(self) -> None:
+        req = self._ctrl_req
+        if req is None or not req.completed:
+            return
+        if _cancelled(req):  # the endpoint failed first: the goodbye may sit in the unexpected queue
+            if not self._closed:
+                probe = self._eng.worker.tag_probe(_Tag(self._rid | (CTRL << _KIND_SHIFT)), remove=True)
+                if probe.matched:
+                    self._ctrl_req = self._eng.worker.tag_recv_with_handle(self._ctrl_arr, probe)
+            return
+        self._ctrl_req = None
+        try:
+            req.check_error()
+        except _ucx.UCXError:
+            self._on_ep_lost()
+            return
+        msg = bytes(self._ctrl_buf)
+        if msg in (BYE, ACK):
+            if msg == BYE:
+                self._bye_at = time.monotonic()
+                self._send_ctrl(ACK)
+            else:
+                self._acked = True
+            if self._closed and self._ep is not None and not self._acked:
+                try:  # a closing side that got the peer's goodbye still waits for the ACK of its own
+                    self._ctrl_req = self._ep.tag_recv(self._ctrl_arr, tag=_Tag(self._rid | (CTRL << _KIND_SHIFT)))
+                except _ucx.UCXError:
+                    pass
+            self._eng.notify()
+        else:
+            self._fail(ProtocolError(f"unknown control message {bytes(self._ctrl_buf)!r} from {self._peer}"))
+
+    def _check_usable(self) -> None:
+        if self._error is None:
+            self._poll_ctrl()
+            lost = self._lost_at
+            if (self._error is None and self._bye_at is None and lost is not None
+                    and time.monotonic() - lost >= LOST_GRACE_S):
+                self._error = PeerLostError(f"peer {self._peer} lost (UCX endpoint error)")
+        err = self._error
+        if err is not None:
+            if isinstance(err, (TransportError, ClosedError, ProtocolError, AuthError)):
+                raise type(err)(str(err)) from err
+            raise PeerLostError(str(err)) from err
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._eng.notify()
+
+    def _fail_from(self, exc: BaseException, doing: str) -> TensorWireError:
+        """Translate a ucxx error: the recorded cause if there is one, else PeerLostError."""
+        if self._error is None:
+            if isinstance(exc, getattr(_ucx, "UCXMessageTruncatedError", ())):
+                self._fail(ProtocolError(f"{doing}: peer {self._peer} sent more than the buffer holds"))
+            elif isinstance(exc, _LOST_ERRORS):
+                self._fail(PeerLostError(f"{doing}: peer {self._peer} lost ({exc})"))
+            else:
+                self._fail(TransportError(f"{doing}: UCX error: {exc}"))
+        err = self._error
+        assert err is not None
+        return type(err)(str(err)) if isinstance(err, TensorWireError) else PeerLostError(str(err))
+
+
+# -- connection set-up -----------------------------------------------------------------
+
+
+class _Handshake:
+    __slots__ = ("ep", "state", "req", "buf", "arr", "deadline", "peer")
+
+    def __init__(self, ep: Any, state: _EpState, deadline: float, peer: str) -> None:
+        self.ep = ep
+        self.state = state
+        self.buf = _u8(HELLO.size)
+        self.arr = _Array(self.buf)
+        self.req = ep.stream_recv(self.arr)
+        self.deadline = deadline
+        self.peer = peer
+
+
+class UcxListener(Listener):
+    """Accepts UCX data connections; routes each to the link whose nonce it presents.
+
+    ucxx listeners bind every interface: ``host`` is only what :attr:`address` reports.
+    """
+
+    kind = "ucx"
+    HELLO_TIMEOUT = 5.0
+    REPLY_GRACE = 1.0
+
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0) -> None:
+        self._eng = eng = _engine(peer_timeout)
+        self._host = host
+        self._peer_timeout = peer_timeout
+        self._expected: set[bytes] = set()
+        self._parked: dict[bytes, UcxTransport] = {}
+        self._pending: list[_Handshake] = []
+        self._refusing: list[tuple[Any, Any, Any, float]] = []  # (ep, reply req, buffers, close at)
+        self._closed = False
+        self._count = 0
+        self.rejected = 0
+        ref = weakref.ref(self)
+
+        def on_conn_request(conn_request: int) -> None:
+            lst = ref()
+            if lst is not None:
+                lst._on_conn_request(conn_request)
+
+        with eng.op():
+            try:
+                self._ul = _ucx.UCXListener.create(eng.worker, port, on_conn_request)
+            except _ucx.UCXError as exc:
+                raise TransportError(f"cannot listen for UCX on port {port}: {exc}") from exc
+            self._port = self._ul.port
+            eng.objects.add(self)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self._host, self._port)
+
+    def expect(self, nonce: bytes) -> None:
+        with self._eng.op():
+            self._expected.add(bytes(nonce))
+
+    def forget(self, nonce: bytes) -> None:
+        with self._eng.op():
+            self._expected.discard(nonce)
+            t = self._parked.pop(nonce, None)
+        if t is not None:
+            t.abort()
+
+    def accept(self, nonce: bytes, *, timeout: float | None) -> UcxTransport:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        nonce = bytes(nonce)
+        got: list[UcxTransport] = []
+
+        def ready() -> bool:
+            t = self._parked.pop(nonce, None)
+            if t is not None:
+                self._expected.discard(nonce)
+                got.append(t)
+                return True
+            if self._closed:
+                raise ClosedError("listener closed")
+            return False
+
+        if not self._eng.wait(ready, deadline):
+            raise ConnectTimeout(f"no UCX data connection arrived on port {self._port} within {timeout}s")
+        return got[0]
+
+    def close(self) -> None:
+        eng = self._eng
+        with eng.op():
+            if self._closed:
+                return
+            self._closed = True
+            ul, self._ul = self._ul, None
+            del ul  # destroys the UCX listener: no more connection requests
+            for h in self._pending:
+                _close_ep(h.ep)
+            for ep, *_ in self._refusing:
+                _close_ep(ep)
+            self._pending.clear()
+            self._refusing.clear()
+            parked = list(self._parked.values())
+            self._parked.clear()
+            eng.servicing.discard(self)
+            eng.objects.discard(self)
+            eng.notify()
+        for t in parked:
+            t.abort()
+
+    # -- engine lock held ------------------------------------------------------------
+    def _on_conn_request(self, conn_request: int) -> None:
+        """Called during worker progress (the engine lock is held)."""
+        ul = self._ul
+        if ul is None:
+            return
+        try:
+            ep = ul.create_endpoint_from_conn_request(conn_request, True)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the listener
+            log.warning("ucx data listener: cannot accept a connection: %s", exc)
+            return
+        if self._closed:
+            _close_ep(ep)
+            return
+        self._count += 1
+        try:
+            state = _watch(ep)
+            h = _Handshake(ep, state, time.monotonic() + self.HELLO_TIMEOUT, f"ucx-client#{self._count}@{self._port}")
+        except Exception as exc:  # noqa: BLE001
+            log.warning("ucx data listener: handshake set-up failed: %s", exc)
+            _close_ep(ep)
+            return
+        self._pending.append(h)
+        self._eng.servicing.add(self)
+
+    def _service(self) -> None:
+        """Advance handshakes: accept good hellos, drop bad or silent ones."""
+        now = time.monotonic()
+        keep: list[_Handshake] = []
+        changed = False
+        for h in self._pending:
+            if h.req.completed:
+                changed = True
+                self._finish_handshake(h)
+            elif h.state.lost:
+                changed = True
+                self._reject(h, "endpoint closed before its hello")
+            elif now >= h.deadline:
+                changed = True
+                self._reject(h, f"no hello within {self.HELLO_TIMEOUT}s")
+            else:
+                keep.append(h)
+        self._pending = keep
+        if self._refusing:
+            still = []
+            for item in self._refusing:
+                ep, req, _bufs, close_at = item
+                if req.completed or now >= close_at:
+                    _close_ep(ep)
+                else:
+                    still.append(item)
+            self._refusing = still
+        if not self._pending and not self._refusing:
+            self._eng.servicing.discard(self)
+        if changed:
+            self._eng.notify()
+
+    def _reject(self, h: _Handshake, why: str, *, reply: bool = False) -> None:
+        self.rejected += 1
+        log.warning("ucx data listener: dropped connection %s: %s", h.peer, why)
+        if reply and not h.state.lost:
+            try:
+                rbuf = _u8(REPLY.size)
+                REPLY.pack_into(rbuf, 0, REPLY_NO, PROTOCOL_VERSION, 0)
+                rarr = _Array(rbuf)
+                req = h.ep.stream_send(rarr)
+                self._refusing.append((h.ep, req, (rbuf, rarr, h), time.monotonic() + self.REPLY_GRACE))
+                return
+            except Exception:  # noqa: BLE001
+                pass
+        _close_ep(h.ep)
+
+    def _finish_handshake(self, h: _Handshake) -> None:
+        try:
+            h.req.check_error()
+        except Exception as exc:  # noqa: BLE001
+            self._reject(h, f"hello failed: {exc}")
+            return
+        magic, version, client_rid, nonce = HELLO.unpack_from(h.buf)
+        if magic != HELLO_MAGIC:
+            self._reject(h, f"bad hello magic {bytes(magic)!r}")
+            return
+        if version != PROTOCOL_VERSION:
+            self._reject(h, f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}", reply=True)
+            return
+        if not client_rid or client_rid > _RID_MASK:
+            self._reject(h, "bad receiver id")
+            return
+        if nonce not in self._expected or nonce in self._parked or self._closed:
+            self._reject(h, "unknown data-plane credential", reply=True)
+            return
+        eng = self._eng
+        rid = eng.new_rid()
+        try:
+            t = UcxTransport(eng, h.ep, h.state, rid=rid, peer_rid=client_rid, peer=h.peer,
+                             peer_timeout=self._peer_timeout)
+            rbuf = _u8(REPLY.size)
+            REPLY.pack_into(rbuf, 0, REPLY_OK, PROTOCOL_VERSION, rid)
+            rarr = _Array(rbuf)
+            req = h.ep.stream_send(rarr)
+            if not req.completed:
+                t._sends.append((req, (rbuf, rarr)))
+        except Exception as exc:  # noqa: BLE001
+            self._reject(h, f"accepting failed: {exc}")
+            return
+        self._parked[nonce] = t
+
+    # -- dialling --------------------------------------------------------------------
+    @classmethod
+    def connect(
+        cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0
+    ) -> UcxTransport:
+        """Dial a UCX listener and present ``nonce``.
+
+        Raises:
+            ConnectTimeout: no connection/answer within ``timeout``.
+            AuthError: the listener refused the credential.
+            VersionMismatchError: the listener speaks another protocol version.
+            PeerLostError: the address cannot be resolved.
+        """
+        if len(nonce) != NONCE_BYTES:
+            raise ConfigError(f"nonce must be {NONCE_BYTES} bytes")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise PeerLostError(f"cannot resolve {host}: {exc}") from exc
+        # ucxx listeners bind 0.0.0.0: prefer an IPv4 address ("localhost" may list ::1 first).
+        ip = next((i[4][0] for i in infos if i[0] == socket.AF_INET), infos[0][4][0])
+        eng = _engine(peer_timeout)
+        delay = 0.05
+        while True:
+            t = cls._attempt(eng, ip, port, bytes(nonce), deadline, peer=f"{host}:{port}", peer_timeout=peer_timeout)
+            if t is not None:
+                return t
+            rem = _remaining(deadline)
+            if rem is not None and rem <= delay:
+                raise ConnectTimeout(f"UCX connection to {host}:{port} refused or reset until the timeout")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    @staticmethod
+    def _attempt(eng: _Engine, ip: str, port: int, nonce: bytes, deadline: float | None, *, peer: str,
+                 peer_timeout: float) -> UcxTransport | None:
+        """One connection attempt: a transport, None if refused/reset (retry), or raises."""
+        with eng.op():
+            try:
+                ep = _ucx.UCXEndpoint.create(eng.worker, ip, port, True)
+            except _ucx.UCXError as exc:
+                log.debug("ucx connect to %s: %s", peer, exc)
+                return None
+            try:
+                state = _watch(ep)
+                rid = eng.new_rid()
+                hbuf = _u8(HELLO.size)
+                HELLO.pack_into(hbuf, 0, HELLO_MAGIC, PROTOCOL_VERSION, rid, nonce)
+                harr = _Array(hbuf)
+                sreq = ep.stream_send(harr)
+                rbuf = _u8(REPLY.size)
+                rarr = _Array(rbuf)
+                rreq = ep.stream_recv(rarr)
+            except _ucx.UCXError as exc:
+                _close_ep(ep)
+                log.debug("ucx connect to %s: %s", peer, exc)
+                return None
+
+        def answered() -> bool:
+            return rreq.completed or state.lost
+
+        try:
+            ok = eng.wait(answered, deadline)
+        except BaseException:
+            with eng.op():
+                _close_ep(ep)
+            raise
+        with eng.op():
+            if not ok:
+                _close_ep(ep)
+                raise ConnectTimeout(f"UCX hello to {peer} timed out")
+            if not rreq.completed:
+                _close_ep(ep)
+                return None  # refused / reset before any answer: the listener may not be up yet
+            try:
+                rreq.check_error()
+            except _ucx.UCXError:
+                _close_ep(ep)
+                return None
+            magic, version, server_rid = REPLY.unpack_from(rbuf)
+            if magic == REPLY_OK and version == PROTOCOL_VERSION and 0 < server_rid <= _RID_MASK:
+                t = UcxTransport(eng, ep, state, rid=rid, peer_rid=server_rid, peer=peer, peer_timeout=peer_timeout)
+                if not sreq.completed:
+                    t._sends.append((sreq, (hbuf, harr)))
+                return t
+            _close_ep(ep)
+            if magic == REPLY_NO:
+                if version != PROTOCOL_VERSION:
+                    raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
+                raise AuthError(f"UCX data listener {peer} refused the connection (bad credential)")
+            raise ProtocolError(f"unexpected hello reply {bytes(magic)!r} from {peer}")
