@@ -59,16 +59,16 @@ __all__ = [
 _LAZY = {
     "Node": ("tensorwire.node", "Node"),
     "Link": ("tensorwire.node", "Link"),
-    "init": ("tensorwire.init", "init"),
-    "discover": ("tensorwire.discover", "discover"),
-    "Plan": ("tensorwire.discover", "Plan"),
+    "init": ("tensorwire.bootstrap", "init"),
+    "discover": ("tensorwire.discovery", "discover"),
+    "Plan": ("tensorwire.discovery", "Plan"),
     "Client": ("tensorwire.client", "Client"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
-    from .discover import Plan, discover
-    from .init import init
+    from .bootstrap import init
+    from .discovery import Plan, discover
     from .node import Link, Node
 
 

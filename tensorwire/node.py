@@ -400,7 +400,9 @@ class Node:
         rank, world_size: this process's rank and the number of ranks.
         store: a ``torch.distributed.Store`` (e.g. ``TCPStore``) shared by all
             ranks, used to publish and look up control addresses. ``None``:
-            built from MASTER_ADDR/MASTER_PORT (rank 0 hosts it on MASTER_PORT+1).
+            built from MASTER_ADDR/MASTER_PORT: a client of torchrun's agent store
+            when TORCHELASTIC_USE_AGENT_STORE=True, else hosted by rank 0 on
+            MASTER_PORT (multi-tenant, shared with torch.distributed).
         host: address to bind listeners to and to advertise to peers.
         transport: ``"auto"`` (default; env ``TENSORWIRE_TRANSPORT``), ``"ucx"`` or ``"tcp"``.
         timeout: default timeout (s) for negotiation and transfers (env ``TENSORWIRE_TIMEOUT``).
@@ -466,7 +468,7 @@ class Node:
             raise ConfigError(f"MASTER_PORT={port!r} is not a port number") from None
         self._owns_store = True
         return bootstrap_store(master_addr=addr, master_port=port_n, rank=self.rank, world_size=self.world_size,
-                               use_agent_store=False, timeout=self.timeout)
+                               use_agent_store=None, timeout=self.timeout)
 
     def _open_listeners(self) -> None:
         kinds = ["tcp"] if self.transport == "tcp" else (["ucx"] if self.transport == "ucx" else ["ucx", "tcp"])

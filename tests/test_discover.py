@@ -1,4 +1,4 @@
-"""Tests for ``tensorwire.discover``: specs found without running a training step.
+"""Tests for ``tw.discover``: specs found without running a training step.
 
 Ground truth for every shape/dtype is a real forward pass run here in the test.
 """
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from tensorwire.discover import METHODS, Plan, discover, discover_call
+from tensorwire.discovery import METHODS, Plan, discover, discover_call
 from tensorwire.errors import ConfigError, NotFoundError, ShapeMismatchError, SpecError, TensorWireError
 from tensorwire.spec import TensorSpec
 
