@@ -82,7 +82,7 @@ class ControlServer:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def declare(self, offer: "control_pb2.LinkOffer") -> None:
-        """Publish this side's declaration of the link to ``offer.to_rank``."""
+        """Publish this side's declaration of the link to ``offer.to_rank`` (answered once)."""
         with self._cond:
             self._declared[(offer.to_rank, offer.link_name)] = offer
             self._cond.notify_all()
@@ -95,7 +95,9 @@ class ControlServer:
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                offer = self._declared.get((peer, link_name))
+                # One answer per declaration: a later negotiation of the same (peer, name)
+                # must wait for the next declaration, never get this one's old nonce.
+                offer = self._declared.pop((peer, link_name), None)
                 if offer is not None or self._closed:
                     return offer
                 rem = deadline - time.monotonic()

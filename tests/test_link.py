@@ -97,3 +97,10 @@ def test_dynamic_dims_travel_with_each_message_and_overflow_is_an_error(transpor
 def test_isend_handles_and_recv_into_out(transport):
     res = run_ranks(workers.isend_and_out, transport=transport)
     assert res[1] == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_relinking_the_same_peer_and_name_after_close_works(transport):
+    res = run_ranks(workers.relink_same_name, transport=transport)
+    assert res[0] == [10, 11, 12] and res[1] == [0, 1, 2]

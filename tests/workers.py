@@ -230,3 +230,20 @@ def isend_and_out(rank, world, store, transport):
             assert got is out
             res.append(int(out[1]))
         return res
+
+
+def relink_same_name(rank, world, store, transport, rounds=3):
+    """Close and re-negotiate the same (peer, name) several times; the faster side never sees a stale offer."""
+    spec = tw.TensorSpec("x", (4,), "int32")
+    out = []
+    with _node(rank, world, store, transport, timeout=30) as node:
+        for r in range(rounds):
+            if rank == 1:
+                time.sleep(0.3 * (r % 2))  # alternate which side declares first
+            link = node.link(1 - rank, send=[spec], recv=[spec])
+            link.send("x", torch.full((4,), r + 10 * rank, dtype=torch.int32))
+            out.append(int(link.recv("x")[0]))
+            store.set(f"relink/{r}/{rank}", "1")
+            store.wait([f"relink/{r}/{1 - rank}"])
+            link.close()
+    return out
