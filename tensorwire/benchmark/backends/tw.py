@@ -1,0 +1,105 @@
+"""tensorwire itself: a real :class:`tensorwire.Node` per process and one :class:`~tensorwire.Link` per size.
+
+Each message size gets its own link (``name="bench-<size>"``): its slots are
+allocated when it is negotiated, so the first transfer of a size is the first
+transfer of fresh slots. Data goes 0 -> 1 on spec ``data`` (uint8[size] on the
+bench device), the ack 1 -> 0 on spec ``ack`` (uint8[1] on the host).
+The transport is the backend's argument (``tcp``/``ucx``) or ``auto``.
+The sender closes a size's link first (the receiver waits for its word on the
+store): a receiver closing right after its last ack can make the sender's
+``recv`` of that ack fail (seen with the UCX transport: ``Link.recv`` re-posts
+the held slot before waiting, and ``post_recv`` raises once the goodbye arrived).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import PairContext
+from .base import Receiver as _Receiver
+from .base import Sender as _Sender
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from ...node import Link, Node
+
+
+def _node(ctx: PairContext, transport: str) -> "Node":
+    from ...node import Node
+
+    return Node(rank=ctx.rank, world_size=2, store=ctx.store, host=ctx.cfg.host, transport=transport,  # type: ignore[arg-type]
+                timeout=ctx.timeout, prefix=ctx.key("tw/"),
+                device=ctx.device if ctx.device.type == "cuda" else None)
+
+
+def _specs(size: int, ctx: PairContext):
+    from ...spec import TensorSpec
+
+    return (TensorSpec("data", (size,), "uint8", ctx.device.type), TensorSpec("ack", (1,), "uint8", "cpu"))
+
+
+class Sender(_Sender):
+    def __init__(self, ctx: PairContext, arg: str | None = None) -> None:
+        super().__init__(ctx, arg)
+        self.node = _node(ctx, arg or "auto")
+        self.link: "Link | None" = None
+        self.src: "torch.Tensor | None" = None
+
+    def open(self, size: int, src: "torch.Tensor") -> None:
+        data, ack = _specs(size, self.ctx)
+        self.link = self.node.link(1, send=[data], recv=[ack], name=f"bench-{size}")
+        self.transport = self.link.transport
+        self.src = src
+
+    def send(self) -> None:
+        assert self.link is not None
+        self.link.send("data", self.src)  # type: ignore[arg-type]
+
+    def wait_ack(self) -> None:
+        assert self.link is not None
+        self.link.recv("ack")
+
+    def close_size(self) -> None:
+        if self.link is not None:
+            self.ctx.publish(f"tw/done/{self.link.name}", "1")  # the receiver closes only after this
+            self.link.close()
+            self.link = None
+
+    def close(self) -> None:
+        self.close_size()
+        self.node.close()
+
+
+class Receiver(_Receiver):
+    def __init__(self, ctx: PairContext, arg: str | None = None) -> None:
+        super().__init__(ctx, arg)
+        import torch
+
+        self.node = _node(ctx, arg or "auto")
+        self.link: "Link | None" = None
+        self.ack_t = torch.ones(1, dtype=torch.uint8)
+
+    def open(self, size: int) -> None:
+        data, ack = _specs(size, self.ctx)
+        self.link = self.node.link(0, send=[ack], recv=[data], name=f"bench-{size}")
+
+    def recv(self) -> "torch.Tensor":
+        assert self.link is not None
+        return self.link.recv("data")
+
+    def ack(self) -> None:
+        assert self.link is not None
+        self.link.send("ack", self.ack_t)
+
+    def close_size(self) -> None:
+        if self.link is not None:
+            # Closing first would race the sender's last recv of the ack (the peer's goodbye can
+            # overtake it): wait until the sender is done with this link.
+            self.ctx.lookup(f"tw/done/{self.link.name}")
+            self.link.close()
+            self.link = None
+
+    def close(self) -> None:
+        self.close_size()
+        self.node.close()

@@ -1,0 +1,140 @@
+"""The Link allocates nothing after its first step: 1,000 steps of a 1 MiB exchange, measured three ways.
+
+Rank 0 sends 1 MiB and receives 1 MiB back each step; rank 1 echoes what it
+received (straight out of its receive slot). After step 1 each rank records
+
+- RSS (``/proc/self/statm``) and, after ``steps`` more steps, its growth;
+- in a second run of ``steps`` steps under ``tracemalloc``, the Python memory
+  still allocated at the end that was allocated during those steps, and how
+  much of it appeared in the second half (a per-step leak grows there; a
+  one-off cache filled on first use does not);
+- every slot's ``data_ptr`` (must not change) and the set of buffers
+  ``recv`` returned (must be the link's own slots: two, double-buffered).
+
+Run with ``transport="auto"`` this also shows which transport auto picks.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import traceback
+import tracemalloc
+from typing import Any
+
+from .worker import _device, _finish
+
+__all__ = ["entry", "RSS_TOLERANCE", "TRACED_TOLERANCE"]
+
+#: Growth tolerated as noise (interpreter free lists, a late page of a thread stack): far below one message.
+RSS_TOLERANCE = 64 * 1024
+TRACED_TOLERANCE = 4 * 1024
+#: Python memory allowed to appear during the second half of the traced steps: a per-step leak of even one
+#: small object (>= 16 B) would add >= 8 KiB over 500 steps; one-off cache fills are a few hundred bytes.
+SLOPE_TOLERANCE = 2048
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store_port: int, prefix: str,
+          q: Any) -> None:
+    """``name`` is ``memcheck-<transport>``; same reporting protocol as :func:`tensorwire.benchmark.worker.entry`."""
+    item: tuple
+    try:
+        from datetime import timedelta
+
+        import torch
+        from torch.distributed import TCPStore
+
+        from ..node import Node
+        from ..spec import TensorSpec
+        from .config import BenchConfig
+
+        torch.set_num_threads(1)
+        cfg = BenchConfig.from_dict(cfg_dict)
+        device = _device(cfg, rank)
+        transport = name.split("-", 1)[1]
+        store = TCPStore(store_host, store_port, 2, False, timedelta(seconds=cfg.op_timeout))
+        node = Node(rank=rank, world_size=2, store=store, host=cfg.host, transport=transport,  # type: ignore[arg-type]
+                    timeout=cfg.op_timeout, prefix=prefix, device=device if device.type == "cuda" else None)
+        try:
+            a = TensorSpec("a", (cfg.memcheck_size,), "uint8", device.type)
+            b = a.with_name("b")
+            link = node.link(1 - rank, send=[a] if rank == 0 else [b], recv=[b] if rank == 0 else [a], name="memcheck")
+            src = torch.full((cfg.memcheck_size,), 7, dtype=torch.uint8, device=device)
+            seen: set[int] = set()
+
+            def step() -> None:
+                if rank == 0:
+                    link.send("a", src)
+                    got = link.recv("b")
+                else:
+                    got = link.recv("a")
+                    link.send("b", got)
+                p = got.data_ptr()
+                if p not in seen:
+                    seen.add(p)
+
+            step()
+            gc.collect()
+            slots0 = [s.data_ptr for s in link.slots()]
+            rss0 = _rss()
+            for _ in range(cfg.memcheck_steps - 1):
+                step()
+            gc.collect()
+            rss_growth = _rss() - rss0
+            tracemalloc.start()
+            base, _ = tracemalloc.get_traced_memory()
+            half = cfg.memcheck_steps // 2
+            for _ in range(half):
+                step()
+            gc.collect()
+            mid, _ = tracemalloc.get_traced_memory()
+            for _ in range(cfg.memcheck_steps - half):
+                step()
+            gc.collect()
+            cur, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            slots1 = [s.data_ptr for s in link.slots()]
+            traced = cur - base
+            stable = slots0 == slots1
+            in_slots = seen <= set(slots1)
+            ok = (rss_growth <= RSS_TOLERANCE and traced <= TRACED_TOLERANCE and cur - mid <= SLOPE_TOLERANCE
+                  and stable and in_slots)
+            item = ("result", rank, {
+                "transport": link.transport, "rss_growth": rss_growth, "traced_growth": traced,
+                "traced_second_half": cur - mid,
+                "traced_peak": peak - base, "slots_stable": stable, "recv_buffers": len(seen),
+                "recv_in_slots": in_slots, "verdict": "PASS" if ok else "FAIL",
+            })
+            link.close()
+        finally:
+            node.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the runner
+        item = ("error", rank, type(exc).__name__, str(exc) or repr(exc), traceback.format_exc())
+    try:
+        _finish(q, item)
+    finally:
+        os._exit(0)
+
+
+def run(cfg: Any, transports: list[str]) -> list[dict[str, Any]]:
+    """One memcheck pair per transport (``auto`` first); results in report form."""
+    from .runner import run_pair
+
+    out = []
+    for t in transports:
+        res = run_pair(f"memcheck-{t}", cfg, target=entry, timeout=120.0 + cfg.memcheck_steps * 0.05)
+        item: dict[str, Any] = {"transport_asked": t, "status": res["status"], "size": cfg.memcheck_size,
+                                "steps": cfg.memcheck_steps}
+        if res["status"] == "ok":
+            item["ranks"] = {"0": res["sender"], "1": res["receiver"]}
+            item["transport"] = res["sender"]["transport"]
+            item["verdict"] = ("PASS" if all(r["verdict"] == "PASS" for r in item["ranks"].values()) else "FAIL")
+        else:
+            item["error"] = res.get("error", "")
+        out.append(item)
+    return out

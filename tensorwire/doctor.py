@@ -1,0 +1,558 @@
+"""``tensorwire doctor``: can this host move tensors fast, and if not, what to change.
+
+Each check prints one line with a plain verdict and, when something is off,
+the fix::
+
+    OK    the thing works
+    WARN  works, but slower or riskier than it could be (the fix says how)
+    FAIL  will not work as configured (the fix says how)
+    N/A   does not apply here (no GPU, no RDMA NIC, ...)
+
+Checks: UCX / ucxx versions and how UCX was built, the transports and devices
+UCX sees (``ucx_info -d`` from the libucx wheel, else ucxx's context info),
+RDMA (InfiniBand/RoCE in ``/sys/class/infiniband``, ``/dev/infiniband``),
+tcp, shared memory (incl. ``/dev/shm`` size and cma/ptrace), CUDA transports
+(cuda_copy/cuda_ipc), GPUDirect RDMA (``nvidia_peermem``), whether UCX can
+reach CUDA memory, the memlock limit, container / IPC-namespace hints,
+PyTorch ``expandable_segments``, the effective ``UCX_*`` variables, and what
+``transport=auto`` will pick.
+
+Every probe of the host goes through :class:`Probe`, so tests can point it at
+a fake ``/sys`` tree, environment and limits. Exit status: 1 if any FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+from typing import Any, Callable, Iterable, Literal, Mapping
+
+__all__ = ["Finding", "Probe", "run_checks", "render", "register", "main", "CHECKS"]
+
+Verdict = Literal["OK", "WARN", "FAIL", "N/A"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    check: str
+    verdict: Verdict
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+@dataclasses.dataclass
+class UcxInfo:
+    """What UCX reports about itself."""
+
+    version: str | None = None
+    ucxx_version: str | None = None
+    configured: str = ""  # "Configured with:" line of ucx_info -v
+    transports: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (transport, device)
+    modules: list[str] = dataclasses.field(default_factory=list)  # uct module files found next to libucp
+    source: str = ""
+    error: str | None = None
+    cuda_support: bool | None = None
+    env_set_by_ucxx: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+class Probe:
+    """Access to the host, injectable for tests.
+
+    Args:
+        root: prefix for ``/sys``, ``/dev``, ``/proc`` paths ("" = the real host).
+        env: environment to judge (default ``os.environ``).
+        memlock: ``(soft, hard)`` RLIMIT_MEMLOCK (default: the real one).
+        ucx: :class:`UcxInfo`, or a callable producing it (default: :func:`probe_ucx`).
+        cuda: ``(available, [device names])`` (default: asks torch, without initializing a context if absent).
+    """
+
+    def __init__(self, *, root: str = "", env: Mapping[str, str] | None = None,
+                 memlock: tuple[int, int] | None = None, ucx: "UcxInfo | Callable[[], UcxInfo] | None" = None,
+                 cuda: tuple[bool, list[str]] | None = None, is_root: bool | None = None) -> None:
+        self.root = root
+        self.env = dict(os.environ if env is None else env)
+        self._memlock = memlock
+        self._ucx = ucx
+        self._cuda = cuda
+        self.is_root = (os.geteuid() == 0) if is_root is None else is_root
+
+    def path(self, p: str) -> str:
+        return self.root + p if self.root else p
+
+    def read(self, p: str) -> str | None:
+        return _read(self.path(p))
+
+    def exists(self, p: str) -> bool:
+        return os.path.exists(self.path(p))
+
+    def listdir(self, p: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(p)))
+        except OSError:
+            return []
+
+    def memlock(self) -> tuple[int, int]:
+        return self._memlock if self._memlock is not None else resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+    def statvfs_size(self, p: str) -> int | None:
+        try:
+            st = os.statvfs(self.path(p))
+        except OSError:
+            return None
+        return st.f_blocks * st.f_frsize
+
+    def ucx(self) -> UcxInfo:
+        if isinstance(self._ucx, UcxInfo):
+            return self._ucx
+        self._ucx = (self._ucx or probe_ucx)()
+        return self._ucx
+
+    def cuda(self) -> tuple[bool, list[str]]:
+        if self._cuda is None:
+            try:
+                import torch
+
+                ok = bool(torch.cuda.is_available())
+                self._cuda = (ok, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if ok else [])
+            except Exception:  # noqa: BLE001 - a broken driver is a finding, not a crash
+                self._cuda = (False, [])
+        return self._cuda
+
+
+# -- UCX probing ------------------------------------------------------------------------------
+
+
+def _libucx_dir() -> str | None:
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def parse_ucx_info_d(text: str) -> list[tuple[str, str]]:
+    """``ucx_info -d`` output -> [(transport, device)]."""
+    out = []
+    transport = None
+    for line in text.splitlines():
+        m = re.match(r"#\s+Transport:\s+(\S+)", line)
+        if m:
+            transport = m.group(1)
+            continue
+        m = re.match(r"#\s+Device:\s+(\S+)", line)
+        if m and transport:
+            out.append((transport, m.group(1)))
+            transport = None
+    return out
+
+
+def parse_context_info(text: str) -> list[tuple[str, str]]:
+    """ucxx ``UCXContext.info`` ("resource N : md M dev K flags -- tcp/lo") -> [(transport, device)]."""
+    out = []
+    for m in re.finditer(r"resource\s+\d+\s*:.*?--\s+(\S+?)/(\S+)", text):
+        out.append((m.group(1), m.group(2)))
+    return out
+
+
+def probe_ucx(timeout: float = 20.0) -> UcxInfo:
+    """Versions, build flags, transports and devices of the UCX that ucxx loads."""
+    info = UcxInfo()
+    import importlib.metadata as md
+
+    for pkg in ("ucxx-cu13", "ucxx-cu12", "ucxx"):
+        try:
+            info.ucxx_version = md.version(pkg)
+            break
+        except md.PackageNotFoundError:
+            continue
+    base = _libucx_dir()
+    if base:
+        exe = os.path.join(base, "bin", "ucx_info")
+        libdir = os.path.join(base, "lib")
+        info.modules = sorted(os.path.basename(p) for p in _glob(os.path.join(libdir, "ucx", "libuct_*.so")))
+        if os.access(exe, os.X_OK):
+            env = dict(os.environ, LD_LIBRARY_PATH=libdir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""),
+                       UCX_WARN_UNUSED_ENV_VARS="n")
+            try:
+                v = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=timeout, env=env)
+                d = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=timeout, env=env)
+            except (OSError, subprocess.SubprocessError) as exc:
+                info.error = f"ucx_info failed: {exc}"
+            else:
+                m = re.search(r"Library version:\s*(\S+)", v.stdout)
+                info.version = m.group(1) if m else None
+                m = re.search(r"Configured with:\s*(.*)", v.stdout)
+                info.configured = m.group(1) if m else ""
+                info.transports = parse_ucx_info_d(d.stdout)
+                info.source = f"{exe} -d"
+    elif shutil.which("ucx_info"):
+        try:
+            d = subprocess.run(["ucx_info", "-d"], capture_output=True, text=True, timeout=timeout)
+            info.transports = parse_ucx_info_d(d.stdout)
+            info.source = "ucx_info -d (PATH)"
+        except (OSError, subprocess.SubprocessError) as exc:
+            info.error = f"ucx_info failed: {exc}"
+    before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+    try:
+        import ucxx._lib.libucxx as u
+
+        info.env_set_by_ucxx = {k: v for k, v in os.environ.items() if k.startswith("UCX_") and before.get(k) != v}
+        if info.version is None:
+            info.version = ".".join(str(x) for x in u.get_ucx_version())
+        ctx = u.UCXContext(feature_flags=(u.Feature.TAG,))
+        info.cuda_support = bool(ctx.cuda_support)
+        if not info.transports:
+            info.transports = parse_context_info(ctx.info)
+            info.source = "ucxx UCXContext.info"
+    except ImportError as exc:
+        info.error = info.error or f"ucxx is not importable: {exc}"
+    except Exception as exc:  # noqa: BLE001 - UCX failing to start is a finding
+        info.error = info.error or f"UCX context failed: {exc}"
+    finally:
+        # importing ucxx writes UCX_* into os.environ; doctor reports it, and leaves the environment as it was
+        for k in info.env_set_by_ucxx:
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                os.environ.pop(k, None)
+    return info
+
+
+def _glob(pattern: str) -> list[str]:
+    import glob
+
+    return glob.glob(pattern)
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def _ib_devices(p: Probe) -> list[dict[str, str]]:
+    out = []
+    for dev in p.listdir("/sys/class/infiniband"):
+        for port in p.listdir(f"/sys/class/infiniband/{dev}/ports") or ["1"]:
+            base = f"/sys/class/infiniband/{dev}/ports/{port}"
+            layer = p.read(f"{base}/link_layer") or "?"
+            state = p.read(f"{base}/state") or "?"
+            out.append({"dev": dev, "port": port, "link_layer": layer, "state": state,
+                        "kind": "RoCE" if layer.lower() == "ethernet" else ("InfiniBand" if layer.lower() == "infiniband" else layer)})
+    return out
+
+
+def check_ucx(p: Probe) -> list[Finding]:
+    u = p.ucx()
+    if u.version is None and u.ucxx_version is None:
+        return [Finding("ucx", "FAIL", f"UCX/ucxx not available ({u.error or 'not installed'}): only the TCP transport "
+                        "works", "pip install ucxx-cu12 (CUDA 12) or ucxx-cu13 (CUDA 13)")]
+    out = [Finding("ucx", "OK" if u.version else "WARN",
+                   f"ucxx {u.ucxx_version or '?'}, UCX {u.version or '?'}" + (f" ({u.error})" if u.error else ""),
+                   "" if u.version else "UCX would not start; see the error")]
+    if u.configured:
+        no_verbs = "--without-verbs" in u.configured
+        has_ib_module = any(m.startswith("libuct_ib") for m in u.modules)
+        if no_verbs and not has_ib_module and not p.listdir("/sys/class/infiniband"):
+            out.append(Finding("ucx build", "N/A", "this UCX was built --without-verbs (the pip libucx wheel); "
+                               "irrelevant here (no RDMA NIC), but on RDMA hosts it would not use the NIC",
+                               "on RDMA hosts: a verbs-enabled UCX (RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true)"))
+        elif no_verbs and not has_ib_module:
+            out.append(Finding(
+                "ucx build", "WARN",
+                "this UCX was built --without-verbs (the pip libucx wheel): it cannot use InfiniBand/RoCE even "
+                "where the host has RDMA NICs",
+                "on RDMA hosts, use a UCX built with verbs: install it system-wide and set "
+                "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true so ucxx loads it"))
+        else:
+            out.append(Finding("ucx build", "OK", "UCX built with verbs (RDMA capable)"))
+    return out
+
+
+def check_ucx_transports(p: Probe) -> list[Finding]:
+    u = p.ucx()
+    if not u.transports:
+        return [Finding("ucx transports", "WARN" if u.version else "N/A",
+                        f"could not list UCX transports ({u.error or 'ucx_info not found'})",
+                        "run ucx_info -d from the libucx wheel (site-packages/libucx/bin) by hand")]
+    by_tl: dict[str, list[str]] = {}
+    for tl, dev in u.transports:
+        by_tl.setdefault(tl, []).append(dev)
+    listing = ", ".join(f"{tl}({'/'.join(devs)})" for tl, devs in by_tl.items())
+    out = [Finding("ucx transports", "OK", f"UCX sees: {listing} [{u.source}]")]
+    tcp_devs = by_tl.get("tcp", [])
+    out.append(Finding("tcp", "OK" if tcp_devs else "FAIL",
+                       f"UCX tcp on {', '.join(tcp_devs)}" if tcp_devs else "UCX sees no tcp device",
+                       "" if tcp_devs else "UCX's connection manager needs tcp: keep tcp in UCX_TLS / UCX_NET_DEVICES"))
+    return out
+
+
+def check_rdma(p: Probe) -> list[Finding]:
+    devs = _ib_devices(p)
+    u = p.ucx()
+    ucx_rdma = [d for tl, d in u.transports if tl.startswith(("rc", "dc", "ud"))]
+    if not devs:
+        return [Finding("rdma", "WARN",
+                        "NO RDMA on this host: no InfiniBand/RoCE device in /sys/class/infiniband. tensorwire moves "
+                        "host memory over TCP (loopback/Ethernet) and shared memory; fine on one host, "
+                        "bandwidth-bound by TCP between hosts",
+                        "for RDMA between hosts: a RoCE/InfiniBand NIC, its driver (rdma-core / MLNX_OFED) and a "
+                        "verbs-enabled UCX")]
+    active = [d for d in devs if "ACTIVE" in d["state"].upper()]
+    desc = ", ".join(f"{d['dev']}:{d['port']} {d['kind']} {d['state']}" for d in devs)
+    out = [Finding("rdma", "OK" if active else "WARN", f"RDMA devices: {desc}",
+                   "" if active else "no port is ACTIVE: check cabling / subnet manager (ibstat)")]
+    if not ucx_rdma and u.transports:
+        out.append(Finding("rdma in ucx", "WARN", "the host has RDMA devices but UCX lists no rc/dc/ud transport",
+                           "use a verbs-enabled UCX (see 'ucx build'), check UCX_TLS / UCX_NET_DEVICES"))
+    elif ucx_rdma:
+        out.append(Finding("rdma in ucx", "OK", f"UCX RDMA transports on {', '.join(sorted(set(ucx_rdma)))}"))
+    return out
+
+
+def check_dev_infiniband(p: Probe) -> list[Finding]:
+    has_sys = bool(p.listdir("/sys/class/infiniband"))
+    entries = p.listdir("/dev/infiniband")
+    uverbs = [e for e in entries if e.startswith("uverbs")]
+    if not has_sys:
+        if uverbs:
+            return [Finding("/dev/infiniband", "WARN", f"/dev/infiniband has {', '.join(uverbs)} but "
+                            "/sys/class/infiniband is empty (a verbs device node without its HCA)",
+                            "check the RDMA driver (ibv_devices) or the container's device list")]
+        return [Finding("/dev/infiniband", "N/A", "no RDMA device" + (
+            f" (/dev/infiniband has only {', '.join(entries)}: no HCA behind it)" if entries else ""))]
+    if not uverbs:
+        return [Finding("/dev/infiniband", "FAIL",
+                        "RDMA devices exist but /dev/infiniband/uverbs* is missing: verbs cannot be opened "
+                        "(typical in a container started without the devices)",
+                        "docker run --device=/dev/infiniband (or --privileged); on Kubernetes an RDMA device "
+                        "plugin resource (e.g. rdma/hca)")]
+    return [Finding("/dev/infiniband", "OK", f"{', '.join(uverbs)} present")]
+
+
+def check_memlock(p: Probe) -> list[Finding]:
+    soft, hard = p.memlock()
+    unlimited = soft == resource.RLIM_INFINITY
+    rdma = bool(p.listdir("/sys/class/infiniband"))
+    text = "unlimited" if unlimited else f"{soft // 1024} KiB"
+    if unlimited or soft >= 1 << 40:
+        return [Finding("memlock", "OK", f"RLIMIT_MEMLOCK {text}")]
+    fix = ("ulimit -l unlimited (shell), LimitMEMLOCK=infinity (systemd), docker --ulimit memlock=-1:-1, "
+           "or /etc/security/limits.conf '* - memlock unlimited'")
+    if rdma:
+        return [Finding("memlock", "WARN" if soft >= 1 << 30 else "FAIL",
+                        f"RLIMIT_MEMLOCK {text}: RDMA registration pins slot memory and fails past this", fix)]
+    return [Finding("memlock", "OK", f"RLIMIT_MEMLOCK {text} (only limits RDMA registration; no RDMA here)")]
+
+
+def check_shm(p: Probe) -> list[Finding]:
+    out = []
+    u = p.ucx()
+    sm = sorted({tl for tl, _ in u.transports if tl in ("posix", "sysv", "cma", "xpmem", "knem")})
+    size = p.statvfs_size("/dev/shm")
+    if size is None:
+        out.append(Finding("shared memory", "WARN", "/dev/shm is missing: UCX posix shared memory cannot work",
+                           "mount a tmpfs on /dev/shm (docker: --shm-size=8g or --ipc=host)"))
+    elif size < 1 << 30:
+        out.append(Finding("shared memory", "WARN",
+                           f"/dev/shm is only {size >> 20} MiB (UCX sm transports: {', '.join(sm) or 'none'}): "
+                           "large same-host transfers can fail or fall back to tcp",
+                           "docker --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory on /dev/shm"))
+    else:
+        out.append(Finding("shared memory", "OK",
+                           f"/dev/shm {size >> 30} GiB; UCX sm transports: {', '.join(sm) or 'none listed'}"))
+    if "cma" in sm or not u.transports:
+        scope = p.read("/proc/sys/kernel/yama/ptrace_scope")
+        if scope is not None and scope.strip() not in ("0",) and not p.is_root:
+            out.append(Finding("cma", "WARN", f"kernel.yama.ptrace_scope={scope}: UCX cma (single-copy between "
+                               "processes) is refused for non-root processes; UCX uses a two-copy path",
+                               "sysctl kernel.yama.ptrace_scope=0, or grant CAP_SYS_PTRACE"))
+        else:
+            out.append(Finding("cma", "OK", "cross-memory attach usable" + (" (root)" if p.is_root else "")))
+    return out
+
+
+def check_cuda(p: Probe) -> list[Finding]:
+    ok, names = p.cuda()
+    u = p.ucx()
+    tls = {tl for tl, _ in u.transports}
+    if not ok:
+        return [Finding("cuda", "N/A", "no CUDA device visible to torch (CPU-only host or CPU torch build): "
+                        "cuda_copy / cuda_ipc / GPUDirect do not apply")]
+    out = [Finding("cuda", "OK", f"{len(names)} GPU(s): {', '.join(names)}")]
+    for tl, what in (("cuda_copy", "host<->GPU copies inside UCX"), ("cuda_ipc", "GPU<->GPU on one host (NVLink/PCIe)")):
+        if tl in tls:
+            out.append(Finding(tl, "OK", f"UCX {tl}: {what}"))
+        else:
+            out.append(Finding(tl, "FAIL" if tl == "cuda_copy" else "WARN",
+                               f"UCX lists no {tl}: {what} unavailable",
+                               "use a CUDA-enabled UCX (ucxx-cu12/cu13 wheels match the CUDA major version); "
+                               "check UCX_TLS includes cuda_copy,cuda_ipc and the driver is loaded"))
+    reach = u.cuda_support
+    out.append(Finding("cuda memory in ucx", "OK" if reach and "cuda_copy" in tls else "FAIL",
+                       "UCX can send/receive CUDA memory directly" if reach and "cuda_copy" in tls
+                       else "UCX cannot reach CUDA memory: tensorwire falls back to staging through pinned host slots",
+                       "" if reach and "cuda_copy" in tls else "install the ucxx wheel matching your CUDA (cu12/cu13)"))
+    return out
+
+
+def check_gpudirect(p: Probe) -> list[Finding]:
+    ok, _ = p.cuda()
+    rdma = bool(p.listdir("/sys/class/infiniband"))
+    loaded = p.exists("/sys/module/nvidia_peermem") or "nvidia_peermem" in (p.read("/proc/modules") or "")
+    if not (ok and rdma):
+        return [Finding("gpudirect rdma", "N/A", "needs both a GPU and an RDMA NIC"
+                        + (f" (nvidia_peermem {'loaded' if loaded else 'not loaded'})" if ok or rdma else ""))]
+    if loaded:
+        return [Finding("gpudirect rdma", "OK", "nvidia_peermem loaded: the NIC reads/writes GPU memory directly")]
+    return [Finding("gpudirect rdma", "WARN", "nvidia_peermem is not loaded: GPU tensors cross hosts through host memory",
+                    "modprobe nvidia_peermem (or use a dma-buf capable driver/UCX)")]
+
+
+def _container(p: Probe) -> str | None:
+    if p.exists("/.dockerenv"):
+        return "docker"
+    if p.exists("/run/.containerenv"):
+        return "podman"
+    if p.env.get("KUBERNETES_SERVICE_HOST"):
+        return "kubernetes"
+    cg = p.read("/proc/1/cgroup") or ""
+    for key in ("kubepods", "docker", "containerd", "lxc"):
+        if key in cg:
+            return key
+    return None
+
+
+def check_container(p: Probe) -> list[Finding]:
+    kind = _container(p)
+    if kind is None:
+        return [Finding("container", "OK", "not in a container (no IPC/PID namespace limits on shared memory / CUDA IPC)")]
+    return [Finding("container", "OK",
+                    f"running in a container ({kind}): ranks inside it share memory and CUDA IPC; peers in other "
+                    "containers on this host need a shared IPC namespace (--ipc=host; --pid=host for cma), "
+                    "else UCX falls back to tcp")]
+
+
+def check_allocator(p: Probe) -> list[Finding]:
+    from .gpu import expandable_segments
+
+    rep = expandable_segments(p.env, runtime=False)
+    if rep.expandable:
+        return [Finding("expandable_segments", "WARN",
+                        f"{rep.source}: CUDA IPC handles cannot be made for caching-allocator memory; UCX cuda_ipc "
+                        "silently falls back to staging (tensorwire's own CUDA slots use cudaMalloc and are not affected)",
+                        "unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF for processes that send GPU tensors "
+                        "straight from their own allocations")]
+    return [Finding("expandable_segments", "OK", "PyTorch expandable_segments not enabled")]
+
+
+def check_ucx_env(p: Probe) -> list[Finding]:
+    env = {k: v for k, v in sorted(p.env.items()) if k.startswith(("UCX_", "UCXPY_"))}
+    u = p.ucx()
+    shown = ", ".join(f"{k}={v}" for k, v in env.items()) or "none set"
+    extra = (f"; ucxx sets at import: {', '.join(f'{k}={v}' for k, v in u.env_set_by_ucxx.items())}"
+             if u.env_set_by_ucxx else "")
+    out = [Finding("UCX_* env", "OK", f"{shown}{extra}")]
+    tls = env.get("UCX_TLS")
+    if tls and tls.strip().lower() not in ("all", "^") and not tls.startswith("^"):
+        names = {t.strip().lower() for t in tls.split(",")}
+        if "tcp" not in names and not names & {"rc", "rc_x", "rc_v", "dc", "dc_x", "ud", "ud_x", "ib"}:
+            out.append(Finding("UCX_TLS", "FAIL", f"UCX_TLS={tls} has no tcp (nor an RDMA transport): UCX's "
+                               "connection manager cannot connect through a listener",
+                               f"UCX_TLS={tls},tcp (keep sm/self/cuda_* as wanted)"))
+        ok, _ = p.cuda()
+        if ok and not names & {"cuda_copy", "cuda", "cuda_ipc"}:
+            out.append(Finding("UCX_TLS", "WARN", f"UCX_TLS={tls} leaves out cuda_copy/cuda_ipc on a GPU host",
+                               f"UCX_TLS={tls},cuda_copy,cuda_ipc"))
+    nd = env.get("UCX_NET_DEVICES")
+    if nd and nd != "all" and u.transports:
+        known = {d for _, d in u.transports}
+        missing = [d for d in nd.split(",") if d.strip() and d.split(":")[0].strip() not in known and d.strip() not in known]
+        if missing:
+            out.append(Finding("UCX_NET_DEVICES", "WARN", f"UCX_NET_DEVICES names {', '.join(missing)}, which UCX does "
+                               f"not see (it sees {', '.join(sorted(known))})", "fix the device names (ucx_info -d)"))
+    return out
+
+
+def check_tensorwire(p: Probe) -> list[Finding]:
+    from .transport.base import available_kinds
+
+    kinds = available_kinds()
+    rdma = bool(p.listdir("/sys/class/infiniband"))
+    ok_cuda, _ = p.cuda()
+    prefer = p.env.get("TENSORWIRE_AUTO_PREFER", "").lower() == "ucx"
+    host_pick = "ucx" if "ucx" in kinds and (rdma or prefer) else "tcp"
+    detail = (f"transports here: {', '.join(kinds)}; auto picks {host_pick} for host tensors"
+              + (f", {'ucx' if 'ucx' in kinds else 'tcp (staged)'} for CUDA tensors" if ok_cuda else ""))
+    forced = p.env.get("TENSORWIRE_TRANSPORT")
+    if forced:
+        detail += f"; TENSORWIRE_TRANSPORT={forced} overrides auto"
+    return [Finding("tensorwire", "OK" if "tcp" in kinds else "FAIL", detail)]
+
+
+CHECKS: tuple[Callable[[Probe], list[Finding]], ...] = (
+    check_ucx, check_ucx_transports, check_rdma, check_dev_infiniband, check_memlock, check_shm, check_cuda,
+    check_gpudirect, check_container, check_allocator, check_ucx_env, check_tensorwire,
+)
+
+
+def run_checks(probe: Probe | None = None, checks: Iterable[Callable[[Probe], list[Finding]]] = CHECKS) -> list[Finding]:
+    probe = probe or Probe()
+    out: list[Finding] = []
+    for check in checks:
+        try:
+            out.extend(check(probe))
+        except Exception as exc:  # noqa: BLE001 - one broken probe must not hide the others
+            out.append(Finding(check.__name__.removeprefix("check_"), "WARN", f"check crashed: {exc!r}"))
+    return out
+
+
+def render(findings: list[Finding]) -> str:
+    lines = ["tensorwire doctor"]
+    for f in findings:
+        lines.append(f"  {f.verdict:<5} {f.check:<20} {f.detail}")
+        if f.fix and f.verdict != "OK":
+            lines.append(f"  {'':<5} {'':<20} fix: {f.fix}")
+    counts = {v: sum(1 for f in findings if f.verdict == v) for v in ("OK", "WARN", "FAIL", "N/A")}
+    rdma = next((f for f in findings if f.check == "rdma"), None)
+    lines.append("")
+    lines.append("summary: " + ", ".join(f"{n} {v}" for v, n in counts.items())
+                 + (f"; RDMA: {'yes' if rdma.verdict == 'OK' else 'NO'}" if rdma else ""))
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    findings = run_checks()
+    if args.json:
+        json.dump({"findings": [f.to_dict() for f in findings],
+                   "ok": not any(f.verdict == "FAIL" for f in findings)}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render(findings))
+    return 1 if any(f.verdict == "FAIL" for f in findings) else 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("doctor", help="check UCX, RDMA, GPU and system settings for fast transfers",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=main)
