@@ -87,9 +87,16 @@ class ControlServer:
             self._declared[(offer.to_rank, offer.link_name)] = offer
             self._cond.notify_all()
 
-    def withdraw(self, peer: int, link_name: str) -> None:
+    def wait_served(self, peer: int, link_name: str, timeout: float) -> bool:
+        """Wait until the peer has been handed our declaration (True) or ``timeout`` (False)."""
+        deadline = time.monotonic() + timeout
         with self._cond:
-            self._declared.pop((peer, link_name), None)
+            while (peer, link_name) in self._declared and not self._closed:
+                rem = deadline - time.monotonic()
+                if rem <= 0:
+                    return False
+                self._cond.wait(min(rem, 0.2))
+            return True
 
     def _wait_declared(self, peer: int, link_name: str, timeout: float) -> "control_pb2.LinkOffer | None":
         deadline = time.monotonic() + timeout
@@ -98,8 +105,11 @@ class ControlServer:
                 # One answer per declaration: a later negotiation of the same (peer, name)
                 # must wait for the next declaration, never get this one's old nonce.
                 offer = self._declared.pop((peer, link_name), None)
-                if offer is not None or self._closed:
+                if offer is not None:
+                    self._cond.notify_all()  # wake wait_served
                     return offer
+                if self._closed:
+                    return None
                 rem = deadline - time.monotonic()
                 if rem <= 0:
                     return None

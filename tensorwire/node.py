@@ -554,6 +554,8 @@ class Node:
                 except ShapeMismatchError as exc:
                     errors.append(str(exc))
             if errors:
+                # The peer must see the same mismatch: let it fetch our declaration before we go.
+                self._control.wait_served(peer, name, max(0.0, min(10.0, deadline - time.monotonic())))
                 raise ShapeMismatchError("; ".join(errors))
             needs_cuda = any(s.device == "cuda" for s in send_l + recv_l)
             order = choose_transport(mine, theirs, needs_cuda=needs_cuda)
