@@ -56,7 +56,6 @@ from .serve.protocol import (
     as_index,
     encode_index,
     error_name,
-    release_posted,
     rpc_error,
 )
 from .spec import TensorSpec
@@ -389,7 +388,7 @@ class Client:
             self._drop_session()
             raise
         finally:
-            release_posted(t, raw)
+            t.forget_buffer(raw)
         if r.nbytes != tr.nbytes or (r.step is not None and r.step != tr.step):
             self._drop_session()
             raise ProtocolError(f"received {r.nbytes} bytes (step {r.step}); expected {tr.nbytes} (step {tr.step})")

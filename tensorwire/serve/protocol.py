@@ -72,22 +72,6 @@ ERROR_CLASSES[SESSION_LOST] = SessionLost
 _I64 = struct.Struct("<q")
 
 
-def release_posted(transport: Any, buf: Any) -> None:
-    """Drop a transport's cached view of a buffer posted once (after its receive completed).
-
-    ``TcpTransport.post_recv`` caches a view per posted buffer object, holding
-    the object, for the long-lived slots of a link. Serve posts short-lived
-    views too (caller's ``out=``, fresh receive buffers, slots of tensors
-    deleted later), so it evicts its entry after each receive to keep memory
-    bounded. A transport without such a cache is left alone.
-    """
-    views = getattr(transport, "_views", None)
-    if isinstance(views, dict):
-        cached = views.get(id(buf))
-        if cached is not None and cached[0] is buf:
-            views.pop(id(buf), None)
-
-
 def encode_index(index: "torch.Tensor") -> bytes:
     """A 1-D int64 CPU tensor as packed little-endian bytes."""
     import sys

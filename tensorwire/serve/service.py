@@ -35,7 +35,6 @@ from .protocol import (
     TAG_UP,
     SessionLost,
     decode_index,
-    release_posted,
 )
 from .session import Job, PendingWrite, Session
 from .store import Entry, Info, Store, normalise_spec
@@ -147,7 +146,7 @@ def _recv(t: "Transport", buf: "torch.Tensor", nbytes: int, step: int, deadline:
     try:
         r = t.wait_recv(TAG_UP, timeout=max(0.0, deadline - time.monotonic()))
     finally:
-        release_posted(t, buf)
+        t.forget_buffer(buf)
     if r.nbytes != nbytes:
         raise errors.ProtocolError(f"client sent {r.nbytes} bytes, {nbytes} were announced")
     if r.step is not None and r.step != step:

@@ -138,6 +138,13 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Close the connection. Idempotent; wakes other threads with ClosedError."""
 
+    def forget_buffer(self, buf: "torch.Tensor") -> None:
+        """Drop anything cached for ``buf`` after its receive completed.
+
+        For callers that post short-lived buffers once (serve) rather than the
+        same slots every step (Link); default: nothing is cached.
+        """
+
     def abort(self) -> None:
         """Close without any goodbye; default: :meth:`close`."""
         self.close()

@@ -223,6 +223,11 @@ class TcpTransport(Transport):
             with _PENDING_LOCK:
                 _PENDING.add(self)
 
+    def forget_buffer(self, buf: Any) -> None:
+        cached = self._views.get(id(buf))
+        if cached is not None and cached[0] is buf:
+            del self._views[id(buf)]
+
     def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
         q = self._posted.get(tag)
         if not (q and q[0].result is not None):  # not there yet: wait (fast path skips this)
