@@ -50,7 +50,7 @@ fi
 if [ "$MODE" = gpu ]; then
   DEVICE=cuda; BACKENDS=tensorwire-ucx,torch-nccl,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp
   SIZES=(--min-size 4K --max-size "${MAX_SIZE:-1G}"); GRPC_MAX=${GRPC_MAX:-64M}; SCALE=${SCALE:-0.5}
-  T_BENCH=330; T_TESTS=180
+  T_BENCH=${T_BENCH:-330}; T_TESTS=${T_TESTS:-240}
 else
   DEVICE=cpu; BACKENDS=tensorwire-ucx,torch-gloo,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp
   SIZES=(--min-size 4K --max-size 256K); GRPC_MAX=64K; SCALE=0.05
@@ -81,14 +81,36 @@ EOF
 timeout 30 python3 -m tensorwire doctor --json > "$OUT/doctor.json" 2>/dev/null
 cat "$OUT/doctor.txt"
 
-echo "== tensorwire bench --device $DEVICE ($BACKENDS)"
-timeout "$T_BENCH" python3 -m tensorwire bench --device "$DEVICE" --backends "$BACKENDS" "${SIZES[@]}" \
-  --grpc-max-size "$GRPC_MAX" --iters-scale "$SCALE" --timeout 150 --memcheck-steps 1000 \
-  --json "$OUT/gpu_nvlink.json" --markdown "$OUT/gpu_nvlink.md" --plot "$OUT/gpu_nvlink.png" \
-  2>&1 | tee "$OUT/bench.log"
-echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+STEPS=${STEPS:-bench,tests,staged,pipeline}
+has() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
-echo "== pytest -m gpu tests/test_gpu.py"
-timeout "$T_TESTS" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
-echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.log"
+if has tests; then
+  echo "== pytest (gpu marker + staging): tests/test_gpu.py tests/test_staging.py tests/test_staging_bench.py"
+  timeout "$T_TESTS" python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu.py tests/test_staging.py \
+    tests/test_staging_bench.py 2>&1 | tee "$OUT/gpu_tests.log"
+  echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.log"
+fi
+
+if has bench; then
+  echo "== tensorwire bench --device $DEVICE ($BACKENDS)"
+  timeout "$T_BENCH" python3 -m tensorwire bench --device "$DEVICE" --backends "$BACKENDS" "${SIZES[@]}" \
+    --grpc-max-size "$GRPC_MAX" --iters-scale "$SCALE" --timeout 150 --memcheck-steps 1000 --no-progress \
+    --json "$OUT/gpu_nvlink.json" --markdown "$OUT/gpu_nvlink.md" --plot "$OUT/gpu_nvlink.png" \
+    2>&1 | tee "$OUT/bench.log"
+  echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+fi
+
+if has staged && [ "$MODE" = gpu ]; then
+  echo "== bench/bench_staged_gpu.py (TCP-staged GPU path vs pinned copies and the socket)"
+  timeout 150 python3 bench/bench_staged_gpu.py --out "$OUT/staged_gpu.md" --json "$OUT/staged_gpu.json" \
+    2>&1 | tee "$OUT/staged.log"
+fi
+
+if has pipeline && [ "$MODE" = gpu ]; then
+  echo "== bench/bench_pipeline_gpu.py (torchrun, 2 stages, one per GPU)"
+  for v in nccl tensorwire grpc; do
+    timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_pipeline_gpu.py \
+      --hidden 4096 --batch 4096 --microbatches 4 --steps 8 --warmup 2 --variants "$v" 2>&1 | tail -25
+  done | tee "$OUT/pipeline_gpu.log"
+fi
 ls -l "$OUT"

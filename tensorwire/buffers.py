@@ -8,10 +8,19 @@ Memory kinds:
 
 - CPU specs: page-locked (pinned) host memory when CUDA is available (so a GPU
   can DMA from/to it), page-aligned pageable memory otherwise.
-- CUDA specs: device memory from PyTorch's caching allocator on the current
-  device (see :func:`tensorwire.gpu.check_allocator` for ``expandable_segments``).
+- CUDA specs: device memory on the slot's device (default: the current one).
+  From PyTorch's caching allocator (blocks >= 512-byte aligned), except when that
+  allocator maps memory with expandable segments: then from plain
+  ``cudaMalloc`` (:func:`tensorwire.gpu.alloc_cuda`), because CUDA IPC handles
+  — what UCX's ``cuda_ipc`` needs to move GPU memory between processes — cannot
+  be made for expandable-segment memory, and UCX would silently take a path an
+  order of magnitude slower. Such a slot is page-aligned, lives outside the
+  caching allocator (it does not count in ``torch.cuda.memory_allocated()``)
+  and is freed with its last tensor. :func:`cuda_slot_source` says which one a
+  new slot gets.
 - staging: a pinned host slot shadowing a CUDA spec, used when the transport
-  cannot reach GPU memory (TCP).
+  cannot reach GPU memory (TCP); the Link cuts it into chunks
+  (:func:`tensorwire.gpu.chunk_plan`).
 
 Every slot exposes ``raw`` (a flat ``uint8`` tensor over all its bytes) and
 ``tensor`` (the typed view of the full spec shape); ``view(shape)`` returns the
@@ -30,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-__all__ = ["Slot", "allocate_host", "cuda_available", "PAGE"]
+__all__ = ["Slot", "allocate_host", "allocate_cuda", "cuda_slot_source", "cuda_available", "PAGE"]
 
 PAGE = mmap.PAGESIZE
 
@@ -60,6 +69,30 @@ def allocate_host(nbytes: int, *, pinned: bool | None = None) -> "torch.Tensor":
     return backing[offset : offset + nbytes]
 
 
+def cuda_slot_source() -> str:
+    """Where new CUDA slots come from: ``"cudaMalloc"`` under expandable segments, else ``"caching-allocator"``.
+
+    Checked per slot (cheap: environment and the allocator's own settings), so
+    a process that switches its allocator settings before linking is honoured.
+    """
+    from .gpu import expandable_segments
+
+    return "cudaMalloc" if expandable_segments().expandable else "caching-allocator"
+
+
+def allocate_cuda(nbytes: int, device: "torch.device") -> "torch.Tensor":
+    """A flat uint8 CUDA tensor of ``nbytes`` on ``device`` that CUDA IPC can export (see the module docstring)."""
+    import torch
+
+    if cuda_slot_source() == "cudaMalloc":
+        from .gpu import alloc_cuda, check_allocator
+
+        check_allocator()  # warns once: tensors the user sends from the caching allocator are still affected
+        return alloc_cuda(nbytes, device, align=PAGE)
+    # Unchanged from before cudaMalloc slots existed: a caching-allocator block (>= 512-byte aligned).
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 class Slot:
     """A preallocated buffer for one spec. Allocated once; never reallocated.
 
@@ -79,7 +112,7 @@ class Slot:
         nbytes = spec.nbytes
         if spec.device == "cuda" and not host:
             dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-            self.raw = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            self.raw = allocate_cuda(nbytes, dev)
             self.pinned = False
         else:
             self.raw = allocate_host(nbytes)

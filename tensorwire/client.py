@@ -308,7 +308,10 @@ class Client:
                 kinds = ["tcp"]
         last: BaseException | None = None
         for kind in kinds:
-            req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name)
+            from .node import host_id
+
+            req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name,
+                                               host_id=host_id())
             resp = self._rpc("OpenSession", req, timeout=self._connect_timeout + 5)
             if not resp.data:
                 raise ProtocolError("the server offered no data listener")
@@ -328,7 +331,7 @@ class Client:
                 if isinstance(exc, ImportError):
                     raise ConfigError(f"transport {addr.kind!r} is not available here: {exc}") from exc
                 raise
-            if self._want == "auto" and addr.kind == "tcp" and kind == "auto":
+            if self._want == "auto" and kind == "auto" and all(d.kind != "ucx" for d in resp.data):
                 _warn_once("ucx-server", "transport auto: the server offers no UCX; using TCP")
             self._sid = resp.session_id
             self._transport = t

@@ -20,17 +20,22 @@ step never deadlock.
 Transport choice (both sides compute the same answer from both offers):
 
 - ``tcp`` or ``ucx`` asked on either side wins (asked on both and different: error);
-- ``auto``: UCX when both sides have it **and** the link needs what only UCX
-  gives here — CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect) or an
-  RDMA network device; TCP otherwise, because on host memory over
-  tcp/shared-memory UCX is measured slower than a plain socket (see
-  ``bench/results/``). ``TENSORWIRE_AUTO_PREFER=ucx`` forces UCX first under auto.
+- ``auto``: UCX when both sides have it **and** it beats a socket: the peer
+  shares this machine and IPC namespace (:func:`host_id`: UCX then uses shared
+  memory for small messages and cma / cuda_ipc single-copy rendezvous for large
+  ones), the link has CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect),
+  or there is an RDMA network device; TCP otherwise -- between hosts without
+  RDMA, UCX runs over TCP too and a plain socket was measured faster (see
+  ``bench/results/``). ``TENSORWIRE_AUTO_PREFER=ucx`` / ``=tcp`` puts that
+  transport first under auto.
   If UCX is chosen but cannot connect, the link falls back to TCP with a WARNING.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import hashlib
 import logging
 import os
 import threading
@@ -94,6 +99,35 @@ def ucx_has_rdma() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def host_id() -> str:
+    """Who can share memory with whom: a hash of the kernel boot id and this process's IPC namespace.
+
+    Two processes with the same value run on one machine in one IPC namespace,
+    where UCX reaches the peer through shared memory, cma (one copy between
+    address spaces) and cuda_ipc -- faster than any socket. Network namespaces
+    (and containers started with ``--ipc=host``) share it; separate pods do not.
+    """
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/ipc").st_ino))
+    except OSError:
+        parts.append("")
+    if not any(parts):
+        return ""  # unknown: never claims to share a host
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def same_host(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer") -> bool:
+    return bool(mine.host_id) and mine.host_id == theirs.host_id
+
+
 def choose_transport(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer", *, needs_cuda: bool) -> list[str]:
     """Transports to try, in order, for a link between two offers (symmetric).
 
@@ -113,8 +147,9 @@ def choose_transport(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOff
             who = "this side" if kind not in kinds_a else "the peer"
             raise ConfigError(f"transport {kind!r} was asked for but {who} cannot use it (available: {common})")
         return [kind]
-    prefer_ucx = "ucx" in common and (
-        needs_cuda or os.environ.get("TENSORWIRE_AUTO_PREFER", "").lower() == "ucx" or ucx_has_rdma()
+    pref = os.environ.get("TENSORWIRE_AUTO_PREFER", "").lower()
+    prefer_ucx = "ucx" in common and pref != "tcp" and (
+        needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host(mine, theirs)
     )
     order = ["ucx", "tcp"] if prefer_ucx else ["tcp"]
     return [k for k in order if k in common]
@@ -152,9 +187,10 @@ class SendHandle:
 
 
 class _RecvState:
-    __slots__ = ("spec", "tag", "slots", "next", "held", "device_slot", "staged")
+    __slots__ = ("spec", "tag", "slots", "next", "held", "device_slot", "staged", "stager")
 
-    def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], device_slot: Slot | None) -> None:
+    def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], device_slot: Slot | None,
+                 stager: Any = None) -> None:
         self.spec = spec
         self.tag = tag
         self.slots = slots
@@ -162,12 +198,15 @@ class _RecvState:
         self.held: int | None = None
         self.device_slot = device_slot  # CUDA slot the staged host bytes are copied into
         self.staged = device_slot is not None
+        # tensorwire.gpu.StagedReceiver for a static CUDA spec over a host-only transport (chunked, overlapped);
+        # None: whole-message path (CPU specs, dynamic specs, transports that reach CUDA memory)
+        self.stager = stager
 
 
 class _SendState:
-    __slots__ = ("spec", "tag", "slot", "step", "lock", "tdtype", "shape", "nbytes")
+    __slots__ = ("spec", "tag", "slot", "step", "lock", "tdtype", "shape", "nbytes", "stager")
 
-    def __init__(self, spec: TensorSpec, tag: int, slot: Slot) -> None:
+    def __init__(self, spec: TensorSpec, tag: int, slot: Slot, stager: Any = None) -> None:
         self.spec = spec
         self.tag = tag
         self.slot = slot  # staging for non-contiguous input or CUDA data over a host-only transport
@@ -177,6 +216,8 @@ class _SendState:
         self.tdtype = spec.torch_dtype if spec.device == "cpu" and not spec.is_dynamic else None
         self.shape = spec.shape
         self.nbytes = spec.nbytes
+        # tensorwire.gpu.StagedSender over ``slot`` for a static CUDA spec over a host-only transport
+        self.stager = stager
 
 
 class Link:
@@ -186,6 +227,29 @@ class Link:
         peer: the peer's rank.
         transport: the chosen transport's kind ("ucx" or "tcp").
         send_specs / recv_specs: the negotiated specs by name.
+
+    **CUDA specs over a host-only transport** (TCP: ``transport.reaches_cuda``
+    is False) travel through pinned host slots. For static specs the bytes are
+    cut into chunks by :func:`tensorwire.gpu.chunk_plan` (4 MiB, or the whole
+    tensor when small; ``TENSORWIRE_STAGING_CHUNK`` changes it and must be the
+    same on both sides), each chunk an ordinary message on the spec's tag, and
+    the device<->host copies run on per-link copy streams overlapped with the
+    socket (:class:`tensorwire.gpu.StagedSender` / ``StagedReceiver``):
+
+    - ``send``: the copy stream waits for the caller's current stream, all
+      device->host copies are queued with one event per chunk, and chunk *i*
+      goes to the socket as soon as its event completes, while chunk *i+1* is
+      being copied. ``isend`` orders after the stream that was current in the
+      thread calling ``isend``.
+    - ``recv``: every chunk of both host slots is posted as its own receive; each
+      chunk's host->device copy is queued as soon as it lands; the copy stream
+      first waits for the current stream (work still reading the previous
+      message), and the current stream then waits for the copies' event — no
+      device or stream synchronize on the receive path. A host slot is posted
+      again (at the next ``recv``) only once the copies out of it completed.
+
+    Dynamic CUDA specs over TCP keep the whole-message path (copy, synchronize
+    the current stream, one message with the shape in its header).
     """
 
     def __init__(self, *, node_rank: int, peer: int, name: str, transport: Transport,
@@ -203,20 +267,47 @@ class Link:
         host_only = not transport.reaches_cuda
         self.send_specs = {s.name: s for s in send}
         self.recv_specs = {s.name: s for s in recv}
+        # chunked staging (static CUDA specs over a host-only transport): CUDA calls and per-device copy streams
+        self._ops: Any = None
+        self._copy_streams: dict[tuple[str, int | None], Any] = {}
+        chunk: int | None = None
+        if host_only and any(s.device == "cuda" and not s.is_dynamic for s in (*send, *recv)):
+            from .gpu import CudaOps, staging_chunk
+
+            self._ops = CudaOps()
+            chunk = staging_chunk()
         self._send: dict[str, _SendState] = {}
         for tag, spec in enumerate(sorted(self.send_specs)):
             s = self.send_specs[spec]
             staging_on_host = host_only and s.device == "cuda"
-            self._send[spec] = _SendState(s, tag, Slot(s, device=device, host=staging_on_host))
+            slot = Slot(s, device=device, host=staging_on_host)
+            stager = None
+            if staging_on_host and not s.is_dynamic:
+                from .gpu import StagedSender, chunk_plan
+
+                assert chunk is not None
+                stager = StagedSender(slot.raw, chunk_plan(s.nbytes, chunk), ops=self._ops)
+            self._send[spec] = _SendState(s, tag, slot, stager)
         self._recv: dict[str, _RecvState] = {}
         for tag, spec in enumerate(sorted(self.recv_specs)):
             s = self.recv_specs[spec]
             staged = host_only and s.device == "cuda"
             slots = [Slot(s, device=device, host=staged) for _ in range(2)]
-            st = _RecvState(s, tag, slots, Slot(s, device=device) if staged else None)
+            device_slot = Slot(s, device=device) if staged else None
+            rx = None
+            if staged and not s.is_dynamic:
+                from .gpu import StagedReceiver, chunk_plan
+
+                assert chunk is not None and device_slot is not None
+                rx = StagedReceiver([sl.raw for sl in slots], device_slot.raw, chunk_plan(s.nbytes, chunk),
+                                    ops=self._ops)
+            st = _RecvState(s, tag, slots, device_slot, rx)
             self._recv[spec] = st
-            for slot in slots:
-                transport.post_recv(tag, slot.raw, header=s.is_dynamic)
+            if rx is not None:
+                rx.post_all(transport, tag)  # both host slots, chunk by chunk
+            else:
+                for slot in slots:
+                    transport.post_recv(tag, slot.raw, header=s.is_dynamic)
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -234,6 +325,24 @@ class Link:
                 out.append(st.device_slot)
         return out
 
+    def staging_plan(self, name: str) -> tuple[tuple[int, int], ...] | None:
+        """The ``((offset, length), ...)`` chunks ``name`` travels in, or None when it is not chunk-staged."""
+        st: _SendState | _RecvState | None = self._send.get(name) or self._recv.get(name)
+        if st is None:
+            raise KeyError(name)
+        return st.stager.plan if st.stager is not None else None
+
+    def _copy_stream(self, device: "torch.device", kind: str) -> Any:
+        """This link's copy stream of ``kind`` ("d2h" for sends, "h2d" for receives) on ``device``, made once."""
+        key = (kind, device.index)
+        stream = self._copy_streams.get(key)
+        if stream is None:
+            with self._lock:
+                stream = self._copy_streams.get(key)
+                if stream is None:
+                    stream = self._copy_streams[key] = self._ops.new_stream(device)
+        return stream
+
     # -- send -------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -249,6 +358,10 @@ class Link:
             ShapeMismatchError: ``tensor`` differs from the negotiated spec (nothing sent).
             TransferTimeout, PeerLostError, ClosedError.
         """
+        self._send_impl(name, tensor, timeout, None)
+
+    def _send_impl(self, name: str, tensor: "torch.Tensor", timeout: float | None, stream: Any) -> None:
+        """:meth:`send`; ``stream``: the stream a CUDA send orders after (None: the current one)."""
         self._check_open()
         st = self._send.get(name)
         if st is None:
@@ -258,10 +371,10 @@ class Link:
             if tensor.requires_grad:
                 tensor = tensor.detach()
             if tensor.is_contiguous() and tensor.dim():
-                with st.lock:
-                    st.step += 1
+                with st.lock:  # the step counts only messages that went out (a credit timeout sends nothing)
                     self._t.send(st.tag, tensor.view(torch_uint8()).reshape(-1) if st.nbytes else st.slot.raw,
-                                 step=st.step, timeout=self._timeout if timeout is None else timeout)
+                                 step=st.step + 1, timeout=self._timeout if timeout is None else timeout)
+                    st.step += 1
                 self.bytes_sent += st.nbytes
                 return
         else:
@@ -273,22 +386,43 @@ class Link:
             if tensor.is_cuda:
                 import torch
 
-                if st.slot.is_cuda:
-                    # UCX reads device memory directly: wait for queued writes to this tensor.
-                    torch.cuda.current_stream(tensor.device).synchronize()
-                    data = as_bytes(tensor) if tensor.is_contiguous() else self._stage(st, tensor, shape)
+                if st.stager is not None:
+                    self._send_staged(st, tensor, self._timeout if timeout is None else timeout, stream)
+                    self.bytes_sent += nbytes
+                    return
+                # The caller's stream (isend passes the one current in the calling thread): the bytes
+                # are read by UCX (device memory) or the socket (pinned staging) only after the work
+                # queued there -- and the staging copy, queued on it too -- is done.
+                cur = stream if stream is not None else torch.cuda.current_stream(tensor.device)
+                if st.slot.is_cuda and tensor.is_contiguous():
+                    data = as_bytes(tensor)
                 else:
-                    data = self._stage(st, tensor, shape)
-                    torch.cuda.current_stream(tensor.device).synchronize()
+                    with torch.cuda.stream(cur):
+                        data = self._stage(st, tensor, shape)
+                cur.synchronize()
             elif tensor.is_contiguous():
                 data = as_bytes(tensor)
             else:
                 data = self._stage(st, tensor, shape)
-            st.step += 1
-            self._t.send(st.tag, data[:nbytes] if data.numel() != nbytes else data, step=st.step,
+            self._t.send(st.tag, data[:nbytes] if data.numel() != nbytes else data, step=st.step + 1,
                          shape=shape if st.spec.is_dynamic else None,
                          timeout=self._timeout if timeout is None else timeout)
+            st.step += 1
         self.bytes_sent += nbytes
+
+    def _send_staged(self, st: _SendState, tensor: "torch.Tensor", timeout: float, stream: Any) -> None:
+        """Chunked, overlapped device->host->socket send of a static CUDA spec (caller holds ``st.lock``)."""
+        device = tensor.device
+        current = stream if stream is not None else self._ops.current_stream(device)
+        if tensor.is_contiguous():
+            src = as_bytes(tensor)
+        else:
+            import torch
+
+            with torch.cuda.stream(current):  # ordered after the writes to ``tensor``; freed after all reads
+                src = as_bytes(tensor.contiguous())
+        st.step = st.stager.send(self._t, st.tag, src, step=st.step, timeout=timeout, current=current,
+                                 side=self._copy_stream(device, "d2h"))
 
     @staticmethod
     def _stage(st: _SendState, tensor: "torch.Tensor", shape: tuple[int, ...]) -> "torch.Tensor":
@@ -311,10 +445,17 @@ class Link:
         if st is None:
             raise ShapeMismatchError(f"{name!r} was not declared as sent on this link (declared: {sorted(self._send)})")
         st.spec.check_tensor(tensor)
+        # A chunk-staged send runs on the executor thread, whose current stream is not the caller's:
+        # capture the caller's now, so the copies order after the work that writes ``tensor``.
+        stream = None
+        if tensor.is_cuda:  # the executor thread has its own current stream: order after the caller's
+            import torch
+
+            stream = torch.cuda.current_stream(tensor.device)
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tw-isend-{self.peer}")
-        return SendHandle(self._executor.submit(self.send, name, tensor, timeout=timeout), name)
+        return SendHandle(self._executor.submit(self._send_impl, name, tensor, timeout, stream), name)
 
     # -- recv -------------------------------------------------------------------
     def recv(self, name: str, *, out: "torch.Tensor | None" = None, timeout: float | None = None) -> "torch.Tensor":
@@ -322,7 +463,9 @@ class Link:
 
         Returns the preallocated slot tensor (valid until the next ``recv`` of
         ``name``; its shape is the actual shape for dynamic specs), or, with
-        ``out``, copies into ``out`` and returns it.
+        ``out``, copies into ``out`` and returns it. A CUDA slot is ready for
+        work queued on the current stream (use on another stream needs that
+        stream to wait on the current one).
 
         Raises:
             TransferTimeout: nothing arrived within ``timeout`` (default: the link's).
@@ -333,6 +476,8 @@ class Link:
         st = self._recv.get(name)
         if st is None:
             raise ShapeMismatchError(f"{name!r} is not received on this link (declared: {sorted(self._recv)})")
+        if st.stager is not None:
+            return self._recv_staged(st, name, out, self._timeout if timeout is None else timeout)
         if st.held is not None:
             held, st.held = st.held, None
             self._t.post_recv(st.tag, st.slots[held].raw, header=st.spec.is_dynamic)
@@ -376,6 +521,23 @@ class Link:
         st.held = idx
         return view
 
+    def _recv_staged(self, st: _RecvState, name: str, out: "torch.Tensor | None", timeout: float) -> "torch.Tensor":
+        """Chunked, overlapped socket->host->device receive of a static CUDA spec into its device slot."""
+        dslot = st.device_slot
+        assert dslot is not None
+        device = dslot.raw.device
+        self.bytes_received += st.stager.recv(self._t, st.tag, timeout=timeout,
+                                              current=self._ops.current_stream(device),
+                                              side=self._copy_stream(device, "h2d"))
+        view = dslot.tensor
+        if out is None:
+            return view
+        if tuple(out.shape) != tuple(view.shape) or out.dtype != view.dtype:
+            raise ShapeMismatchError(f"out= for {name!r} is {out.dtype}{list(out.shape)}, received "
+                                     f"{view.dtype}{list(view.shape)}")
+        out.copy_(view)  # on the current stream, which already waits for the slot's copies
+        return out
+
     # -- lifecycle --------------------------------------------------------------
     def close(self) -> None:
         """Close the data connection and release the slots. Idempotent."""
@@ -384,6 +546,12 @@ class Link:
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        for st in self._recv.values():
+            if st.stager is not None and st.stager.pending is not None:
+                try:  # host->device copies still reading a host slot: let them finish before the slots can go
+                    st.stager.copied[st.stager.pending].synchronize()
+                except Exception:  # noqa: BLE001 - closing must not fail on a broken device
+                    pass
         self._t.close()
 
     def __enter__(self) -> "Link":
@@ -534,7 +702,7 @@ class Node:
             link_name=name, send=[s.to_proto() for s in send_l], recv=[s.to_proto() for s in recv_l],
             data=[types_pb2.TransportAddress(kind=k, host=lst.address[0], port=lst.address[1])
                   for k, lst in self._listeners.items()],
-            transport=self.transport, nonce=nonce, has_cuda=cuda_available(),
+            transport=self.transport, nonce=nonce, has_cuda=cuda_available(), host_id=host_id(),
         )
         for lst in self._listeners.values():
             lst.expect(nonce)

@@ -108,10 +108,6 @@ CUT_TRANSPORTS = [
     pytest.param("tcp", id="tcp"),
     pytest.param("ucx", id="ucx", marks=[
         pytest.mark.skipif(_ucx_missing() is not None, reason=f"UCX transport unavailable: {_ucx_missing()}"),
-        # Measured: every rank fails after TENSORWIRE_TIMEOUT (no hang), but with TransferTimeout: the UCX
-        # transport does not turn a silent peer into PeerLostError within TENSORWIRE_PEER_TIMEOUT yet.
-        pytest.mark.xfail(reason="UCX transport: a cut link surfaces as TransferTimeout, not PeerLostError",
-                          strict=False),
     ]),
 ]
 

@@ -301,11 +301,11 @@ def _ucx_usable() -> bool:
 def test_auto_transport_uses_ucx_when_it_works():
     with in_process(transport="auto") as s:
         kinds = {d["kind"] for d in s.ready_info()["data"]}
-        if s.ready_info()["transport"] != "ucx":
+        if "ucx" not in kinds:
             pytest.skip("UCX did not pass the server's self-test here")
         assert kinds == {"ucx", "tcp"}
         with Client(s.address, transport="auto") as c:
-            assert c.transport_kind == "ucx"
+            assert c.transport_kind == "ucx"  # same host and IPC namespace: UCX (shared memory / cma)
             x = torch.randn(300, 40)
             c.put("u", x)
             assert torch.equal(c.get("u"), x)

@@ -354,6 +354,8 @@ def _bad_client(port: int, mode: str, q) -> None:
 def test_garbage_and_wrong_nonce_are_dropped_listener_keeps_serving() -> None:
     import torch
 
+    from tensorwire.transport import ucx as U
+
     lst = UcxListener()
     port = lst.address[1]
     good = new_nonce()
@@ -362,23 +364,21 @@ def test_garbage_and_wrong_nonce_are_dropped_listener_keeps_serving() -> None:
     procs = []
     t = None
     try:
-        # raw garbage on the UCX listener's TCP port
-        for payload in (os.urandom(512), b"\0" * 4096, b"GET / HTTP/1.0\r\n\r\n"):
+        # raw garbage on the listener's port, and a hello-shaped message with a wrong magic
+        bad_magic = U.HELLO.pack(b"NOTTWUCX", U.PROTOCOL_VERSION, 1, b"\0" * 16, 8) + b"\0" * 8
+        for payload in (os.urandom(512), b"\0" * 4096, b"GET / HTTP/1.0\r\n\r\n", bad_magic):
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
             s.sendall(payload)
             socks.append(s)
-        # a real UCX peer with a wrong nonce, in another process
+        # a real peer with a wrong nonce, in another process: refused with AuthError
         q = _SPAWN.Queue()
         bad = _SPAWN.Process(target=_bad_client, args=(port, "wrong", q), daemon=True)
         bad.start()
         procs.append(bad)
         assert q.get(timeout=60) == "AuthError"
-        # a silent UCX peer (connects, never says hello): an in-process endpoint
-        from tensorwire.transport import ucx as U
-
-        eng = U._engine()
-        with eng.op():
-            silent = U._ucx.UCXEndpoint.create(eng.worker, "127.0.0.1", port, True)
+        # a silent connection (connects, never says hello)
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        socks.append(silent)
         # the good peer still gets through
         nonce_box: list = []
         th = threading.Thread(target=_catch, args=(nonce_box, lambda: nonce_box.append(
@@ -394,13 +394,13 @@ def test_garbage_and_wrong_nonce_are_dropped_listener_keeps_serving() -> None:
         t.wait_recv(1, timeout=5)
         assert dst.tolist() == list(range(8))
         client.close()
-        # the silent endpoint is dropped after HELLO_TIMEOUT
-        deadline = time.monotonic() + lst.HELLO_TIMEOUT + 5
-        while time.monotonic() < deadline and lst.rejected < 2:
-            time.sleep(0.2)
-        assert lst.rejected >= 2, lst.rejected  # wrong nonce + silent
-        with eng.op():
-            U._close_ep(silent)
+        # the silent connection is dropped after HELLO_TIMEOUT: the listener closes it
+        silent.settimeout(lst.HELLO_TIMEOUT + 10)
+        assert silent.recv(16) == b""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and lst.rejected < 6:
+            time.sleep(0.1)
+        assert lst.rejected >= 6, lst.rejected  # 3 garbage + bad magic + wrong nonce + silent
         with pytest.raises(ConnectTimeout):
             lst.accept(new_nonce(), timeout=0.3)
     finally:
@@ -504,3 +504,48 @@ def test_messages_sent_before_peer_closes_survive_a_lagging_receiver() -> None:
             t.close()
         lst.close()
         _kill(p)
+
+
+@pytest.mark.timeout(60)
+def test_lost_liveness_connection_means_peer_lost_even_with_the_ucx_endpoint_up(listener: UcxListener) -> None:
+    """Endpoints have no UCX error handling (shared memory/cma stay usable): the TCP liveness
+    connection is what tells a vanished peer (process killed: EOF; cable cut: keepalive)."""
+    import torch
+
+    a, b = _pair(listener)
+    try:
+        buf = torch.zeros(16, dtype=torch.uint8)
+        b.post_recv(3, buf)
+        a.send(3, torch.ones(16, dtype=torch.uint8), step=1, timeout=5)
+        b.wait_recv(3, timeout=5)
+        b.post_recv(4, torch.zeros(64, dtype=torch.uint8), header=True)  # still posted when the peer goes
+        with a._eng.op():
+            a._drop_liveness()  # what the kernel does to the peer's socket when its process dies
+        t0 = time.monotonic()
+        with pytest.raises(PeerLostError):
+            b.wait_recv(3, timeout=20)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(PeerLostError):
+            b.send(3, torch.ones(16, dtype=torch.uint8), step=2, timeout=5)
+        posted = [p for q in b._posted.values() for p in q]
+        b.abort()
+        # torn down without the peer: no receive is left posted into our buffers
+        assert posted and all(p.req is None or p.req.completed for p in posted)
+        assert all(p.hreq is None or p.hreq.completed for p in posted)
+        assert b._ctrl_req is None or b._ctrl_req.completed
+    finally:
+        a.abort()
+        b.abort()
+
+
+def test_error_handling_mode_is_validated(monkeypatch) -> None:
+    from tensorwire.errors import ConfigError
+    from tensorwire.transport import ucx as U
+
+    monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "sometimes")
+    with pytest.raises(ConfigError, match="TENSORWIRE_UCX_ERROR_HANDLING"):
+        U._error_handling()
+    monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "peer")
+    assert U._error_handling() is True
+    monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
+    assert U._error_handling() is False

@@ -37,7 +37,7 @@ __all__ = ["summarize", "render_text", "render_markdown", "write_json", "write_c
 
 SHORT = {
     "tensorwire-tcp": "tw-tcp", "tensorwire-ucx": "tw-ucx", "grpc-unary": "grpc-unary", "grpc-stream": "grpc-stream",
-    "raw-tcp": "raw-tcp", "raw-ucxx": "raw-ucxx", "raw-ucxx-cm": "ucxx-cm", "torch-gloo": "gloo", "torch-nccl": "nccl", "nixl": "nixl",
+    "raw-tcp": "raw-tcp", "raw-ucxx": "raw-ucxx", "raw-ucxx-cm": "ucxx-cm", "raw-ucxx-cmnoerr": "ucxx-cmne", "torch-gloo": "gloo", "torch-nccl": "nccl", "nixl": "nixl",
 }
 MiB = 1 << 20
 

@@ -76,9 +76,10 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
     """Open the data listener(s) for ``config.transport``. Returns ({kind: listener}, primary kind).
 
     ``auto``: both listeners when UCX imports and a loopback self-test connects
-    (otherwise TCP alone, with a WARNING); the default for clients asking
-    ``auto`` is UCX only with an RDMA device (or TENSORWIRE_AUTO_PREFER=ucx),
-    TCP otherwise — the same rule as links (tensorwire.node.choose_transport).
+    (otherwise TCP alone, with a WARNING); clients asking ``auto`` get UCX when
+    they share this machine and IPC namespace (shared memory, cma, cuda_ipc),
+    or with an RDMA device (or TENSORWIRE_AUTO_PREFER=ucx), and TCP otherwise
+    — the same rule as links (tensorwire.node.choose_transport).
     ``ucx``: UCX or a ConfigError. ``tcp``: TCP only.
     """
     from ..transport.base import get_factory
@@ -116,8 +117,8 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
             raise ConfigError(f"cannot listen for data on {_hostport(config.host, port)}: {exc}") from exc
     primary = "ucx" if "ucx" in listeners and (config.transport == "ucx" or _ucx_first()) else "tcp"
     if config.transport == "auto" and "ucx" in listeners and primary == "tcp":
-        log.info("transport auto: TCP first for host memory (no RDMA device; UCX over tcp/shared memory was measured "
-                 "slower here, see bench/results); UCX stays available to clients that ask for it")
+        log.info("transport auto: UCX for clients on this host (shared memory / cma), TCP for remote ones (no RDMA "
+                 "device: UCX over tcp was measured slower than a socket, see bench/results)")
     return listeners, primary
 
 

@@ -86,33 +86,54 @@ makes a spinning waiter step aside. Why:
 A daemon thread progresses the worker every 50 ms while no thread waits, so
 handshakes, credits and peer-loss notices move while the application computes.
 
-Handshake: the connecting side creates a UCX endpoint to the listener and
-sends, over the UCX *stream* API (per endpoint, unlike tags), a 32-byte hello:
-magic, protocol version, its receiver id and the 16-byte nonce learned over
-the control plane. The listener answers OK plus its own receiver id, or NO
-(then closes the endpoint). An endpoint that sends garbage, a wrong nonce or
-nothing within ``HELLO_TIMEOUT`` (5 s) is closed; the listener keeps serving.
-Note: ucxx listeners bind every interface; ``host`` is only reported back.
+Connection set-up ("worker addresses over a TCP handshake"). The data-plane
+address of a UCX listener is a plain TCP socket bound to the node's address
+(UCX's own sockaddr listener binds every interface, and its endpoints are the
+slow kind, below). The connecting side sends a 36-byte hello -- magic, protocol
+version, its receiver id, the 16-byte nonce learned over the control plane,
+the length of its UCX worker address -- then the address. The listener checks
+the nonce *before* creating anything, creates its endpoint from the peer's
+worker address and answers OK plus its own receiver id and worker address (or
+NO, then closes); the dialler creates its endpoint from that. A connection that
+sends garbage, a wrong nonce or nothing within ``HELLO_TIMEOUT`` (5 s) is
+dropped; the listener keeps serving. Data never goes over this socket.
 
-Liveness: endpoint error handling is on; a lost peer fires the endpoint's
-close callback and UCX cancels its requests, so pending and later operations
-raise :class:`~tensorwire.PeerLostError` (a SIGKILLed local peer: ~40 ms here,
-its sockets close), after ``LOST_GRACE_S`` (1 s) in which messages or a
-goodbye may still show up. Graceful close (like TCP, where frames already in
-the stream are read before the goodbye): ``close()`` waits (bounded,
-``CLOSE_DRAIN_S``) for this side's sends in flight, sends an 8-byte BYE on the
-CTRL tag and waits (bounded, ``CLOSE_ACK_S``) for the peer's ACK, which the
-peer's progress (any waiting thread or the ticker) sends as soon as the BYE is
-processed -- UCX delivers it after everything sent before it, so those
-receives have completed by then -- and only then closes the endpoint. After a
-BYE, completed receives are still returned, buffers may still be posted (no
-credit goes out), a wait with nothing arrived raises PeerLostError after
-``BYE_GRACE_S`` and sends raise PeerLostError. A receive UCX cancelled when the
-endpoint failed is refilled from the unexpected queue if its message is there. For peers that vanish without closing anything, UCX's endpoint keepalive
-runs every ``KEEPALIVE_S`` (2 s) and its TCP sockets use keepalive like the TCP
-transport's (idle ``peer_timeout``/3, probes every idle/2, 3 probes). UCX
-settings are per context, so the first listener or connection of the process
-decides them; ``UCX_*`` variables set by the user always win.
+Why worker-address endpoints without UCX error handling (default;
+``TENSORWIRE_UCX_ERROR_HANDLING=peer`` turns it on, and it must then be set
+the same on every process -- UCX refuses asymmetric endpoints): UCX leaves every
+transport that cannot report a failed peer -- shared memory, cma, cuda_ipc --
+out of endpoints with error handling (tensorwire's first UCX transport had it
+on, through UCX's sockaddr connection manager). Measured on the 2-core machine
+(bench/results/cpu_loopback.md): with it, a 1 MiB message went over tcp/lo at
+0.8 GB/s; without it, small messages go through shared memory (sysv) and large
+ones are one ``process_vm_readv`` copy (cma): 9 GB/s, and a 4 KiB round trip
+drops from ~29 to ~10 us in raw ucxx. On a GPU host the same applies to
+cuda_ipc over NVLink.
+
+Liveness: so a peer that vanishes must be detected by tensorwire itself. The
+handshake's TCP connection stays open for the life of the transport as the
+liveness channel; its end means the peer is gone: a killed process's kernel
+closes it at once (EOF), a cut cable or a frozen host is caught by TCP
+keepalive (idle ``peer_timeout``/3, probes every idle/2, 3 probes, plus
+``TCP_USER_TIMEOUT``), like the TCP transport. The socket is registered with
+the engine's ``poll()`` (and polled by the ticker), so a waiter sleeping on the
+UCX worker wakes up for it. Pending and later operations then raise
+:class:`~tensorwire.PeerLostError`, after ``LOST_GRACE_S`` (1 s) in which
+messages or a goodbye may still show up. Graceful close (like TCP, where
+frames already in the stream are read before the goodbye): ``close()`` waits
+(bounded, ``CLOSE_DRAIN_S``) for this side's sends in flight, sends an 8-byte
+BYE on the CTRL tag and waits (bounded, ``CLOSE_ACK_S``) for the peer's ACK,
+which the peer's progress (any waiting thread or the ticker) sends as soon as
+the BYE is processed -- UCX delivers it after everything sent before it, so
+those receives have completed by then -- and only then closes the endpoint and
+the liveness socket. After a BYE, completed receives are still returned,
+buffers may still be posted (no credit goes out), a wait with nothing arrived
+raises PeerLostError after ``BYE_GRACE_S`` and sends raise PeerLostError. With
+``TENSORWIRE_UCX_ERROR_HANDLING=peer`` UCX's own endpoint errors (and its
+keepalive, every ``KEEPALIVE_S``) are reported too, and a receive UCX cancelled
+when the endpoint failed is refilled from the unexpected queue if its message
+is there. UCX settings are per context, so the first listener or connection of
+the process decides them; ``UCX_*`` variables set by the user always win.
 
 Buffers: CPU tensors go to UCX as zero-copy NumPy views, CUDA tensors through
 ``__cuda_array_interface__``. ucxx does not keep a buffer alive for an
@@ -152,6 +173,7 @@ from ..errors import (
     VersionMismatchError,
 )
 from .base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
+from .tcp import tune_socket
 
 
 def _import_ucxx() -> tuple[Any, Any, dict[str, str]]:
@@ -189,9 +211,14 @@ __all__ = ["UcxTransport", "UcxListener"]
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Microseconds a waiting thread polls the worker (yielding in between) before it sleeps.
 SPIN_US = float(os.environ.get("TENSORWIRE_UCX_SPIN_US", "100"))
+#: The same for a wait on a transfer of CUDA memory. cuda_ipc copies are issued and
+#: completed from worker progress and do not wake a sleeping worker promptly: measured on
+#: 2 x H200 (bench/results/gpu_h200x2_nvlink.md), a 256 MiB send + ack took 1,281 us
+#: with 100 us of spinning and 781 us with 2 ms (raw ucxx, always polling: 712 us).
+CUDA_SPIN_US = float(os.environ.get("TENSORWIRE_UCX_CUDA_SPIN_US", "2000"))
 #: UCX endpoint keepalive interval (seconds) unless UCX_KEEPALIVE_INTERVAL is set.
 KEEPALIVE_S = 2.0
 #: close(): how long it waits for this side's sends (and then its goodbye) to complete.
@@ -208,8 +235,9 @@ _RID_SHIFT = 33
 _RID_MASK = (1 << 31) - 1
 _MAX_TAG = 1 << _TAG_BITS
 
-HELLO = struct.Struct(f"<8sII{NONCE_BYTES}s")  # magic, version, client receiver id, nonce
-REPLY = struct.Struct("<8sII")  # magic, version, server receiver id
+HELLO = struct.Struct(f"<8sII{NONCE_BYTES}sI")  # magic, version, client receiver id, nonce, address length
+REPLY = struct.Struct("<8sIII")  # magic, version, server receiver id, address length
+MAX_ADDRESS = 1 << 16  # UCX worker addresses are a few hundred bytes to a few KiB
 HELLO_MAGIC = b"TWUCXHI\0"
 REPLY_OK = b"TWUCXOK\0"
 REPLY_NO = b"TWUCXNO\0"
@@ -221,7 +249,24 @@ BYE = b"TWUCXBYE"
 ACK = b"TWUCXACK"  # answer to BYE: everything sent before the goodbye has been received here
 #: close(): how long it waits for the peer's ACK of its goodbye (the peer's progress answers it).
 CLOSE_ACK_S = 5.0
-assert HELLO.size == 32 and REPLY.size == 16 and HDR.size == 88 and CRED.size == 16
+assert HELLO.size == 36 and REPLY.size == 20 and HDR.size == 88 and CRED.size == 16
+
+
+
+def _error_handling() -> bool:
+    """Whether UCX endpoints use peer error handling (``TENSORWIRE_UCX_ERROR_HANDLING=peer``).
+
+    Default ``none``: UCX may then use shared memory, cma and cuda_ipc, which
+    cannot report a failed peer and which UCX leaves out of endpoints with error
+    handling (measured on one host: 10.9 vs 0.78 GB/s at 1 MiB, 12 vs 29 us per
+    4 KiB round trip; bench/results/ucx_progress_mode.md). Peer loss is then
+    detected by the liveness socket every connection has (module docstring).
+    """
+    mode = os.environ.get("TENSORWIRE_UCX_ERROR_HANDLING", "none").strip().lower()
+    if mode not in ("none", "peer"):
+        raise ConfigError(f"TENSORWIRE_UCX_ERROR_HANDLING must be 'none' or 'peer', got {mode!r}")
+    return mode == "peer"
+
 
 _LOST_ERRORS = tuple(
     getattr(_ucx, n)
@@ -275,6 +320,14 @@ def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
     return (buf, arr), _Array(arr), arr.nbytes
 
 
+_CUDA_SPIN = CUDA_SPIN_US / 1e6
+
+
+def _is_cuda(keep: Any) -> bool:
+    """Whether a buffer kept by _as_array is CUDA memory (kept as the tensor itself)."""
+    return getattr(keep, "is_cuda", False) is True
+
+
 def _check_tag(tag: int) -> int:
     if not 0 <= tag < _MAX_TAG:
         raise ConfigError(f"tag {tag} out of range [0, 2**31)")
@@ -295,6 +348,7 @@ class _Engine:
 
     SLICE = 0.25
     TICK = 0.05
+    FD_CHECK = 0.001  # while spinning, how often sockets are polled
 
     def __init__(self, peer_timeout: float = 30.0) -> None:
         opts = _ucx.get_current_options()
@@ -309,12 +363,13 @@ class _Engine:
                             ("TCP_KEEPINTVL", f"{max(1, idle // 2)}s"), ("TCP_KEEPCNT", "3")):
             if f"UCX_{name}" not in os.environ:
                 config[name] = value
-        feats = (_ucx.Feature.TAG, _ucx.Feature.WAKEUP, _ucx.Feature.STREAM)
+        feats = (_ucx.Feature.TAG, _ucx.Feature.WAKEUP)
         try:
             self.ctx = _ucx.UCXContext(config_dict=config, feature_flags=feats)
             self.worker = _ucx.UCXWorker(self.ctx)
             self.worker.init_blocking_progress_mode()
             epfd = self.worker.epoll_file_descriptor
+            self.address = self.worker.address.tobytes()  # what peers create their endpoints from
         except _ucx.UCXError as exc:
             raise TransportError(f"cannot start UCX: {exc}") from exc
         self.pid = os.getpid()
@@ -325,6 +380,8 @@ class _Engine:
         self.poller = select.poll()
         self.poller.register(epfd, select.POLLIN)
         self.poller.register(self.wake_fd, select.POLLIN)
+        self._self_ep: Any = None
+        self.fd_handlers: dict[int, Callable[[int], None]] = {}  # liveness sockets, listening sockets
         self.sleeping = False
         self.wanted: list[None] = []  # one entry per thread queued for the lock (append/pop are atomic)
         self.active = 0  # threads inside wait()
@@ -336,6 +393,13 @@ class _Engine:
         self._ticker = threading.Thread(target=_tick, args=(weakref.ref(self),), daemon=True,
                                         name="tensorwire-ucx-tick")
         self._ticker.start()
+
+    def self_endpoint(self) -> Any:
+        """Under the lock: an endpoint to this process's own worker (see UcxTransport._release_receives)."""
+        if self._self_ep is None:
+            self._self_ep = _ucx.UCXEndpoint.create_from_worker_address(
+                self.worker, _ucx.UCXAddress.create_from_buffer(self.address), False)
+        return self._self_ep
 
     def new_rid(self) -> int:
         while True:
@@ -375,9 +439,37 @@ class _Engine:
         for lst in list(self.servicing):
             lst._service()
 
+    def watch_fd(self, fd: int, handler: Callable[[int], None]) -> None:
+        """Under the lock: call ``handler(events)`` (under the lock) when ``fd`` is readable or fails."""
+        self.fd_handlers[fd] = handler
+        self.poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+        if self.sleeping:
+            self.notify()  # the sleeper's poll() started without this fd
+
+    def unwatch_fd(self, fd: int) -> None:
+        if self.fd_handlers.pop(fd, None) is not None:
+            try:
+                self.poller.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+
+    def dispatch(self, events: list[tuple[int, int]]) -> None:
+        """Under the lock: run the handlers of the fds ``poll()`` reported."""
+        for fd, ev in events:
+            h = self.fd_handlers.get(fd)
+            if h is not None:
+                try:
+                    h(ev)
+                except Exception:  # noqa: BLE001 - a handler must not break every waiter
+                    log.exception("ucx: handler of fd %d failed", fd)
+
     # -- waiting -------------------------------------------------------------------
-    def wait(self, pred: Callable[[], bool], deadline: float | None) -> bool:
-        """Progress until ``pred()`` is true (True) or the deadline passes (False)."""
+    def wait(self, pred: Callable[[], bool], deadline: float | None, *, spin: float | None = None) -> bool:
+        """Progress until ``pred()`` is true (True) or the deadline passes (False).
+
+        ``spin``: seconds to poll before sleeping (default ``self.spin``).
+        """
+        spin = self.spin if spin is None else spin
         worker = self.worker
         lock = self.lock
         self.wanted.append(None)
@@ -387,7 +479,8 @@ class _Engine:
         try:
             if pred():  # already there: no need to progress
                 return True
-            spin_end = time.monotonic() + self.spin
+            spin_end = time.monotonic() + spin
+            fd_check = 0.0
             while True:
                 if self.progress():
                     self.notify()  # what we progressed may be what other threads wait for
@@ -399,6 +492,14 @@ class _Engine:
                 if deadline is not None and now >= deadline:
                     return False
                 if now < spin_end:
+                    if self.fd_handlers and now >= fd_check and not self.sleeping:  # (a sleeper polls them)
+                        # Sockets (handshakes, liveness) are otherwise looked at only when a thread
+                        # sleeps or by the ticker, which stands aside while anyone waits.
+                        fd_check = now + self.FD_CHECK
+                        events = self.poller.poll(0)
+                        if events:
+                            self.dispatch(events)
+                            continue
                     # Spin, but give the core away between two polls: on a busy machine
                     # the peer (or our own sender thread) may need it to answer us.
                     if self.wanted:
@@ -416,8 +517,9 @@ class _Engine:
                     continue  # events pending: progress again
                 self.sleeping = True
                 lock.release()
+                events: list[tuple[int, int]] = []
                 try:
-                    self.poller.poll(max(1, int(step * 1000) + 1))
+                    events = self.poller.poll(max(1, int(step * 1000) + 1))
                     try:
                         os.eventfd_read(self.wake_fd)
                     except OSError:
@@ -425,7 +527,9 @@ class _Engine:
                 finally:
                     lock.acquire()
                     self.sleeping = False
-                spin_end = time.monotonic() + self.spin
+                if events and self.fd_handlers:
+                    self.dispatch(events)
+                spin_end = time.monotonic() + spin
         finally:
             self.active -= 1
             lock.release()
@@ -460,6 +564,10 @@ def _tick(ref: "weakref.ref[_Engine]") -> None:
             continue
         try:
             did = eng.progress()
+            if eng.fd_handlers:  # liveness and listening sockets (no thread sleeps on them now)
+                events = eng.poller.poll(0)
+                if events:
+                    eng.dispatch(events)
             if eng.servicing:
                 eng.service()
             if did:
@@ -472,6 +580,9 @@ def _tick(ref: "weakref.ref[_Engine]") -> None:
 
 
 _ENGINE: _Engine | None = None
+#: (request, buffers) UCX may still use after their connection was torn down without a
+#: clean close: kept referenced so their memory is never reused under UCX.
+_GRAVEYARD: Deque[tuple[Any, Any]] = collections.deque()
 _ENGINE_LOCK = threading.Lock()
 
 
@@ -612,6 +723,7 @@ class UcxTransport(Transport):
         self._ctrl_req = ep.tag_recv(self._ctrl_arr, tag=_Tag(self._rid | (CTRL << _KIND_SHIFT)))
         self._acked = False  # the peer answered our goodbye
         self._ctrl_sends: list[Any] = []
+        self._live: socket.socket | None = None  # liveness socket (attach_liveness)
         eng.ctrl_watch.add(self)
         state.owner = weakref.ref(self)
         if state.lost:
@@ -670,7 +782,9 @@ class UcxTransport(Transport):
                 raise PeerLostError(f"peer {self._peer} closed the link (nothing more arrived on tag {tag})")
             return False
 
-        if not self._eng.wait(ready, deadline):
+        q = self._posted.get(tag)
+        spin = _CUDA_SPIN if q and _is_cuda(q[0].keep) else None
+        if not self._eng.wait(ready, deadline, spin=spin):
             raise TransferTimeout(f"receive on tag {tag} timed out after {timeout}s (peer {self._peer})")
         return out[0]
 
@@ -696,7 +810,7 @@ class UcxTransport(Transport):
                 if self._bye_at is not None:
                     raise PeerLostError(f"peer {self._peer} closed the link")
                 if self._lost_at is not None:
-                    self._fail(PeerLostError(f"peer {self._peer} lost (UCX endpoint error)"))
+                    self._fail(PeerLostError(f"peer {self._peer} lost (its connection closed or timed out)"))
                     self._check_usable()
                 credit = self._take_credit(tag)
                 if credit is None:
@@ -715,7 +829,7 @@ class UcxTransport(Transport):
             return True
 
         try:
-            ok = self._eng.wait(progressed, deadline)
+            ok = self._eng.wait(progressed, deadline, spin=_CUDA_SPIN if _is_cuda(keep) else None)
         except TensorWireError:
             if reqs:
                 with self._eng.op():
@@ -766,6 +880,51 @@ class UcxTransport(Transport):
         self._close(goodbye=False)
 
     # -- internals (engine lock held unless noted) ------------------------------------
+    def _attach_liveness(self, sock: socket.socket) -> None:
+        """Watch ``sock``: its end (EOF, reset, keepalive timeout) means the peer is gone."""
+        sock.setblocking(False)
+        tune_socket(sock, peer_timeout=self._peer_timeout)
+        self._live = sock
+        if self._closed:
+            self._drop_liveness()
+            return
+        self._eng.watch_fd(sock.fileno(), self._on_live_event)
+
+    def _on_live_event(self, events: int) -> None:
+        sock = self._live
+        if sock is None:
+            return
+        try:
+            data = sock.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            why = f"liveness socket: {exc}"
+        else:
+            if data:
+                return  # the peer sends nothing after its hello; ignore stray bytes
+            why = "liveness socket closed"
+        log.debug("ucx: peer %s gone (%s)", self._peer, why)
+        self._drop_liveness()
+        self._state.lost = True
+        self._on_ep_lost()
+
+    def _abort_locked(self) -> None:
+        """abort() for a caller that holds the engine lock."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._error is None:
+            self._error = ClosedError("transport closed")
+        self._teardown(goodbye=False)
+        self._eng.notify()
+
+    def _drop_liveness(self) -> None:
+        sock, self._live = self._live, None
+        if sock is not None:
+            self._eng.unwatch_fd(sock.fileno())
+            sock.close()
+
     def _close(self, *, goodbye: bool) -> None:
         eng = self._eng
         with eng.op():
@@ -841,13 +1000,60 @@ class UcxTransport(Transport):
                 pass
         self._state.owner = None
         self._eng.ctrl_watch.discard(self)
-        _close_ep(ep)
+        self._drop_liveness()
+        if _error_handling():
+            _close_ep(ep)  # force close: UCX cancels the endpoint's requests
+        else:
+            # Without error handling UCX's close flushes, which never ends when the peer is
+            # unreachable (a cut network): complete our own posted receives through a loopback
+            # endpoint instead, so no receive is left pointing into a slot, then close
+            # asynchronously (the engine's progress finishes it when it can).
+            self._release_receives()
+            try:
+                ep.close()
+            except Exception as exc:  # noqa: BLE001 - best effort
+                log.debug("ucx endpoint close: %s", exc)
+            pending = [(r, k) for r, k in self._sends if not r.completed]
+            if pending:  # sends the lost peer will never fetch: their buffers must outlive them
+                _GRAVEYARD.extend(pending)
         self._drain_unexpected()
         # Requests were cancelled by the close; completion may need one more progress.
         self._eng.worker.progress()
         self._credit_rx.clear()
         self._sends.clear()
         self._eng.objects.discard(self)
+
+    def _release_receives(self) -> None:
+        """Complete this connection's still-posted receives with empty messages from our own worker."""
+        eng = self._eng
+        tags: list[tuple[int, Any]] = []
+        for tag, q in self._posted.items():
+            for p in q:
+                if p.req is not None and not p.req.completed:
+                    tags.append((self._rid | (DATA << _KIND_SHIFT) | tag, p.req))
+                if p.hreq is not None and not p.hreq.completed:
+                    tags.append((self._rid | (HEADER << _KIND_SHIFT) | tag, p.hreq))
+        for tag, rx in self._credit_rx.items():
+            if rx.req is not None and not rx.req.completed:
+                tags.append((self._rid | (CREDIT << _KIND_SHIFT) | tag, rx.req))
+        if self._ctrl_req is not None and not self._ctrl_req.completed:
+            tags.append((self._rid | (CTRL << _KIND_SHIFT), self._ctrl_req))
+        if not tags:
+            return
+        try:
+            me = eng.self_endpoint()
+            empty = _Array(_u8(0))
+            sends = [me.tag_send(empty, tag=_Tag(t)) for t, _ in tags]
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end and not all(r.completed for _, r in tags):
+                eng.worker.progress()
+        except Exception as exc:  # noqa: BLE001 - best effort; then the buffers are kept alive
+            log.debug("ucx: releasing receives: %s", exc)
+            sends = []
+        if not all(r.completed for _, r in tags):
+            # Still posted: keep every buffer they may write into referenced, for good.
+            _GRAVEYARD.append((None, (dict(self._posted), dict(self._credit_rx), self._ctrl_buf, self._ctrl_arr)))
+        del sends
 
     def _drain_unexpected(self) -> None:
         """Take small messages still queued for this connection out of UCX's unexpected queue."""
@@ -1014,7 +1220,7 @@ class UcxTransport(Transport):
             lost = self._lost_at
             if (self._error is None and self._bye_at is None and lost is not None
                     and time.monotonic() - lost >= LOST_GRACE_S):
-                self._error = PeerLostError(f"peer {self._peer} lost (UCX endpoint error)")
+                self._error = PeerLostError(f"peer {self._peer} lost (its connection closed or timed out)")
         err = self._error
         if err is not None:
             if isinstance(err, (TransportError, ClosedError, ProtocolError, AuthError)):
@@ -1043,15 +1249,49 @@ class UcxTransport(Transport):
 # -- connection set-up -----------------------------------------------------------------
 
 
-class _Handshake:
-    __slots__ = ("ep", "state", "req", "buf", "arr", "deadline", "peer")
+def _listen(host: str, port: int) -> socket.socket:
+    """The listener's TCP socket (handshake, then liveness), bound to ``host`` only."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise TransportError(f"cannot resolve {host!r} for the UCX data listener: {exc}") from exc
+    info = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise TransportError(f"cannot listen for UCX data connections on {host!r} port {port}: {exc}") from exc
+    return sock
 
-    def __init__(self, ep: Any, state: _EpState, deadline: float, peer: str) -> None:
-        self.ep = ep
-        self.state = state
-        self.buf = _u8(HELLO.size)
-        self.arr = _Array(self.buf)
-        self.req = ep.stream_recv(self.arr)
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """Blocking read of exactly ``n`` bytes before ``deadline`` (socket.timeout / ConnectionError otherwise)."""
+    buf = bytearray()
+    while len(buf) < n:
+        rem = _remaining(deadline)
+        if rem is not None and rem <= 0:
+            raise socket.timeout("handshake timed out")
+        sock.settimeout(10.0 if rem is None else max(0.01, rem))
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("connection closed during the handshake")
+        buf += chunk
+    return bytes(buf)
+
+
+class _Pending:
+    """A handshake in progress on the listener (non-blocking reads, driven by the engine)."""
+
+    __slots__ = ("sock", "buf", "need", "deadline", "peer")
+
+    def __init__(self, sock: socket.socket, deadline: float, peer: str) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.need = HELLO.size
         self.deadline = deadline
         self.peer = peer
 
@@ -1059,12 +1299,15 @@ class _Handshake:
 class UcxListener(Listener):
     """Accepts UCX data connections; routes each to the link whose nonce it presents.
 
-    ucxx listeners bind every interface: ``host`` is only what :attr:`address` reports.
+    The listening socket is a plain TCP socket bound to ``host``: a connecting
+    peer sends its hello (magic, version, receiver id, nonce, its UCX worker
+    address) there; a good hello gets an answer with this side's receiver id
+    and worker address, each side creates its UCX endpoint from the other's
+    worker address, and the TCP connection stays open as the liveness channel.
     """
 
     kind = "ucx"
     HELLO_TIMEOUT = 5.0
-    REPLY_GRACE = 1.0
 
     def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0) -> None:
         self._eng = eng = _engine(peer_timeout)
@@ -1072,24 +1315,14 @@ class UcxListener(Listener):
         self._peer_timeout = peer_timeout
         self._expected: set[bytes] = set()
         self._parked: dict[bytes, UcxTransport] = {}
-        self._pending: list[_Handshake] = []
-        self._refusing: list[tuple[Any, Any, Any, float]] = []  # (ep, reply req, buffers, close at)
+        self._conns: dict[int, _Pending] = {}
         self._closed = False
         self._count = 0
         self.rejected = 0
-        ref = weakref.ref(self)
-
-        def on_conn_request(conn_request: int) -> None:
-            lst = ref()
-            if lst is not None:
-                lst._on_conn_request(conn_request)
-
+        self._sock = _listen(host, port)
+        self._port = self._sock.getsockname()[1]
         with eng.op():
-            try:
-                self._ul = _ucx.UCXListener.create(eng.worker, port, on_conn_request)
-            except _ucx.UCXError as exc:
-                raise TransportError(f"cannot listen for UCX on port {port}: {exc}") from exc
-            self._port = self._ul.port
+            eng.watch_fd(self._sock.fileno(), self._on_accept)
             eng.objects.add(self)
 
     @property
@@ -1132,14 +1365,12 @@ class UcxListener(Listener):
             if self._closed:
                 return
             self._closed = True
-            ul, self._ul = self._ul, None
-            del ul  # destroys the UCX listener: no more connection requests
-            for h in self._pending:
-                _close_ep(h.ep)
-            for ep, *_ in self._refusing:
-                _close_ep(ep)
-            self._pending.clear()
-            self._refusing.clear()
+            eng.unwatch_fd(self._sock.fileno())
+            self._sock.close()
+            for fd, pend in list(self._conns.items()):
+                eng.unwatch_fd(fd)
+                pend.sock.close()
+            self._conns.clear()
             parked = list(self._parked.values())
             self._parked.clear()
             eng.servicing.discard(self)
@@ -1149,118 +1380,120 @@ class UcxListener(Listener):
             t.abort()
 
     # -- engine lock held ------------------------------------------------------------
-    def _on_conn_request(self, conn_request: int) -> None:
-        """Called during worker progress (the engine lock is held)."""
-        ul = self._ul
-        if ul is None:
-            return
-        try:
-            ep = ul.create_endpoint_from_conn_request(conn_request, True)
-        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the listener
-            log.warning("ucx data listener: cannot accept a connection: %s", exc)
-            return
-        if self._closed:
-            _close_ep(ep)
-            return
-        self._count += 1
-        try:
-            state = _watch(ep)
-            h = _Handshake(ep, state, time.monotonic() + self.HELLO_TIMEOUT, f"ucx-client#{self._count}@{self._port}")
-        except Exception as exc:  # noqa: BLE001
-            log.warning("ucx data listener: handshake set-up failed: %s", exc)
-            _close_ep(ep)
-            return
-        self._pending.append(h)
-        self._eng.servicing.add(self)
+    def _on_accept(self, events: int) -> None:
+        """The listening socket is readable: take every waiting connection."""
+        while True:
+            try:
+                sock, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.debug("ucx data listener: accept: %s", exc)
+                return
+            if self._closed:
+                sock.close()
+                continue
+            self._count += 1
+            sock.setblocking(False)
+            fd = sock.fileno()
+            self._conns[fd] = _Pending(sock, time.monotonic() + self.HELLO_TIMEOUT,
+                                       f"ucx-client#{self._count}@{addr[0]}:{addr[1]}")
+            self._eng.watch_fd(fd, lambda ev, fd=fd: self._on_hello(fd))
+            self._eng.servicing.add(self)
 
     def _service(self) -> None:
-        """Advance handshakes: accept good hellos, drop bad or silent ones."""
+        """Drop connections whose hello did not arrive in time."""
         now = time.monotonic()
-        keep: list[_Handshake] = []
-        changed = False
-        for h in self._pending:
-            if h.req.completed:
-                changed = True
-                self._finish_handshake(h)
-            elif h.state.lost:
-                changed = True
-                self._reject(h, "endpoint closed before its hello")
-            elif now >= h.deadline:
-                changed = True
-                self._reject(h, f"no hello within {self.HELLO_TIMEOUT}s")
-            else:
-                keep.append(h)
-        self._pending = keep
-        if self._refusing:
-            still = []
-            for item in self._refusing:
-                ep, req, _bufs, close_at = item
-                if req.completed or now >= close_at:
-                    _close_ep(ep)
-                else:
-                    still.append(item)
-            self._refusing = still
-        if not self._pending and not self._refusing:
+        for fd, pend in list(self._conns.items()):
+            if now >= pend.deadline:
+                self._drop(fd, f"no hello within {self.HELLO_TIMEOUT}s")
+        if not self._conns:
             self._eng.servicing.discard(self)
-        if changed:
-            self._eng.notify()
 
-    def _reject(self, h: _Handshake, why: str, *, reply: bool = False) -> None:
-        self.rejected += 1
-        log.warning("ucx data listener: dropped connection %s: %s", h.peer, why)
-        if reply and not h.state.lost:
+    def _drop(self, fd: int, why: str, *, reply: bytes | None = None) -> None:
+        pend = self._conns.pop(fd, None)
+        if pend is None:
+            return
+        self._eng.unwatch_fd(fd)
+        if reply is not None:
             try:
-                rbuf = _u8(REPLY.size)
-                REPLY.pack_into(rbuf, 0, REPLY_NO, PROTOCOL_VERSION, 0)
-                rarr = _Array(rbuf)
-                req = h.ep.stream_send(rarr)
-                self._refusing.append((h.ep, req, (rbuf, rarr, h), time.monotonic() + self.REPLY_GRACE))
-                return
-            except Exception:  # noqa: BLE001
+                pend.sock.send(reply)  # small: fits the socket buffer of a fresh connection
+            except OSError:
                 pass
-        _close_ep(h.ep)
+        pend.sock.close()
+        self.rejected += 1
+        log.warning("ucx data listener: dropped connection %s: %s", pend.peer, why)
 
-    def _finish_handshake(self, h: _Handshake) -> None:
+    def _on_hello(self, fd: int) -> None:
+        pend = self._conns.get(fd)
+        if pend is None:
+            return
         try:
-            h.req.check_error()
-        except Exception as exc:  # noqa: BLE001
-            self._reject(h, f"hello failed: {exc}")
+            data = pend.sock.recv(pend.need - len(pend.buf))
+        except (BlockingIOError, InterruptedError):
             return
-        magic, version, client_rid, nonce = HELLO.unpack_from(h.buf)
+        except OSError as exc:
+            self._drop(fd, f"hello failed: {exc}")
+            return
+        if not data:
+            self._drop(fd, "closed before its hello")
+            return
+        pend.buf += data
+        if len(pend.buf) < pend.need:
+            return
+        magic, version, client_rid, nonce, alen = HELLO.unpack_from(pend.buf)
         if magic != HELLO_MAGIC:
-            self._reject(h, f"bad hello magic {bytes(magic)!r}")
+            self._drop(fd, f"bad hello magic {bytes(magic)!r}")
             return
+        no = REPLY.pack(REPLY_NO, PROTOCOL_VERSION, 0, 0)
         if version != PROTOCOL_VERSION:
-            self._reject(h, f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}", reply=True)
+            self._drop(fd, f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}", reply=no)
             return
-        if not client_rid or client_rid > _RID_MASK:
-            self._reject(h, "bad receiver id")
+        if not client_rid or client_rid > _RID_MASK or not 0 < alen <= MAX_ADDRESS:
+            self._drop(fd, "bad hello fields")
             return
         if nonce not in self._expected or nonce in self._parked or self._closed:
-            self._reject(h, "unknown data-plane credential", reply=True)
+            self._drop(fd, "unknown data-plane credential", reply=no)
             return
+        if pend.need == HELLO.size:
+            pend.need += alen  # now read the worker address
+            return
+        addr = bytes(pend.buf[HELLO.size:])
+        del self._conns[fd]
+        self._eng.unwatch_fd(fd)
         eng = self._eng
         rid = eng.new_rid()
         try:
-            t = UcxTransport(eng, h.ep, h.state, rid=rid, peer_rid=client_rid, peer=h.peer,
-                             peer_timeout=self._peer_timeout)
-            rbuf = _u8(REPLY.size)
-            REPLY.pack_into(rbuf, 0, REPLY_OK, PROTOCOL_VERSION, rid)
-            rarr = _Array(rbuf)
-            req = h.ep.stream_send(rarr)
-            if not req.completed:
-                t._sends.append((req, (rbuf, rarr)))
-        except Exception as exc:  # noqa: BLE001
-            self._reject(h, f"accepting failed: {exc}")
+            ep = _ucx.UCXEndpoint.create_from_worker_address(
+                eng.worker, _ucx.UCXAddress.create_from_buffer(addr), _error_handling())
+        except Exception as exc:  # noqa: BLE001 - one bad peer must not stop the listener
+            self._conns[fd] = pend
+            self._eng.watch_fd(fd, lambda ev, fd=fd: self._on_hello(fd))
+            self._drop(fd, f"cannot create a UCX endpoint to its worker address: {exc}", reply=no)
             return
+        mine = eng.address
+        try:
+            pend.sock.setblocking(True)
+            pend.sock.settimeout(self.HELLO_TIMEOUT)
+            pend.sock.sendall(REPLY.pack(REPLY_OK, PROTOCOL_VERSION, rid, len(mine)) + mine)
+        except OSError as exc:
+            pend.sock.close()
+            _close_ep(ep)
+            self.rejected += 1
+            log.warning("ucx data listener: answering %s failed: %s", pend.peer, exc)
+            return
+        t = UcxTransport(eng, ep, _watch(ep), rid=rid, peer_rid=client_rid, peer=pend.peer,
+                         peer_timeout=self._peer_timeout)
+        t._attach_liveness(pend.sock)
         self._parked[nonce] = t
+        eng.notify()
 
     # -- dialling --------------------------------------------------------------------
     @classmethod
     def connect(
         cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0
     ) -> UcxTransport:
-        """Dial a UCX listener and present ``nonce``.
+        """Dial a UCX data listener and present ``nonce``.
 
         Raises:
             ConnectTimeout: no connection/answer within ``timeout``.
@@ -1275,75 +1508,55 @@ class UcxListener(Listener):
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
             raise PeerLostError(f"cannot resolve {host}: {exc}") from exc
-        # ucxx listeners bind 0.0.0.0: prefer an IPv4 address ("localhost" may list ::1 first).
-        ip = next((i[4][0] for i in infos if i[0] == socket.AF_INET), infos[0][4][0])
+        info = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
         eng = _engine(peer_timeout)
+        peer = f"{host}:{port}"
         delay = 0.05
         while True:
-            t = cls._attempt(eng, ip, port, bytes(nonce), deadline, peer=f"{host}:{port}", peer_timeout=peer_timeout)
-            if t is not None:
-                return t
-            rem = _remaining(deadline)
-            if rem is not None and rem <= delay:
-                raise ConnectTimeout(f"UCX connection to {host}:{port} refused or reset until the timeout")
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-    @staticmethod
-    def _attempt(eng: _Engine, ip: str, port: int, nonce: bytes, deadline: float | None, *, peer: str,
-                 peer_timeout: float) -> UcxTransport | None:
-        """One connection attempt: a transport, None if refused/reset (retry), or raises."""
-        with eng.op():
+            sock = socket.socket(info[0], socket.SOCK_STREAM)
             try:
-                ep = _ucx.UCXEndpoint.create(eng.worker, ip, port, True)
-            except _ucx.UCXError as exc:
-                log.debug("ucx connect to %s: %s", peer, exc)
-                return None
-            try:
-                state = _watch(ep)
-                rid = eng.new_rid()
-                hbuf = _u8(HELLO.size)
-                HELLO.pack_into(hbuf, 0, HELLO_MAGIC, PROTOCOL_VERSION, rid, nonce)
-                harr = _Array(hbuf)
-                sreq = ep.stream_send(harr)
-                rbuf = _u8(REPLY.size)
-                rarr = _Array(rbuf)
-                rreq = ep.stream_recv(rarr)
-            except _ucx.UCXError as exc:
-                _close_ep(ep)
-                log.debug("ucx connect to %s: %s", peer, exc)
-                return None
-
-        def answered() -> bool:
-            return rreq.completed or state.lost
-
+                rem = _remaining(deadline)
+                sock.settimeout(10.0 if rem is None else max(0.01, rem))
+                sock.connect(info[4])
+                break
+            except (ConnectionRefusedError, ConnectionResetError, socket.timeout, OSError) as exc:
+                sock.close()
+                rem = _remaining(deadline)
+                if rem is not None and rem <= delay:
+                    raise ConnectTimeout(f"UCX data listener {peer} not reachable until the timeout: {exc}") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
         try:
-            ok = eng.wait(answered, deadline)
-        except BaseException:
+            tune_socket(sock, peer_timeout=peer_timeout)
             with eng.op():
-                _close_ep(ep)
-            raise
-        with eng.op():
-            if not ok:
-                _close_ep(ep)
-                raise ConnectTimeout(f"UCX hello to {peer} timed out")
-            if not rreq.completed:
-                _close_ep(ep)
-                return None  # refused / reset before any answer: the listener may not be up yet
-            try:
-                rreq.check_error()
-            except _ucx.UCXError:
-                _close_ep(ep)
-                return None
-            magic, version, server_rid = REPLY.unpack_from(rbuf)
-            if magic == REPLY_OK and version == PROTOCOL_VERSION and 0 < server_rid <= _RID_MASK:
-                t = UcxTransport(eng, ep, state, rid=rid, peer_rid=server_rid, peer=peer, peer_timeout=peer_timeout)
-                if not sreq.completed:
-                    t._sends.append((sreq, (hbuf, harr)))
-                return t
-            _close_ep(ep)
+                rid = eng.new_rid()
+                mine = eng.address
+            sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, rid, bytes(nonce), len(mine)) + mine)
+            magic, version, server_rid, alen = REPLY.unpack(_recv_exact(sock, REPLY.size, deadline))
             if magic == REPLY_NO:
                 if version != PROTOCOL_VERSION:
                     raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
                 raise AuthError(f"UCX data listener {peer} refused the connection (bad credential)")
-            raise ProtocolError(f"unexpected hello reply {bytes(magic)!r} from {peer}")
+            if magic != REPLY_OK or version != PROTOCOL_VERSION or not 0 < server_rid <= _RID_MASK \
+                    or not 0 < alen <= MAX_ADDRESS:
+                raise ProtocolError(f"unexpected hello reply from {peer}")
+            addr = _recv_exact(sock, alen, deadline)
+        except socket.timeout:
+            sock.close()
+            raise ConnectTimeout(f"UCX hello to {peer} not answered in time") from None
+        except OSError as exc:
+            sock.close()
+            raise PeerLostError(f"UCX handshake with {peer} failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        with eng.op():
+            try:
+                ep = _ucx.UCXEndpoint.create_from_worker_address(
+                    eng.worker, _ucx.UCXAddress.create_from_buffer(addr), _error_handling())
+            except _ucx.UCXError as exc:
+                sock.close()
+                raise TransportError(f"cannot create a UCX endpoint to {peer}: {exc}") from exc
+            t = UcxTransport(eng, ep, _watch(ep), rid=rid, peer_rid=server_rid, peer=peer, peer_timeout=peer_timeout)
+            t._attach_liveness(sock)
+        return t

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tensorwire.v1 import types_pb2 as tensorwire_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorwire/v1/control.proto\x12\rtensorwire.v1\x1a\x19tensorwire/v1/types.proto\"\xa1\x02\n\tLinkOffer\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x11\n\tfrom_rank\x18\x03 \x01(\x03\x12\x0f\n\x07to_rank\x18\x04 \x01(\x03\x12\x11\n\tlink_name\x18\x05 \x01(\t\x12\'\n\x04send\x18\x06 \x03(\x0b\x32\x19.tensorwire.v1.TensorSpec\x12\'\n\x04recv\x18\x07 \x03(\x0b\x32\x19.tensorwire.v1.TensorSpec\x12-\n\x04\x64\x61ta\x18\x08 \x03(\x0b\x32\x1f.tensorwire.v1.TransportAddress\x12\x11\n\ttransport\x18\t \x01(\t\x12\r\n\x05nonce\x18\n \x01(\x0c\x12\x10\n\x08has_cuda\x18\x0b \x01(\x08\";\n\x10NegotiateRequest\x12\'\n\x05offer\x18\x01 \x01(\x0b\x32\x18.tensorwire.v1.LinkOffer\"<\n\x11NegotiateResponse\x12\'\n\x05offer\x18\x01 \x01(\x0b\x32\x18.tensorwire.v1.LinkOffer2Y\n\x07\x43ontrol\x12N\n\tNegotiate\x12\x1f.tensorwire.v1.NegotiateRequest\x1a .tensorwire.v1.NegotiateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorwire/v1/control.proto\x12\rtensorwire.v1\x1a\x19tensorwire/v1/types.proto\"\xb2\x02\n\tLinkOffer\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x11\n\tfrom_rank\x18\x03 \x01(\x03\x12\x0f\n\x07to_rank\x18\x04 \x01(\x03\x12\x11\n\tlink_name\x18\x05 \x01(\t\x12\'\n\x04send\x18\x06 \x03(\x0b\x32\x19.tensorwire.v1.TensorSpec\x12\'\n\x04recv\x18\x07 \x03(\x0b\x32\x19.tensorwire.v1.TensorSpec\x12-\n\x04\x64\x61ta\x18\x08 \x03(\x0b\x32\x1f.tensorwire.v1.TransportAddress\x12\x11\n\ttransport\x18\t \x01(\t\x12\r\n\x05nonce\x18\n \x01(\x0c\x12\x10\n\x08has_cuda\x18\x0b \x01(\x08\x12\x0f\n\x07host_id\x18\x0c \x01(\t\";\n\x10NegotiateRequest\x12\'\n\x05offer\x18\x01 \x01(\x0b\x32\x18.tensorwire.v1.LinkOffer\"<\n\x11NegotiateResponse\x12\'\n\x05offer\x18\x01 \x01(\x0b\x32\x18.tensorwire.v1.LinkOffer2Y\n\x07\x43ontrol\x12N\n\tNegotiate\x12\x1f.tensorwire.v1.NegotiateRequest\x1a .tensorwire.v1.NegotiateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tensorwire.v1.control_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LINKOFFER']._serialized_start=74
-  _globals['_LINKOFFER']._serialized_end=363
-  _globals['_NEGOTIATEREQUEST']._serialized_start=365
-  _globals['_NEGOTIATEREQUEST']._serialized_end=424
-  _globals['_NEGOTIATERESPONSE']._serialized_start=426
-  _globals['_NEGOTIATERESPONSE']._serialized_end=486
-  _globals['_CONTROL']._serialized_start=488
-  _globals['_CONTROL']._serialized_end=577
+  _globals['_LINKOFFER']._serialized_end=380
+  _globals['_NEGOTIATEREQUEST']._serialized_start=382
+  _globals['_NEGOTIATEREQUEST']._serialized_end=441
+  _globals['_NEGOTIATERESPONSE']._serialized_start=443
+  _globals['_NEGOTIATERESPONSE']._serialized_end=503
+  _globals['_CONTROL']._serialized_start=505
+  _globals['_CONTROL']._serialized_end=594
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LinkOffer(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "from_rank", "to_rank", "link_name", "send", "recv", "data", "transport", "nonce", "has_cuda")
+    __slots__ = ("protocol_version", "run_id", "from_rank", "to_rank", "link_name", "send", "recv", "data", "transport", "nonce", "has_cuda", "host_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class LinkOffer(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HAS_CUDA_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     from_rank: int
@@ -31,7 +32,8 @@ class LinkOffer(_message.Message):
     transport: str
     nonce: bytes
     has_cuda: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_rank: _Optional[int] = ..., to_rank: _Optional[int] = ..., link_name: _Optional[str] = ..., send: _Optional[_Iterable[_Union[_types_pb2.TensorSpec, _Mapping]]] = ..., recv: _Optional[_Iterable[_Union[_types_pb2.TensorSpec, _Mapping]]] = ..., data: _Optional[_Iterable[_Union[_types_pb2.TransportAddress, _Mapping]]] = ..., transport: _Optional[str] = ..., nonce: _Optional[bytes] = ..., has_cuda: _Optional[bool] = ...) -> None: ...
+    host_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., from_rank: _Optional[int] = ..., to_rank: _Optional[int] = ..., link_name: _Optional[str] = ..., send: _Optional[_Iterable[_Union[_types_pb2.TensorSpec, _Mapping]]] = ..., recv: _Optional[_Iterable[_Union[_types_pb2.TensorSpec, _Mapping]]] = ..., data: _Optional[_Iterable[_Union[_types_pb2.TransportAddress, _Mapping]]] = ..., transport: _Optional[str] = ..., nonce: _Optional[bytes] = ..., has_cuda: _Optional[bool] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class NegotiateRequest(_message.Message):
     __slots__ = ("offer",)

@@ -30,14 +30,16 @@ class Transfer(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., step: _Optional[int] = ..., nbytes: _Optional[int] = ..., op_id: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("protocol_version", "transport", "client")
+    __slots__ = ("protocol_version", "transport", "client", "host_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     transport: str
     client: str
-    def __init__(self, protocol_version: _Optional[int] = ..., transport: _Optional[str] = ..., client: _Optional[str] = ...) -> None: ...
+    host_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., transport: _Optional[str] = ..., client: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "nonce", "data", "protocol_version", "max_bytes", "max_index_rows", "max_rows_bytes")

@@ -25,6 +25,7 @@ BACKENDS: dict[str, tuple[str, str | None, str]] = {
                  "(shared memory + cma on one host)"),
     "raw-ucxx-cm": ("rawucx", "cm", "as raw-ucxx, connected through a UCX listener (sockaddr CM, peer error "
                     "handling): what ucxx.create_listener and tensorwire's UCX transport do"),
+    "raw-ucxx-cmnoerr": ("rawucx", "cmnoerr", "as raw-ucxx-cm, endpoints without peer error handling"),
     "torch-gloo": ("torchdist", "gloo", "torch.distributed send/recv, gloo (CPU)"),
     "torch-nccl": ("torchdist", "nccl", "torch.distributed send/recv, NCCL (CUDA)"),
     "nixl": ("nixlb", None, "NIXL one-sided WRITE + notification (UCX backend), when importable"),

@@ -17,6 +17,9 @@ Two ways to connect, two backends:
   then leaves out every shared-memory transport (they cannot report a failed
   peer) and runs everything over ``tcp/lo``, bounce-buffer "fragmented"
   rendezvous included: several times slower on one host.
+- ``raw-ucxx-cmnoerr``: as ``raw-ucxx-cm`` with endpoints *without* error
+  handling: shared memory and cma come back (it is the error handling, not the
+  connection manager, that leaves them out).
 """
 
 from __future__ import annotations
@@ -83,13 +86,13 @@ class Sender(_Sender):
         import torch
 
         self.ucx = _Ucx(ctx.timeout)
-        if arg != "cm":
+        if arg not in ("cm", "cmnoerr"):
             ctx.publish("ucxx/addr0", self.ucx.worker.address.tobytes())
             peer = self.ucx.u.UCXAddress.create_from_buffer(ctx.lookup("ucxx/addr1"))
             self.ep = self.ucx.u.UCXEndpoint.create_from_worker_address(self.ucx.worker, peer, False)
         else:
             port = int(ctx.lookup("ucxx/port"))
-            self.ep = self.ucx.u.UCXEndpoint.create(self.ucx.worker, ctx.cfg.host, port, True)
+            self.ep = self.ucx.u.UCXEndpoint.create(self.ucx.worker, ctx.cfg.host, port, arg == "cm")
         self.ack_arr = self.ucx.array(torch.zeros(1, dtype=torch.uint8))
         self.data_tag, self.ack_tag = self.ucx.tag(DATA_TAG), self.ucx.tag(ACK_TAG)
         self.src_arr: Any = None
@@ -118,14 +121,14 @@ class Receiver(_Receiver):
         import torch
 
         self.ucx = _Ucx(ctx.timeout)
-        if arg != "cm":
+        if arg not in ("cm", "cmnoerr"):
             ctx.publish("ucxx/addr1", self.ucx.worker.address.tobytes())
             peer = self.ucx.u.UCXAddress.create_from_buffer(ctx.lookup("ucxx/addr0"))
             self.ep = self.ucx.u.UCXEndpoint.create_from_worker_address(self.ucx.worker, peer, False)
         else:
             eps: list[Any] = []
             self.listener = self.ucx.u.UCXListener.create(
-                self.ucx.worker, 0, lambda req: eps.append(self.listener.create_endpoint_from_conn_request(req, True)))
+                self.ucx.worker, 0, lambda req: eps.append(self.listener.create_endpoint_from_conn_request(req, arg == "cm")))
             ctx.publish("ucxx/port", str(self.listener.port))
             deadline = time.monotonic() + ctx.timeout
             while not eps:

@@ -1,0 +1,459 @@
+#!/usr/bin/env python
+"""TCP-staged GPU->GPU through tensorwire against its two bounds, measured side by side in one run.
+
+When the link cannot reach GPU memory (``transport="tcp"``), a CUDA tensor travels
+GPU -> pinned host -> socket -> pinned host -> GPU. The fastest such path can go no
+faster than the slower of (a) the pinned copy engine and (b) the socket, so the
+target is::
+
+    tensorwire-tcp (staged)  >=  0.8 x min(pinned D2H, pinned H2D, raw TCP socket)
+
+For each size (default 16, 64, 256 MiB) this script measures, on this machine:
+
+- **pinned D2H / H2D**: ``copy_`` between a device buffer and a pinned host buffer
+  (``cudaMemcpyAsync``), on the sender's GPU (D2H) and the receiver's GPU (H2D), one
+  copy at a time, synchronized;
+- **raw TCP socket**: two processes on loopback, ``sendall`` from a pinned host buffer,
+  ``recv_into`` (``MSG_WAITALL``) a pinned host buffer, a 1-byte ack per message — no
+  framing, no GPU: what any socket-based path is bounded by;
+- **tensorwire-tcp (staged)**: two processes, a real :class:`tensorwire.Node` each and a
+  :class:`tensorwire.Link` with ``transport="tcp"`` per size: ``link.send`` of a CUDA
+  tensor on the sender's GPU, ``link.recv`` into the CUDA slot on the receiver's GPU,
+  the receiver synchronizes its current stream (the bytes are in GPU memory) and then
+  sends a 1-byte ack. Chunked and overlapped (the default staging chunk, or ``--chunk``);
+- **tensorwire-tcp unchunked**: the same with ``TENSORWIRE_STAGING_CHUNK=0`` (one message
+  per tensor: copy all, then send all, then copy all — the path before chunking).
+
+Every figure is ``size / median(time per message)``; each message of the socket and
+tensorwire rows is timed from the start of the send to the arrival of its ack (the
+same protocol for both). The first and the last message of every tensorwire size are
+checked byte for byte on the receiver.
+
+Usage (a CUDA host; one GPU is enough, two use GPU0 -> GPU1)::
+
+    python3 bench/bench_staged_gpu.py --out bench/results/staged_gpu.md
+    python3 bench/bench_staged_gpu.py --sizes 16M,64M,256M,1G --out staged.md --json staged.json
+
+Exit status: 2 when CUDA is not available (nothing is measured), 1 when a measurement
+failed (or with ``--strict`` when the 0.8 target is missed at some size), else 0.
+``--cpu-dry-run`` runs the same processes with CPU tensors and tiny sizes to check the
+script itself; its figures are not measurements of anything staged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository (tensorwire) when not installed
+
+TARGET = 0.8
+CHUNK_ENV = "TENSORWIRE_STAGING_CHUNK"
+CTX = mp.get_context("spawn")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``16M`` / ``256MiB`` / ``1G`` / ``4096`` -> bytes."""
+    t = text.strip().lower()
+    digits = t.rstrip("kmgib")
+    unit = t[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16M, 256MiB, 1G)")
+    return int(digits) * _UNITS[unit]
+
+
+def fmt_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def iterations(size: int, args: argparse.Namespace) -> int:
+    return max(args.min_iters, min(args.max_iters, args.budget // max(1, size)))
+
+
+def content(size: int, device: Any, block: int = 16 << 20) -> Any:
+    """Deterministic, position-dependent bytes (cheap to make on either side; a shifted, stale or swapped chunk
+    shows). Built in blocks, so a 1 GiB message does not need 8 GiB of int64 indices."""
+    import torch
+
+    out = torch.empty(size, dtype=torch.uint8, device=device)
+    for off in range(0, size, block):
+        i = torch.arange(off, min(off + block, size), dtype=torch.int64, device=device)
+        out[off : off + i.numel()] = ((i % 251) ^ ((i >> 8) % 253)).to(torch.uint8)
+    return out
+
+
+# -- 1. pinned copies (this process) ----------------------------------------------------------------
+
+
+def measure_copies(sizes: list[int], args: argparse.Namespace, send_dev: Any, recv_dev: Any) -> dict[int, dict]:
+    """Median GB/s of one pinned D2H copy on the sender's GPU and one pinned H2D copy on the receiver's GPU."""
+    import torch
+
+    cuda = send_dev.type == "cuda"
+    out: dict[int, dict] = {}
+    for size in sizes:
+        row: dict[str, float] = {}
+        for label, dev in (("d2h", send_dev), ("h2d", recv_dev)):
+            d = torch.empty(size, dtype=torch.uint8, device=dev)
+            h = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+            d.fill_(1)
+            h.fill_(1)
+            times = []
+            for i in range(args.warmup + iterations(size, args)):
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                if label == "d2h":
+                    h.copy_(d, non_blocking=cuda)
+                else:
+                    d.copy_(h, non_blocking=cuda)
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            row[label] = size / statistics.median(times) / 1e9
+            del d, h
+        out[size] = row
+    return out
+
+
+# -- two-process harness -----------------------------------------------------------------------------
+
+
+def _child(target: Callable[..., dict], rank: int, port: int, q: Any, kwargs: dict) -> None:
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=kwargs["args"]["timeout"]))
+        q.put(("ok", rank, target(rank=rank, store=store, **kwargs)))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_pair(target: Callable[..., dict], args: argparse.Namespace, **kwargs: Any) -> dict[int, dict]:
+    """``target(rank=, store=, args=, **kwargs)`` in two fresh processes; their results by rank.
+
+    Raises:
+        RuntimeError: a rank raised, died, or the pair ran past ``--timeout``.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=args.timeout), wait_for_workers=False)
+    q = CTX.Queue()
+    kw = dict(kwargs, args=vars(args))
+    procs = [CTX.Process(target=_child, args=(target, r, store.port, q, kw), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + args.timeout
+    try:
+        while len(results) < 2:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"{target.__name__}: no result within {args.timeout:.0f} s")
+            try:
+                status, rank, value = q.get(timeout=min(1.0, left))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    time.sleep(1.0)  # its last words may still be in the queue
+                    if q.empty():
+                        raise RuntimeError(f"{target.__name__}: rank {dead[0]} died "
+                                           f"(exit code {procs[dead[0]].exitcode})") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"{target.__name__}: rank {rank} failed: {value}")
+            results[rank] = value
+        return results
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        q.close()
+        del store
+
+
+def _device(rank: int, args: dict) -> Any:
+    import torch
+
+    dev = torch.device(args["send_device"] if rank == 0 else args["recv_device"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+# -- 2. raw TCP socket -------------------------------------------------------------------------------
+
+
+def socket_pair(rank: int, store: Any, args: dict, sizes: list[int]) -> dict:
+    """Rank 0 sends ``size`` bytes per message with ``sendall``, rank 1 ``recv_into``s them and acks one byte."""
+    import torch
+
+    cuda = not args["cpu_dry_run"]
+    ns = argparse.Namespace(**args)
+    if rank == 1:
+        lst = socket.create_server(("127.0.0.1", 0))
+        lst.settimeout(args["timeout"])
+        store.set("sock/port", str(lst.getsockname()[1]))
+        conn, _ = lst.accept()
+        lst.close()
+    else:
+        store.wait(["sock/port"], timedelta(seconds=args["timeout"]))
+        conn = socket.create_connection(("127.0.0.1", int(store.get("sock/port").decode())), timeout=args["timeout"])
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.settimeout(args["timeout"])
+    ack = bytearray(1)
+    out: dict[str, Any] = {}
+    try:
+        for size in sizes:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+            buf.fill_(7)
+            view = memoryview(buf.numpy())
+            n = args["warmup"] + iterations(size, ns)
+            times = []
+            for i in range(n):
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    conn.sendall(view)
+                    if conn.recv_into(ack, 1) != 1:
+                        raise ConnectionError("receiver closed the connection")
+                    if i >= args["warmup"]:
+                        times.append(time.perf_counter() - t0)
+                else:
+                    got = 0
+                    while got < size:
+                        k = conn.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+                        if k == 0:
+                            raise ConnectionError("sender closed the connection mid-message")
+                        got += k
+                    conn.sendall(b"\x01")
+            if rank == 0:
+                out[str(size)] = {"gbps": size / statistics.median(times) / 1e9, "iters": len(times)}
+    finally:
+        conn.close()
+    return out
+
+
+# -- 3. tensorwire over a TCP link -------------------------------------------------------------------
+
+
+def tensorwire_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | None, tag: str) -> dict:
+    """One Link per size (transport="tcp"): rank 0 sends a CUDA tensor, rank 1 receives into its CUDA slot,
+    synchronizes its current stream and acks; the first and last message are checked byte for byte."""
+    import torch
+
+    if chunk is None:
+        os.environ.pop(CHUNK_ENV, None)
+    else:
+        os.environ[CHUNK_ENV] = chunk  # read by each Link when it is made; both ranks set the same value
+    import tensorwire as tw
+
+    ns = argparse.Namespace(**args)
+    dev = _device(rank, args)
+    cuda = dev.type == "cuda"
+    out: dict[str, Any] = {}
+    node = tw.Node(rank=rank, world_size=2, store=store, transport="tcp", timeout=min(120.0, args["timeout"]),
+                   prefix=f"bench-staged/{tag}/", device=dev if cuda else None)
+    try:
+        for size in sizes:
+            data = tw.TensorSpec("data", (size,), "uint8", dev.type)
+            ack = tw.TensorSpec("ack", (1,), "uint8", "cpu")
+            want = content(size, dev)
+            n = args["warmup"] + iterations(size, ns)
+            if rank == 0:
+                link = node.link(1, send=[data], recv=[ack], name=f"s{size}")
+                plan = link.staging_plan("data")
+                times = []
+                for i in range(n):
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    t0 = time.perf_counter()
+                    link.send("data", want)
+                    link.recv("ack")
+                    if i >= args["warmup"]:
+                        times.append(time.perf_counter() - t0)
+                store.set(f"{tag}/done/{size}", "1")  # the receiver closes this link only after we are done with it
+                link.close()
+                out[str(size)] = {"gbps": size / statistics.median(times) / 1e9, "iters": len(times),
+                                  "chunks": len(plan) if plan else None, "transport": link.transport}
+            else:
+                link = node.link(0, send=[ack], recv=[data], name=f"s{size}")
+                one = torch.ones(1, dtype=torch.uint8)
+                bad = []
+                for i in range(n):
+                    got = link.recv("data")
+                    if cuda:
+                        torch.cuda.current_stream(dev).synchronize()  # the bytes are in GPU memory
+                    if i == 0 and not torch.equal(got, want):
+                        bad.append(i)
+                    link.send("ack", one)
+                if not torch.equal(got, want):  # the last message (its slot stays valid: no recv after it)
+                    bad.append(n - 1)
+                store.wait([f"{tag}/done/{size}"], timedelta(seconds=args["timeout"]))
+                link.close()
+                if bad:
+                    raise AssertionError(f"{fmt_size(size)}: message(s) {bad} arrived with wrong bytes")
+                out[str(size)] = {"checked": 2}
+    finally:
+        node.close()
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "cpus": os.cpu_count(), "host": platform.node(),
+                           "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if not args.cpu_dry_run:
+        env["send_gpu"] = torch.cuda.get_device_name(torch.device(args.send_device))
+        env["recv_gpu"] = torch.cuda.get_device_name(torch.device(args.recv_device))
+    try:
+        env["loadavg"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    return env
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> tuple[str, bool]:
+    """The markdown page, and whether every size met the target."""
+    env = res["environment"]
+    chunk_label = args.chunk or "default (4 MiB, at most 64 chunks)"
+    title = "TCP-staged GPU->GPU: tensorwire vs. pinned copies and a raw socket"
+    if args.cpu_dry_run:
+        title += " (CPU DRY RUN: not a measurement)"
+    lines = [f"# {title}", "",
+             f"{env.get('send_gpu', 'cpu')} ({args.send_device}) -> {env.get('recv_gpu', 'cpu')} ({args.recv_device}), "
+             f"two processes on loopback; torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}, "
+             f"{env['cpus']} CPUs, load {env.get('loadavg', '?')}, {env['date']}. Staging chunk: {chunk_label}. "
+             f"Medians of up to {args.max_iters} messages per size after {args.warmup} warm-up, 1-byte ack per "
+             f"message (socket and tensorwire alike); the tensorwire receiver synchronizes its stream before "
+             f"acking. Command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`.", "",
+             "| size | pinned D2H | pinned H2D | raw TCP socket | bound = min | tensorwire-tcp staged (chunks) "
+             "| staged / bound | unchunked | unchunked / bound | target >= 0.8 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    met_all = True
+    for size in args.sizes:
+        k = str(size)
+        cp = res["copies"].get(k, {})
+        sock = res["socket"].get(k, {}).get("gbps")
+        st = res["staged"].get(k, {})
+        un = res["unchunked"].get(k, {}).get("gbps")
+        parts = [cp.get("d2h"), cp.get("h2d"), sock]
+        bound = min(parts) if all(p is not None for p in parts) else None
+        ratio = st.get("gbps") / bound if bound and st.get("gbps") else None
+        uratio = un / bound if bound and un else None
+        met = ratio is not None and ratio >= TARGET
+        met_all &= met
+
+        def f(x: float | None, unit: str = " GB/s") -> str:
+            return "–" if x is None else f"{x:.2f}{unit}"
+
+        chunks = st.get("chunks")
+        lines.append(f"| {fmt_size(size)} | {f(cp.get('d2h'))} | {f(cp.get('h2d'))} | {f(sock)} | {f(bound)} | "
+                     f"{f(st.get('gbps'))} ({chunks if chunks else '–'}) | {f(ratio, 'x')} | {f(un)} | "
+                     f"{f(uratio, 'x')} | {'met' if met else 'MISSED'} |")
+    lines += ["", f"staged / min(pinned copy, socket) against the {TARGET}x target: "
+              f"{'met at every size' if met_all else 'missed at some size'}."]
+    if res.get("errors"):
+        lines += ["", "Failures:", ""] + [f"- {e}" for e in res["errors"]]
+    return "\n".join(lines) + "\n", met_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="16M,64M,256M", help="comma-separated sizes (default 16M,64M,256M)")
+    p.add_argument("--chunk", default=None, help="staging chunk for the chunked row (default: tensorwire's)")
+    p.add_argument("--send-device", default=None, help="sender GPU (default cuda:0)")
+    p.add_argument("--recv-device", default=None, help="receiver GPU (default cuda:1 if there are two, else cuda:0)")
+    p.add_argument("--budget", type=parse_size, default=parse_size("2G"),
+                   help="bytes per size and row: sets the message count (default 2G)")
+    p.add_argument("--min-iters", type=int, default=5)
+    p.add_argument("--max-iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per process pair (default 300)")
+    p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument("--json", default=None, help="write every figure here (JSON)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
+    p.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    if args.chunk is not None:
+        from tensorwire.errors import ConfigError
+        from tensorwire.gpu import staging_chunk
+
+        try:
+            staging_chunk({CHUNK_ENV: args.chunk})  # validate here, not in the child processes
+        except ConfigError as exc:
+            p.error(f"--chunk: {exc}")
+    try:
+        import torch
+    except ImportError as exc:
+        print(f"bench_staged_gpu: torch is not importable ({exc}); this benchmark needs PyTorch with CUDA",
+              file=sys.stderr)
+        return 2
+    if args.cpu_dry_run:
+        args.send_device = args.recv_device = "cpu"
+    else:
+        if not torch.cuda.is_available():
+            print(f"bench_staged_gpu: CUDA is not available (torch {torch.__version__}, built for CUDA "
+                  f"{torch.version.cuda}): this benchmark measures GPU memory staged through pinned host "
+                  f"memory and needs a CUDA GPU. Nothing was measured.", file=sys.stderr)
+            return 2
+        n = torch.cuda.device_count()
+        args.send_device = args.send_device or "cuda:0"
+        args.recv_device = args.recv_device or ("cuda:1" if n > 1 else "cuda:0")
+    res: dict[str, Any] = {"environment": environment(args), "copies": {}, "socket": {}, "staged": {},
+                           "unchunked": {}, "errors": []}
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("copies", lambda: {str(k): v for k, v in measure_copies(
+            args.sizes, args, torch.device(args.send_device), torch.device(args.recv_device)).items()}),
+        ("socket", lambda: run_pair(socket_pair, args, sizes=args.sizes)[0]),
+        ("staged", lambda: run_pair(tensorwire_pair, args, sizes=args.sizes, chunk=args.chunk, tag="chunked")[0]),
+        ("unchunked", lambda: run_pair(tensorwire_pair, args, sizes=args.sizes, chunk="0", tag="unchunked")[0]),
+    ]
+    for key, step in steps:
+        print(f"bench_staged_gpu: {key} ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        try:
+            res[key] = step()
+        except Exception as exc:  # noqa: BLE001 - one failed row must not lose the others
+            res["errors"].append(f"{key}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            print(f"bench_staged_gpu: {key} FAILED: {exc}", file=sys.stderr, flush=True)
+        print(f"bench_staged_gpu: {key} done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    text, met = report(res, args)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, **res}, indent=2))
+    if res["errors"]:
+        return 1
+    return 1 if (args.strict and not met) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
