@@ -384,7 +384,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="alternating tensorwire/gRPC blocks")
-    p.add_argument("--transport", default="tcp", choices=["auto", "tcp", "ucx"])
+    p.add_argument("--transport", default="auto", choices=["auto", "tcp", "ucx"])
     p.add_argument("--out", default=str(DEFAULT_OUT.relative_to(REPO)))
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -499,9 +499,12 @@ def check_tensorwire(p: Probe) -> list[Finding]:
     kinds = available_kinds()
     rdma = bool(p.listdir("/sys/class/infiniband"))
     ok_cuda, _ = p.cuda()
-    prefer = p.env.get("TENSORWIRE_AUTO_PREFER", "").lower() == "ucx"
-    host_pick = "ucx" if "ucx" in kinds and (rdma or prefer) else "tcp"
-    detail = (f"transports here: {', '.join(kinds)}; auto picks {host_pick} for host tensors"
+    pref = p.env.get("TENSORWIRE_AUTO_PREFER", "").lower()
+    ucx = "ucx" in kinds and pref != "tcp"
+    local = "ucx (shared memory, cma)" if ucx else "tcp"
+    remote = "ucx" if ucx and (rdma or pref == "ucx") else "tcp"
+    detail = (f"transports here: {', '.join(kinds)}; auto picks {local} for host tensors between ranks of this "
+              f"host, {remote} to other hosts"
               + (f", {'ucx' if 'ucx' in kinds else 'tcp (staged)'} for CUDA tensors" if ok_cuda else ""))
     forced = p.env.get("TENSORWIRE_TRANSPORT")
     if forced:

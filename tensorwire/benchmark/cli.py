@@ -120,6 +120,11 @@ def run(args: argparse.Namespace, *, argv: Sequence[str] | None = None) -> int:
                 report.write_json(json_path, partial, report.summarize(partial))
 
         raw = execute(cfg, progress=progress, command=command, checkpoint=checkpoint)
+        # Summarize exactly what the JSON keeps (7 significant digits), so `--from-json`
+        # re-renders the same table digit for digit.
+        import json
+
+        raw = json.loads(json.dumps(report._compact(raw), default=str))
     summary = report.summarize(raw)
     sys.stdout.write(report.render_text(raw, summary))
     sys.stdout.flush()

@@ -1,9 +1,12 @@
-"""The Link allocates nothing after its first step: 1,000 steps of a 1 MiB exchange, measured three ways.
+"""The Link allocates nothing after its first steps: 1,000 steps of a 1 MiB exchange, measured three ways.
 
 Rank 0 sends 1 MiB and receives 1 MiB back each step; rank 1 echoes what it
-received (straight out of its receive slot). After step 1 each rank records
+received (straight out of its receive slot). After steps 1 and 2 (the first message
+into each of the two receive slots pays its one-off costs) each rank records
 
-- RSS (``/proc/self/statm``) and, after ``steps`` more steps, its growth;
+- RSS (``/proc/self/statm``) and, after ``steps`` more steps, its growth, and the
+  growth in the second half of those steps alone (a per-step leak shows there; a
+  one-off, e.g. state UCX or CUDA sets up lazily, does not);
 - in a second run of ``steps`` steps under ``tracemalloc``, the Python memory
   still allocated at the end that was allocated during those steps, and how
   much of it appeared in the second half (a per-step leak grows there; a
@@ -28,6 +31,9 @@ __all__ = ["entry", "RSS_TOLERANCE", "TRACED_TOLERANCE"]
 
 #: Growth tolerated as noise (interpreter free lists, a late page of a thread stack): far below one message.
 RSS_TOLERANCE = 64 * 1024
+#: A one-off RSS increase tolerated in the first half (measured: +1.2 MB with UCX on CUDA memory,
+#: the same after 300, 1,000 or 3,000 steps -- cuda_ipc/CUDA state set up lazily, not a leak).
+ONE_OFF_LIMIT = 4 * 1024 * 1024
 TRACED_TOLERANCE = 4 * 1024
 #: Python memory allowed to appear during the second half of the traced steps: a per-step leak of even one
 #: small object (>= 16 B) would add >= 8 KiB over 500 steps; one-off cache fills are a few hundred bytes.
@@ -78,14 +84,24 @@ def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store
                 if p not in seen:
                     seen.add(p)
 
+            # Two steps first: receive slots are double-buffered, and the first message into each
+            # one pays its one-off costs (UCX registration, CUDA IPC mapping of the peer's buffer).
+            step()
             step()
             gc.collect()
             slots0 = [s.data_ptr for s in link.slots()]
             rss0 = _rss()
-            for _ in range(cfg.memcheck_steps - 1):
+            n = cfg.memcheck_steps - 2
+            for _ in range(n // 2):
                 step()
             gc.collect()
-            rss_growth = _rss() - rss0
+            rss_mid = _rss()
+            for _ in range(n - n // 2):
+                step()
+            gc.collect()
+            rss1 = _rss()
+            rss_growth = rss1 - rss0
+            rss_second_half = rss1 - rss_mid
             tracemalloc.start()
             base, _ = tracemalloc.get_traced_memory()
             half = cfg.memcheck_steps // 2
@@ -102,10 +118,14 @@ def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store
             traced = cur - base
             stable = slots0 == slots1
             in_slots = seen <= set(slots1)
-            ok = (rss_growth <= RSS_TOLERANCE and traced <= TRACED_TOLERANCE and cur - mid <= SLOPE_TOLERANCE
-                  and stable and in_slots)
+            # Per-step growth is what must be zero: the second half of the run must not grow RSS
+            # (a one-off, e.g. UCX/CUDA pools filled on first use, shows in the first half only, and
+            # is bounded by ONE_OFF_LIMIT), and the Python heap must not grow either.
+            ok = (rss_second_half <= RSS_TOLERANCE and rss_growth <= ONE_OFF_LIMIT and traced <= TRACED_TOLERANCE
+                  and cur - mid <= SLOPE_TOLERANCE and stable and in_slots)
             item = ("result", rank, {
-                "transport": link.transport, "rss_growth": rss_growth, "traced_growth": traced,
+                "transport": link.transport, "rss_growth": rss_growth, "rss_second_half": rss_second_half,
+                "traced_growth": traced,
                 "traced_second_half": cur - mid,
                 "traced_peak": peak - base, "slots_stable": stable, "recv_buffers": len(seen),
                 "recv_in_slots": in_slots, "verdict": "PASS" if ok else "FAIL",

@@ -289,7 +289,8 @@ def _memcheck_lines(raw: dict[str, Any]) -> list[str]:
             r = m["ranks"][rank]
             out.append(
                 f"memcheck transport={m['transport_asked']} (link used {m['transport']}), rank {rank}: "
-                f"{m['steps']} steps x {format_size(m['size'])} each way: RSS {r['rss_growth']:+d} B after step 1, "
+                f"{m['steps']} steps x {format_size(m['size'])} each way: RSS {r['rss_growth']:+d} B after step 2"
+                + (f" ({r['rss_second_half']:+d} B in the 2nd half)" if "rss_second_half" in r else "") + ", "
                 f"tracemalloc {r['traced_growth']:+d} B ({r.get('traced_second_half', 0):+d} B in the 2nd half; peak "
                 f"{r['traced_peak']} B), slot data_ptrs stable: "
                 f"{'yes' if r['slots_stable'] else 'NO'}, recv returned {r['recv_buffers']} distinct slot buffer(s)"
@@ -336,7 +337,7 @@ def render_text(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         w(f"#   {t['id']} {t['status']:<6} {t['target']}\n#          {t['detail']}\n")
     mem = _memcheck_lines(raw)
     if mem:
-        w("#\n# Memory check: a Link allocates nothing after its first step\n")
+        w("#\n# Memory check: a Link allocates nothing after its first step into each slot\n")
         for line in mem:
             w(f"#   {line}\n")
     fails = _failures(raw)
