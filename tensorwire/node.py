@@ -480,7 +480,14 @@ class Link:
             return self._recv_staged(st, name, out, self._timeout if timeout is None else timeout)
         if st.held is not None:
             held, st.held = st.held, None
-            self._t.post_recv(st.tag, st.slots[held].raw, header=st.spec.is_dynamic)
+            raw = st.slots[held].raw
+            if raw.is_cuda:
+                # UCX may write the next message into this slot as soon as it is posted: work the
+                # caller queued on the slot (on the current stream) must be finished first.
+                import torch
+
+                torch.cuda.current_stream(raw.device).synchronize()
+            self._t.post_recv(st.tag, raw, header=st.spec.is_dynamic)
         got = self._t.wait_recv(st.tag, timeout=self._timeout if timeout is None else timeout)
         idx = st.next
         st.next ^= 1

@@ -163,6 +163,33 @@ def recv_consumed_by_kernel(rank, world, store, transport):
         return bad
 
 
+def slot_reused_while_a_kernel_reads_it(rank, world, store, transport):
+    """The receiver queues slow work reading each received slot and keeps receiving (no sync of its own):
+    a slot must not be overwritten by a later message while that work still reads it."""
+    import torch
+
+    import tensorwire as tw
+
+    dev = _dev(rank)
+    spec = tw.TensorSpec("x", (1 << 20,), "float32", "cuda")
+    steps = 40
+    with _node(rank, world, store, transport) as node:
+        if rank == 0:
+            link = node.link(1, send=[spec])
+            for step in range(steps):
+                link.send("x", torch.full(spec.shape, float(step), device=dev))
+            return 0
+        link = node.link(0, recv=[spec])
+        sums = torch.zeros(steps, device=dev)
+        for step in range(steps):
+            got = link.recv("x")
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the slot is read
+            sums[step] = got.sum()
+        torch.cuda.current_stream(dev).synchronize()
+        want = torch.arange(steps, device=dev, dtype=torch.float32) * spec.shape[0]
+        return int((sums != want).sum().item())
+
+
 def staged_tcp_slots(rank, world, store, transport):
     """CUDA specs over TCP: staged through pinned host slots, bit-exact."""
     import torch
@@ -421,6 +448,12 @@ def test_send_right_after_a_kernel_writing_the_tensor(transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_received_slot_is_safe_on_the_current_stream(transport):
     assert run_ranks(recv_consumed_by_kernel, transport=transport, timeout=240)[0] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+def test_a_slot_is_not_overwritten_while_queued_work_still_reads_it(transport):
+    assert run_ranks(slot_reused_while_a_kernel_reads_it, transport=transport, timeout=240)[1] == 0
 
 
 @pytest.mark.timeout(300)

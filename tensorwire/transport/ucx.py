@@ -293,6 +293,10 @@ def _u8(n: int) -> Any:
     return np.zeros(n, dtype=np.uint8)
 
 
+#: (data_ptr, nbytes, device index) -> ucxx Array of CUDA memory (see _as_array).
+_CUDA_ARRAYS: dict[tuple[int, int, int | None], Any] = {}
+
+
 def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
     """(keep-alive object, ucxx Array, nbytes) for a flat uint8 buffer. Zero-copy."""
     torch = sys.modules.get("torch")
@@ -308,9 +312,19 @@ def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
         if buf.requires_grad:
             buf = buf.detach()
         if buf.is_cuda:
-            if not _engine().ctx.cuda_support:
-                raise ConfigError("this UCX build has no CUDA support; use host buffers")
-            return buf, _Array(buf), n  # __cuda_array_interface__: straight to/from GPU memory
+            # __cuda_array_interface__: straight to/from GPU memory. Building the descriptor goes
+            # through torch's Python property (tens of us); slots and a training loop's tensors
+            # come back at the same addresses, so descriptors are reused by (address, size,
+            # device). Safe: a descriptor names memory, it does not own it (``buf`` is kept alive).
+            key = (buf.data_ptr(), n, buf.device.index)
+            arr = _CUDA_ARRAYS.get(key)
+            if arr is None:
+                if not _engine().ctx.cuda_support:
+                    raise ConfigError("this UCX build has no CUDA support; use host buffers")
+                if len(_CUDA_ARRAYS) >= 1024:
+                    _CUDA_ARRAYS.clear()
+                arr = _CUDA_ARRAYS[key] = _Array(buf)
+            return buf, arr, n
         arr = buf.numpy()
         return (buf, arr), _Array(arr), n
     mv = memoryview(buf)
