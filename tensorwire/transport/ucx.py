@@ -147,6 +147,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import itertools
 import logging
 import os
@@ -293,8 +294,21 @@ def _u8(n: int) -> Any:
     return np.zeros(n, dtype=np.uint8)
 
 
-#: (data_ptr, nbytes, device index) -> ucxx Array of CUDA memory (see _as_array).
-_CUDA_ARRAYS: dict[tuple[int, int, int | None], Any] = {}
+class _Cai:
+    """A flat byte range of device memory, described by address only (no reference to its owner)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+#: (data_ptr, nbytes) -> ucxx Array of CUDA memory (see _as_array). Device pointers are unique
+#: across devices in one process (unified virtual addressing).
+_CUDA_ARRAYS: dict[tuple[int, int], Any] = {}
+#: The same for host memory (a ctypes array over the address: writable, no owner reference).
+_HOST_ARRAYS: dict[tuple[int, int], Any] = {}
 
 
 def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
@@ -312,21 +326,28 @@ def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
         if buf.requires_grad:
             buf = buf.detach()
         if buf.is_cuda:
-            # __cuda_array_interface__: straight to/from GPU memory. Building the descriptor goes
-            # through torch's Python property (tens of us); slots and a training loop's tensors
-            # come back at the same addresses, so descriptors are reused by (address, size,
-            # device). Safe: a descriptor names memory, it does not own it (``buf`` is kept alive).
-            key = (buf.data_ptr(), n, buf.device.index)
+            # __cuda_array_interface__: straight to/from GPU memory. torch's own property is a
+            # Python function (tens of us); slots and a training loop's tensors come back at the
+            # same addresses, so descriptors are built from the address alone (_Cai: it does not
+            # reference the tensor, so the cache keeps no memory alive; ``buf`` is kept alive by
+            # the caller while UCX uses it) and reused by (address, size).
+            key = (buf.data_ptr(), n)
             arr = _CUDA_ARRAYS.get(key)
             if arr is None:
                 if not _engine().ctx.cuda_support:
                     raise ConfigError("this UCX build has no CUDA support; use host buffers")
-                if len(_CUDA_ARRAYS) >= 1024:
+                if len(_CUDA_ARRAYS) >= 4096:
                     _CUDA_ARRAYS.clear()
-                arr = _CUDA_ARRAYS[key] = _Array(buf)
+                arr = _CUDA_ARRAYS[key] = _Array(_Cai(key[0], n))
             return buf, arr, n
-        arr = buf.numpy()
-        return (buf, arr), _Array(arr), n
+        # Host memory: the same, through a ctypes view of the address (no reference to ``buf``).
+        key = (buf.data_ptr(), n)
+        arr = _HOST_ARRAYS.get(key)
+        if arr is None:
+            if len(_HOST_ARRAYS) >= 4096:
+                _HOST_ARRAYS.clear()
+            arr = _HOST_ARRAYS[key] = _Array((ctypes.c_char * n).from_address(key[0]))
+        return buf, arr, n
     mv = memoryview(buf)
     if writable and mv.readonly:
         raise ConfigError("receive buffer is read-only")
