@@ -549,3 +549,24 @@ def test_error_handling_mode_is_validated(monkeypatch) -> None:
     assert U._error_handling() is True
     monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
     assert U._error_handling() is False
+
+
+def test_buffer_descriptors_are_reused_and_keep_no_tensor_alive() -> None:
+    import gc
+    import weakref
+
+    import torch
+
+    from tensorwire.transport import ucx as U
+
+    t = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    keep, arr, n = U._as_array(t, writable=True)
+    assert n == t.numel() and arr.ptr == t.data_ptr() and arr.nbytes == n and not arr.readonly
+    keep2, arr2, _ = U._as_array(t, writable=False)
+    assert arr2 is arr and keep2 is t  # same address and size: the same descriptor
+    ref = weakref.ref(t.untyped_storage())
+    del t, keep, keep2
+    gc.collect()
+    assert ref() is None  # the cached descriptor does not hold the memory
+    empty = torch.empty(0, dtype=torch.uint8)
+    assert U._as_array(empty, writable=True)[2] == 0

@@ -135,12 +135,16 @@ when the endpoint failed is refilled from the unexpected queue if its message
 is there. UCX settings are per context, so the first listener or connection of
 the process decides them; ``UCX_*`` variables set by the user always win.
 
-Buffers: CPU tensors go to UCX as zero-copy NumPy views, CUDA tensors through
-``__cuda_array_interface__``. ucxx does not keep a buffer alive for an
-in-flight request, so the transport holds a reference to every buffer until
-UCX is done with it. Close your transports: ``close()`` cancels the endpoint's
-requests, closes it and drains this connection's leftover small messages
-(e.g. unused credits) from UCX's unexpected queue.
+Buffers: a tensor goes to UCX as a descriptor of its address and size -- a
+ctypes array over host memory, a minimal ``__cuda_array_interface__`` object for
+device memory -- built once per (address, size) and reused (slots, and a
+training loop's tensors, come back at the same addresses; building one through
+NumPy or torch's interface costs 2 to tens of us per message). Descriptors hold
+no reference to the tensor, so the cache keeps no memory alive; instead the
+transport holds a reference to every buffer until UCX is done with it (ucxx
+does not). Close your transports: ``close()`` ends the endpoint's requests,
+closes it and drains this connection's leftover small messages (e.g. unused
+credits) from UCX's unexpected queue.
 """
 
 from __future__ import annotations
