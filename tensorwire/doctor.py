@@ -300,9 +300,10 @@ def check_ucx_transports(p: Probe) -> list[Finding]:
     listing = ", ".join(f"{tl}({'/'.join(devs)})" for tl, devs in by_tl.items())
     out = [Finding("ucx transports", "OK", f"UCX sees: {listing} [{u.source}]")]
     tcp_devs = by_tl.get("tcp", [])
-    out.append(Finding("tcp", "OK" if tcp_devs else "FAIL",
-                       f"UCX tcp on {', '.join(tcp_devs)}" if tcp_devs else "UCX sees no tcp device",
-                       "" if tcp_devs else "UCX's connection manager needs tcp: keep tcp in UCX_TLS / UCX_NET_DEVICES"))
+    out.append(Finding("tcp", "OK" if tcp_devs else "WARN",
+                       f"UCX tcp on {', '.join(tcp_devs)}" if tcp_devs else
+                       "UCX sees no tcp device: without an RDMA device, UCX reaches no other host",
+                       "" if tcp_devs else "keep tcp in UCX_TLS / UCX_NET_DEVICES (or rely on RDMA)")),
     return out
 
 
@@ -476,8 +477,8 @@ def check_ucx_env(p: Probe) -> list[Finding]:
     if tls and tls.strip().lower() not in ("all", "^") and not tls.startswith("^"):
         names = {t.strip().lower() for t in tls.split(",")}
         if "tcp" not in names and not names & {"rc", "rc_x", "rc_v", "dc", "dc_x", "ud", "ud_x", "ib"}:
-            out.append(Finding("UCX_TLS", "FAIL", f"UCX_TLS={tls} has no tcp (nor an RDMA transport): UCX's "
-                               "connection manager cannot connect through a listener",
+            out.append(Finding("UCX_TLS", "FAIL", f"UCX_TLS={tls} has no tcp (nor an RDMA transport): UCX "
+                               "cannot reach ranks on other hosts",
                                f"UCX_TLS={tls},tcp (keep sm/self/cuda_* as wanted)"))
         ok, _ = p.cuda()
         if ok and not names & {"cuda_copy", "cuda", "cuda_ipc"}:
