@@ -303,7 +303,7 @@ def check_ucx_transports(p: Probe) -> list[Finding]:
     out.append(Finding("tcp", "OK" if tcp_devs else "WARN",
                        f"UCX tcp on {', '.join(tcp_devs)}" if tcp_devs else
                        "UCX sees no tcp device: without an RDMA device, UCX reaches no other host",
-                       "" if tcp_devs else "keep tcp in UCX_TLS / UCX_NET_DEVICES (or rely on RDMA)")),
+                       "" if tcp_devs else "keep tcp in UCX_TLS / UCX_NET_DEVICES (or rely on RDMA)"))
     return out
 
 
