@@ -570,3 +570,20 @@ def test_buffer_descriptors_are_reused_and_keep_no_tensor_alive() -> None:
     assert ref() is None  # the cached descriptor does not hold the memory
     empty = torch.empty(0, dtype=torch.uint8)
     assert U._as_array(empty, writable=True)[2] == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_receive_posted_before_close_is_not_returned_after_it(listener: UcxListener) -> None:
+    """close() releases this side's posted receives (completes them empty): they must not be
+    mistaken for messages by a later wait."""
+    import torch
+
+    a, b = _pair(listener)
+    try:
+        b.post_recv(1, torch.zeros(4, dtype=torch.uint8))
+        b.close()
+        with pytest.raises(ClosedError):
+            b.wait_recv(1, timeout=2)
+    finally:
+        a.close()
+        b.close()

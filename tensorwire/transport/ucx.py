@@ -807,6 +807,9 @@ class UcxTransport(Transport):
         out: list[Received] = []
 
         def ready() -> bool:
+            if self._closed:
+                # Closed by this side: its receives were released (completed empty), not filled.
+                self._check_usable()
             q = self._posted.get(tag)
             if q:
                 p = q[0]
