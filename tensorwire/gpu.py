@@ -45,9 +45,6 @@ All CUDA calls of the two engines go through a :class:`CudaOps` object, so the
 chunk/credit/stream protocol can be checked on a machine without a GPU with a
 simulated, deliberately lazy stream model (``tests/test_staging.py``).
 
-The older :func:`staged_chunks` / :func:`staged_send` helpers (for a transport
-with ``send_chunks``) are kept for callers outside ``Link``.
-
 Nothing here initializes CUDA at import.
 """
 
@@ -61,7 +58,9 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .transport.base import remaining
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -72,9 +71,6 @@ __all__ = [
     "AllocatorReport",
     "alloc_cuda",
     "CudaBuffer",
-    "StreamFence",
-    "staged_chunks",
-    "staged_send",
     "DEFAULT_CHUNK",
     "MAX_STAGING_CHUNKS",
     "STAGING_CHUNK_ENV",
@@ -287,107 +283,6 @@ def _aligned(t: "torch.Tensor", nbytes: int, align: int) -> "torch.Tensor":
     return t[off : off + nbytes] if (off or t.numel() != nbytes) else t
 
 
-# -- stream ordering ---------------------------------------------------------------------------
-
-
-class StreamFence:
-    """Orders host-side transport work after GPU work queued on a stream, without a device-wide sync.
-
-    One reusable event per fence (no allocation per step):
-
-    - :meth:`before_send`: the bytes of ``tensor`` are final once the work queued
-      so far on its current stream is done; wait for exactly that;
-    - :meth:`after_copy`: record the end of a copy queued on ``stream``;
-      :meth:`wait` blocks until it completed (e.g. before re-posting a host slot
-      that a device copy is still reading).
-    """
-
-    def __init__(self, device: "torch.device | None" = None) -> None:
-        import torch
-
-        self.event = torch.cuda.Event(blocking=False)
-        self.device = device
-        self.pending = False
-
-    def before_send(self, tensor: "torch.Tensor") -> None:
-        import torch
-
-        self.event.record(torch.cuda.current_stream(tensor.device))
-        self.event.synchronize()
-
-    def after_copy(self, stream: "torch.cuda.Stream | None" = None) -> None:
-        import torch
-
-        self.event.record(stream or torch.cuda.current_stream(self.device))
-        self.pending = True
-
-    def wait(self) -> None:
-        if self.pending:
-            self.event.synchronize()
-            self.pending = False
-
-    def done(self) -> bool:
-        return not self.pending or bool(self.event.query())
-
-
-# -- overlapped staging for host-only transports -------------------------------------------------
-
-
-def staged_chunks(src: "torch.Tensor", host: "torch.Tensor", *, chunk: int = DEFAULT_CHUNK,
-                  stream: "torch.cuda.Stream | None" = None) -> Iterator[memoryview]:
-    """Copy ``src`` (CUDA, contiguous) into the pinned ``host`` slot chunk by chunk; yield each chunk when ready.
-
-    All copies are queued at once on ``stream`` (a side stream, ordered after
-    the work already queued on ``src``'s current stream), with one event per
-    chunk; iterating waits for one chunk at a time, so the consumer (a socket)
-    sends chunk *i* while the copy engine moves chunk *i+1*. Both tensors are
-    flat uint8 views of the same length.
-    """
-    import torch
-
-    n = src.numel() * src.element_size()
-    flat = src.reshape(-1).view(torch.uint8) if src.dtype != torch.uint8 else src.reshape(-1)
-    dst = host.reshape(-1)[:n]
-    if not host.is_pinned():
-        raise ValueError("staged_chunks needs a pinned host slot (a pageable copy cannot overlap)")
-    side = stream or torch.cuda.Stream(device=src.device)
-    side.wait_stream(torch.cuda.current_stream(src.device))
-    events = []
-    with torch.cuda.stream(side):
-        for off in range(0, n, chunk):
-            dst[off : off + chunk].copy_(flat[off : off + chunk], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(side)
-            events.append((off, min(chunk, n - off), ev))
-    src.record_stream(side)
-    mv = memoryview(dst.numpy())
-    for off, k, ev in events:
-        ev.synchronize()
-        yield mv[off : off + k]
-
-
-def staged_send(transport: Any, tag: int, src: "torch.Tensor", host: "torch.Tensor", *, step: int,
-                shape: tuple[int, ...] | None = None, timeout: float | None, chunk: int = DEFAULT_CHUNK) -> None:
-    """Send CUDA ``src`` over a host-only transport through the pinned ``host`` slot.
-
-    With a transport that has ``send_chunks(tag, nbytes, chunks, *, step, shape, timeout)``
-    (header first, then each chunk as the iterator yields it), device->host
-    copies overlap the socket. Otherwise: one copy, wait, one send (what
-    :meth:`tensorwire.Link.send` does today).
-    """
-    import torch
-
-    n = src.numel() * src.element_size()
-    send_chunks = getattr(transport, "send_chunks", None)
-    if send_chunks is not None and n > chunk:
-        send_chunks(tag, n, staged_chunks(src, host, chunk=chunk), step=step, shape=shape, timeout=timeout)
-        return
-    flat = src.reshape(-1).view(torch.uint8) if src.dtype != torch.uint8 else src.reshape(-1)
-    host.reshape(-1)[:n].copy_(flat, non_blocking=True)
-    torch.cuda.current_stream(src.device).synchronize()
-    transport.send(tag, host.reshape(-1)[:n], step=step, shape=shape, timeout=timeout)
-
-
 # -- chunked staging wired into Link ---------------------------------------------------------------
 
 
@@ -482,10 +377,6 @@ class CudaOps:
 
 
 _DEFAULT_OPS = CudaOps()
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else deadline - time.monotonic()
 
 
 def _break(transport: Any, why: str) -> None:
@@ -627,7 +518,7 @@ class StagedReceiver:
         side.wait_event(self.ordered)
         host = self.chunks[idx]
         for i in range(self.pos, len(self.plan)):
-            left = _left(deadline)
+            left = remaining(deadline)
             got = transport.wait_recv(tag, timeout=left if left is None else max(0.0, left))
             n = self.plan[i][1]
             if got.nbytes != n:

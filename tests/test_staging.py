@@ -372,14 +372,14 @@ def test_receive_timing_out_mid_message_resumes_at_the_next_chunk(pair):
     assert torch.equal(dev, msgs[1])
 
 
-@pytest.mark.timeout(60)
-def test_different_chunking_on_the_two_sides_is_a_protocol_error_never_wrong_data(pair):
+def _mismatched_chunks(pair, send_chunk: int, recv_chunk: int):
+    """A receiver posted for ``recv_chunk`` chunks and a sender (in a thread) cutting ``send_chunk`` ones."""
     tx, rx = pair
     n = 4 * 4096
     side_s, side_r = Side(), Side()
-    sender = StagedSender(torch.zeros(n, dtype=torch.uint8), chunk_plan(n, 4096), ops=side_s.ops)
+    sender = StagedSender(torch.zeros(n, dtype=torch.uint8), chunk_plan(n, send_chunk), ops=side_s.ops)
     r = StagedReceiver([torch.zeros(n, dtype=torch.uint8) for _ in range(2)], torch.zeros(n, dtype=torch.uint8),
-                       chunk_plan(n, 8192), ops=side_r.ops)
+                       chunk_plan(n, recv_chunk), ops=side_r.ops)
     r.post_all(rx, 0)
     errors: list = []
 
@@ -391,6 +391,12 @@ def test_different_chunking_on_the_two_sides_is_a_protocol_error_never_wrong_dat
 
     th = threading.Thread(target=send, daemon=True)
     th.start()
+    return rx, r, side_r, th
+
+
+@pytest.mark.timeout(60)
+def test_different_chunking_on_the_two_sides_is_a_protocol_error_never_wrong_data(pair):
+    rx, r, side_r, th = _mismatched_chunks(pair, 4096, 8192)
     with pytest.raises(ProtocolError, match=STAGING_CHUNK_ENV):
         r.recv(rx, 0, timeout=10, current=side_r.current, side=side_r.side)
     th.join(20)
@@ -399,23 +405,7 @@ def test_different_chunking_on_the_two_sides_is_a_protocol_error_never_wrong_dat
 
 @pytest.mark.timeout(60)
 def test_larger_chunks_than_posted_buffers_are_refused_by_the_transport(pair):
-    tx, rx = pair
-    n = 4 * 4096
-    side_s, side_r = Side(), Side()
-    sender = StagedSender(torch.zeros(n, dtype=torch.uint8), chunk_plan(n, 8192), ops=side_s.ops)
-    r = StagedReceiver([torch.zeros(n, dtype=torch.uint8) for _ in range(2)], torch.zeros(n, dtype=torch.uint8),
-                       chunk_plan(n, 4096), ops=side_r.ops)
-    r.post_all(rx, 0)
-    errors: list = []
-
-    def send() -> None:
-        try:
-            sender.send(tx, 0, _pattern(n, 5), step=0, timeout=5, current=side_s.current, side=side_s.side)
-        except TensorWireError as exc:
-            errors.append(exc)
-
-    th = threading.Thread(target=send, daemon=True)
-    th.start()
+    rx, r, side_r, th = _mismatched_chunks(pair, 8192, 4096)
     with pytest.raises(ProtocolError):
         r.recv(rx, 0, timeout=10, current=side_r.current, side=side_r.side)
     th.join(20)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -101,8 +102,6 @@ def run(args: argparse.Namespace, *, argv: Sequence[str] | None = None) -> int:
         argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]
     command = "tensorwire bench " + " ".join(shlex.quote(a) for a in argv)
     if args.from_json:
-        import json
-
         with open(args.from_json) as f:
             raw = json.load(f)
         raw.pop("summary", None)
@@ -122,9 +121,7 @@ def run(args: argparse.Namespace, *, argv: Sequence[str] | None = None) -> int:
         raw = execute(cfg, progress=progress, command=command, checkpoint=checkpoint)
         # Summarize exactly what the JSON keeps (7 significant digits), so `--from-json`
         # re-renders the same table digit for digit.
-        import json
-
-        raw = json.loads(json.dumps(report._compact(raw), default=str))
+        raw = report.as_saved(raw)
     summary = report.summarize(raw)
     sys.stdout.write(report.render_text(raw, summary))
     sys.stdout.flush()

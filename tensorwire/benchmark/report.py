@@ -405,6 +405,11 @@ def _compact(x: Any) -> Any:
     return x
 
 
+def as_saved(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` exactly as :func:`write_json` keeps it (floats to 7 significant digits, JSON types)."""
+    return json.loads(json.dumps(_compact(raw), default=str))
+
+
 def write_json(path: str, raw: dict[str, Any], summary: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(_compact({"format": "tensorwire-bench/1", **raw, "summary": summary}), f, indent=None,

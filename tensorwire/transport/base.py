@@ -37,6 +37,7 @@ import abc
 import dataclasses
 import os
 import secrets
+import time
 from typing import TYPE_CHECKING, Callable, ClassVar, Literal
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,6 +59,11 @@ TransportKind = Literal["tcp", "ucx", "memory"]
 NONCE_BYTES = 16
 #: Dims carried in a frame header for dynamic shapes (== spec.MAX_RANK).
 HEADER_DIMS = 8
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until a ``time.monotonic()`` deadline (None: no deadline)."""
+    return None if deadline is None else deadline - time.monotonic()
 
 
 def new_nonce() -> bytes:

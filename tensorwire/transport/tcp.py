@@ -64,6 +64,7 @@ from ..errors import (
     VersionMismatchError,
 )
 from .base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
+from .base import remaining as _remaining
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -86,17 +87,42 @@ _PEER_GONE = (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED
 _POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
-def _remaining(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    return deadline - time.monotonic()
-
 
 def _poll_ms(deadline: float | None, cap: float = 0.5) -> int:
     """Milliseconds to poll: bounded so closed/broken state is noticed promptly."""
     if deadline is None:
         return int(cap * 1000)
     return max(0, min(int((deadline - time.monotonic()) * 1000) + 1, int(cap * 1000)))
+
+
+def dial(host: str, port: int, deadline: float | None, *, retry: tuple[type[OSError], ...] = (ConnectionRefusedError,),
+         timeout_without_deadline: float | None = None, what: str = "connection to") -> socket.socket:
+    """Connect to ``host:port``, retrying the ``retry`` errors (a listener not up yet) with
+    backoff (50 ms doubling to 1 s) until ``deadline``. Each attempt waits at most what is left
+    of the deadline (``timeout_without_deadline`` when there is none).
+
+    Raises:
+        ConnectTimeout: retries ran out at the deadline, or an attempt timed out.
+        PeerLostError: the name does not resolve, or another socket error.
+    """
+    delay = 0.05
+    while True:
+        rem = _remaining(deadline)
+        try:
+            return socket.create_connection((host, port), timeout=timeout_without_deadline if rem is None
+                                            else max(0.01, rem))
+        except socket.gaierror as exc:
+            raise PeerLostError(f"cannot resolve {host}: {exc}") from exc
+        except retry as exc:
+            rem = _remaining(deadline)
+            if rem is not None and rem <= delay:
+                raise ConnectTimeout(f"{what} {host}:{port} refused or unreachable until the timeout: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        except (socket.timeout, TimeoutError) as exc:
+            raise ConnectTimeout(f"{what} {host}:{port} timed out") from exc
+        except OSError as exc:
+            raise PeerLostError(f"cannot connect to {host}:{port}: {exc}") from exc
 
 
 def tune_socket(sock: socket.socket, *, peer_timeout: float) -> None:
@@ -772,21 +798,7 @@ class TcpListener(Listener):
             PeerLostError: the connection was refused or reset.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.05
-        while True:
-            try:
-                sock = socket.create_connection((host, port), timeout=_remaining(deadline))
-                break
-            except ConnectionRefusedError as exc:
-                rem = _remaining(deadline)
-                if rem is not None and rem <= delay:
-                    raise ConnectTimeout(f"connection to {host}:{port} refused until the timeout") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except (socket.timeout, TimeoutError) as exc:
-                raise ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
-            except OSError as exc:
-                raise PeerLostError(f"cannot connect to {host}:{port}: {exc}") from exc
+        sock = dial(host, port, deadline)
         try:
             sock.settimeout(_remaining(deadline))
             sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, nonce))

@@ -178,7 +178,8 @@ from ..errors import (
     VersionMismatchError,
 )
 from .base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
-from .tcp import tune_socket
+from .base import remaining as _remaining
+from .tcp import dial, tune_socket
 
 
 def _import_ucxx() -> tuple[Any, Any, dict[str, str]]:
@@ -290,10 +291,6 @@ _LOST_ERRORS = tuple(
 )
 
 
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else deadline - time.monotonic()
-
-
 def _u8(n: int) -> Any:
     return np.zeros(n, dtype=np.uint8)
 
@@ -308,11 +305,9 @@ class _Cai:
                                          "strides": None, "version": 3}
 
 
-#: (data_ptr, nbytes) -> ucxx Array of CUDA memory (see _as_array). Device pointers are unique
-#: across devices in one process (unified virtual addressing).
-_CUDA_ARRAYS: dict[tuple[int, int], Any] = {}
-#: The same for host memory (a ctypes array over the address: writable, no owner reference).
-_HOST_ARRAYS: dict[tuple[int, int], Any] = {}
+#: (data_ptr, nbytes, is_cuda) -> ucxx Array describing that memory by address only (see _as_array).
+_DESCRIPTORS: dict[tuple[int, int, bool], Any] = {}
+_MAX_DESCRIPTORS = 4096
 
 
 def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
@@ -329,28 +324,19 @@ def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
             buf = buf.reshape(-1)
         if buf.requires_grad:
             buf = buf.detach()
-        if buf.is_cuda:
-            # __cuda_array_interface__: straight to/from GPU memory. torch's own property is a
-            # Python function (tens of us); slots and a training loop's tensors come back at the
-            # same addresses, so descriptors are built from the address alone (_Cai: it does not
-            # reference the tensor, so the cache keeps no memory alive; ``buf`` is kept alive by
-            # the caller while UCX uses it) and reused by (address, size).
-            key = (buf.data_ptr(), n)
-            arr = _CUDA_ARRAYS.get(key)
-            if arr is None:
-                if not _engine().ctx.cuda_support:
-                    raise ConfigError("this UCX build has no CUDA support; use host buffers")
-                if len(_CUDA_ARRAYS) >= 4096:
-                    _CUDA_ARRAYS.clear()
-                arr = _CUDA_ARRAYS[key] = _Array(_Cai(key[0], n))
-            return buf, arr, n
-        # Host memory: the same, through a ctypes view of the address (no reference to ``buf``).
-        key = (buf.data_ptr(), n)
-        arr = _HOST_ARRAYS.get(key)
+        # Building a descriptor through NumPy or torch's __cuda_array_interface__ costs 2 to tens
+        # of us; slots and a training loop's tensors come back at the same addresses, so it is
+        # built from the address alone -- a ctypes array over host memory, _Cai over device memory
+        # (straight to/from GPU memory) -- and reused by (address, size, kind). It references no
+        # tensor, so the cache keeps no memory alive; the caller keeps ``buf`` alive while UCX uses it.
+        key = (buf.data_ptr(), n, buf.is_cuda)
+        arr = _DESCRIPTORS.get(key)
         if arr is None:
-            if len(_HOST_ARRAYS) >= 4096:
-                _HOST_ARRAYS.clear()
-            arr = _HOST_ARRAYS[key] = _Array((ctypes.c_char * n).from_address(key[0]))
+            if key[2] and not _engine().ctx.cuda_support:
+                raise ConfigError("this UCX build has no CUDA support; use host buffers")
+            if len(_DESCRIPTORS) >= _MAX_DESCRIPTORS:
+                _DESCRIPTORS.clear()
+            arr = _DESCRIPTORS[key] = _Array(_Cai(key[0], n) if key[2] else (ctypes.c_char * n).from_address(key[0]))
         return buf, arr, n
     mv = memoryview(buf)
     if writable and mv.readonly:
@@ -1457,6 +1443,9 @@ class UcxListener(Listener):
         if pend is None:
             return
         self._eng.unwatch_fd(fd)
+        self._reject(pend, why, reply=reply)
+
+    def _reject(self, pend: _Pending, why: str, *, reply: bytes | None = None) -> None:
         if reply is not None:
             try:
                 pend.sock.send(reply)  # small: fits the socket buffer of a fresh connection
@@ -1500,29 +1489,24 @@ class UcxListener(Listener):
         if pend.need == HELLO.size:
             pend.need += alen  # now read the worker address
             return
-        addr = bytes(pend.buf[HELLO.size:])
-        del self._conns[fd]
-        self._eng.unwatch_fd(fd)
         eng = self._eng
-        rid = eng.new_rid()
         try:
             ep = _ucx.UCXEndpoint.create_from_worker_address(
-                eng.worker, _ucx.UCXAddress.create_from_buffer(addr), _error_handling())
+                eng.worker, _ucx.UCXAddress.create_from_buffer(bytes(pend.buf[HELLO.size:])), _error_handling())
         except Exception as exc:  # noqa: BLE001 - one bad peer must not stop the listener
-            self._conns[fd] = pend
-            self._eng.watch_fd(fd, lambda ev, fd=fd: self._on_hello(fd))
             self._drop(fd, f"cannot create a UCX endpoint to its worker address: {exc}", reply=no)
             return
+        del self._conns[fd]
+        eng.unwatch_fd(fd)
+        rid = eng.new_rid()
         mine = eng.address
         try:
             pend.sock.setblocking(True)
             pend.sock.settimeout(self.HELLO_TIMEOUT)
             pend.sock.sendall(REPLY.pack(REPLY_OK, PROTOCOL_VERSION, rid, len(mine)) + mine)
         except OSError as exc:
-            pend.sock.close()
             _close_ep(ep)
-            self.rejected += 1
-            log.warning("ucx data listener: answering %s failed: %s", pend.peer, exc)
+            self._reject(pend, f"answering failed: {exc}")
             return
         t = UcxTransport(eng, ep, _watch(ep), rid=rid, peer_rid=client_rid, peer=pend.peer,
                          peer_timeout=self._peer_timeout)
@@ -1546,28 +1530,10 @@ class UcxListener(Listener):
         if len(nonce) != NONCE_BYTES:
             raise ConfigError(f"nonce must be {NONCE_BYTES} bytes")
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise PeerLostError(f"cannot resolve {host}: {exc}") from exc
-        info = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
         eng = _engine(peer_timeout)
         peer = f"{host}:{port}"
-        delay = 0.05
-        while True:
-            sock = socket.socket(info[0], socket.SOCK_STREAM)
-            try:
-                rem = _remaining(deadline)
-                sock.settimeout(10.0 if rem is None else max(0.01, rem))
-                sock.connect(info[4])
-                break
-            except (ConnectionRefusedError, ConnectionResetError, socket.timeout, OSError) as exc:
-                sock.close()
-                rem = _remaining(deadline)
-                if rem is not None and rem <= delay:
-                    raise ConnectTimeout(f"UCX data listener {peer} not reachable until the timeout: {exc}") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        # Any socket error is retried until the deadline (a listener not up yet, a reset, a slow SYN).
+        sock = dial(host, port, deadline, retry=(OSError,), timeout_without_deadline=10.0, what="UCX data listener")
         try:
             tune_socket(sock, peer_timeout=peer_timeout)
             with eng.op():
