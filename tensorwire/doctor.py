@@ -500,7 +500,13 @@ def check_tensorwire(p: Probe) -> list[Finding]:
     kinds = available_kinds()
     rdma = bool(p.listdir("/sys/class/infiniband"))
     ok_cuda, _ = p.cuda()
-    pref = p.env.get("TENSORWIRE_AUTO_PREFER", "").lower()
+    from .errors import ConfigError
+    from .node import auto_preference
+
+    try:
+        pref = auto_preference(p.env)
+    except ConfigError as exc:
+        return [Finding("tensorwire", "FAIL", str(exc), "unset it, or set it to ucx or tcp")]
     ucx = "ucx" in kinds and pref != "tcp"
     local = "ucx (shared memory, cma)" if ucx else "tcp"
     remote = "ucx" if ucx and (rdma or pref == "ucx") else "tcp"

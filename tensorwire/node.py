@@ -40,7 +40,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
 
 from .buffers import Slot, as_bytes, cuda_available
 from .errors import (
@@ -124,6 +124,19 @@ def host_id() -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
+def auto_preference(env: "Mapping[str, str] | None" = None) -> str:
+    """``TENSORWIRE_AUTO_PREFER``: "" (follow the rule), "ucx" or "tcp" (that transport first under auto).
+
+    Raises:
+        ConfigError: any other value.
+    """
+    raw = (os.environ if env is None else env).get("TENSORWIRE_AUTO_PREFER", "")
+    pref = raw.strip().lower()
+    if pref not in ("", "ucx", "tcp"):
+        raise ConfigError(f"TENSORWIRE_AUTO_PREFER={raw!r}: must be 'ucx', 'tcp' or unset")
+    return pref
+
+
 def same_host(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer") -> bool:
     return bool(mine.host_id) and mine.host_id == theirs.host_id
 
@@ -147,7 +160,7 @@ def choose_transport(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOff
             who = "this side" if kind not in kinds_a else "the peer"
             raise ConfigError(f"transport {kind!r} was asked for but {who} cannot use it (available: {common})")
         return [kind]
-    pref = os.environ.get("TENSORWIRE_AUTO_PREFER", "").lower()
+    pref = auto_preference()
     prefer_ucx = "ucx" in common and pref != "tcp" and (
         needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host(mine, theirs)
     )

@@ -317,6 +317,18 @@ def test_auto_transport_uses_ucx_when_it_works():
             assert c.transport_kind == "tcp" and torch.equal(c.get("u"), x)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _ucx_usable(), reason="ucxx not importable")
+def test_auto_prefer_tcp_keeps_same_host_clients_on_tcp(monkeypatch):
+    with in_process(transport="auto") as s:
+        if "ucx" not in {d["kind"] for d in s.ready_info()["data"]}:
+            pytest.skip("UCX did not pass the server's self-test here")
+        monkeypatch.setenv("TENSORWIRE_AUTO_PREFER", "tcp")
+        with Client(s.address, transport="auto") as c:
+            c.put("v", torch.ones(4))
+            assert c.transport_kind == "tcp"
+
+
 @pytest.mark.timeout(60)
 def test_tcp_only_server_with_auto_client_warns_and_uses_tcp(srv, caplog):
     import logging

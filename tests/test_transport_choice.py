@@ -70,3 +70,21 @@ def test_host_id_is_stable_and_shared_by_processes_of_this_host_but_not_other_ip
     r = subprocess.run(["unshare", "--ipc", sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     if r.returncode == 0:
         assert r.stdout.strip() and r.stdout.strip() != me
+
+
+def test_a_bad_auto_preference_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_AUTO_PREFER", "fastest")
+    with pytest.raises(ConfigError, match="TENSORWIRE_AUTO_PREFER='fastest'"):
+        choose_transport(_offer(), _offer(), needs_cuda=False)
+    from tensorwire.node import auto_preference
+
+    assert auto_preference({"TENSORWIRE_AUTO_PREFER": " TCP "}) == "tcp"
+    assert auto_preference({}) == ""
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "nan"])
+def test_bad_ucx_spin_settings_are_clear_errors_at_import(value):
+    code = "import tensorwire.transport.ucx"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TENSORWIRE_UCX_CUDA_SPIN_US": value})
+    assert r.returncode != 0 and "ConfigError" in r.stderr and "TENSORWIRE_UCX_CUDA_SPIN_US" in r.stderr, r.stderr

@@ -124,11 +124,10 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
 
 def _ucx_first() -> bool:
     """Under auto, UCX is the default only where it beats a socket: an RDMA device, or when asked."""
-    import os
+    from ..node import auto_preference, ucx_has_rdma
 
-    from ..node import ucx_has_rdma
-
-    return ucx_has_rdma() or os.environ.get("TENSORWIRE_AUTO_PREFER", "").lower() == "ucx"
+    pref = auto_preference()
+    return pref == "ucx" or (pref != "tcp" and ucx_has_rdma())
 
 
 class Server:

@@ -20,7 +20,7 @@ import grpc
 
 from .. import errors
 from ..spec import MAX_NAME_LEN, TensorSpec, _check_name
-from ..node import host_id
+from ..node import auto_preference, host_id
 from ..transport.base import new_nonce
 from ..v1 import store_pb2, store_pb2_grpc, types_pb2
 from .protocol import (
@@ -237,7 +237,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
         want = request.transport or "auto"
         if want == "auto":
             kind = self.primary
-            if "ucx" in self.listeners and request.host_id and request.host_id == host_id():
+            if ("ucx" in self.listeners and request.host_id and request.host_id == host_id()
+                    and auto_preference() != "tcp"):
                 kind = "ucx"  # same machine and IPC namespace: shared memory / cma / cuda_ipc beat a socket
         elif want in self.listeners:
             kind = want

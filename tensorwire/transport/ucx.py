@@ -219,12 +219,26 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 2
 #: Microseconds a waiting thread polls the worker (yielding in between) before it sleeps.
-SPIN_US = float(os.environ.get("TENSORWIRE_UCX_SPIN_US", "100"))
+def _env_us(name: str, default: float) -> float:
+    """A non-negative number of microseconds from the environment (ConfigError naming it otherwise)."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also rejects nan
+        raise ConfigError(f"{name}={raw!r}: must be a number of microseconds >= 0")
+    return value
+
+
+SPIN_US = _env_us("TENSORWIRE_UCX_SPIN_US", 100)
 #: The same for a wait on a transfer of CUDA memory. cuda_ipc copies are issued and
 #: completed from worker progress and do not wake a sleeping worker promptly: measured on
 #: 2 x H200 (bench/results/gpu_h200x2_nvlink.md), a 256 MiB send + ack took 1,281 us
 #: with 100 us of spinning and 781 us with 2 ms (raw ucxx, always polling: 712 us).
-CUDA_SPIN_US = float(os.environ.get("TENSORWIRE_UCX_CUDA_SPIN_US", "2000"))
+CUDA_SPIN_US = _env_us("TENSORWIRE_UCX_CUDA_SPIN_US", 2000)
 #: UCX endpoint keepalive interval (seconds) unless UCX_KEEPALIVE_INTERVAL is set.
 KEEPALIVE_S = 2.0
 #: close(): how long it waits for this side's sends (and then its goodbye) to complete.
