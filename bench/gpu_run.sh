@@ -49,7 +49,7 @@ fi
 
 if [ "$MODE" = gpu ]; then
   DEVICE=cuda; BACKENDS=tensorwire-ucx,torch-nccl,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp
-  SIZES=(--min-size 4K --max-size "${MAX_SIZE:-1G}"); GRPC_MAX=${GRPC_MAX:-64M}; SCALE=${SCALE:-0.5}
+  SIZES=(--min-size 4K --max-size "${MAX_SIZE:-1G}"); GRPC_MAX=${GRPC_MAX:-64M}; SCALE=${SCALE:-2}
   T_BENCH=${T_BENCH:-330}; T_TESTS=${T_TESTS:-240}
 else
   DEVICE=cpu; BACKENDS=tensorwire-ucx,torch-gloo,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp

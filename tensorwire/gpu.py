@@ -77,6 +77,7 @@ __all__ = [
     "chunk_plan",
     "staging_chunk",
     "CudaOps",
+    "sync_current_stream",
     "StagedSender",
     "StagedReceiver",
 ]
@@ -196,6 +197,57 @@ def _cudart() -> Any:
         lib.cudaGetLastError.restype = ctypes.c_int
         return lib
     raise OSError("libcudart not found")
+
+
+def _torch_sync(device: "torch.device") -> None:
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
+
+
+@functools.lru_cache(maxsize=1)
+def _stream_sync() -> Any:
+    """``f(device)``: synchronize ``device``'s current stream; through the CUDA runtime directly when possible.
+
+    ``torch.cuda.current_stream(device).synchronize()`` builds a Stream object
+    each time: measured 8.1 us per call on an H200 host (5.5 of them to get the
+    stream), where a link sending a 16 MiB tensor spends ~60 us moving it. This
+    asks torch for the raw ``cudaStream_t`` of the current stream and calls
+    ``cudaStreamSynchronize`` on it (the runtime torch itself loaded: the same
+    call torch makes); only when the tensor's device is the current device (the
+    legacy default stream, handle 0, means "the current device's"), else it
+    takes torch's way. Falls back to torch's way entirely if either is missing.
+    """
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    getdev = getattr(torch._C, "_cuda_getDevice", None)
+    try:
+        lib = _cudart()
+        sync = lib.cudaStreamSynchronize
+        sync.argtypes = [ctypes.c_void_p]
+        sync.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return _torch_sync
+    if raw is None or getdev is None:
+        return _torch_sync
+
+    def fast(device: "torch.device") -> None:
+        idx = device.index
+        if idx is None or idx != getdev():
+            _torch_sync(device)
+            return
+        err = sync(raw(idx))
+        if err:
+            lib.cudaGetLastError()  # clear it, then let torch raise its own error for the same stream
+            _torch_sync(device)
+
+    return fast
+
+
+def sync_current_stream(device: "torch.device") -> None:
+    """Block until the work queued so far on ``device``'s current stream is done (see :func:`_stream_sync`)."""
+    _stream_sync()(device)
 
 
 class CudaBuffer:

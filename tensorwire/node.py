@@ -43,6 +43,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
 
 from .buffers import Slot, as_bytes, cuda_available
+from .gpu import sync_current_stream
 from .errors import (
     ClosedError,
     ConfigError,
@@ -217,7 +218,7 @@ class _RecvState:
 
 
 class _SendState:
-    __slots__ = ("spec", "tag", "slot", "step", "lock", "tdtype", "shape", "nbytes", "stager")
+    __slots__ = ("spec", "tag", "slot", "step", "lock", "tdtype", "cdtype", "shape", "nbytes", "stager")
 
     def __init__(self, spec: TensorSpec, tag: int, slot: Slot, stager: Any = None) -> None:
         self.spec = spec
@@ -225,8 +226,9 @@ class _SendState:
         self.slot = slot  # staging for non-contiguous input or CUDA data over a host-only transport
         self.step = 0
         self.lock = threading.Lock()
-        # for the fast check of a static CPU spec (anything else takes spec.check_tensor)
+        # for the fast check of a static spec (anything else takes spec.check_tensor)
         self.tdtype = spec.torch_dtype if spec.device == "cpu" and not spec.is_dynamic else None
+        self.cdtype = spec.torch_dtype if spec.device == "cuda" and not spec.is_dynamic else None
         self.shape = spec.shape
         self.nbytes = spec.nbytes
         # tensorwire.gpu.StagedSender over ``slot`` for a static CUDA spec over a host-only transport
@@ -272,6 +274,7 @@ class Link:
         self.name = name
         self.rank = node_rank
         self._t = transport
+        self._any_dtype = transport.any_dtype  # sends may pass the tensor itself (no flat uint8 view)
         self.transport = transport.kind
         self._timeout = timeout
         self._closed = False
@@ -385,11 +388,31 @@ class Link:
                 tensor = tensor.detach()
             if tensor.is_contiguous() and tensor.dim():
                 with st.lock:  # the step counts only messages that went out (a credit timeout sends nothing)
-                    self._t.send(st.tag, tensor.view(torch_uint8()).reshape(-1) if st.nbytes else st.slot.raw,
-                                 step=st.step + 1, timeout=self._timeout if timeout is None else timeout)
+                    if not st.nbytes:
+                        data = st.slot.raw
+                    else:
+                        data = tensor if self._any_dtype else tensor.view(torch_uint8()).reshape(-1)
+                    self._t.send(st.tag, data, step=st.step + 1, timeout=self._timeout if timeout is None else timeout)
                     st.step += 1
                 self.bytes_sent += st.nbytes
                 return
+        elif (st.cdtype is not None and tensor.dtype is st.cdtype and tensor.shape == st.shape and tensor.is_cuda
+              and st.slot.is_cuda and st.nbytes and tensor.is_contiguous()):
+            # Fast path: static CUDA spec, contiguous, sent straight from device memory. The
+            # caller's stream (isend passes the one current in the calling thread) is synchronized
+            # first: UCX reads the bytes only after the work queued there is done.
+            if tensor.requires_grad:
+                tensor = tensor.detach()
+            if stream is not None:
+                stream.synchronize()
+            else:
+                sync_current_stream(tensor.device)
+            with st.lock:
+                self._t.send(st.tag, tensor if self._any_dtype else as_bytes(tensor), step=st.step + 1,
+                             timeout=self._timeout if timeout is None else timeout)
+                st.step += 1
+            self.bytes_sent += st.nbytes
+            return
         else:
             st.spec.check_tensor(tensor)
         tensor = tensor.detach()
@@ -491,32 +514,42 @@ class Link:
             raise ShapeMismatchError(f"{name!r} is not received on this link (declared: {sorted(self._recv)})")
         if st.stager is not None:
             return self._recv_staged(st, name, out, self._timeout if timeout is None else timeout)
+        tmo = self._timeout if timeout is None else timeout
         if st.held is not None:
             held, st.held = st.held, None
             raw = st.slots[held].raw
             if raw.is_cuda:
                 # UCX may write the next message into this slot as soon as it is posted: work the
                 # caller queued on the slot (on the current stream) must be finished first.
-                import torch
-
-                torch.cuda.current_stream(raw.device).synchronize()
-            self._t.post_recv(st.tag, raw, header=st.spec.is_dynamic)
-        got = self._t.wait_recv(st.tag, timeout=self._timeout if timeout is None else timeout)
+                sync_current_stream(raw.device)
+            # The held slot goes back and the next message is awaited in one call: UCX does the
+            # post once the wait has picked up the message already on its way (transport docs).
+            got = self._t.repost_and_wait(st.tag, raw, header=st.spec.is_dynamic, timeout=tmo)
+        else:
+            got = self._t.wait_recv(st.tag, timeout=tmo)
         idx = st.next
         st.next ^= 1
         slot = st.slots[idx]
-        shape = got.shape if got.shape is not None else st.spec.shape
-        try:
-            st.spec.check_shape(shape)
-        except ShapeMismatchError as exc:
-            self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
-            raise ProtocolError(f"peer sent {name!r} with shape {shape}: {exc}") from exc
-        expected = slot.view(shape).numel() * st.spec.itemsize
-        if got.nbytes != expected:
-            self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
-            raise ProtocolError(f"peer sent {got.nbytes} bytes for {name!r} {shape}, expected {expected}")
+        if got.shape is None and not st.spec.is_dynamic:
+            # Static spec (the common case): the slot's full typed view, no shape work per message.
+            shape = st.spec.shape
+            if got.nbytes != slot.nbytes:
+                self._t.post_recv(st.tag, slot.raw, header=False)
+                raise ProtocolError(f"peer sent {got.nbytes} bytes for {name!r} {shape}, expected {slot.nbytes}")
+            view = slot.tensor
+        else:
+            shape = got.shape if got.shape is not None else st.spec.shape
+            try:
+                st.spec.check_shape(shape)
+            except ShapeMismatchError as exc:
+                self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+                raise ProtocolError(f"peer sent {name!r} with shape {shape}: {exc}") from exc
+            view = slot.view(shape)
+            expected = view.numel() * st.spec.itemsize
+            if got.nbytes != expected:
+                self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+                raise ProtocolError(f"peer sent {got.nbytes} bytes for {name!r} {shape}, expected {expected}")
         self.bytes_received += got.nbytes
-        view = slot.view(shape)
         if st.staged:
             assert st.device_slot is not None
             dev_view = st.device_slot.view(shape)

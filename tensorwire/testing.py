@@ -128,6 +128,46 @@ def check_credit_blocks_sender(make: PairMaker) -> None:
         b.close()
 
 
+def check_repost_and_wait(make: PairMaker) -> None:
+    """repost_and_wait = post, then wait: double-buffered receives keep FIFO order, every byte right;
+    on a timeout the buffer stays posted (a later message fills it)."""
+    a, b = make()
+    try:
+        slots = [_empty(4096), _empty(4096)]
+        for s in slots:
+            b.post_recv(4, s)
+        n = 12
+
+        def sender() -> None:
+            for k in range(n):
+                a.send(4, _u8(4096, seed=200 + k), step=k + 1, timeout=10)
+
+        th = _run(sender)
+        held = None
+        for k in range(n):
+            got = b.wait_recv(4, timeout=10) if held is None else b.repost_and_wait(4, slots[held], timeout=10)
+            assert got.nbytes == 4096
+            held = k % 2
+            assert bool((slots[held] == _u8(4096, seed=200 + k)).all()), f"message {k}: wrong bytes or order"
+        _join(th)
+        # Nothing more comes: the re-posted buffer is posted even though the wait timed out.
+        spare, again = _empty(8), _empty(8)
+        b.post_recv(7, spare)
+        try:
+            b.repost_and_wait(7, again, timeout=0.2)
+        except TransferTimeout:
+            pass
+        else:
+            raise AssertionError("repost_and_wait returned with nothing sent")
+        a.send(7, _u8(8, seed=1), step=1, timeout=10)
+        a.send(7, _u8(8, seed=2), step=2, timeout=10)  # needs the credit of the buffer re-posted above
+        assert b.wait_recv(7, timeout=10).nbytes == 8 and b.wait_recv(7, timeout=10).nbytes == 8
+        assert bool((spare == _u8(8, seed=1)).all()) and bool((again == _u8(8, seed=2)).all())
+    finally:
+        a.close()
+        b.close()
+
+
 def check_shape_travels(make: PairMaker) -> None:
     """A shape given to send is reported by wait_recv on a header tag."""
     a, b = make()
@@ -282,6 +322,7 @@ def check_messages_sent_before_close_are_delivered(make: PairMaker) -> None:
 CHECKS: dict[str, Callable[[PairMaker], None]] = {
     "roundtrip_bytes": check_roundtrip_bytes,
     "fifo_per_tag": check_fifo_per_tag,
+    "repost_and_wait": check_repost_and_wait,
     "credit_blocks_sender": check_credit_blocks_sender,
     "shape_travels": check_shape_travels,
     "both_directions_at_once": check_both_directions_at_once,

@@ -93,6 +93,8 @@ class Transport(abc.ABC):
     kind: ClassVar[str]
     #: Whether buffers may live in CUDA memory.
     reaches_cuda: ClassVar[bool] = False
+    #: Whether ``send`` and ``post_recv`` take any contiguous tensor (its bytes), not only flat uint8.
+    any_dtype: ClassVar[bool] = False
 
     @abc.abstractmethod
     def post_recv(self, tag: int, buf: "torch.Tensor", *, header: bool = False) -> None:
@@ -117,6 +119,20 @@ class Transport(abc.ABC):
                 posted buffer stays posted).
             PeerLostError, ProtocolError, ClosedError.
         """
+
+    def repost_and_wait(self, tag: int, buf: "torch.Tensor", *, header: bool = False,
+                        timeout: float | None) -> Received:
+        """Post ``buf`` on ``tag`` again, then wait for the oldest posted buffer on ``tag``.
+
+        What a receiver does every step with double-buffered slots (the slot it
+        held goes back, the next one is awaited). The same as :meth:`post_recv`
+        then :meth:`wait_recv`, except that a transport may do the post once the
+        wait has started (UCX: after the first progress, so a transfer already
+        announced by the peer is under way while the post's bookkeeping runs).
+        When this returns or raises TransferTimeout, ``buf`` is posted.
+        """
+        self.post_recv(tag, buf, header=header)
+        return self.wait_recv(tag, timeout=timeout)
 
     @abc.abstractmethod
     def send(

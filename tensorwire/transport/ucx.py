@@ -325,24 +325,22 @@ _MAX_DESCRIPTORS = 4096
 
 
 def _as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
-    """(keep-alive object, ucxx Array, nbytes) for a flat uint8 buffer. Zero-copy."""
+    """(keep-alive object, ucxx Array, nbytes) for a buffer: a contiguous tensor (its bytes, any dtype) or
+    anything with the buffer protocol. Zero-copy."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor):
-        if buf.dtype is not torch.uint8 or not buf.is_contiguous():
-            raise ConfigError("UCX buffers must be contiguous uint8 tensors")
-        n = buf.numel()
+        if not buf.is_contiguous():
+            raise ConfigError("UCX buffers must be contiguous tensors")
+        n = buf.nbytes
         if n == 0:
             z = _u8(0)
             return z, _Array(z), 0
-        if buf.dim() != 1:
-            buf = buf.reshape(-1)
-        if buf.requires_grad:
-            buf = buf.detach()
         # Building a descriptor through NumPy or torch's __cuda_array_interface__ costs 2 to tens
         # of us; slots and a training loop's tensors come back at the same addresses, so it is
         # built from the address alone -- a ctypes array over host memory, _Cai over device memory
         # (straight to/from GPU memory) -- and reused by (address, size, kind). It references no
         # tensor, so the cache keeps no memory alive; the caller keeps ``buf`` alive while UCX uses it.
+        # Any dtype: only the address and the byte count matter (no flat uint8 view to build).
         key = (buf.data_ptr(), n, buf.is_cuda)
         arr = _DESCRIPTORS.get(key)
         if arr is None:
@@ -427,6 +425,9 @@ class _Engine:
         self.servicing: set[Any] = set()  # listeners with handshakes in progress
         self.objects: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.ctrl_watch: "weakref.WeakSet[Any]" = weakref.WeakSet()  # transports awaiting a control message
+        self._ctrl_owed = False  # something progressed since ctrl_watch was last looked at
+        self.events = 0  # progress() calls that did something (UcxTransport.repost_and_wait watches it)
+        self._ctrl_scan_at = 0.0
         self.stopped = False
         self._rids = itertools.count(secrets.randbelow(_RID_MASK))
         self._ticker = threading.Thread(target=_tick, args=(weakref.ref(self),), daemon=True,
@@ -467,11 +468,20 @@ class _Engine:
         while w.progress_once():
             did = True
         w.progress()  # also runs ucxx's housekeeping (cancellations after endpoint errors)
-        if did and self.ctrl_watch:  # answer a peer's goodbye whoever progresses (the ticker too)
-            for t in list(self.ctrl_watch):
-                req = t._ctrl_req
-                if req is not None and req.completed:
-                    t._poll_ctrl()
+        if did:
+            self._ctrl_owed = True
+            self.events += 1
+        if self._ctrl_owed:
+            # Answer a peer's goodbye whoever progresses (the ticker too); at most once a
+            # millisecond -- a stream of messages progresses every few microseconds.
+            now = time.monotonic()
+            if now >= self._ctrl_scan_at:
+                self._ctrl_owed = False
+                self._ctrl_scan_at = now + self.FD_CHECK
+                for t in list(self.ctrl_watch):
+                    req = t._ctrl_req
+                    if req is not None and req.completed:
+                        t._poll_ctrl()
         return did
 
     def service(self) -> None:
@@ -734,6 +744,7 @@ class UcxTransport(Transport):
 
     kind = "ucx"
     reaches_cuda = True
+    any_dtype = True
 
     def __init__(self, eng: _Engine, ep: Any, state: _EpState, *, rid: int, peer_rid: int, peer: str,
                  peer_timeout: float = 30.0) -> None:
@@ -782,29 +793,57 @@ class UcxTransport(Transport):
         keep, arr, cap = _as_array(buf, writable=True)
         with self._eng.op():
             self._check_usable()
-            hbuf = harr = None
+            self._post_locked(tag, keep, arr, cap, header)
+
+    def _post_locked(self, tag: int, keep: Any, arr: Any, cap: int, header: bool) -> None:
+        """post_recv under the engine lock (usability already checked)."""
+        hbuf = harr = None
+        if header:
+            hbuf = _u8(HDR.size)
+            harr = _Array(hbuf)
+        if self._peer_gone():
+            # The peer said goodbye (or its endpoint failed moments ago): like a TCP
+            # stream not yet read up to its end, accept the post; no credit goes out and
+            # only a message already sent can fill it (else its wait raises PeerLostError).
+            self._posted[tag].append(_Post(None, keep, arr, cap, None, hbuf, harr))
+            return
+        try:
+            req = self._ep.tag_recv(arr, tag=_Tag(self._rid | (DATA << _KIND_SHIFT) | tag))
+            hreq = None
             if header:
-                hbuf = _u8(HDR.size)
-                harr = _Array(hbuf)
-            if self._peer_gone():
-                # The peer said goodbye (or its endpoint failed moments ago): like a TCP
-                # stream not yet read up to its end, accept the post; no credit goes out and
-                # only a message already sent can fill it (else its wait raises PeerLostError).
-                self._posted[tag].append(_Post(None, keep, arr, cap, None, hbuf, harr))
-                return
-            try:
-                req = self._ep.tag_recv(arr, tag=_Tag(self._rid | (DATA << _KIND_SHIFT) | tag))
-                hreq = None
-                if header:
-                    hreq = self._ep.tag_recv(harr, tag=_Tag(self._rid | (HEADER << _KIND_SHIFT) | tag))
-                self._posted[tag].append(_Post(req, keep, arr, cap, hreq, hbuf, harr))
-                self._grant(tag, cap, F_HEADER if header else 0)
-            except _ucx.UCXError as exc:
-                raise self._fail_from(exc, f"posting a receive on tag {tag}") from exc
+                hreq = self._ep.tag_recv(harr, tag=_Tag(self._rid | (HEADER << _KIND_SHIFT) | tag))
+            self._posted[tag].append(_Post(req, keep, arr, cap, hreq, hbuf, harr))
+            self._grant(tag, cap, F_HEADER if header else 0)
+        except _ucx.UCXError as exc:
+            raise self._fail_from(exc, f"posting a receive on tag {tag}") from exc
 
     def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
+        return self._wait_recv(tag, timeout, None)
+
+    def repost_and_wait(self, tag: int, buf: Any, *, header: bool = False, timeout: float | None) -> Received:
+        # The post (a tag receive and a credit: ~10 us of Python per message on an H200 host)
+        # runs inside the wait, once progress has done something -- normally picked up the
+        # message the peer announced, whose rendezvous (the cuda_ipc copy) then overlaps the
+        # post instead of following it -- or when the message is complete, or at the timeout.
+        # It cannot be needed earlier: the peer spends this credit on the message after the
+        # one awaited here. Measured on 2 x H200 (bench/gpu_ucx_probe.py, tw-trace): posting
+        # first put the post on the critical path of every message of a stream.
+        _check_tag(tag)
+        keep, arr, cap = _as_array(buf, writable=True)
+        return self._wait_recv(tag, timeout, (keep, arr, cap, header))
+
+    def _wait_recv(self, tag: int, timeout: float | None, repost: tuple[Any, Any, int, bool] | None) -> Received:
         deadline = None if timeout is None else time.monotonic() + timeout
         out: list[Received] = []
+        eng = self._eng
+        events0 = eng.events
+
+        def post() -> None:
+            nonlocal repost
+            if repost is not None:
+                r, repost = repost, None
+                self._check_usable()
+                self._post_locked(tag, *r)
 
         def ready() -> bool:
             if self._closed:
@@ -818,15 +857,22 @@ class UcxTransport(Transport):
                 if _filled(p.req) and (p.hreq is None or _filled(p.hreq)):
                     q.popleft()
                     out.append(self._finish(tag, p))
+                    post()
                     return True
+            if repost is not None and (eng.events != events0 or not q):
+                post()  # (with nothing posted, the buffer is the one awaited)
             self._check_usable()
             if self._bye_at is not None and time.monotonic() - self._bye_at >= BYE_GRACE_S:
                 raise PeerLostError(f"peer {self._peer} closed the link (nothing more arrived on tag {tag})")
             return False
 
         q = self._posted.get(tag)
-        spin = _CUDA_SPIN if q and _is_cuda(q[0].keep) else None
+        head = q[0].keep if q else (repost[0] if repost is not None else None)
+        spin = _CUDA_SPIN if head is not None and _is_cuda(head) else None
         if not self._eng.wait(ready, deadline, spin=spin):
+            if repost is not None:
+                with self._eng.op():
+                    post()
             raise TransferTimeout(f"receive on tag {tag} timed out after {timeout}s (peer {self._peer})")
         return out[0]
 
@@ -858,6 +904,7 @@ class UcxTransport(Transport):
                 if credit is None:
                     return False
                 self._post_send(tag, credit, keep, arr, n, step, shape, reqs)
+                self._arm_credit(tag)  # after the data: the message goes out first
             # phase 2: the payload is out of ``buf`` (eager sends usually finish right here)
             for r, _ in reqs:
                 if not r.completed:
@@ -1148,6 +1195,8 @@ class UcxTransport(Transport):
             rx = self._credit_rx[tag] = _CreditRx()
         while True:
             if rx.req is None:
+                if q:
+                    break  # one in hand: the receive for the next is armed after the send (_arm_credit)
                 rx.req = self._ep.tag_recv(rx.arr, tag=_Tag(self._rid | (CREDIT << _KIND_SHIFT) | tag))
             if not rx.req.completed:
                 break
@@ -1158,6 +1207,15 @@ class UcxTransport(Transport):
                 raise self._fail_from(exc, f"waiting for a credit on tag {tag}") from exc
             q.append(CRED.unpack_from(rx.buf))
         return q.popleft() if q else None
+
+    def _arm_credit(self, tag: int) -> None:
+        """Keep a receive posted for the next credit on ``tag`` (credits sent meanwhile wait in UCX's queue)."""
+        rx = self._credit_rx.get(tag)
+        if rx is not None and rx.req is None:
+            try:
+                rx.req = self._ep.tag_recv(rx.arr, tag=_Tag(self._rid | (CREDIT << _KIND_SHIFT) | tag))
+            except _ucx.UCXError as exc:
+                raise self._fail_from(exc, f"waiting for a credit on tag {tag}") from exc
 
     def _finish(self, tag: int, p: _Post) -> Received:
         try:
