@@ -48,7 +48,7 @@ else
 fi
 
 if [ "$MODE" = gpu ]; then
-  DEVICE=cuda; BACKENDS=tensorwire-ucx,torch-nccl,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp
+  DEVICE=cuda; BACKENDS=tensorwire-ucx,tensorwire-ucx-isend,torch-nccl,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp
   SIZES=(--min-size 4K --max-size "${MAX_SIZE:-1G}"); GRPC_MAX=${GRPC_MAX:-64M}; SCALE=${SCALE:-2}
   T_BENCH=${T_BENCH:-330}; T_TESTS=${T_TESTS:-240}
 else

@@ -178,13 +178,19 @@ def torch_uint8() -> "torch.dtype":
 class SendHandle:
     """Completion handle of :meth:`Link.isend`."""
 
-    __slots__ = ("_future", "_name")
+    __slots__ = ("_future", "_name", "_op", "_t")
 
-    def __init__(self, future: "concurrent.futures.Future[None]", name: str) -> None:
+    def __init__(self, future: "concurrent.futures.Future[None] | None", name: str, *, op: Any = None,
+                 transport: Transport | None = None) -> None:
         self._future = future
         self._name = name
+        self._op = op  # a transport send op (async_send transports): the message is already posted
+        self._t = transport
 
     def done(self) -> bool:
+        if self._op is not None:
+            return bool(self._op.done())
+        assert self._future is not None
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -194,6 +200,11 @@ class SendHandle:
             TransferTimeout: not done within ``timeout`` (the send goes on).
             the send's own error (PeerLostError, ...).
         """
+        if self._op is not None:
+            assert self._t is not None
+            self._t.wait_send(self._op, timeout=timeout)  # type: ignore[attr-defined]
+            return
+        assert self._future is not None
         try:
             self._future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -275,6 +286,8 @@ class Link:
         self.rank = node_rank
         self._t = transport
         self._any_dtype = transport.any_dtype  # sends may pass the tensor itself (no flat uint8 view)
+        self._async = transport.async_send and transport.any_dtype  # isend posts in the caller's thread
+        self._queued = 0  # isends on the executor not finished yet
         self.transport = transport.kind
         self._timeout = timeout
         self._closed = False
@@ -374,6 +387,10 @@ class Link:
             ShapeMismatchError: ``tensor`` differs from the negotiated spec (nothing sent).
             TransferTimeout, PeerLostError, ClosedError.
         """
+        if self._queued:
+            # isends still queued on the link's thread: this message goes out after them (order per name).
+            self.isend(name, tensor, timeout=timeout).wait()
+            return
         self._send_impl(name, tensor, timeout, None)
 
     def _send_impl(self, name: str, tensor: "torch.Tensor", timeout: float | None, stream: Any) -> None:
@@ -473,14 +490,37 @@ class Link:
         The tensor must not be modified before ``wait()`` returns. Validation
         happens here, before anything is queued.
 
+        Over UCX, a static spec with a contiguous tensor is posted right here,
+        in the calling thread (a CUDA tensor after the caller's current stream
+        is synchronized), once the peer has a slot posted for it -- so this call
+        can wait for a credit, up to ``timeout`` (TransferTimeout, nothing sent)
+        -- and several isends can be in flight at once, one per slot the peer
+        has posted (two per name): message *k+1* is posted while *k* is still
+        moving. Otherwise the send runs, in order, on a per-link thread.
+
         Raises:
             ShapeMismatchError: as :meth:`send`, immediately.
+            TransferTimeout: (posted-here case) no credit within ``timeout``.
         """
         self._check_open()
         st = self._send.get(name)
         if st is None:
             raise ShapeMismatchError(f"{name!r} was not declared as sent on this link (declared: {sorted(self._send)})")
         st.spec.check_tensor(tensor)
+        tmo = self._timeout if timeout is None else timeout
+        if (self._async and not st.spec.is_dynamic and st.nbytes and tensor.is_contiguous()
+                and (not tensor.is_cuda or (st.slot.is_cuda and st.stager is None)) and not self._queued):
+            # Posted here, in the caller's thread (once the receiver's credit is there), and
+            # completed by the handle: several messages in flight at once, as many as the peer
+            # has slots posted -- the next one is posted while the previous one is moving.
+            if tensor.is_cuda:
+                sync_current_stream(tensor.device)  # the bytes are read once the caller's queued work is done
+            data = tensor.detach() if tensor.requires_grad else tensor
+            with st.lock:
+                op = self._t.start_send(st.tag, data, step=st.step + 1, timeout=tmo)  # type: ignore[attr-defined]
+                st.step += 1
+            self.bytes_sent += st.nbytes
+            return SendHandle(None, name, op=op, transport=self._t)
         # A chunk-staged send runs on the executor thread, whose current stream is not the caller's:
         # capture the caller's now, so the copies order after the work that writes ``tensor``.
         stream = None
@@ -491,7 +531,14 @@ class Link:
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tw-isend-{self.peer}")
-        return SendHandle(self._executor.submit(self._send_impl, name, tensor, timeout, stream), name)
+            self._queued += 1  # later isends queue behind this one (order on the tag)
+            fut = self._executor.submit(self._send_impl, name, tensor, timeout, stream)
+        fut.add_done_callback(self._dequeued)
+        return SendHandle(fut, name)
+
+    def _dequeued(self, _: Any) -> None:
+        with self._lock:
+            self._queued -= 1
 
     # -- recv -------------------------------------------------------------------
     def recv(self, name: str, *, out: "torch.Tensor | None" = None, timeout: float | None = None) -> "torch.Tensor":

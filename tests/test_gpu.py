@@ -276,7 +276,7 @@ def staged_streams_and_isend(rank, world, store, transport, numel=(3 << 20) + 77
     dev = _dev(rank)
     spec = tw.TensorSpec("x", (numel,), "float32", "cuda")
     ack = tw.TensorSpec("ack", (1,), "uint8")
-    with _node(rank, world, store, "tcp") as node:
+    with _node(rank, world, store, transport) as node:
         if rank == 0:
             link = node.link(1, send=[spec], recv=[ack])
             s = torch.cuda.Stream(device=dev)
@@ -534,8 +534,12 @@ def test_staged_tcp_every_dtype_and_size_bit_exact(chunk):
 
 
 @pytest.mark.timeout(300)
-def test_staged_tcp_orders_after_the_callers_stream_and_serves_other_streams():
-    res = run_ranks(staged_streams_and_isend, transport="tcp", timeout=240)
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_send_and_isend_order_after_the_callers_stream_and_serve_other_streams(transport):
+    """TCP: the chunk-staged path; UCX: straight from device memory, isend posted in the caller's thread."""
+    if transport == "ucx":
+        pytest.importorskip("ucxx")
+    res = run_ranks(staged_streams_and_isend, transport=transport, timeout=240)
     assert res[1] == [], f"stale or partial data on the receiver: {res[1]}"
 
 

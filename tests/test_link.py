@@ -101,6 +101,17 @@ def test_isend_handles_and_recv_into_out(transport):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_isends_posted_here_and_on_the_link_thread_keep_order_and_respect_credits(transport):
+    res = run_ranks(workers.isend_mixed_paths, transport=transport)
+    assert res[1][:12] == [float(k) for k in range(12)], res[1]
+    if transport == "ucx":
+        # 100 fits the slot the receiver still had posted; 101 finds no credit within 0.5 s and isend itself
+        # refuses it, nothing sent; the 102 sent after it is the next message the receiver gets.
+        assert res[0] == ("timed_out", True) and res[1][12:] == [100.0, 102.0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_relinking_the_same_peer_and_name_after_close_works(transport):
     res = run_ranks(workers.relink_same_name, transport=transport)
     assert res[0] == [10, 11, 12] and res[1] == [0, 1, 2]

@@ -232,6 +232,58 @@ def isend_and_out(rank, world, store, transport):
         return res
 
 
+def isend_mixed_paths(rank, world, store, transport):
+    """isends posted in the caller's thread (contiguous) and on the link's thread (non-contiguous), and plain
+    sends, interleaved on one name: every message arrives whole and in order. Then, with the receiver not
+    receiving, isends beyond its two posted slots time out having sent nothing, and the link still works
+    (UCX only: TCP holds a re-posted slot's credit back until the receiver's next transport call)."""
+    spec = tw.TensorSpec("x", (64, 32), "float32")
+    phase2 = transport == "ucx"
+    with _node(rank, world, store, transport, timeout=30) as node:
+        if rank == 0:
+            link = node.link(1, send=[spec])
+            msgs = [torch.full((64, 32), float(k)) for k in range(12)]
+            handles = []
+            for k, m in enumerate(msgs):
+                if k % 4 == 1:
+                    handles.append(link.isend("x", m.t().contiguous().t()))  # non-contiguous: same values
+                elif k % 4 == 3:
+                    link.send("x", m)
+                else:
+                    handles.append(link.isend("x", m))
+            for h in handles:
+                h.wait(timeout=30)
+                assert h.done()
+            if not phase2:
+                return None
+            store.set("isend/phase2", "1")
+            store.wait(["isend/ready"])
+            # The receiver holds one slot and has one posted: one more message fits, the next has no credit.
+            first = link.isend("x", torch.full((64, 32), 100.0))
+            first.wait(timeout=10)
+            late = None
+            try:
+                late = link.isend("x", torch.full((64, 32), 101.0), timeout=0.5)
+                late.wait(timeout=0.5)
+                timed_out = False
+            except tw.TransferTimeout:
+                timed_out = True
+            store.set("isend/recv", "1")
+            if late is None:  # refused, nothing sent: the link goes on
+                link.send("x", torch.full((64, 32), 102.0))
+            return ("timed_out" if timed_out else "no timeout", late is None)
+        link = node.link(0, recv=[spec])
+        got = [float(link.recv("x")[5, 7]) for _ in range(12)]
+        if not phase2:
+            return got
+        store.wait(["isend/phase2"])
+        store.set("isend/ready", "1")
+        store.wait(["isend/recv"])
+        got.append(float(link.recv("x")[0, 0]))
+        got.append(float(link.recv("x")[0, 0]))
+        return got
+
+
 def relink_same_name(rank, world, store, transport, rounds=3):
     """Close and re-negotiate the same (peer, name) several times; the faster side never sees a stale offer."""
     spec = tw.TensorSpec("x", (4,), "int32")

@@ -24,8 +24,8 @@ memory check of 1,000 Link steps, and the environment. Progress goes to stderr.
 
 EPILOG = """\
 backends: all (default), tensorwire, grpc, raw, torch, or names:
-  tensorwire-tcp tensorwire-ucx grpc-unary grpc-stream raw-tcp raw-ucxx
-  torch-gloo torch-nccl nixl
+  tensorwire-tcp tensorwire-ucx tensorwire-ucx-isend grpc-unary grpc-stream
+  raw-tcp raw-ucxx raw-ucxx-cm raw-ucxx-cmnoerr torch-gloo torch-nccl nixl
 examples:
   tensorwire bench                                   # CPU, 4 KiB .. 256 MiB, all backends
   tensorwire bench --max-size 1M --check             # quick correctness pass

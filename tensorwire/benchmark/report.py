@@ -36,7 +36,7 @@ from .config import format_size
 __all__ = ["summarize", "render_text", "render_markdown", "write_json", "write_csv", "plot", "TARGETS"]
 
 SHORT = {
-    "tensorwire-tcp": "tw-tcp", "tensorwire-ucx": "tw-ucx", "grpc-unary": "grpc-unary", "grpc-stream": "grpc-stream",
+    "tensorwire-tcp": "tw-tcp", "tensorwire-ucx": "tw-ucx", "tensorwire-ucx-isend": "tw-ucx-isend", "grpc-unary": "grpc-unary", "grpc-stream": "grpc-stream",
     "raw-tcp": "raw-tcp", "raw-ucxx": "raw-ucxx", "raw-ucxx-cm": "ucxx-cm", "raw-ucxx-cmnoerr": "ucxx-cmne", "torch-gloo": "gloo", "torch-nccl": "nccl", "nixl": "nixl",
 }
 MiB = 1 << 20
@@ -449,7 +449,8 @@ def plot(path: str, raw: dict[str, Any], summary: dict[str, Any], *, title: str 
                                           ("rtt_p50_us", "send + 1-byte ack (rtt): p50 latency, us", "rtt"))
               if p in cfg["patterns"]]
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.6), squeeze=False)
-    styles = {"tensorwire-tcp": ("C0", "-", 2.6), "tensorwire-ucx": ("C3", "-", 2.6)}
+    styles = {"tensorwire-tcp": ("C0", "-", 2.6), "tensorwire-ucx": ("C3", "-", 2.6),
+              "tensorwire-ucx-isend": ("C3", "--", 2.2)}
     others = iter(["C1", "C2", "C4", "C5", "C6", "C7", "C8", "C9"])
     colors = {n: styles.get(n, (None, "--", 1.4)) for n in raw["backends"]}
     for n in colors:

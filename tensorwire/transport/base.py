@@ -95,6 +95,9 @@ class Transport(abc.ABC):
     reaches_cuda: ClassVar[bool] = False
     #: Whether ``send`` and ``post_recv`` take any contiguous tensor (its bytes), not only flat uint8.
     any_dtype: ClassVar[bool] = False
+    #: Whether the transport has ``start_send(tag, buf, *, step, shape, timeout) -> op`` (posts once a
+    #: credit is there, returns without waiting for the bytes) and ``wait_send(op, *, timeout)``.
+    async_send: ClassVar[bool] = False
 
     @abc.abstractmethod
     def post_recv(self, tag: int, buf: "torch.Tensor", *, header: bool = False) -> None:

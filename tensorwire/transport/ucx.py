@@ -730,6 +730,24 @@ class _Post:
         self.harr = harr
 
 
+class _SendOp:
+    """A message posted by :meth:`UcxTransport.start_send`; :meth:`UcxTransport.wait_send` completes it."""
+
+    __slots__ = ("tag", "reqs", "n", "cuda", "finished", "error")
+
+    def __init__(self, tag: int, reqs: list[Any], n: int, cuda: bool) -> None:
+        self.tag = tag
+        self.reqs = reqs
+        self.n = n
+        self.cuda = cuda
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the bytes are out (or the send failed); no progress is made here."""
+        return self.finished or self.error is not None or all(r.completed for r, _ in self.reqs)
+
+
 class _CreditRx:
     __slots__ = ("req", "buf", "arr")
 
@@ -745,6 +763,7 @@ class UcxTransport(Transport):
     kind = "ucx"
     reaches_cuda = True
     any_dtype = True
+    async_send = True
 
     def __init__(self, eng: _Engine, ep: Any, state: _EpState, *, rid: int, peer_rid: int, peer: str,
                  peer_timeout: float = 30.0) -> None:
@@ -876,6 +895,35 @@ class UcxTransport(Transport):
             raise TransferTimeout(f"receive on tag {tag} timed out after {timeout}s (peer {self._peer})")
         return out[0]
 
+    def _try_post(self, tag: int, keep: Any, arr: Any, n: int, step: int | None, shape: tuple[int, ...] | None,
+                  reqs: list[Any]) -> bool:
+        """Under the lock: spend a credit on ``tag`` and post the message (True), or find none (False)."""
+        self._check_usable()
+        if self._bye_at is not None:
+            raise PeerLostError(f"peer {self._peer} closed the link")
+        if self._lost_at is not None:
+            self._fail(PeerLostError(f"peer {self._peer} lost (its connection closed or timed out)"))
+            self._check_usable()
+        credit = self._take_credit(tag)
+        if credit is None:
+            return False
+        self._post_send(tag, credit, keep, arr, n, step, shape, reqs)
+        self._arm_credit(tag)  # after the data: the message goes out first
+        return True
+
+    def _sent(self, tag: int, reqs: list[Any]) -> bool:
+        """Under the lock: whether every request of a posted message completed (raises its error)."""
+        for r, _ in reqs:
+            if not r.completed:
+                self._check_usable()
+                return False
+        for r, _ in reqs:
+            try:
+                r.check_error()
+            except _ucx.UCXError as exc:
+                raise self._fail_from(exc, f"send on tag {tag}") from exc
+        return True
+
     def send(
         self,
         tag: int,
@@ -893,29 +941,11 @@ class UcxTransport(Transport):
         reqs: list[Any] = []  # (request, buffers it reads) once the message is posted
 
         def progressed() -> bool:
-            if not reqs:  # phase 1: a credit, then post header + payload
-                self._check_usable()
-                if self._bye_at is not None:
-                    raise PeerLostError(f"peer {self._peer} closed the link")
-                if self._lost_at is not None:
-                    self._fail(PeerLostError(f"peer {self._peer} lost (its connection closed or timed out)"))
-                    self._check_usable()
-                credit = self._take_credit(tag)
-                if credit is None:
-                    return False
-                self._post_send(tag, credit, keep, arr, n, step, shape, reqs)
-                self._arm_credit(tag)  # after the data: the message goes out first
-            # phase 2: the payload is out of ``buf`` (eager sends usually finish right here)
-            for r, _ in reqs:
-                if not r.completed:
-                    self._check_usable()
-                    return False
-            for r, _ in reqs:
-                try:
-                    r.check_error()
-                except _ucx.UCXError as exc:
-                    raise self._fail_from(exc, f"send on tag {tag}") from exc
-            return True
+            # phase 1: a credit, then post header + payload; phase 2: the payload is out of ``buf``
+            # (eager sends usually finish right here)
+            if not reqs and not self._try_post(tag, keep, arr, n, step, shape, reqs):
+                return False
+            return self._sent(tag, reqs)
 
         try:
             ok = self._eng.wait(progressed, deadline, spin=_CUDA_SPIN if _is_cuda(keep) else None)
@@ -935,6 +965,66 @@ class UcxTransport(Transport):
                 self._settle(reqs)
             raise TransferTimeout(f"send on tag {tag} did not complete within {timeout}s (peer {self._peer})")
         self.bytes_sent += n
+
+    def start_send(
+        self,
+        tag: int,
+        buf: Any,
+        *,
+        step: int | None = None,
+        shape: tuple[int, ...] | None = None,
+        timeout: float | None,
+    ) -> "_SendOp":
+        """Post a message without waiting for its bytes to leave ``buf``: :meth:`wait_send` does.
+
+        Waits (up to ``timeout``) only for the receiver's credit, like :meth:`send`,
+        and raises TransferTimeout having sent nothing if none comes. Several
+        messages may be in flight at once (as many as the receiver posted
+        buffers for); ``buf`` must stay untouched until the message is out.
+        The transport keeps ``buf`` referenced until UCX is done with it, even
+        if nobody waits.
+        """
+        _check_tag(tag)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keep, arr, n = _as_array(buf, writable=False)
+        if shape is not None and len(shape) > HEADER_DIMS:
+            raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+        reqs: list[Any] = []
+
+        def posted() -> bool:
+            if not self._try_post(tag, keep, arr, n, step, shape, reqs):
+                return False
+            self._settle(reqs)  # referenced until complete, whoever waits (or nobody)
+            return True
+
+        if not self._eng.wait(posted, deadline, spin=_CUDA_SPIN if _is_cuda(keep) else None):
+            raise TransferTimeout(
+                f"no credit to send on tag {tag} within {timeout}s (peer {self._peer} posted no buffer)")
+        return _SendOp(tag, reqs, n, _is_cuda(keep))
+
+    def wait_send(self, op: "_SendOp", *, timeout: float | None) -> None:
+        """Wait until the message of :meth:`start_send` is out of its buffer.
+
+        Raises:
+            TransferTimeout: not yet within ``timeout`` (the send goes on; wait again).
+            PeerLostError, ClosedError, ...: the send failed.
+        """
+        if op.error is not None:
+            raise op.error
+        if op.finished:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            ok = self._eng.wait(lambda: self._sent(op.tag, op.reqs), deadline,
+                                spin=_CUDA_SPIN if op.cuda else None)
+        except TensorWireError as exc:
+            op.error = exc
+            raise
+        if not ok:
+            raise TransferTimeout(f"send on tag {op.tag} not complete within {timeout}s (peer {self._peer}); "
+                                  "it goes on")
+        op.finished = True
+        self.bytes_sent += op.n
 
     def _post_send(self, tag: int, credit: tuple[int, int], keep: Any, arr: Any, n: int, step: int | None,
                    shape: tuple[int, ...] | None, reqs: list[Any]) -> None:

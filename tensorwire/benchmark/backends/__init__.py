@@ -18,6 +18,9 @@ __all__ = ["BACKENDS", "ALIASES", "resolve", "load", "default_backends", "is_ten
 BACKENDS: dict[str, tuple[str, str | None, str]] = {
     "tensorwire-tcp": ("tw", "tcp", "tensorwire Node/Link, TCP transport"),
     "tensorwire-ucx": ("tw", "ucx", "tensorwire Node/Link, UCX transport (ucxx)"),
+    "tensorwire-ucx-isend": ("tw", "ucx-isend", "as tensorwire-ucx, the stream pattern through Link.isend: up to "
+                             "2 messages in flight (the receiver's slots per name), as torch-nccl's send returns "
+                             "once queued on a stream; round trips are the same as tensorwire-ucx"),
     "grpc-unary": ("grpcb", "unary", "gRPC unary call carrying the bytes (limits raised), response = ack"),
     "grpc-stream": ("grpcb", "stream", "gRPC client-streaming in chunks into a preallocated buffer"),
     "raw-tcp": ("rawtcp", None, "plain TCP socket: sendall / recv_into, 1-byte ack"),

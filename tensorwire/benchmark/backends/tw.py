@@ -4,7 +4,8 @@ Each message size gets its own link (``name="bench-<size>"``): its slots are
 allocated when it is negotiated, so the first transfer of a size is the first
 transfer of fresh slots. Data goes 0 -> 1 on spec ``data`` (uint8[size] on the
 bench device), the ack 1 -> 0 on spec ``ack`` (uint8[1] on the host).
-The transport is the backend's argument (``tcp``/``ucx``) or ``auto``.
+The transport is the backend's argument (``tcp``/``ucx``) or ``auto``; ``ucx-isend`` sends the
+stream pattern through ``Link.isend`` with up to two messages in flight.
 The sender closes a size's link first (the receiver waits for its word on the
 store): a receiver closing right after its last ack can make the sender's
 ``recv`` of that ack fail (seen with the UCX transport: ``Link.recv`` re-posts
@@ -13,6 +14,7 @@ the held slot before waiting, and ``post_recv`` raises once the goodbye arrived)
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING
 
 from .base import PairContext
@@ -39,12 +41,19 @@ def _specs(size: int, ctx: PairContext):
     return (TensorSpec("data", (size,), "uint8", ctx.device.type), TensorSpec("ack", (1,), "uint8", "cpu"))
 
 
+def _transport(arg: str | None) -> str:
+    return (arg or "auto").removesuffix("-isend")
+
+
 class Sender(_Sender):
     def __init__(self, ctx: PairContext, arg: str | None = None) -> None:
         super().__init__(ctx, arg)
-        self.node = _node(ctx, arg or "auto")
+        self.node = _node(ctx, _transport(arg))
         self.link: "Link | None" = None
         self.src: "torch.Tensor | None" = None
+        # "-isend": sends go through Link.isend with this many in flight (the receiver posts 2 slots per name)
+        self.window = 2 if (arg or "").endswith("-isend") else 0
+        self.inflight: collections.deque = collections.deque()
 
     def open(self, size: int, src: "torch.Tensor") -> None:
         data, ack = _specs(size, self.ctx)
@@ -54,10 +63,17 @@ class Sender(_Sender):
 
     def send(self) -> None:
         assert self.link is not None
-        self.link.send("data", self.src)  # type: ignore[arg-type]
+        if not self.window:
+            self.link.send("data", self.src)  # type: ignore[arg-type]
+            return
+        if len(self.inflight) >= self.window:
+            self.inflight.popleft().wait()
+        self.inflight.append(self.link.isend("data", self.src))  # type: ignore[arg-type]
 
     def wait_ack(self) -> None:
         assert self.link is not None
+        while self.inflight:
+            self.inflight.popleft().wait()
         self.link.recv("ack")
 
     def close_size(self) -> None:
@@ -76,7 +92,7 @@ class Receiver(_Receiver):
         super().__init__(ctx, arg)
         import torch
 
-        self.node = _node(ctx, arg or "auto")
+        self.node = _node(ctx, _transport(arg))
         self.link: "Link | None" = None
         self.ack_t = torch.ones(1, dtype=torch.uint8)
 
