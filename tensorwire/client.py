@@ -14,6 +14,15 @@ Control calls go over gRPC (small messages only); tensor bytes go over the
 session's data transport (UCX or TCP) straight into preallocated buffers: the
 daemon's slots on a put, this client's per-name receive buffers on a get.
 
+Data-plane requests: when the daemon supports them (``data_requests`` in
+OpenSession; ``tensorwire serve`` since request format 1), get,
+get_rows, put, put_rows and add_rows make no gRPC call at all once the session
+is open: each is a small binary request on the session's data connection
+(format: :mod:`tensorwire.serve.wire`), answered by a fixed-size reply and
+followed by the tensor bytes. With an older daemon, or ``data_requests=False``,
+they use the gRPC calls (Get, GetRows, BeginPut/PutRows + CommitPut) as before.
+The errors are the same either way.
+
 Buffers: ``get`` returns a tensor backed by a per-name receive buffer that is
 reused by later gets **only once you no longer hold any reference to it**
 (checked through the storage's use count), so a loop ``x = c.get(name)``
@@ -30,6 +39,7 @@ TLS), ``NotFoundError``, ``ShapeMismatchError`` (naming both specs),
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -40,18 +50,27 @@ from .errors import (
     ClosedError,
     ConfigError,
     NotFoundError,
+    PeerLostError,
     ProtocolError,
     ShapeMismatchError,
     SpecError,
     TensorWireError,
+    TransportError,
 )
+from .serve import wire
 from .serve.config import DEFAULT_PORT, TLSConfig
 from .serve.protocol import (
     AUTH_KEY,
+    DATA_REQUESTS_VERSION,
+    ERROR_CLASSES,
     MAX_INDEX_ROWS,
     MAX_MESSAGE_BYTES,
     MAX_ROWS_BYTES,
     PROTOCOL_VERSION,
+    TAG_DOWN,
+    TAG_REPLY,
+    TAG_REQUEST,
+    TAG_UP,
     SessionLost,
     as_index,
     encode_index,
@@ -193,6 +212,24 @@ def _typed(raw: "torch.Tensor", dtype: "torch.dtype", shape: tuple[int, ...]) ->
     return raw.view(dtype).view(shape)
 
 
+#: A chunked read keeps at most this many receives posted ahead of the one it waits for.
+_RECV_WINDOW = 8
+
+
+class _Progress:
+    """How far a data-plane operation got: ``lost`` (the connection failed), ``sent`` (a write may commit)."""
+
+    __slots__ = ("lost", "sent")
+
+    def __init__(self) -> None:
+        self.lost: BaseException | None = None
+        self.sent = False
+
+
+def _reply_spec(name: str, rep: "wire.Reply") -> TensorSpec:
+    return TensorSpec(name, rep.shape, wire.dtype_name(rep.dtype))
+
+
 def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
     from .buffers import as_bytes
 
@@ -211,6 +248,9 @@ class Client:
             connects here, else TCP with a logged WARNING), ``ucx`` or ``tcp``.
         timeout: seconds for each operation (control call and transfer).
         connect_timeout: seconds to reach the daemon and connect the data plane.
+        data_requests: send get / get_rows / put / put_rows / add_rows as
+            data-plane requests when the daemon supports them (no gRPC call per
+            operation); False: always use the gRPC calls.
 
     Raises:
         AuthError: wrong or missing token, TLS mismatch.
@@ -230,6 +270,7 @@ class Client:
         timeout: float = 60.0,
         connect_timeout: float = 10.0,
         name: str = "",
+        data_requests: bool = True,
     ) -> None:
         import grpc
 
@@ -269,6 +310,14 @@ class Client:
         self.transport_kind: str | None = None
         self._specs: dict[str, TensorSpec] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
+        self._want_dp = bool(data_requests)
+        self._dp = False  # the current session takes data-plane requests
+        self._req_id = 0  # requests sent on the current session (tag 4 steps)
+        self._replies = 0  # replies received on it (tag 5 steps)
+        self._req_buf: "torch.Tensor | None" = None
+        self._reply_bufs: "list[torch.Tensor]" = []
+        self._replies_posted: "collections.deque[torch.Tensor]" = collections.deque()  # on tag 5, in order
+        self._names: dict[str, bytes] = {}
         try:
             self._open_session()
         except BaseException:
@@ -311,7 +360,8 @@ class Client:
             from .node import host_id
 
             req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name,
-                                               host_id=host_id())
+                                               host_id=host_id(),
+                                               data_requests=DATA_REQUESTS_VERSION if self._want_dp else 0)
             resp = self._rpc("OpenSession", req, timeout=self._connect_timeout + 5)
             if not resp.data:
                 raise ProtocolError("the server offered no data listener")
@@ -336,6 +386,9 @@ class Client:
             self._sid = resp.session_id
             self._transport = t
             self.transport_kind = addr.kind
+            self._dp = self._want_dp and resp.data_requests >= 1
+            self._req_id = self._replies = 0
+            self._replies_posted.clear()
             log.debug("session %s open over %s", self._sid[:8], t.describe())
             return
         raise last if last is not None else ProtocolError("no usable data transport")  # pragma: no cover
@@ -367,18 +420,202 @@ class Client:
         assert self._sid is not None and self._transport is not None
         return self._sid, self._transport
 
-    def _with_session(self, fn: Callable[[str, "Transport"], Any]) -> Any:
-        """Run ``fn(session_id, transport)``; once more on a fresh session if the server lost ours."""
+    def _run(self, grpc_op: Callable[[str, "Transport"], Any], dp_op: Callable[["Transport", "_Progress"], Any]) -> Any:
+        """Run an operation: ``dp_op`` when the session takes data-plane requests, else ``grpc_op`` (gRPC calls).
+
+        A data-plane operation whose connection was lost (the daemon closed the
+        session or restarted) runs once more on a fresh session when it cannot
+        have changed anything: a read, or a write before its GO reply came.
+        Errors the daemon replied with leave the session as it is.
+        """
         with self._lock:
             self._check_open()
             for attempt in (0, 1):
                 sid, t = self._session()
+                if not self._dp:
+                    try:
+                        return grpc_op(sid, t)
+                    except SessionLost:
+                        self._drop_session()
+                        if attempt:
+                            raise
+                        continue
+                pr = _Progress()
                 try:
-                    return fn(sid, t)
-                except SessionLost:
+                    return dp_op(t, pr)
+                except TensorWireError as exc:
+                    if pr.lost is None:
+                        raise  # the daemon's answer (or a local check): the session is fine
                     self._drop_session()
-                    if attempt:
+                    if attempt or pr.sent or not isinstance(exc, (PeerLostError, ClosedError)):
                         raise
+                    log.debug("data connection lost (%s); once more on a new session", exc)
+
+    def _name_bytes(self, name: Any) -> bytes:
+        nb = self._names.get(name) if isinstance(name, str) else None
+        if nb is not None:
+            return nb
+        from .spec import _check_name
+
+        name = _check_name(name)  # SpecError, as the daemon would answer
+        try:
+            nb = name.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise SpecError(f"tensor name {name!r} is not encodable as UTF-8: {exc}") from None
+        if len(self._names) >= 4096:
+            self._names.clear()
+        self._names[name] = nb
+        return nb
+
+    def _request_buffer(self, size: int) -> "torch.Tensor":
+        import torch
+
+        b = self._req_buf
+        if b is None or b.numel() < size:
+            b = self._req_buf = torch.empty(max(64 << 10, 1 << (size - 1).bit_length()), dtype=torch.uint8)
+        return b
+
+    def _post_reply(self, t: "Transport", pr: "_Progress") -> None:
+        """Post a reply buffer on tag 5 (replies fill them in the order they were posted)."""
+        import torch
+
+        if not self._reply_bufs:
+            self._reply_bufs = [torch.zeros(wire.REPLY_BYTES, dtype=torch.uint8) for _ in range(3)]
+        buf = next(b for b in self._reply_bufs if all(b is not q for q in self._replies_posted))
+        try:
+            t.post_recv(TAG_REPLY, buf)
+        except TensorWireError as exc:
+            pr.lost = exc
+            raise
+        self._replies_posted.append(buf)
+
+    def _prepost_reply(self, t: "Transport", pr: "_Progress") -> None:
+        """Have the next request's reply buffer posted already (done while waiting for the server anyway)."""
+        if not self._replies_posted:
+            self._post_reply(t, pr)
+
+    def _dp_call(self, t: "Transport", pr: "_Progress", op: int, name: str, *, index: "torch.Tensor | None" = None,
+                 dtype: int = 0, shape: tuple[int, ...] = ()) -> "wire.Reply":
+        """Send one data-plane request; returns its first reply (OK, or GO for a write).
+
+        Raises:
+            the error class of an ERROR reply (nothing changed; the session stays).
+        """
+        import torch
+
+        nb = self._name_bytes(name)
+        n = 0 if index is None else index.numel()
+        size = wire.request_size(len(nb), n)
+        buf = self._request_buffer(size)
+        req_id = self._req_id + 1
+        off = wire.pack_request(memoryview(buf.numpy()), op=op, req_id=req_id, name=nb,
+                                timeout_ms=self._timeout_ms(), dtype=dtype, shape=shape, nindex=n)
+        if n:
+            assert index is not None
+            buf[off : off + 8 * n].view(torch.int64).copy_(index)
+        self._prepost_reply(t, pr)
+        try:
+            self._req_id = req_id
+            t.send(TAG_REQUEST, buf[:size], step=req_id, timeout=self._timeout)
+        except TensorWireError as exc:
+            pr.lost = exc
+            raise
+        return self._dp_reply(t, pr, op)
+
+    def _dp_reply(self, t: "Transport", pr: "_Progress", op: int) -> "wire.Reply":
+        """Wait for the next reply (its buffer is posted); an ERROR reply raises its error class."""
+        try:
+            # The daemon answers within its own deadline (the same timeout); a little more for the way back.
+            r = t.wait_recv(TAG_REPLY, timeout=self._timeout + 5)
+            buf = self._replies_posted.popleft()
+            self._replies += 1
+            if r.nbytes != wire.REPLY_BYTES or (r.step is not None and r.step != self._replies):
+                raise ProtocolError(f"reply of {r.nbytes} bytes (step {r.step}); expected {wire.REPLY_BYTES} "
+                                    f"(step {self._replies})")
+            try:
+                rep = wire.parse_reply(memoryview(buf.numpy()))
+            except ValueError as exc:
+                raise ProtocolError(f"bad reply from the server: {exc}") from None
+            if rep.req_id != self._req_id or rep.op != op:
+                raise ProtocolError(f"reply to request {rep.req_id} op {rep.op}; expected {self._req_id} op {op}")
+        except TensorWireError as exc:
+            pr.lost = exc
+            raise
+        if rep.status == wire.ERROR:
+            cls = ERROR_CLASSES.get(rep.error)
+            if cls is None:
+                raise TransportError(f"{wire.OPS[op]}: {rep.message or 'the server failed'}")
+            raise cls(rep.message)
+        return rep
+
+    def _reply_spec(self, name: str, rep: "wire.Reply") -> TensorSpec:
+        """The stored spec a reply describes (the cached one when it has not changed)."""
+        spec = self._specs.get(name)
+        if spec is not None and spec.shape == rep.shape and spec.dtype == wire.dtype_name(rep.dtype):
+            return spec
+        spec = _reply_spec(name, rep)
+        self._specs[name] = spec
+        return spec
+
+    def _lost(self, pr: "_Progress", msg: str) -> ProtocolError:
+        """A reply this client cannot follow: the session is dropped (no retry)."""
+        exc = ProtocolError(msg)
+        pr.lost = exc
+        return exc
+
+    def _dp_receive(self, t: "Transport", pr: "_Progress", rep: "wire.Reply", dest: "torch.Tensor") -> None:
+        """Receive a read's ``rep.nbytes`` (messages of ``rep.chunk`` bytes on tag 1) into ``dest``."""
+        nb, ch = rep.nbytes, rep.chunk
+        if nb == 0:
+            self._prepost_reply(t, pr)
+            return
+        if ch <= 0 or dest.numel() != nb:
+            raise self._lost(pr, f"the server sends {nb} bytes in messages of {ch}; this read expects {dest.numel()}")
+        k = -(-nb // ch)
+        parts = [dest] if k == 1 else [dest[i * ch : min(nb, (i + 1) * ch)] for i in range(k)]
+        posted = 0
+        try:
+            for i, part in enumerate(parts):
+                while posted < k and posted <= i + _RECV_WINDOW:
+                    t.post_recv(TAG_DOWN, parts[posted])
+                    posted += 1
+                if i == 0:
+                    self._prepost_reply(t, pr)  # while the server gathers / sends
+                try:
+                    r = t.wait_recv(TAG_DOWN, timeout=self._timeout)
+                finally:
+                    t.forget_buffer(part)
+                if r.nbytes != part.numel() or (r.step is not None and r.step != rep.step + i):
+                    raise ProtocolError(f"received {r.nbytes} bytes (step {r.step}); expected {part.numel()} "
+                                        f"(step {rep.step + i})")
+        except TensorWireError as exc:
+            pr.lost = exc
+            raise
+
+    def _dp_drain(self, t: "Transport", pr: "_Progress", rep: "wire.Reply") -> None:
+        """Receive and discard a read's bytes (keeps the session in step)."""
+        self._dp_receive(t, pr, rep, self._pool("", "discard").acquire(rep.nbytes))
+
+    def _dp_write(self, t: "Transport", pr: "_Progress", op: int, rep: "wire.Reply", src: "torch.Tensor",
+                  name: str) -> TensorStat:
+        """After a GO reply: send ``src`` on tag 2, return the committed stat from the final reply."""
+        if rep.status != wire.GO or rep.nbytes != src.numel():
+            raise self._lost(pr, f"the server expects {rep.nbytes} bytes (status {rep.status}), this client has "
+                                 f"{src.numel()}")
+        pr.sent = True  # from here on the daemon may commit: never repeated
+        self._prepost_reply(t, pr)  # for the final reply
+        try:
+            if rep.nbytes:
+                t.send(TAG_UP, src, step=rep.step, timeout=self._timeout)
+        except TensorWireError as exc:
+            pr.lost = exc
+            raise
+        self._post_reply(t, pr)  # the next request's, while the server commits
+        done = self._dp_reply(t, pr, op)
+        if done.status != wire.OK:
+            raise self._lost(pr, f"final reply of a write has status {done.status}")
+        spec = self._reply_spec(name, done)
+        return TensorStat(spec, int(done.version), spec.nbytes)
 
     def _timeout_ms(self) -> int:
         return int(self._timeout * 1000)
@@ -489,7 +726,11 @@ class Client:
             resp = self._rpc("BeginPut", req, timeout=self._timeout + 10, data_op=True)
             return self._send_commit(sid, t, resp.transfer, src)
 
-        st = self._with_session(op)
+        def dp(t: "Transport", pr: _Progress) -> TensorStat:
+            rep = self._dp_call(t, pr, wire.OP_PUT, name, dtype=wire.dtype_code(spec.dtype), shape=spec.shape)
+            return self._dp_write(t, pr, wire.OP_PUT, rep, self._source(name, tensor), name)
+
+        st = self._run(op, dp)
         self._specs[name] = st.spec
         return st
 
@@ -532,7 +773,29 @@ class Client:
                 return out
             return result
 
-        return self._with_session(op)
+        def dp(t: "Transport", pr: _Progress) -> "torch.Tensor":
+            rep = self._dp_call(t, pr, wire.OP_GET, name)
+            spec = self._reply_spec(name, rep)
+            if rep.nbytes != spec.nbytes:
+                raise self._lost(pr, f"get {name}: the server sends {rep.nbytes} bytes of {spec.describe()}")
+            if out is not None:
+                try:
+                    self._check_out(spec, out, spec.shape)
+                except ShapeMismatchError:
+                    self._dp_drain(t, pr, rep)
+                    raise
+                if out.device.type == "cpu" and out.is_contiguous():
+                    self._dp_receive(t, pr, rep, _as_bytes(out))
+                    return out
+            raw = self._pool(name, "get").acquire(rep.nbytes)
+            self._dp_receive(t, pr, rep, raw)
+            result = _typed(raw, spec.torch_dtype, spec.shape)
+            if out is not None:
+                out.copy_(result)
+                return out
+            return result
+
+        return self._run(op, dp)
 
     def _drain(self, t: "Transport", tr: Any) -> None:
         """Receive and discard a scheduled transfer (keeps the session in step)."""
@@ -609,7 +872,46 @@ class Client:
                 return out
             return result
 
-        return self._with_session(op)
+        def dp(t: "Transport", pr: _Progress) -> "torch.Tensor":
+            spec = self._row_spec(name)
+            chunk = self._chunk_rows(spec)
+            result: "torch.Tensor | None" = None
+            dest_raw: "torch.Tensor | None" = None
+            row_bytes = 0
+            for start in range(0, max(n, 1), chunk):
+                part = idx[start : start + chunk]
+                rep = self._dp_call(t, pr, wire.OP_GET_ROWS, name, index=part)
+                got = self._reply_spec(name, rep)
+                if result is None:
+                    spec = got
+                    shape = (n, *got.shape[1:])
+                    row_bytes = (got.nbytes // got.shape[0]) if got.shape and got.shape[0] else 0
+                    if out is not None:
+                        try:
+                            self._check_out(got, out, shape)
+                        except ShapeMismatchError:
+                            self._dp_drain(t, pr, rep)
+                            raise
+                    if out is not None and out.device.type == "cpu" and out.is_contiguous():
+                        result, dest_raw = out, _as_bytes(out)
+                    else:
+                        dest_raw = self._pool(name, "rows").acquire(n * row_bytes)
+                        result = _typed(dest_raw, got.torch_dtype, shape)
+                elif got != spec:
+                    self._dp_drain(t, pr, rep)
+                    raise ShapeMismatchError(f"{name} was replaced by {got.describe()} during get_rows")
+                assert dest_raw is not None
+                if rep.nbytes != part.numel() * row_bytes:
+                    raise self._lost(pr, f"get_rows {name}: the server sends {rep.nbytes} bytes for {part.numel()} "
+                                         f"rows of {row_bytes}")
+                self._dp_receive(t, pr, rep, dest_raw[start * row_bytes : start * row_bytes + rep.nbytes])
+            assert result is not None
+            if out is not None and result is not out:
+                out.copy_(result)
+                return out
+            return result
+
+        return self._run(op, dp)
 
     def put_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
         """Overwrite rows ``index`` of dim 0 of ``name`` with ``values`` (``[len(index), *shape[1:]]``).
@@ -654,7 +956,25 @@ class Client:
             assert st is not None
             return st
 
-        return self._with_session(op)
+        wop = wire.OP_ADD_ROWS if add else wire.OP_PUT_ROWS
+
+        def dp(t: "Transport", pr: _Progress) -> TensorStat:
+            spec = self._row_spec(name)
+            chunk = self._chunk_rows(spec)
+            src = self._source(name, values)
+            row_bytes = src.numel() // n if n else 0
+            st: TensorStat | None = None
+            for start in range(0, max(n, 1), chunk):
+                part = idx[start : start + chunk]
+                k = part.numel()
+                vspec = TensorSpec(name, (k, *values.shape[1:]), values.dtype)
+                rep = self._dp_call(t, pr, wop, name, index=part, dtype=wire.dtype_code(vspec.dtype),
+                                    shape=vspec.shape)
+                st = self._dp_write(t, pr, wop, rep, src[start * row_bytes : (start + k) * row_bytes], name)
+            assert st is not None
+            return st
+
+        return self._run(op, dp)
 
     def list(self) -> dict[str, TensorSpec]:
         """Every name the store holds, with its spec."""

@@ -122,11 +122,27 @@ def config_from_args(args: argparse.Namespace, environ: Any = None) -> Any:
     return ServeConfig.resolve(flags, environ)
 
 
+def _one_intra_op_thread() -> None:
+    """The daemon runs with one torch intra-op thread unless OMP_NUM_THREADS says otherwise.
+
+    It parallelises with its own threads (a request thread per session, the
+    gather helper for big get_rows); an OpenMP pool would compete with them and
+    with the transports for the cores (its idle workers spin), which on the
+    2-core VM turned a 0.5 ms gather into 5-8 ms whenever another process was busy.
+    """
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """The daemon: configures logging (INFO unless told otherwise), runs until signalled."""
     config = config_from_args(args)
     if getattr(args, "log_level", None) is None and not os.environ.get("TENSORWIRE_LOG_LEVEL"):
         logging.getLogger("tensorwire").setLevel(logging.INFO)
+    _one_intra_op_thread()
     from .server import Server
 
     return Server(config).serve_forever()

@@ -18,9 +18,15 @@ PROTOCOL_VERSION = 1
 SERVICE = "tensorwire.v1.Store"
 
 #: Data-plane tags of a session (see proto/tensorwire/v1/store.proto).
-TAG_DOWN = 1  # server -> client
-TAG_UP = 2  # client -> server
-TAG_WATCH = 3  # never sent on: the server waits on it to notice a lost client
+TAG_DOWN = 1  # server -> client: tensor bytes
+TAG_UP = 2  # client -> server: tensor bytes
+TAG_WATCH = 3  # never sent on: the server waits on it to notice a lost client (sessions without data requests)
+TAG_REQUEST = 4  # client -> server: data-plane requests (tensorwire.serve.wire)
+TAG_REPLY = 5  # server -> client: their fixed-size replies
+
+#: Version of the data-plane request format (tensorwire.serve.wire) this code speaks;
+#: OpenSessionResponse.data_requests carries the server's (0: none, use the gRPC calls).
+DATA_REQUESTS_VERSION = 1
 
 #: gRPC messages are control messages only.
 MAX_MESSAGE_BYTES = 4 << 20
@@ -97,8 +103,23 @@ def decode_index(data: bytes, rows: int) -> "torch.Tensor":
         raise errors.SpecError(f"index: {n} rows exceeds the per-request limit of {MAX_INDEX_ROWS}")
     if n == 0:
         return torch.empty(0, dtype=torch.int64)
-    idx = torch.frombuffer(bytearray(data), dtype=torch.int64)
-    lo, hi = int(idx.min()), int(idx.max())
+    return check_index(torch.frombuffer(bytearray(data), dtype=torch.int64), rows)
+
+
+def check_index(idx: "torch.Tensor", rows: int) -> "torch.Tensor":
+    """Check a 1-D int64 index against a tensor of ``rows`` rows; returns it.
+
+    Raises:
+        SpecError: a row out of range (the message names it).
+    """
+    if idx.numel() > MAX_INDEX_ROWS:
+        raise errors.SpecError(f"index: {idx.numel()} rows exceeds the per-request limit of {MAX_INDEX_ROWS}")
+    if idx.numel() == 0:
+        return idx
+    import torch
+
+    lo_t, hi_t = torch.aminmax(idx)
+    lo, hi = int(lo_t), int(hi_t)
     if lo < 0 or hi >= rows:
         bad = lo if lo < 0 else hi
         raise errors.SpecError(f"index: row {bad} out of range for a tensor of {rows} rows")

@@ -1,16 +1,26 @@
-"""Server side of one client session: its data transport, worker and watch.
+"""Server side of one client session: its data transport, worker, request thread and watch.
 
 A session is opened over gRPC (``OpenSession``): the server makes a random
 nonce, tells its data listener to ``expect`` it, and returns it. The client
 dials the data listener and presents the nonce; anything else is dropped by
 the listener. From then on:
 
-- the **worker** thread runs the session's transfers one at a time, in the
-  order the control calls scheduled them (tags 1 and 2 each carry one message
+- the **worker** thread runs the transfers the gRPC calls scheduled, one at a
+  time, in the order they were scheduled (tags 1 and 2 each carry one message
   per transfer, in FIFO order, with the step the server announced);
-- the **watch** thread keeps one tiny receive posted on tag 3, which the
-  client never sends on: it notices at once when the client goes away
-  (killed, closed) and closes the session, releasing what it held.
+- for a client that sends data-plane requests (``data_requests``, see
+  :mod:`tensorwire.serve.wire`), the **request** thread keeps a receive posted
+  on tag 4, hands each request to the service's handler (which validates it
+  completely and returns a :class:`Job`) and runs that job itself when nothing
+  else is queued or running on the session, else queues it behind the
+  worker's jobs (:meth:`Session.submit`). Steps of every tag are assigned under
+  one lock when a job is queued or started, and one job runs at a time
+  (``_exec``), so the two paths can be mixed and each tag stays in order. A
+  malformed request closes the session (only this one);
+- otherwise the **watch** thread keeps one tiny receive posted on tag 3, which
+  the client never sends on: it notices at once when the client goes away
+  (killed, closed) and closes the session, releasing what it held. (The
+  request thread's posted receive does the same for sessions that have one.)
 
 Any failure of a transfer closes the session: a half-done transfer leaves the
 stream in an unknown state, and closing also guarantees that a receive posted
@@ -20,6 +30,7 @@ session on its next call.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -27,7 +38,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ClosedError, PeerLostError, ProtocolError, TensorWireError, TransferTimeout
-from .protocol import MAX_ROWS_BYTES, TAG_WATCH
+from .protocol import MAX_ROWS_BYTES, TAG_REQUEST, TAG_WATCH
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -41,7 +52,15 @@ log = logging.getLogger(__name__)
 
 
 class Job:
-    """One transfer scheduled on a session. ``run`` executes on the worker."""
+    """One transfer scheduled on a session. ``run(transport, step)`` executes on the worker (or the request thread).
+
+    ``messages``: how many messages the job sends or receives on (tag 1, tag 2,
+    tag 5); the session reserves that many consecutive steps of each tag when
+    it queues or starts the job (``down_step``, ``up_step``, ``reply_step``: the
+    first of each). ``None``: one message on tag 1 or tag 2, as ``schedule``'s
+    ``up`` says (the gRPC calls' transfers). ``step`` is the first step of the
+    job's tag-1 messages, or of its tag-2 messages when it has none.
+    """
 
     def __init__(
         self,
@@ -52,10 +71,15 @@ class Job:
         cleanup: Callable[[], None] | None = None,
         direction: str = "out",
         nbytes: int = 0,
+        messages: tuple[int, int, int] | None = None,
     ) -> None:
         self.kind = kind
         self._run = run
+        self.messages = messages
         self.step = 0  # set by Session.schedule before the worker can see the job
+        self.down_step = 0
+        self.up_step = 0
+        self.reply_step = 0
         self.deadline = deadline
         self._cleanup = cleanup
         self.direction = direction
@@ -124,6 +148,7 @@ class Session:
         metrics: "Metrics | None",
         on_close: Callable[["Session"], None],
         client: str = "",
+        handler: "Callable[[Session, torch.Tensor, int], Job] | None" = None,
     ) -> None:
         self.id = sid
         self.nonce = nonce
@@ -137,6 +162,7 @@ class Session:
         self._lock = threading.Lock()
         self._down_step = 0
         self._up_step = 0
+        self._reply_step = 0
         self._op_ids = 0
         self.pending: PendingWrite | None = None
         self.transport: "Transport | None" = None
@@ -145,6 +171,11 @@ class Session:
         self.last_used = time.monotonic()
         self.active = 0  # scheduled + running jobs
         self._scratch: "torch.Tensor | None" = None
+        self._handler = handler
+        self._exec = threading.Lock()  # held while a job runs (worker or request thread): one at a time
+        self.gatherer: Any = None  # the request path's helper thread (tensorwire.serve.datapath), made on first use
+        self.reply_buf: "torch.Tensor | None" = None  # the request path's reply buffer (jobs run one at a time)
+        self._probe_buf: Any = None
         self._worker = threading.Thread(target=self._work, name=f"tensorwire-session-{sid[:8]}", daemon=True)
         self._watch: threading.Thread | None = None
         listener.expect(nonce)
@@ -158,22 +189,48 @@ class Session:
         if self.closed:
             raise ClosedError(f"session closed: {self.close_reason}")
 
-    def schedule(self, job: Job, *, up: bool) -> int:
-        """Queue ``job``; returns the step its message carries on its tag."""
+    def _assign(self, job: Job) -> None:
+        """Under the lock: reserve the job's steps on every tag it uses and count it as active."""
+        down, up, replies = job.messages or (0, 0, 0)
+        job.down_step = self._down_step + 1
+        job.up_step = self._up_step + 1
+        job.reply_step = self._reply_step + 1
+        self._down_step += down
+        self._up_step += up
+        self._reply_step += replies
+        job.step = job.down_step if down or not up else job.up_step
+        self.active += 1
+        if self._metrics is not None:
+            self._metrics.inflight.inc()
+
+    def schedule(self, job: Job, *, up: bool | None = None) -> int:
+        """Queue ``job`` for the worker; returns its ``step`` (the step its message carries on its tag)."""
+        if job.messages is None:
+            job.messages = (0, 1, 0) if up else (1, 0, 0)
         with self._lock:
             self.check_open()
-            if up:
-                self._up_step += 1
-                step = self._up_step
-            else:
-                self._down_step += 1
-                step = self._down_step
-            self.active += 1
-            if self._metrics is not None:
-                self._metrics.inflight.inc()
-            job.step = step
+            self._assign(job)
             self._jobs.put(job)
-        return step
+        return job.step
+
+    def submit(self, job: Job) -> None:
+        """From the request thread: run ``job`` now, in this thread, if nothing is queued or running; else queue it.
+
+        Either way its steps follow those of every job queued before it, and it
+        runs after them (the worker takes ``_exec`` for each job, too).
+        """
+        t = self.transport
+        with self._lock:
+            self.check_open()
+            inline = self.active == 0
+            self._assign(job)
+            if not inline:
+                self._jobs.put(job)
+                return
+        assert t is not None
+        with self._exec:
+            self._run_job(job, t)
+        self._job_done()
 
     def next_op_id(self) -> int:
         with self._lock:
@@ -207,31 +264,40 @@ class Session:
                 return
             self.transport = t
         log.info("session %s: data connection up (%s)", self.id[:8], t.describe())
-        self._watch = threading.Thread(target=self._watch_loop, name=f"tensorwire-watch-{self.id[:8]}", daemon=True)
+        if self._handler is not None:
+            self._watch = threading.Thread(target=self._request_loop, name=f"tensorwire-requests-{self.id[:8]}",
+                                           daemon=True)
+        else:
+            self._watch = threading.Thread(target=self._watch_loop, name=f"tensorwire-watch-{self.id[:8]}",
+                                           daemon=True)
         self._watch.start()
         while True:
             job = self._jobs.get()
             if job is None:
                 break
-            if self.closed:
-                job.fail(ClosedError(f"session closed: {self.close_reason}"))
-                self._job_done()
-                continue
-            t0 = time.monotonic()
-            job.execute(t)
+            with self._exec:
+                self._run_job(job, t)
             self._job_done()
-            if job.error is not None:
-                err = job.error
-                log.warning("session %s: %s transfer failed: %s", self.id[:8], job.kind, err)
-                if self._metrics is not None:
-                    self._metrics.errors.labels(type(err).__name__).inc()
-                self.close(f"{job.kind} transfer failed: {err}")
-            elif self._metrics is not None:
-                m = self._metrics
-                m.bytes.labels(self.kind, job.direction).inc(job.nbytes)
-                m.transfers.labels(self.kind, job.direction).inc()
-                m.transfer_seconds.labels(self.kind, job.direction).observe(time.monotonic() - t0)
         self._drain_queue()
+
+    def _run_job(self, job: Job, t: "Transport") -> None:
+        """Under ``_exec``: run one job; account it; a failed transfer closes the session."""
+        if self.closed:
+            job.fail(ClosedError(f"session closed: {self.close_reason}"))
+            return
+        t0 = time.monotonic()
+        job.execute(t)
+        if job.error is not None:
+            err = job.error
+            log.warning("session %s: %s transfer failed: %s", self.id[:8], job.kind, err)
+            if self._metrics is not None:
+                self._metrics.errors.labels(type(err).__name__).inc()
+            self.close(f"{job.kind} transfer failed: {err}")
+        elif self._metrics is not None and job.direction:
+            m = self._metrics
+            m.bytes.labels(self.kind, job.direction).inc(job.nbytes)
+            m.transfers.labels(self.kind, job.direction).inc()
+            m.transfer_seconds.labels(self.kind, job.direction).observe(time.monotonic() - t0)
 
     def _job_done(self) -> None:
         with self._lock:
@@ -248,6 +314,78 @@ class Session:
             if job is not None:
                 job.fail(ClosedError(f"session closed: {self.close_reason}"))
                 self._job_done()
+
+    def _request_loop(self) -> None:
+        """Receive data-plane requests on tag 4; each becomes a job (see the module docstring)."""
+        import torch
+
+        from .wire import MAX_REQUEST_BYTES, MalformedRequest
+
+        t = self.transport
+        handler = self._handler
+        assert t is not None and handler is not None
+        self._probe_buf = torch.zeros(8, dtype=torch.uint8)
+        # Two request buffers: the client always has a credit for its next request, and a job may
+        # use its request's bytes (the row numbers) in place; its buffer is posted again once the
+        # job is done. Virtual memory only until requests use it (pages are touched by what arrives).
+        posted: "collections.deque[torch.Tensor]" = collections.deque()
+        expected = 0
+        try:
+            t.post_recv(TAG_WATCH, self._probe_buf)  # for nudge(); the client never sends on it
+            for _ in range(2):
+                b = torch.empty(MAX_REQUEST_BYTES, dtype=torch.uint8)
+                t.post_recv(TAG_REQUEST, b, header=True)
+                posted.append(b)
+            while not self.closed:
+                try:
+                    r = t.wait_recv(TAG_REQUEST, timeout=1.0)
+                except TransferTimeout:
+                    continue
+                buf = posted.popleft()
+                expected += 1
+                if r.step is not None and r.step != expected:
+                    raise MalformedRequest(f"request step {r.step}, expected {expected}")
+                self.touch()
+                job = handler(self, buf, r.nbytes)  # validated; may read ``buf`` until it is done
+                self.submit(job)
+                while not job.done.wait(1.0):  # queued behind the worker's jobs: wait for it
+                    self.check_open()
+                t.post_recv(TAG_REQUEST, buf, header=True)
+                posted.append(buf)
+        except ClosedError:
+            pass
+        except MalformedRequest as exc:
+            if self._metrics is not None:
+                self._metrics.errors.labels("ProtocolError").inc()
+            self.close(f"malformed data-plane request: {exc}")
+        except (PeerLostError, ProtocolError, TensorWireError) as exc:
+            self.close(f"data connection lost: {exc}")
+        except Exception as exc:  # noqa: BLE001
+            log.exception("session %s: request thread failed", self.id[:8])
+            self.close(f"request thread failed: {exc}")
+
+    def nudge(self) -> None:
+        """Let the data transport progress once, without waiting (the request path, before a long gather).
+
+        On UCX a message of more than a few KiB (a request carrying thousands
+        of row numbers) is a rendezvous, and the sender's send may return only
+        once this side's worker progresses again after the receive (measured
+        here: a client's 8-64 KiB send waited out the server's next millisecond
+        of work, a 4 KiB one did not). A zero-timeout receive on the watch tag
+        (a buffer the client never fills) is one such progress, as the watch
+        loop's probe is.
+
+        Raises:
+            ProtocolError: the client sent on the watch tag.
+        """
+        t = self.transport
+        if t is None:
+            return
+        try:
+            t.wait_recv(TAG_WATCH, timeout=0.0)
+        except TransferTimeout:
+            return
+        raise ProtocolError("client sent on the watch tag")
 
     def _watch_loop(self) -> None:
         import torch
@@ -303,6 +441,9 @@ class Session:
             except Exception:  # noqa: BLE001
                 log.exception("releasing a pending write failed")
         self._jobs.put(None)
+        g = self.gatherer
+        if g is not None:
+            g.stop()
         self._on_close(self)
 
     def join(self, timeout: float) -> None:
