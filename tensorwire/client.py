@@ -44,7 +44,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from .errors import (
     ClosedError,
@@ -933,16 +933,20 @@ class Client:
         if values.dim() < 1 or values.shape[0] != n:
             raise ShapeMismatchError(f"{name}: {n} indices but values of shape {list(values.shape)}")
 
-        def op(sid: str, t: "Transport") -> TensorStat:
-            spec = self._row_spec(name)
-            chunk = self._chunk_rows(spec)
+        def parts() -> "Iterator[tuple[torch.Tensor, TensorSpec, torch.Tensor]]":
+            """(indices, spec of their values, their value bytes) per request of at most _chunk_rows rows."""
+            chunk = self._chunk_rows(self._row_spec(name))
             src = self._source(name, values)
             row_bytes = src.numel() // n if n else 0
-            st: TensorStat | None = None
             for start in range(0, max(n, 1), chunk):
                 part = idx[start : start + chunk]
                 k = part.numel()
-                vspec = TensorSpec(name, (k, *values.shape[1:]), values.dtype)
+                yield part, TensorSpec(name, (k, *values.shape[1:]), values.dtype), \
+                    src[start * row_bytes : (start + k) * row_bytes]
+
+        def op(sid: str, t: "Transport") -> TensorStat:
+            st: TensorStat | None = None
+            for part, vspec, data in parts():
                 req = store_pb2.PutRowsRequest(
                     session_id=sid,
                     name=name,
@@ -952,25 +956,18 @@ class Client:
                     timeout_ms=self._timeout_ms(),
                 )
                 resp = self._rpc("PutRows", req, data_op=True)
-                st = self._send_commit(sid, t, resp.transfer, src[start * row_bytes : (start + k) * row_bytes])
+                st = self._send_commit(sid, t, resp.transfer, data)
             assert st is not None
             return st
 
         wop = wire.OP_ADD_ROWS if add else wire.OP_PUT_ROWS
 
         def dp(t: "Transport", pr: _Progress) -> TensorStat:
-            spec = self._row_spec(name)
-            chunk = self._chunk_rows(spec)
-            src = self._source(name, values)
-            row_bytes = src.numel() // n if n else 0
             st: TensorStat | None = None
-            for start in range(0, max(n, 1), chunk):
-                part = idx[start : start + chunk]
-                k = part.numel()
-                vspec = TensorSpec(name, (k, *values.shape[1:]), values.dtype)
+            for part, vspec, data in parts():
                 rep = self._dp_call(t, pr, wop, name, index=part, dtype=wire.dtype_code(vspec.dtype),
                                     shape=vspec.shape)
-                st = self._dp_write(t, pr, wop, rep, src[start * row_bytes : (start + k) * row_bytes], name)
+                st = self._dp_write(t, pr, wop, rep, data, name)
             assert st is not None
             return st
 

@@ -924,6 +924,17 @@ class UcxTransport(Transport):
                 raise self._fail_from(exc, f"send on tag {tag}") from exc
         return True
 
+    @staticmethod
+    def _prepare_send(tag: int, buf: Any, shape: tuple[int, ...] | None,
+                      timeout: float | None) -> tuple[float | None, Any, Any, int]:
+        """What send and start_send check first: (deadline, keep-alive, ucxx Array, nbytes)."""
+        _check_tag(tag)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keep, arr, n = _as_array(buf, writable=False)
+        if shape is not None and len(shape) > HEADER_DIMS:
+            raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+        return deadline, keep, arr, n
+
     def send(
         self,
         tag: int,
@@ -933,11 +944,7 @@ class UcxTransport(Transport):
         shape: tuple[int, ...] | None = None,
         timeout: float | None,
     ) -> None:
-        _check_tag(tag)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        keep, arr, n = _as_array(buf, writable=False)
-        if shape is not None and len(shape) > HEADER_DIMS:
-            raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+        deadline, keep, arr, n = self._prepare_send(tag, buf, shape, timeout)
         reqs: list[Any] = []  # (request, buffers it reads) once the message is posted
 
         def progressed() -> bool:
@@ -984,11 +991,7 @@ class UcxTransport(Transport):
         The transport keeps ``buf`` referenced until UCX is done with it, even
         if nobody waits.
         """
-        _check_tag(tag)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        keep, arr, n = _as_array(buf, writable=False)
-        if shape is not None and len(shape) > HEADER_DIMS:
-            raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+        deadline, keep, arr, n = self._prepare_send(tag, buf, shape, timeout)
         reqs: list[Any] = []
 
         def posted() -> bool:
