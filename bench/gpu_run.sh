@@ -108,9 +108,9 @@ fi
 
 if has pipeline && [ "$MODE" = gpu ]; then
   echo "== bench/bench_pipeline_gpu.py (torchrun, 2 stages, one per GPU)"
-  for v in nccl tensorwire grpc; do
-    timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_pipeline_gpu.py \
-      --hidden 4096 --batch 4096 --microbatches 4 --steps 8 --warmup 2 --variants "$v" 2>&1 | tail -25
-  done | tee "$OUT/pipeline_gpu.log"
+  # one job, the variants interleaved step by step (a load change weighs on all of them alike)
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_pipeline_gpu.py \
+    --hidden 4096 --batch 4096 --microbatches 4 --steps 10 --warmup 3 --variants tensorwire,tensorwire-blocking,nccl,grpc \
+    --out-md "$OUT/pipeline_gpu.md" --out-json "$OUT/pipeline_gpu.json" 2>&1 | tail -30 | tee "$OUT/pipeline_gpu.log"
 fi
 ls -l "$OUT"

@@ -215,22 +215,25 @@ class Comm:
     def recv_forward(self, m: int) -> list[torch.Tensor]: ...
     def send_backward(self, tensors: Sequence[torch.Tensor]) -> None: ...
     def recv_backward(self) -> list[torch.Tensor]: ...
+    def flush(self) -> None:
+        """Wait for sends still in flight (end of a step). Comms whose sends block have nothing to do."""
     def close(self) -> None: ...
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class TensorwireComm(Comm):
     """Links to the previous and next stage, negotiated from the stage's discovered plan."""
 
     def __init__(self, node: Any, plan: Any, *, n_stages: int, microbatches: int, device: torch.device,
-                 connect_timeout: float | None = None, link_name: str = "pipeline") -> None:
+                 connect_timeout: float | None = None, link_name: str = "pipeline",
+                 overlap: bool | None = None) -> None:
         self.rank = node.rank
         self.device = device
         self.stats = Stats()
+        # overlap: sends are isends, waited for at the end of the step (flush), so activation k moves
+        # while microbatch k+1 is computed. Default: on for CUDA stages (the copy is the GPU's/NIC's
+        # work), off on CPU (there a send is the CPU's own work; nothing to overlap it with).
+        self.overlap = device.type == "cuda" if overlap is None else overlap
+        self._pending: list[Any] = []
         self.prev = self.next = None
         # Link to the previous stage first, then the next: the links form a chain, so no rank waits in a cycle.
         if self.rank > 0:
@@ -256,42 +259,55 @@ class TensorwireComm(Comm):
             out["next"] = self.next.transport
         return out
 
-    def send_forward(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _send(self, link: Any, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
         t0 = time.perf_counter()
         n = 0
-        for name, t in zip(self.out_names, tensors):
-            self.next.send(name, t)  # type: ignore[union-attr]
+        for name, t in zip(names, tensors):
+            if self.overlap:
+                self._pending.append(link.isend(name, t))  # t stays untouched until flush()
+            else:
+                link.send(name, t)
             n += t.numel() * t.element_size()
         self.stats.add(n, time.perf_counter() - t0)
 
+    def send_forward(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._send(self.next, self.out_names, tensors)
+
     def recv_forward(self, m: int) -> list[torch.Tensor]:
+        # recv returns once the bytes have landed; what it returns is ready for work queued on the
+        # current stream (no device synchronization needed here)
         t0 = time.perf_counter()
         bufs = self.inputs[m]
         for name, buf in zip(self.act_names, bufs):
             self.prev.recv(name, out=buf)  # type: ignore[union-attr]
-        _sync(self.device)
         self.stats.add(sum(b.numel() * b.element_size() for b in bufs), time.perf_counter() - t0)
         return bufs
 
     def send_backward(self, tensors: Sequence[torch.Tensor]) -> None:
-        t0 = time.perf_counter()
-        n = 0
-        for name, t in zip(self.grad_in_names, tensors):
-            self.prev.send(name, t)  # type: ignore[union-attr]
-            n += t.numel() * t.element_size()
-        self.stats.add(n, time.perf_counter() - t0)
+        self._send(self.prev, self.grad_in_names, tensors)
 
     def recv_backward(self) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         out = [self.next.recv(name) for name in self.grad_out_names]  # type: ignore[union-attr]
-        _sync(self.device)
         self.stats.add(sum(t.numel() * t.element_size() for t in out), time.perf_counter() - t0)
         return out
 
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        for h in pending:
+            h.wait()
+        self.stats.add(0, time.perf_counter() - t0)
+
     def close(self) -> None:
-        for link in (self.prev, self.next):
-            if link is not None:
-                link.close()
+        try:
+            self.flush()
+        finally:
+            for link in (self.prev, self.next):
+                if link is not None:
+                    link.close()
 
 
 # ---------------------------------------------------------------------------
@@ -300,9 +316,14 @@ class TensorwireComm(Comm):
 
 
 def pipeline_step(stage: nn.Module, opt: torch.optim.Optimizer, comm: Comm, cfg: Config, step: int, *,
-                  first: bool, last: bool, device: torch.device) -> float | None:
-    """Forward all microbatches, backward all (same order), optimizer step. Returns the loss on the last stage."""
-    x, target = batch_for_step(cfg, step)
+                  first: bool, last: bool, device: torch.device,
+                  batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> float | None:
+    """Forward all microbatches, backward all (same order), optimizer step. Returns the loss on the last stage.
+
+    ``batch``: this step's ``(x, target)`` if the caller has it already (default: ``batch_for_step``).
+    Sends still in flight are waited for before the optimizer step (``comm.flush``).
+    """
+    x, target = batch if batch is not None else batch_for_step(cfg, step)
     xs = x.to(device).chunk(cfg.microbatches) if first else None
     ts = target.to(device).chunk(cfg.microbatches) if last else None
     opt.zero_grad(set_to_none=True)
@@ -330,6 +351,9 @@ def pipeline_step(stage: nn.Module, opt: torch.optim.Optimizer, comm: Comm, cfg:
             torch.autograd.backward(outs[m], comm.recv_backward())
         if not first:
             comm.send_backward([t.grad for t in leaves[m] if t.is_floating_point()])
+    flush = getattr(comm, "flush", None)  # comms written against the older interface have none
+    if flush is not None:
+        flush()
     opt.step()
     return loss if last else None
 
@@ -407,6 +431,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=Config.seed)
     p.add_argument("--transport", choices=["auto", "tcp", "ucx"], default=None,
                    help="default: env TENSORWIRE_TRANSPORT, else auto")
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="send with isend and wait at the end of the step, overlapping transfers with the "
+                        "next microbatch (auto: on for CUDA stages)")
     p.add_argument("--check", action="store_true",
                    help="also train the whole model in one process and compare (params per stage, losses)")
     p.add_argument("--rtol", type=float, default=1e-4)
@@ -493,7 +520,8 @@ def run_worker(args: argparse.Namespace) -> int:
         opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
         connect_timeout = args.connect_timeout if args.connect_timeout is not None else max(node.timeout, 120.0)
         comm = TensorwireComm(node, plan, n_stages=world, microbatches=cfg.microbatches, device=device,
-                              connect_timeout=connect_timeout)
+                              connect_timeout=connect_timeout,
+                              overlap=None if args.overlap == "auto" else args.overlap == "on")
         start, losses = 0, []
         if args.ckpt_dir:
             start = agree_resume_step(node, args.ckpt_dir, connect_timeout)
@@ -503,7 +531,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 opt.load_state_dict(state["opt"])
                 losses = list(state["losses"])
         say(f"[rank {rank}] attempt {restart} prefix {node.prefix} host {node.host} "
-            f"links {comm.transports} stage blocks {list(stage_bounds(cfg.layers, world, rank))} "
+            f"links {comm.transports} overlap {comm.overlap} stage blocks {list(stage_bounds(cfg.layers, world, rank))} "
             f"plan via {plan.method}; start at step {start}; ready in {time.time() - t_start:.1f}s")
         for step in range(start, cfg.steps):
             if args.die_at_step is not None and step == args.die_at_step and rank == args.die_rank and restart == 0:
@@ -531,7 +559,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.save_params:
             os.makedirs(args.save_params, exist_ok=True)
             torch.save({"params": global_params(stage), "losses": losses if last else [], "stage": rank,
-                        "world": world, "attempt": restart, "transports": comm.transports,
+                        "world": world, "attempt": restart, "transports": comm.transports, "overlap": comm.overlap,
                         "config": dataclasses.asdict(cfg)},
                        os.path.join(args.save_params, f"stage{rank}.pt"))
         ok = True

@@ -191,7 +191,11 @@ class SendHandle:
         if self._op is not None:
             return bool(self._op.done())
         assert self._future is not None
-        return self._future.done()
+        if not self._future.done():
+            return False
+        if self._t is not None and self._future.exception() is None:
+            return bool(self._future.result().done())  # posted by the link's thread: is it out?
+        return True
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the bytes are out of the tensor given to ``isend``.
@@ -205,14 +209,19 @@ class SendHandle:
             self._t.wait_send(self._op, timeout=timeout)  # type: ignore[attr-defined]
             return
         assert self._future is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._future.result(timeout)
+            op = self._future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TransferTimeout(f"isend of {self._name!r} not complete within {timeout}s") from None
+        if self._t is not None:  # the link's thread posted it (CUDA isend): now wait for the bytes to leave
+            self._op = op
+            self._t.wait_send(op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))  # type: ignore[attr-defined]
 
 
 class _RecvState:
-    __slots__ = ("spec", "tag", "slots", "next", "held", "device_slot", "staged", "stager")
+    __slots__ = ("spec", "tag", "slots", "next", "held", "held_event", "copy_event", "device_slot", "staged",
+                 "stager")
 
     def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], device_slot: Slot | None,
                  stager: Any = None) -> None:
@@ -221,6 +230,10 @@ class _RecvState:
         self.slots = slots
         self.next = 0
         self.held: int | None = None
+        # recv(out=) of a CUDA slot: the copy out of the held slot is queued on the caller's stream; this
+        # event (recorded after it) is what the re-post waits for -- not the whole stream
+        self.held_event: Any = None
+        self.copy_event: Any = None
         self.device_slot = device_slot  # CUDA slot the staged host bytes are copied into
         self.staged = device_slot is not None
         # tensorwire.gpu.StagedReceiver for a static CUDA spec over a host-only transport (chunked, overlapped);
@@ -490,17 +503,23 @@ class Link:
         The tensor must not be modified before ``wait()`` returns. Validation
         happens here, before anything is queued.
 
-        Over UCX, a static spec with a contiguous tensor is posted right here,
-        in the calling thread (a CUDA tensor after the caller's current stream
-        is synchronized), once the peer has a slot posted for it -- so this call
-        can wait for a credit, up to ``timeout`` (TransferTimeout, nothing sent)
-        -- and several isends can be in flight at once, one per slot the peer
-        has posted (two per name): message *k+1* is posted while *k* is still
-        moving. Otherwise the send runs, in order, on a per-link thread.
+        Over UCX, a static spec with a contiguous tensor is posted once the
+        peer has a slot posted for it, and several isends can be in flight at
+        once, one per slot the peer has posted (two per name): message *k+1* is
+        posted while *k* is still moving. A host tensor is posted right here,
+        in the calling thread -- so this call can wait for a credit, up to
+        ``timeout`` (TransferTimeout, nothing sent). A CUDA tensor is not waited
+        for here at all: an event recorded on the caller's current stream marks
+        when its bytes are final, and the link's thread posts it once that
+        event has passed -- the caller keeps queueing GPU work meanwhile (a
+        missing credit then surfaces as TransferTimeout from ``wait()``); if
+        the stream is already past that point and nothing is queued before
+        it, it is posted right here, as a host tensor is.
+        Otherwise the send runs, in order, on the link's thread.
 
         Raises:
             ShapeMismatchError: as :meth:`send`, immediately.
-            TransferTimeout: (posted-here case) no credit within ``timeout``.
+            TransferTimeout: (host tensor posted here) no credit within ``timeout``.
         """
         self._check_open()
         st = self._send.get(name)
@@ -508,13 +527,31 @@ class Link:
             raise ShapeMismatchError(f"{name!r} was not declared as sent on this link (declared: {sorted(self._send)})")
         st.spec.check_tensor(tensor)
         tmo = self._timeout if timeout is None else timeout
+        if (self._async and tensor.is_cuda and not st.spec.is_dynamic and st.nbytes and tensor.is_contiguous()
+                and st.slot.is_cuda and st.stager is None):
+            # CUDA: the caller's thread does not wait for its stream. An event recorded on it marks
+            # the point after which the tensor's bytes are final; the link's thread waits for that
+            # event, then posts the message (in isend order, once the receiver's credit is there) and
+            # the handle waits for it to be out -- the caller goes on queueing work meanwhile, and
+            # several messages are in flight at once, as many as the peer has slots posted.
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(tensor.device))
+            data = tensor.detach() if tensor.requires_grad else tensor
+            if self._queued or not ev.query():
+                return SendHandle(self._submit(self._post_after_event, st, data, ev, tmo), name, transport=self._t)
+            # The stream has nothing pending for it and nothing is queued before it: post right here.
+            with st.lock:
+                op = self._t.start_send(st.tag, data, step=st.step + 1, timeout=tmo)  # type: ignore[attr-defined]
+                st.step += 1
+            self.bytes_sent += st.nbytes
+            return SendHandle(None, name, op=op, transport=self._t)
         if (self._async and not st.spec.is_dynamic and st.nbytes and tensor.is_contiguous()
-                and (not tensor.is_cuda or (st.slot.is_cuda and st.stager is None)) and not self._queued):
+                and not tensor.is_cuda and not self._queued):
             # Posted here, in the caller's thread (once the receiver's credit is there), and
             # completed by the handle: several messages in flight at once, as many as the peer
             # has slots posted -- the next one is posted while the previous one is moving.
-            if tensor.is_cuda:
-                sync_current_stream(tensor.device)  # the bytes are read once the caller's queued work is done
             data = tensor.detach() if tensor.requires_grad else tensor
             with st.lock:
                 op = self._t.start_send(st.tag, data, step=st.step + 1, timeout=tmo)  # type: ignore[attr-defined]
@@ -528,13 +565,26 @@ class Link:
             import torch
 
             stream = torch.cuda.current_stream(tensor.device)
+        return SendHandle(self._submit(self._send_impl, name, tensor, timeout, stream), name)
+
+    def _submit(self, fn: Any, *args: Any) -> "concurrent.futures.Future[Any]":
+        """Run ``fn`` on the link's sender thread, after every isend queued before it (order on the tag)."""
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tw-isend-{self.peer}")
-            self._queued += 1  # later isends queue behind this one (order on the tag)
-            fut = self._executor.submit(self._send_impl, name, tensor, timeout, stream)
+            self._queued += 1  # later isends and sends queue behind this one
+            fut = self._executor.submit(fn, *args)
         fut.add_done_callback(self._dequeued)
-        return SendHandle(fut, name)
+        return fut
+
+    def _post_after_event(self, st: _SendState, data: "torch.Tensor", ev: Any, timeout: float) -> Any:
+        """(sender thread) Wait for the caller's work on ``data`` (``ev``), then post it; returns the send op."""
+        ev.synchronize()  # releases the GIL
+        with st.lock:
+            op = self._t.start_send(st.tag, data, step=st.step + 1, timeout=timeout)  # type: ignore[attr-defined]
+            st.step += 1
+        self.bytes_sent += st.nbytes
+        return op
 
     def _dequeued(self, _: Any) -> None:
         with self._lock:
@@ -565,7 +615,11 @@ class Link:
         if st.held is not None:
             held, st.held = st.held, None
             raw = st.slots[held].raw
-            if raw.is_cuda:
+            if st.held_event is not None:
+                # recv(out=) left only its own copy reading the slot: wait for that copy alone.
+                st.held_event.synchronize()
+                st.held_event = None
+            elif raw.is_cuda:
                 # UCX may write the next message into this slot as soon as it is posted: work the
                 # caller queued on the slot (on the current stream) must be finished first.
                 sync_current_stream(raw.device)
@@ -616,6 +670,17 @@ class Link:
                                          f"{view.dtype}{list(view.shape)}")
             out.copy_(view)
             if not st.staged:
+                if view.is_cuda:
+                    # The copy is queued on the current stream behind whatever the caller queued before:
+                    # the slot is held (not re-posted, so UCX cannot write into it) until the copy has
+                    # run; the next recv of this name waits for this event, then re-posts it.
+                    import torch
+
+                    if st.copy_event is None:
+                        st.copy_event = torch.cuda.Event()
+                    st.copy_event.record(torch.cuda.current_stream(view.device))
+                    st.held, st.held_event = idx, st.copy_event
+                    return out
                 self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
             return out
         st.held = idx

@@ -190,6 +190,31 @@ def slot_reused_while_a_kernel_reads_it(rank, world, store, transport):
         return int((sums != want).sum().item())
 
 
+def recv_out_copy_still_queued(rank, world, store, transport):
+    """``recv(out=)`` with the copy queued behind slow work on the current stream: the slot must not be
+    re-posted (and overwritten by a later message) before that copy has read it."""
+    import torch
+
+    import tensorwire as tw
+
+    dev = _dev(rank)
+    spec = tw.TensorSpec("x", (1 << 20,), "float32", "cuda")
+    steps = 40
+    with _node(rank, world, store, transport) as node:
+        if rank == 0:
+            link = node.link(1, send=[spec])
+            for step in range(steps):
+                link.send("x", torch.full(spec.shape, float(step), device=dev))
+            return 0
+        link = node.link(0, recv=[spec])
+        outs = [torch.empty(spec.shape, device=dev) for _ in range(steps)]
+        for step in range(steps):
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time queued before the copy out of the slot
+            link.recv("x", out=outs[step])
+        torch.cuda.current_stream(dev).synchronize()
+        return sum(int((o != float(i)).sum().item()) for i, o in enumerate(outs))
+
+
 def staged_tcp_slots(rank, world, store, transport):
     """CUDA specs over TCP: staged through pinned host slots, bit-exact."""
     import torch
@@ -454,6 +479,12 @@ def test_received_slot_is_safe_on_the_current_stream(transport):
 @pytest.mark.parametrize("transport", ["ucx", "tcp"])
 def test_a_slot_is_not_overwritten_while_queued_work_still_reads_it(transport):
     assert run_ranks(slot_reused_while_a_kernel_reads_it, transport=transport, timeout=240)[1] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+def test_recv_into_out_is_not_overwritten_before_the_queued_copy_ran(transport):
+    assert run_ranks(recv_out_copy_still_queued, transport=transport, timeout=240)[1] == 0
 
 
 @pytest.mark.timeout(300)

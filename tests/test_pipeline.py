@@ -66,19 +66,21 @@ def assert_matches_reference(params, losses, ref_params, ref_losses, *, rtol=1e-
 
 
 CASES = [
-    pytest.param(2, "tcp", id="2-tcp"),
-    pytest.param(2, "auto", id="2-auto"),
-    pytest.param(4, "tcp", id="4-tcp"),
-    pytest.param(4, "auto", id="4-auto", marks=pytest.mark.slow),
+    pytest.param(2, "tcp", "auto", id="2-tcp"),
+    # --overlap on: sends are isends waited for at the end of the step (the CUDA default), here on CPU:
+    # over UCX posted in the caller's thread, over TCP queued on the link's sender thread.
+    pytest.param(2, "auto", "on", id="2-auto-overlap"),
+    pytest.param(4, "tcp", "on", id="4-tcp-overlap"),
+    pytest.param(4, "auto", "auto", id="4-auto", marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("nproc,transport", CASES)
-def test_pipeline_matches_single_process_training(tmp_path, nproc, transport):
+@pytest.mark.parametrize("nproc,transport,overlap", CASES)
+def test_pipeline_matches_single_process_training(tmp_path, nproc, transport, overlap):
     out = tmp_path / "params"
     cmd = torchrun_standalone(nproc, "--steps", str(STEPS), "--microbatches", str(MICROBATCHES),
-                              "--transport", transport, "--check", "--save-params", str(out))
+                              "--transport", transport, "--overlap", overlap, "--check", "--save-params", str(out))
     rc, log = run(cmd, env=child_env(TENSORWIRE_TIMEOUT="60"), log=tmp_path / "torchrun.log", timeout=150)
     assert rc == 0, tail(log)
     # every rank's own --check passed, the last rank printed every step's loss, both ends their throughput
@@ -89,6 +91,7 @@ def test_pipeline_matches_single_process_training(tmp_path, nproc, transport):
     params, losses, metas = load_stages(out, nproc)
     ref_params, ref_losses = reference()
     assert_matches_reference(params, losses, ref_params, ref_losses)
+    assert all(m["overlap"] == (overlap == "on") for m in metas), metas  # CPU stages: auto means off
     used = {t for m in metas for t in m["transports"].values()}
     if transport == "tcp":
         assert used == {"tcp"}
