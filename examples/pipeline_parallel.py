@@ -236,9 +236,14 @@ class TensorwireComm(Comm):
         self._pending: list[Any] = []
         self.prev = self.next = None
         # Link to the previous stage first, then the next: the links form a chain, so no rank waits in a cycle.
+        # Every microbatch's activation is kept in its own receive slot until its backward pass:
+        # microbatches + 2 slots per activation (two still posted for the next messages while a
+        # whole step's are held), so recv_forward hands out slots, no copies.
+        depth = microbatches + 2
         if self.rank > 0:
             self.prev = node.link(self.rank - 1, recv=wire(plan.inputs), send=wire(plan.grads_of_inputs),
-                                  name=link_name, timeout=connect_timeout)
+                                  name=link_name, timeout=connect_timeout,
+                                  depth={s.name: depth for s in wire(plan.inputs)})
         if self.rank < n_stages - 1:
             self.next = node.link(self.rank + 1, send=wire(plan.outputs), recv=wire(plan.grads_of_outputs),
                                   name=link_name, timeout=connect_timeout)
@@ -246,9 +251,11 @@ class TensorwireComm(Comm):
         self.out_names = [s.name for s in wire(plan.outputs)]
         self.grad_in_names = [s.name for s in wire(plan.grads_of_inputs)]
         self.grad_out_names = [s.name for s in wire(plan.grads_of_outputs)]
-        # Inputs of every microbatch stay alive until backward: one buffer each, allocated once.
+        # A CUDA activation staged through host memory (TCP between hosts) has one device slot: there the
+        # inputs of every microbatch are copied into buffers of their own, allocated once.
+        self.zero_copy = self.prev is not None and all(self.prev.depth(n) >= depth for n in self.act_names)
         self.inputs = [[torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.inputs]
-                       for _ in range(microbatches)] if self.prev is not None else []
+                       for _ in range(microbatches)] if self.prev is not None and not self.zero_copy else []
 
     @property
     def transports(self) -> dict[str, str]:
@@ -277,9 +284,12 @@ class TensorwireComm(Comm):
         # recv returns once the bytes have landed; what it returns is ready for work queued on the
         # current stream (no device synchronization needed here)
         t0 = time.perf_counter()
-        bufs = self.inputs[m]
-        for name, buf in zip(self.act_names, bufs):
-            self.prev.recv(name, out=buf)  # type: ignore[union-attr]
+        if self.zero_copy:  # the slots themselves, valid through this step's backward (depth)
+            bufs = [self.prev.recv(name) for name in self.act_names]  # type: ignore[union-attr]
+        else:
+            bufs = self.inputs[m]
+            for name, buf in zip(self.act_names, bufs):
+                self.prev.recv(name, out=buf)  # type: ignore[union-attr]
         self.stats.add(sum(b.numel() * b.element_size() for b in bufs), time.perf_counter() - t0)
         return bufs
 

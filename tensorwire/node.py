@@ -15,7 +15,11 @@ Receive slots are double-buffered: :meth:`Link.recv` returns the slot tensor,
 valid until the next ``recv`` of that name, while the other buffer is already
 posted for the next message. So a peer can send message *k+1* while this side
 still holds message *k*, and two ranks that each ``send`` then ``recv`` every
-step never deadlock.
+step never deadlock. ``Node.link(..., depth=)`` gives a name more slots: with
+``depth`` *d* a received slot stays valid until *d - 1* more ``recv`` calls of
+that name (a GPipe stage keeps every microbatch's activation in its own slot
+through the backward pass, with no copy), and the slots are re-posted in the
+order they were received in.
 
 Transport choice (both sides compute the same answer from both offers):
 
@@ -33,6 +37,7 @@ Transport choice (both sides compute the same answer from both offers):
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import hashlib
@@ -219,9 +224,11 @@ class SendHandle:
             self._t.wait_send(op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))  # type: ignore[attr-defined]
 
 
+_FREE = object()  # a held slot nobody reads any more (see _RecvState.held)
+
+
 class _RecvState:
-    __slots__ = ("spec", "tag", "slots", "next", "held", "held_event", "copy_event", "device_slot", "staged",
-                 "stager")
+    __slots__ = ("spec", "tag", "slots", "next", "held", "events", "device_slot", "staged", "stager")
 
     def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], device_slot: Slot | None,
                  stager: Any = None) -> None:
@@ -229,11 +236,13 @@ class _RecvState:
         self.tag = tag
         self.slots = slots
         self.next = 0
-        self.held: int | None = None
-        # recv(out=) of a CUDA slot: the copy out of the held slot is queued on the caller's stream; this
-        # event (recorded after it) is what the re-post waits for -- not the whole stream
-        self.held_event: Any = None
-        self.copy_event: Any = None
+        # Slots handed out and not re-posted yet, oldest first: (index, what to wait for before re-posting).
+        # None: the work the caller queued on the current stream (the slot was returned to the caller);
+        # an event: recv(out=)'s own copy out of a CUDA slot (recorded after it on the caller's stream);
+        # _FREE: nothing (a host copy already done) -- it waits only for its turn (slots are re-posted in
+        # the order they were received in: the next message lands in the oldest posted slot).
+        self.held: collections.deque[tuple[int, Any]] = collections.deque()
+        self.events: list[Any] = [None] * len(slots)  # one reusable CUDA event per slot (recv(out=))
         self.device_slot = device_slot  # CUDA slot the staged host bytes are copied into
         self.staged = device_slot is not None
         # tensorwire.gpu.StagedReceiver for a static CUDA spec over a host-only transport (chunked, overlapped);
@@ -257,6 +266,26 @@ class _SendState:
         self.nbytes = spec.nbytes
         # tensorwire.gpu.StagedSender over ``slot`` for a static CUDA spec over a host-only transport
         self.stager = stager
+
+
+MAX_DEPTH = 64
+
+
+def _depths(depth: "int | Mapping[str, int] | None", names: Sequence[str]) -> dict[str, int]:
+    """``Node.link``'s ``depth`` argument as ``{recv name: slots}`` (validated)."""
+    if depth is None:
+        return {}
+    if isinstance(depth, Mapping):
+        unknown = sorted(set(depth) - set(names))
+        if unknown:
+            raise ConfigError(f"depth names {unknown} are not received on this link (recv: {sorted(names)})")
+        items = dict(depth)
+    else:
+        items = {n: depth for n in names}
+    for n, d in items.items():
+        if isinstance(d, bool) or not isinstance(d, int) or not 2 <= d <= MAX_DEPTH:
+            raise ConfigError(f"depth for {n!r} must be an int in [2, {MAX_DEPTH}], got {d!r}")
+    return items
 
 
 class Link:
@@ -293,7 +322,7 @@ class Link:
 
     def __init__(self, *, node_rank: int, peer: int, name: str, transport: Transport,
                  send: Sequence[TensorSpec], recv: Sequence[TensorSpec], timeout: float,
-                 device: "torch.device | None") -> None:
+                 device: "torch.device | None", depth: Mapping[str, int] | None = None) -> None:
         self.peer = peer
         self.name = name
         self.rank = node_rank
@@ -334,7 +363,9 @@ class Link:
         for tag, spec in enumerate(sorted(self.recv_specs)):
             s = self.recv_specs[spec]
             staged = host_only and s.device == "cuda"
-            slots = [Slot(s, device=device, host=staged) for _ in range(2)]
+            # depth > 2 only where the slot itself is what recv returns (not through a staging slot)
+            n_slots = 2 if staged else (depth or {}).get(spec, 2)
+            slots = [Slot(s, device=device, host=staged) for _ in range(n_slots)]
             device_slot = Slot(s, device=device) if staged else None
             rx = None
             if staged and not s.is_dynamic:
@@ -357,6 +388,17 @@ class Link:
     def __repr__(self) -> str:
         return (f"Link(rank {self.rank} <-> {self.peer}, {self.transport}, send={sorted(self.send_specs)}, "
                 f"recv={sorted(self.recv_specs)})")
+
+    def depth(self, name: str) -> int:
+        """How many ``recv`` calls of ``name`` a returned slot outlives, plus one (2 unless ``depth`` raised it).
+
+        A CUDA spec staged through host memory (TCP) keeps 2: what ``recv`` returns there is its one
+        device slot, valid until the next ``recv``.
+        """
+        st = self._recv.get(name)
+        if st is None:
+            raise ShapeMismatchError(f"{name!r} is not received on this link (declared: {sorted(self._recv)})")
+        return 2 if st.staged else len(st.slots)
 
     def slots(self) -> list[Slot]:
         """Every preallocated slot of this link (for inspection and tests)."""
@@ -612,30 +654,39 @@ class Link:
         if st.stager is not None:
             return self._recv_staged(st, name, out, self._timeout if timeout is None else timeout)
         tmo = self._timeout if timeout is None else timeout
-        if st.held is not None:
-            held, st.held = st.held, None
-            raw = st.slots[held].raw
-            if st.held_event is not None:
-                # recv(out=) left only its own copy reading the slot: wait for that copy alone.
-                st.held_event.synchronize()
-                st.held_event = None
-            elif raw.is_cuda:
+        held = st.held
+        # Re-post the oldest held slots: those past their validity (at most depth - 2 stay held once
+        # this recv returns one more) and any free one at the head of the line.
+        keep = len(st.slots) - 2
+        last = None
+        synced = False
+        while held and (len(held) > keep or held[0][1] is _FREE):
+            idx_, wait_for = held.popleft()
+            raw = st.slots[idx_].raw
+            if wait_for is not None and wait_for is not _FREE:
+                wait_for.synchronize()  # recv(out=)'s copy out of it, nothing else
+            elif wait_for is None and raw.is_cuda and not synced:
                 # UCX may write the next message into this slot as soon as it is posted: work the
                 # caller queued on the slot (on the current stream) must be finished first.
                 sync_current_stream(raw.device)
-            # The held slot goes back and the next message is awaited in one call: UCX does the
+                synced = True
+            if last is not None:
+                self._t.post_recv(st.tag, last, header=st.spec.is_dynamic)
+            last = raw
+        if last is not None:
+            # The last slot goes back and the next message is awaited in one call: UCX does the
             # post once the wait has picked up the message already on its way (transport docs).
-            got = self._t.repost_and_wait(st.tag, raw, header=st.spec.is_dynamic, timeout=tmo)
+            got = self._t.repost_and_wait(st.tag, last, header=st.spec.is_dynamic, timeout=tmo)
         else:
             got = self._t.wait_recv(st.tag, timeout=tmo)
         idx = st.next
-        st.next ^= 1
+        st.next = idx + 1 if idx + 1 < len(st.slots) else 0
         slot = st.slots[idx]
         if got.shape is None and not st.spec.is_dynamic:
             # Static spec (the common case): the slot's full typed view, no shape work per message.
             shape = st.spec.shape
             if got.nbytes != slot.nbytes:
-                self._t.post_recv(st.tag, slot.raw, header=False)
+                self._release(st, idx)
                 raise ProtocolError(f"peer sent {got.nbytes} bytes for {name!r} {shape}, expected {slot.nbytes}")
             view = slot.tensor
         else:
@@ -643,12 +694,12 @@ class Link:
             try:
                 st.spec.check_shape(shape)
             except ShapeMismatchError as exc:
-                self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+                self._release(st, idx)
                 raise ProtocolError(f"peer sent {name!r} with shape {shape}: {exc}") from exc
             view = slot.view(shape)
             expected = view.numel() * st.spec.itemsize
             if got.nbytes != expected:
-                self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+                self._release(st, idx)
                 raise ProtocolError(f"peer sent {got.nbytes} bytes for {name!r} {shape}, expected {expected}")
         self.bytes_received += got.nbytes
         if st.staged:
@@ -665,7 +716,7 @@ class Link:
         if out is not None:
             if tuple(out.shape) != tuple(view.shape) or out.dtype != view.dtype:
                 if not st.staged:
-                    st.held = idx
+                    held.append((idx, None))
                 raise ShapeMismatchError(f"out= for {name!r} is {out.dtype}{list(out.shape)}, received "
                                          f"{view.dtype}{list(view.shape)}")
             out.copy_(view)
@@ -676,15 +727,23 @@ class Link:
                     # run; the next recv of this name waits for this event, then re-posts it.
                     import torch
 
-                    if st.copy_event is None:
-                        st.copy_event = torch.cuda.Event()
-                    st.copy_event.record(torch.cuda.current_stream(view.device))
-                    st.held, st.held_event = idx, st.copy_event
+                    ev = st.events[idx]
+                    if ev is None:
+                        ev = st.events[idx] = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(view.device))
+                    held.append((idx, ev))
                     return out
-                self._t.post_recv(st.tag, slot.raw, header=st.spec.is_dynamic)
+                self._release(st, idx)
             return out
-        st.held = idx
+        held.append((idx, None))
         return view
+
+    def _release(self, st: _RecvState, idx: int) -> None:
+        """Give slot ``idx`` back now if no older slot is still held, else as soon as its turn comes."""
+        if st.held:
+            st.held.append((idx, _FREE))
+        else:
+            self._t.post_recv(st.tag, st.slots[idx].raw, header=st.spec.is_dynamic)
 
     def _recv_staged(self, st: _RecvState, name: str, out: "torch.Tensor | None", timeout: float) -> "torch.Tensor":
         """Chunked, overlapped socket->host->device receive of a static CUDA spec into its device slot."""
@@ -826,7 +885,8 @@ class Node:
         return self._control.address
 
     def link(self, peer: int, *, send: Iterable[TensorSpec] = (), recv: Iterable[TensorSpec] = (),
-             timeout: float | None = None, name: str = "default") -> Link:
+             timeout: float | None = None, name: str = "default",
+             depth: "int | Mapping[str, int] | None" = None) -> Link:
         """Negotiate a link with ``peer``; both ranks must call this with mirrored specs.
 
         Args:
@@ -835,6 +895,10 @@ class Node:
             recv: specs this side expects (the peer must list them in its ``send``).
             timeout: for negotiation and connection (default: the node's).
             name: distinguishes several links between the same two ranks.
+            depth: receive slots per received name (an int for all, or ``{name: n}``; default 2,
+                at least 2, at most 64): a slot returned by ``recv`` stays valid until ``depth - 1``
+                more ``recv`` calls of its name. Local to this side (the peer's credits follow the
+                slots posted); costs ``depth`` x the tensor's bytes. See :meth:`Link.depth`.
 
         Raises:
             ShapeMismatchError: the declarations differ (raised on both sides;
@@ -854,6 +918,7 @@ class Node:
             names = [s.name for s in specs]
             if len(set(names)) != len(names):
                 raise ConfigError(f"duplicate names in {label}: {sorted(n for n in names if names.count(n) > 1)}")
+        depths = _depths(depth, [s.name for s in recv_l])
         if any(s.device == "cuda" for s in send_l + recv_l) and not cuda_available():
             raise ConfigError("CUDA specs given but CUDA is not available in this process")
         timeout = self.timeout if timeout is None else float(timeout)
@@ -900,7 +965,7 @@ class Node:
                 lst.forget(nonce)
         try:
             link = Link(node_rank=self.rank, peer=peer, name=name, transport=transport, send=send_l, recv=recv_l,
-                        timeout=self.timeout, device=self.device)
+                        timeout=self.timeout, device=self.device, depth=depths)
         except BaseException:
             transport.abort()
             raise

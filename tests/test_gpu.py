@@ -215,6 +215,40 @@ def recv_out_copy_still_queued(rank, world, store, transport):
         return sum(int((o != float(i)).sum().item()) for i, o in enumerate(outs))
 
 
+def deep_cuda_slots_read_late(rank, world, store, transport):
+    """depth=4 CUDA slots: each received slot is read by slow work queued three recvs later; the slot
+    must still hold its message (UCX: the slots themselves; TCP: staged, depth stays 2 -> copies)."""
+    import torch
+
+    import tensorwire as tw
+
+    dev = _dev(rank)
+    spec = tw.TensorSpec("x", (1 << 20,), "float32", "cuda")
+    steps = 30
+    with _node(rank, world, store, transport) as node:
+        if rank == 0:
+            link = node.link(1, send=[spec])
+            for step in range(steps):
+                link.send("x", torch.full(spec.shape, float(step), device=dev))
+            return 0
+        link = node.link(0, recv=[spec], depth=4)
+        deep = link.depth("x") == 4
+        sums = torch.zeros(steps, device=dev)
+        window: list[tuple[int, "torch.Tensor"]] = []
+        for step in range(steps):
+            got = link.recv("x")
+            window.append((step, got if deep else got.clone()))
+            if len(window) == 3:  # read the oldest one only now, behind ~1 ms of GPU time
+                j, t = window.pop(0)
+                torch.cuda._sleep(2_000_000)
+                sums[j] = t.sum()
+        for j, t in window:
+            sums[j] = t.sum()
+        torch.cuda.current_stream(dev).synchronize()
+        want = torch.arange(steps, device=dev, dtype=torch.float32) * spec.shape[0]
+        return {"deep": deep, "bad": int((sums != want).sum().item())}
+
+
 def staged_tcp_slots(rank, world, store, transport):
     """CUDA specs over TCP: staged through pinned host slots, bit-exact."""
     import torch
@@ -485,6 +519,13 @@ def test_a_slot_is_not_overwritten_while_queued_work_still_reads_it(transport):
 @pytest.mark.parametrize("transport", ["ucx", "tcp"])
 def test_recv_into_out_is_not_overwritten_before_the_queued_copy_ran(transport):
     assert run_ranks(recv_out_copy_still_queued, transport=transport, timeout=240)[1] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+def test_deeper_cuda_slots_outlive_later_recvs(transport):
+    res = run_ranks(deep_cuda_slots_read_late, transport=transport, timeout=240)[1]
+    assert res == {"deep": transport == "ucx", "bad": 0}
 
 
 @pytest.mark.timeout(300)

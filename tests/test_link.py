@@ -115,3 +115,22 @@ def test_isends_posted_here_and_on_the_link_thread_keep_order_and_respect_credit
 def test_relinking_the_same_peer_and_name_after_close_works(transport):
     res = run_ranks(workers.relink_same_name, transport=transport)
     assert res[0] == [10, 11, 12] and res[1] == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_depth_gives_a_name_more_slots_that_outlive_later_recvs(transport):
+    res = run_ranks(workers.deep_slots, transport=transport)
+    assert tuple(res[1]["depth"]) == (4, 2)
+    assert res[1]["bad"] == []
+    assert res[1]["b"] == [0.0, 1.0]
+    assert res[0] == "timeout"  # default depth: the third message waits for the receiver
+
+
+@pytest.mark.timeout(60)
+def test_bad_depth_is_refused_before_anything_is_negotiated():
+    res = run_ranks(workers.bad_depth, transport="tcp")
+    for rank in (0, 1):
+        errs = res[rank]
+        assert len(errs) == 5 and not any("accepted" in e for e in errs), errs
+        assert "must be an int in [2, 64]" in errs[0] and "'nope'" in errs[4]

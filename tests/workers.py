@@ -299,3 +299,66 @@ def relink_same_name(rank, world, store, transport, rounds=3):
             store.wait([f"relink/{r}/{1 - rank}"])
             link.close()
     return out
+
+
+def deep_slots(rank, world, store, transport):
+    """depth=4 on "a" (2 on "b"): four sends complete before the receiver receives anything, each
+    held slot keeps its message through three more recvs, and recv(out=) mixed with held slots keeps
+    the order; "b" (default depth) cannot take a third message ahead."""
+    a = tw.TensorSpec("a", (1024,), "float32")
+    b = tw.TensorSpec("b", (16,), "float32")
+    steps = 24
+    with _node(rank, world, store, transport) as node:
+        if rank == 0:
+            link = node.link(1, send=[a, b])
+            for i in range(4):  # no recv on the other side yet: needs 4 posted slots
+                link.send("a", torch.full((1024,), float(i)), timeout=20)
+            link.send("b", torch.zeros(16), timeout=20)
+            link.send("b", torch.ones(16), timeout=20)
+            try:
+                link.send("b", torch.ones(16), timeout=1.0)
+                third_b = "sent"
+            except tw.TransferTimeout:
+                third_b = "timeout"
+            store.set("deep_sent", "1")
+            for i in range(4, steps):
+                link.send("a", torch.full((1024,), float(i)), timeout=20)
+            store.wait(["deep_done"])
+            return third_b
+        link = node.link(0, recv=[a, b], depth={"a": 4})
+        depth = (link.depth("a"), link.depth("b"))
+        # The first "b" comes after the four "a"s: they went out while nothing of "a" was received.
+        # (Blocking here in tensorwire also hands TCP's lazily sent credits to the peer.)
+        b_vals = [link.recv("b").tolist()[0]]
+        store.wait(["deep_sent"])
+        bad = []
+        held: list[tuple[int, torch.Tensor]] = []
+        out = torch.empty(1024)
+        for i in range(steps):
+            if i % 5 == 3:
+                got = link.recv("a", out=out)
+                if not bool((got == float(i)).all()):
+                    bad.append(("out", i))
+            else:
+                held.append((i, link.recv("a")))
+            # every slot returned by the last depth-1 = 3 recvs still holds its message
+            for j, t in held:
+                if i - j < 3 and not bool((t == float(j)).all()):
+                    bad.append(("held", j, "at", i))
+            held = [(j, t) for j, t in held if i - j < 3]
+        b_vals.append(link.recv("b").tolist()[0])
+        store.set("deep_done", "1")
+        return {"depth": depth, "bad": bad, "b": b_vals}
+
+
+def bad_depth(rank, world, store, transport):
+    spec = tw.TensorSpec("x", (4,), "float32")
+    with _node(rank, world, store, transport) as node:
+        errors = []
+        for depth in (1, 65, 2.5, True, {"nope": 3}):
+            try:
+                node.link(1 - rank, send=[spec], recv=[spec], depth=depth, name="bad")
+                errors.append(f"{depth!r}: accepted")
+            except tw.ConfigError as exc:
+                errors.append(str(exc))
+        return errors
