@@ -13,6 +13,8 @@
 # 4. `pytest -m gpu tests/test_gpu.py`.
 # Files written to $OUT (7, within what the device tool brings back): doctor.txt doctor.json bench.log
 # gpu_nvlink.md gpu_nvlink.json gpu_nvlink.png gpu_tests.log
+# Knobs (environment): STEPS=bench,tests,staged,pipeline (a subset picks steps), BACKENDS, MIN_SIZE, MAX_SIZE,
+# GRPC_MAX, SCALE (iterations), T_BENCH / T_TESTS (timeouts in s), OUT.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -48,8 +50,8 @@ else
 fi
 
 if [ "$MODE" = gpu ]; then
-  DEVICE=cuda; BACKENDS=tensorwire-ucx,tensorwire-ucx-isend,torch-nccl,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp
-  SIZES=(--min-size 4K --max-size "${MAX_SIZE:-1G}"); GRPC_MAX=${GRPC_MAX:-64M}; SCALE=${SCALE:-2}
+  DEVICE=cuda; BACKENDS=${BACKENDS:-tensorwire-ucx,tensorwire-ucx-isend,torch-nccl,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp}
+  SIZES=(--min-size "${MIN_SIZE:-4K}" --max-size "${MAX_SIZE:-1G}"); GRPC_MAX=${GRPC_MAX:-64M}; SCALE=${SCALE:-2}
   T_BENCH=${T_BENCH:-330}; T_TESTS=${T_TESTS:-240}
 else
   DEVICE=cpu; BACKENDS=tensorwire-ucx,torch-gloo,raw-ucxx,raw-ucxx-cm,grpc-stream,grpc-unary,tensorwire-tcp

@@ -245,6 +245,50 @@ def _stream_sync() -> Any:
     return fast
 
 
+@functools.lru_cache(maxsize=1)
+def _stream_query() -> Any:
+    """``f(device) -> bool``: whether ``device``'s current stream has nothing pending (cudaStreamQuery).
+
+    Same route as :func:`_stream_sync` (the raw current stream, the runtime torch loaded), torch's
+    ``Stream.query()`` otherwise.
+    """
+    import torch
+
+    def slow(device: "torch.device") -> bool:
+        return bool(torch.cuda.current_stream(device).query())
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    getdev = getattr(torch._C, "_cuda_getDevice", None)
+    try:
+        lib = _cudart()
+        query = lib.cudaStreamQuery
+        query.argtypes = [ctypes.c_void_p]
+        query.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return slow
+    if raw is None or getdev is None:
+        return slow
+
+    def fast(device: "torch.device") -> bool:
+        idx = device.index
+        if idx is None or idx != getdev():
+            return slow(device)
+        err = query(raw(idx))
+        if err == 0:
+            return True
+        if err == 600:  # cudaErrorNotReady
+            return False
+        lib.cudaGetLastError()
+        return slow(device)  # let torch raise its own error for the same stream
+
+    return fast
+
+
+def current_stream_idle(device: "torch.device") -> bool:
+    """Whether the work queued so far on ``device``'s current stream is all done (does not wait)."""
+    return _stream_query()(device)
+
+
 def sync_current_stream(device: "torch.device") -> None:
     """Block until the work queued so far on ``device``'s current stream is done (see :func:`_stream_sync`)."""
     _stream_sync()(device)

@@ -48,7 +48,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Sequence
 
 from .buffers import Slot, as_bytes, cuda_available
-from .gpu import sync_current_stream
+from .gpu import current_stream_idle, sync_current_stream
 from .errors import (
     ClosedError,
     ConfigError,
@@ -576,14 +576,14 @@ class Link:
             # event, then posts the message (in isend order, once the receiver's credit is there) and
             # the handle waits for it to be out -- the caller goes on queueing work meanwhile, and
             # several messages are in flight at once, as many as the peer has slots posted.
-            import torch
-
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(tensor.device))
             data = tensor.detach() if tensor.requires_grad else tensor
-            if self._queued or not ev.query():
+            if self._queued or not current_stream_idle(tensor.device):
+                import torch
+
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(tensor.device))
                 return SendHandle(self._submit(self._post_after_event, st, data, ev, tmo), name, transport=self._t)
-            # The stream has nothing pending for it and nothing is queued before it: post right here.
+            # The stream has nothing pending and nothing is queued before it: post right here.
             with st.lock:
                 op = self._t.start_send(st.tag, data, step=st.step + 1, timeout=tmo)  # type: ignore[attr-defined]
                 st.step += 1
