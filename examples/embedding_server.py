@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> float:
                 print(f"step {step:4d}  loss {last:.5f}  rows {uniq.numel():5d}")
             dt = time.perf_counter() - t0
             print(f"done: {args.steps} steps in {dt:.2f}s ({args.steps / dt:.1f} steps/s) on {device}, "
-                  f"loss {first:.5f} -> {last:.5f}, transport {c.transport_kind}, emb version {c.stat('emb').version}")
+                  f"loss {first:.5f} -> {last:.5f}, data path {c.data_path}, emb version {c.stat('emb').version}")
             return last if last is not None else float("nan")
     finally:
         if proc is not None:
@@ -160,7 +160,8 @@ def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--address", help="host:port of a running daemon (default: start one)")
     p.add_argument("--token-file", help="bearer token file for the daemon")
-    p.add_argument("--transport", default="auto", choices=("auto", "ucx", "tcp"))
+    p.add_argument("--transport", default="auto", choices=("auto", "shm", "ucx", "tcp"),
+                   help="auto: shared memory with a daemon on this host, else UCX/TCP")
     p.add_argument("--rows", type=int, default=200_000, help="table rows (default 200k; try 5000000)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2048)

@@ -23,6 +23,25 @@ followed by the tensor bytes. With an older daemon, or ``data_requests=False``,
 they use the gRPC calls (Get, GetRows, BeginPut/PutRows + CommitPut) as before.
 The errors are the same either way.
 
+Shared memory: with a daemon on the same host (``tensorwire serve`` with
+``--shm``, the default), ``transport="auto"`` offers shared memory when it
+opens a session; the daemon names a region it created under ``/dev/shm``, this
+client maps it and echoes the nonce it holds over the data connection, and
+from then on the hot operations move their bytes with one copy in this
+process: ``get`` copies the pinned version out of the daemon's slot,
+``get_rows`` gathers the rows from it (no index is sent, no second copy),
+``put`` copies into the staging slot the daemon reserved, and ``put_rows`` /
+``add_rows`` into the session's scratch region (numpy copies: no OpenMP team;
+big ones split with one helper thread unless the machine is oversubscribed, see
+:class:`tensorwire.serve.shm.Copier`). Each operation still is a data-plane
+request (the daemon pins, reserves, commits, validates), so the guarantees
+below are the same; a read's pin goes back with the next request, or with a
+RELEASE a helper thread sends once the client has been idle for 2 ms. A client
+that cannot map the region (another host, container or uid) uses the data
+connection without a word (debug log); ``transport="shm"`` makes that an error
+instead. ``data_path`` says which one a client uses, ``shm_bytes`` counts what
+went through shared memory.
+
 Buffers: ``get`` returns a tensor backed by a per-name receive buffer that is
 reused by later gets **only once you no longer hold any reference to it**
 (checked through the storage's use count), so a loop ``x = c.get(name)``
@@ -43,6 +62,7 @@ import collections
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
@@ -88,7 +108,7 @@ __all__ = ["Client", "TensorStat", "SnapshotInfo", "TLSConfig"]
 
 log = logging.getLogger(__name__)
 
-_TRANSPORTS = ("auto", "ucx", "tcp")
+_TRANSPORTS = ("auto", "shm", "ucx", "tcp")
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -214,6 +234,11 @@ def _typed(raw: "torch.Tensor", dtype: "torch.dtype", shape: tuple[int, ...]) ->
 
 #: A chunked read keeps at most this many receives posted ahead of the one it waits for.
 _RECV_WINDOW = 8
+#: Shared memory: the read pin of the last get / get_rows goes back to the daemon with this client's next
+#: request; a client idle this long sends a RELEASE of its own (from a helper thread), so a writer waits
+#: at most about this long for an idle reader. Measured on the 2-core VM: a RELEASE per read cost the
+#: client ~40 us and the daemon ~60 us before it answered the next request.
+_RELEASE_AFTER = 0.002
 
 
 class _Progress:
@@ -244,8 +269,11 @@ class Client:
         token: bearer token (the content of the daemon's ``--token-file``).
         tls: :class:`TLSConfig` or a dict with ``ca``, ``cert``, ``key``
             (``server_name``); ``True`` for TLS with the system roots.
-        transport: ``auto`` (UCX when the daemon offers it and it imports and
-            connects here, else TCP with a logged WARNING), ``ucx`` or ``tcp``.
+        transport: ``auto`` (shared memory with a daemon on this host that
+            offers it; the data connection is UCX when the daemon offers it and
+            it imports and connects here, else TCP with a logged WARNING),
+            ``shm`` (shared memory or a ConfigError), ``ucx`` or ``tcp`` (that
+            socket, no shared memory).
         timeout: seconds for each operation (control call and transfer).
         connect_timeout: seconds to reach the daemon and connect the data plane.
         data_requests: send get / get_rows / put / put_rows / add_rows as
@@ -318,6 +346,21 @@ class Client:
         self._reply_bufs: "list[torch.Tensor]" = []
         self._replies_posted: "collections.deque[torch.Tensor]" = collections.deque()  # on tag 5, in order
         self._names: dict[str, bytes] = {}
+        self._shm = False  # the current session moves bytes through shared memory
+        self._shm_why = "" if transport in ("auto", "shm") else f"transport={transport!r} asks for a socket"
+        self._shm_broken = False  # a region could not be mapped mid-operation: no more offers
+        self._maps: Any = None  # tensorwire.serve.shm.ClientMaps, made on first use
+        self._copier: Any = None  # tensorwire.serve.shm.Copier, made on first use
+        self._regions_of: dict[str, set[str]] = {}  # tensor name -> region names mapped for it
+        self._rows_views: dict[str, tuple[tuple[str, int, int], Any]] = {}  # name -> (key, uint8 [rows, row] array)
+        # the read pin the daemon holds for this session (see _RELEASE_AFTER), and the helper that releases it
+        self._pin: str | None = None
+        self._pin_at = 0.0
+        self._rel_cond = threading.Condition(threading.Lock())
+        self._rel_parked = False
+        self._releaser: threading.Thread | None = None
+        #: Bytes this client copied through shared memory (all sessions).
+        self.shm_bytes = 0
         try:
             self._open_session()
         except BaseException:
@@ -343,6 +386,8 @@ class Client:
         from .transport.base import get_factory
         from .v1 import store_pb2
 
+        from .serve.shm import SHM_VERSION
+
         kinds: list[str]
         if self._want == "tcp":
             kinds = ["tcp"]
@@ -359,9 +404,11 @@ class Client:
         for kind in kinds:
             from .node import host_id
 
+            offer_shm = self._want in ("auto", "shm") and self._want_dp and not self._shm_broken
             req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name,
                                                host_id=host_id(),
-                                               data_requests=DATA_REQUESTS_VERSION if self._want_dp else 0)
+                                               data_requests=DATA_REQUESTS_VERSION if self._want_dp else 0,
+                                               shm=SHM_VERSION if offer_shm else 0)
             resp = self._rpc("OpenSession", req, timeout=self._connect_timeout + 5)
             if not resp.data:
                 raise ProtocolError("the server offered no data listener")
@@ -389,7 +436,20 @@ class Client:
             self._dp = self._want_dp and resp.data_requests >= 1
             self._req_id = self._replies = 0
             self._replies_posted.clear()
-            log.debug("session %s open over %s", self._sid[:8], t.describe())
+            self._shm = False
+            if self._shm_broken:
+                pass  # the reason stays
+            elif not offer_shm:
+                self._shm_why = self._shm_why or "data_requests=False (shared memory rides on data-plane requests)"
+            elif not (self._dp and resp.shm >= 1 and resp.shm_hello):
+                self._shm_why = "the daemon offers no shared memory (--no-shm, an older daemon, or /dev/shm unusable there)"
+            else:
+                self._shm_hello(t, resp.shm_hello)
+            if self._want == "shm" and not self._shm:
+                why = self._shm_why
+                self._drop_session()
+                raise ConfigError(f"transport='shm': shared memory with the daemon is not available: {why}")
+            log.debug("session %s open over %s%s", self._sid[:8], t.describe(), " + shared memory" if self._shm else "")
             return
         raise last if last is not None else ProtocolError("no usable data transport")  # pragma: no cover
 
@@ -401,7 +461,147 @@ class Client:
         except Exception:  # noqa: BLE001 - best effort
             pass
 
+    def _shm_hello(self, t: "Transport", hello: str) -> None:
+        """Prove to the daemon that this process maps its memory: read the hello region's nonce, echo it."""
+        from .serve import shm
+
+        try:
+            nonce = shm.read_hello(hello)
+        except shm.ShmError as exc:
+            log.debug("shared memory: the daemon's region is not reachable from this process (%s); "
+                      "using the data connection", exc)
+            self._shm_why = f"the daemon's shared memory is not reachable from this process ({exc})"
+            return
+        pr = _Progress()
+        try:
+            self._dp_call(t, pr, wire.OP_SHM_HELLO, nonce.hex())
+        except TensorWireError as exc:
+            if pr.lost is not None:
+                self._drop_session()
+                raise
+            log.debug("shared memory: the daemon refused the proof (%s); using the data connection", exc)
+            self._shm_why = f"the daemon refused the shared-memory proof ({exc})"
+            return
+        self._shm = True
+        self._shm_why = ""
+
+    @property
+    def shm(self) -> bool:
+        """Whether the current session moves tensor bytes through shared memory."""
+        return self._shm and self._sid is not None
+
+    @property
+    def data_path(self) -> str | None:
+        """How tensor bytes move: ``"shm"``, or the data connection's kind (``"ucx"``, ``"tcp"``)."""
+        return "shm" if self.shm else self.transport_kind
+
+    def _shm_flag(self) -> int:
+        return wire.FLAG_SHM if self._shm else 0
+
+    def _shm_view(self, pr: "_Progress", rep: "wire.Reply", name: str) -> "torch.Tensor":
+        """The bytes an SHM reply names (a uint8 view of the daemon's region, mapped on first use)."""
+        from .serve import shm
+
+        if self._maps is None:
+            self._maps = shm.ClientMaps()
+            self._copier = shm.Copier()
+        try:
+            view = self._maps.get(rep.message, rep.chunk, rep.nbytes)
+        except shm.ShmError as exc:
+            # Mapped once (the proof) but not now: stop using shared memory; the operation runs
+            # once more on a new session over the data connection (nothing was read or written).
+            self._shm_broken = True
+            self._shm_why = f"a region of the daemon could not be mapped ({exc})"
+            lost = PeerLostError(f"shared memory: {exc}")
+            pr.lost = lost
+            raise lost from None
+        self._regions_of.setdefault(name, set()).add(rep.message)
+        return view
+
+    def _shm_release(self, t: "Transport", name: str) -> None:
+        """RELEASE the read pin of the last SHM reply (no reply comes back). Under ``_lock``."""
+        nb = self._name_bytes(name)
+        size = wire.request_size(len(nb), 0)
+        buf = self._request_buffer(size)
+        req_id = self._req_id + 1
+        wire.pack_request(memoryview(buf.numpy()), op=wire.OP_RELEASE, req_id=req_id, name=nb)
+        self._pin = None
+        self._req_id = req_id
+        t.send(TAG_REQUEST, buf[:size], step=req_id, timeout=self._timeout)
+
+    def _shm_read(self, t: "Transport", pr: "_Progress", rep: "wire.Reply", name: str,
+                  use: Callable[["torch.Tensor"], Any]) -> Any:
+        """Run ``use(bytes)`` on the region an SHM read reply names; its pin goes back with the next request
+        (or the helper's RELEASE once this client is idle: :data:`_RELEASE_AFTER`)."""
+        view = self._shm_view(pr, rep, name)
+        try:
+            return use(view)
+        finally:
+            with self._rel_cond:
+                self._pin, self._pin_at = name, time.monotonic()
+                if self._releaser is None:
+                    self._releaser = threading.Thread(target=self._release_loop, name="tensorwire-client-release",
+                                                      daemon=True)
+                    self._releaser.start()
+                elif self._rel_parked:
+                    self._rel_cond.notify()
+
+    def _release_loop(self) -> None:
+        """The helper: RELEASE a pin the client has held for :data:`_RELEASE_AFTER` without sending anything."""
+        cond = self._rel_cond
+        while True:
+            with cond:
+                while not self._closed and self._pin is None:
+                    self._rel_parked = True
+                    cond.wait()
+                self._rel_parked = False
+                if self._closed:
+                    return
+                wait = self._pin_at + _RELEASE_AFTER - time.monotonic()
+                if wait > 0:
+                    cond.wait(wait)
+                    continue
+            if not self._lock.acquire(blocking=False):
+                time.sleep(_RELEASE_AFTER)  # an operation is under way: its request gives the pin back
+                continue
+            try:
+                name, t = self._pin, self._transport
+                if name is not None and t is not None and time.monotonic() >= self._pin_at + _RELEASE_AFTER:
+                    try:
+                        self._shm_release(t, name)
+                    except TensorWireError as exc:
+                        log.debug("releasing a shared-memory read failed (%s); the session is dropped", exc)
+                        self._drop_session()
+            except Exception:  # noqa: BLE001 - the helper must not die
+                log.exception("releasing a shared-memory read failed")
+            finally:
+                self._lock.release()
+
+    def _shm_write(self, t: "Transport", pr: "_Progress", op: int, rep: "wire.Reply", name: str, nbytes: int,
+                   fill: Callable[["torch.Tensor"], None]) -> TensorStat:
+        """After an SHM reply to a write: ``fill`` the region, COMMIT, return the committed stat."""
+        if rep.nbytes != nbytes:
+            raise self._lost(pr, f"the server reserved {rep.nbytes} bytes, this client has {nbytes}")
+        try:
+            fill(self._shm_view(pr, rep, name))
+        except BaseException as exc:
+            if pr.lost is None:
+                # The daemon holds the reservation until COMMIT or the session's end: end the session.
+                pr.lost = exc if isinstance(exc, TensorWireError) else ProtocolError(f"write abandoned: {exc!r}")
+                if not isinstance(exc, TensorWireError):
+                    self._drop_session()
+            raise
+        pr.sent = True  # from here on the daemon may commit: never repeated
+        done = self._dp_call(t, pr, wire.OP_COMMIT, name)
+        if done.status != wire.OK:
+            raise self._lost(pr, f"reply to a commit has status {done.status}")
+        self.shm_bytes += nbytes
+        spec = self._reply_spec(name, done)
+        return TensorStat(spec, int(done.version), spec.nbytes)
+
     def _drop_session(self) -> None:
+        self._shm = False
+        self._pin = None  # the daemon releases what a closed session held
         t, self._transport = self._transport, None
         sid, self._sid = self._sid, None
         if sid is not None:
@@ -495,7 +695,7 @@ class Client:
             self._post_reply(t, pr)
 
     def _dp_call(self, t: "Transport", pr: "_Progress", op: int, name: str, *, index: "torch.Tensor | None" = None,
-                 dtype: int = 0, shape: tuple[int, ...] = ()) -> "wire.Reply":
+                 dtype: int = 0, shape: tuple[int, ...] = (), flags: int = 0) -> "wire.Reply":
         """Send one data-plane request; returns its first reply (OK, or GO for a write).
 
         Raises:
@@ -509,14 +709,19 @@ class Client:
         buf = self._request_buffer(size)
         req_id = self._req_id + 1
         off = wire.pack_request(memoryview(buf.numpy()), op=op, req_id=req_id, name=nb,
-                                timeout_ms=self._timeout_ms(), dtype=dtype, shape=shape, nindex=n)
+                                timeout_ms=self._timeout_ms(), dtype=dtype, shape=shape, nindex=n, flags=flags)
         if n:
             assert index is not None
             buf[off : off + 8 * n].view(torch.int64).copy_(index)
         self._prepost_reply(t, pr)
         try:
             self._req_id = req_id
+            self._pin = None  # any request gives the last read's pin back (the daemon releases it first)
             t.send(TAG_REQUEST, buf[:size], step=req_id, timeout=self._timeout)
+            if self._shm and len(self._replies_posted) < 2:
+                # the next request's reply buffer, while the daemon works on this one (a shared-memory
+                # operation has no bytes to wait for, during which the socket paths post it)
+                self._post_reply(t, pr)
         except TensorWireError as exc:
             pr.lost = exc
             raise
@@ -727,7 +932,20 @@ class Client:
             return self._send_commit(sid, t, resp.transfer, src)
 
         def dp(t: "Transport", pr: _Progress) -> TensorStat:
-            rep = self._dp_call(t, pr, wire.OP_PUT, name, dtype=wire.dtype_code(spec.dtype), shape=spec.shape)
+            rep = self._dp_call(t, pr, wire.OP_PUT, name, dtype=wire.dtype_code(spec.dtype), shape=spec.shape,
+                                flags=self._shm_flag())
+            if rep.status == wire.SHM:
+                def fill(dst: "torch.Tensor") -> None:  # one copy, straight from the caller's tensor (any layout)
+                    src = tensor.detach()
+                    if src.device.type == "cpu" and src.is_contiguous():
+                        if spec.nbytes:
+                            self._copier.copy(dst.numpy(), _as_bytes(src).numpy())
+                        return
+                    if src.is_cuda:
+                        self._maps.pin_for_cuda(rep.message)
+                    _typed(dst, src.dtype, tuple(src.shape)).copy_(src)
+
+                return self._shm_write(t, pr, wire.OP_PUT, rep, name, spec.nbytes, fill)
             return self._dp_write(t, pr, wire.OP_PUT, rep, self._source(name, tensor), name)
 
         st = self._run(op, dp)
@@ -749,6 +967,27 @@ class Client:
 
         if out is not None:
             self._check_tensor("get: out", out)
+
+        def copy_out(spec: TensorSpec, src: "torch.Tensor", region: str) -> "torch.Tensor":
+            """From the daemon's pinned slot (shared memory) into ``out`` or a receive buffer: one copy."""
+            if out is not None:
+                self._check_out(spec, out, spec.shape)
+                if out.device.type == "cpu" and out.is_contiguous():
+                    if spec.nbytes:
+                        self._copier.copy(_as_bytes(out).numpy(), src.numpy())
+                else:
+                    if out.is_cuda:
+                        self._maps.pin_for_cuda(region)
+                    if spec.nbytes:
+                        out.copy_(_typed(src, spec.torch_dtype, spec.shape))
+                result = out
+            else:
+                raw = self._pool(name, "get").acquire(spec.nbytes)
+                if spec.nbytes:
+                    self._copier.copy(raw.numpy(), src.numpy())
+                result = _typed(raw, spec.torch_dtype, spec.shape)
+            self.shm_bytes += spec.nbytes
+            return result
 
         def op(sid: str, t: "Transport") -> "torch.Tensor":
             resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms()), data_op=True)
@@ -774,10 +1013,12 @@ class Client:
             return result
 
         def dp(t: "Transport", pr: _Progress) -> "torch.Tensor":
-            rep = self._dp_call(t, pr, wire.OP_GET, name)
+            rep = self._dp_call(t, pr, wire.OP_GET, name, flags=self._shm_flag())
             spec = self._reply_spec(name, rep)
             if rep.nbytes != spec.nbytes:
                 raise self._lost(pr, f"get {name}: the server sends {rep.nbytes} bytes of {spec.describe()}")
+            if rep.status == wire.SHM:
+                return self._shm_read(t, pr, rep, name, lambda src: copy_out(spec, src, rep.message))
             if out is not None:
                 try:
                     self._check_out(spec, out, spec.shape)
@@ -872,7 +1113,50 @@ class Client:
                 return out
             return result
 
+        def gather(got: TensorSpec, src: "torch.Tensor", region: str) -> "torch.Tensor":
+            """The rows, gathered by this process from the daemon's pinned version (shared memory): one copy."""
+            if not got.shape:
+                raise SpecError(f"{name}: a 0-d tensor has no rows")
+            rows = got.shape[0]
+            inp = idx.numpy()
+            if n:
+                lo, hi = int(inp.min()), int(inp.max())
+                if lo < 0 or hi >= rows:
+                    raise SpecError(f"index: row {lo if lo < 0 else hi} out of range for a tensor of {rows} rows")
+            shape = (n, *got.shape[1:])
+            row_bytes = got.nbytes // rows if rows else 0
+            if out is not None:
+                self._check_out(got, out, shape)
+            if out is not None and out.device.type == "cpu" and out.is_contiguous():
+                dest = out
+            else:
+                dest = _typed(self._pool(name, "rows").acquire(n * row_bytes), got.torch_dtype, shape)
+            if n and row_bytes:
+                key = (region, rows, row_bytes)
+                cached = self._rows_views.get(name)
+                if cached is None or cached[0] != key:
+                    if len(self._rows_views) >= 64:
+                        self._rows_views.clear()
+                    cached = self._rows_views[name] = (key, src.numpy().reshape(rows, row_bytes))
+                # rows as bytes: any dtype (numpy's take, no OpenMP team: see tensorwire.serve.shm)
+                self._copier.take(cached[1], inp, _as_bytes(dest).numpy().reshape(n, row_bytes))
+            self.shm_bytes += n * row_bytes
+            if out is not None and dest is not out:
+                out.copy_(dest)
+                return out
+            return dest
+
         def dp(t: "Transport", pr: _Progress) -> "torch.Tensor":
+            if self._shm:
+                rep = self._dp_call(t, pr, wire.OP_GET_ROWS, name, shape=(n,), flags=wire.FLAG_SHM)
+                if rep.status == wire.SHM:
+                    got = self._reply_spec(name, rep)
+                    if rep.nbytes != got.nbytes:
+                        raise self._lost(pr, f"get_rows {name}: the server names {rep.nbytes} bytes of {got.describe()}")
+                    return self._shm_read(t, pr, rep, name, lambda src: gather(got, src, rep.message))
+                if rep.status != wire.FALLBACK:
+                    raise self._lost(pr, f"get_rows {name}: reply status {rep.status} to a shared-memory request")
+                # the tensor is not in shared memory: the request again, with the index, over the connection
             spec = self._row_spec(name)
             chunk = self._chunk_rows(spec)
             result: "torch.Tensor | None" = None
@@ -966,7 +1250,11 @@ class Client:
             st: TensorStat | None = None
             for part, vspec, data in parts():
                 rep = self._dp_call(t, pr, wop, name, index=part, dtype=wire.dtype_code(vspec.dtype),
-                                    shape=vspec.shape)
+                                    shape=vspec.shape, flags=self._shm_flag())
+                if rep.status == wire.SHM:  # the values into the session's scratch region; the daemon applies them
+                    st = self._shm_write(t, pr, wop, rep, name, data.numel(),
+                                         lambda dst, d=data: self._copier.copy(dst.numpy(), d.numpy()))
+                    continue
                 st = self._dp_write(t, pr, wop, rep, data, name)
             assert st is not None
             return st
@@ -1023,6 +1311,11 @@ class Client:
             self._specs.pop(name, None)
             for key in [k for k in self._pools if k[0] == name]:
                 del self._pools[key]
+            regions = self._regions_of.pop(name, ())
+            self._rows_views.pop(name, None)
+            if self._maps is not None:
+                for r in regions:
+                    self._maps._drop(r)  # the daemon unlinked them: give the memory back
 
     def snapshot(self) -> SnapshotInfo:
         """Ask the daemon to write its snapshot now (needs ``--snapshot-dir``)."""
@@ -1034,9 +1327,10 @@ class Client:
         return SnapshotInfo(resp.path, int(resp.tensors), int(resp.nbytes), float(resp.seconds))
 
     def bytes_moved(self) -> int:
-        """Data-plane bytes sent + received on the current session (when the transport counts them)."""
+        """Data-plane bytes sent + received on the current session (when the transport counts them), plus the
+        bytes this client copied through shared memory."""
         t = self._transport
-        return int(getattr(t, "bytes_sent", 0) or 0) + int(getattr(t, "bytes_received", 0) or 0)
+        return int(getattr(t, "bytes_sent", 0) or 0) + int(getattr(t, "bytes_received", 0) or 0) + self.shm_bytes
 
     def close(self) -> None:
         """Close the session, the data connection and the channel. Idempotent."""
@@ -1046,6 +1340,12 @@ class Client:
             self._closed = True
             self._drop_session()
             self._channel.close()
+            self._rows_views.clear()
+            if self._maps is not None:
+                self._maps.close()
+                self._copier.close()
+        with self._rel_cond:
+            self._rel_cond.notify_all()  # the release helper exits
 
     @property
     def closed(self) -> bool:
@@ -1058,5 +1358,5 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else (self.transport_kind or "not connected")
+        state = "closed" if self._closed else (self.data_path or "not connected")
         return f"Client({self.address!r}, {state})"

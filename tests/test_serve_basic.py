@@ -21,10 +21,14 @@ def srv():
         yield s
 
 
-@pytest.fixture
-def client(srv):
-    with Client(srv.address, transport="tcp", timeout=30) as c:
+@pytest.fixture(params=["tcp", "shm"])
+def client(srv, request):
+    """A client over the TCP data connection, and one whose bytes move through shared memory."""
+    with Client(srv.address, transport=request.param, timeout=30) as c:
+        assert c.data_path == request.param
         yield c
+        for name in c.list():  # the next run (the other transport) starts from an empty store
+            c.delete(name)
 
 
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
@@ -175,9 +179,10 @@ def test_repeated_gets_reuse_buffers_and_never_overwrite_a_held_result(client):
 
 
 @pytest.mark.timeout(120)
-def test_get_concurrent_with_puts_sees_old_or_new_whole(srv):
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_get_concurrent_with_puts_sees_old_or_new_whole(srv, kind):
     n = 1 << 16
-    with Client(srv.address, transport="tcp") as w, Client(srv.address, transport="tcp") as r:
+    with Client(srv.address, transport=kind) as w, Client(srv.address, transport=kind) as r:
         w.put("cons", torch.zeros(n, dtype=torch.int64))
         stop = threading.Event()
         seen = set()
@@ -218,7 +223,7 @@ def test_health_and_metrics(srv, client):
                  "tensorwire_memory_bytes", "tensorwire_slots", "tensorwire_errors_total", "tensorwire_sessions",
                  "tensorwire_transfer_seconds_bucket", "tensorwire_reserved_bytes"):
         assert name in body, name
-    assert 'tensorwire_bytes_total{direction="in",transport="tcp"}' in body
+    assert f'tensorwire_bytes_total{{direction="in",transport="{client.data_path}"}}' in body
     assert 'tensorwire_operations_total{op="Get",status="ok"}' in body
 
 

@@ -89,6 +89,14 @@ class Daemon:
             self.proc.stdout.close()
 
     def close(self) -> None:
+        # SIGTERM first: a daemon that exits normally unlinks its shared-memory regions (a SIGKILLed
+        # one leaves them for the next daemon to clean up, see tensorwire/serve/shm.py).
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
         self._err.close()
 

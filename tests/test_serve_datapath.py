@@ -31,7 +31,8 @@ def _ucx_usable() -> bool:
         return False
 
 
-KINDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx not importable"))]
+# "shm": data-plane requests whose bytes move through shared memory (the daemon's slots mapped here)
+KINDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx not importable")), "shm"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,13 @@ def srv():
 
 
 def _kinds(srv) -> set[str]:
-    return {d["kind"] for d in srv.ready_info()["data"]}
+    info = srv.ready_info()
+    return {d["kind"] for d in info["data"]} | ({"shm"} if info["shm"] else set())
+
+
+def _socket(kind: str) -> str:
+    """The transport a client without data-plane requests uses where ``kind`` has them (shm needs them)."""
+    return "auto" if kind == "shm" else kind
 
 
 @pytest.fixture(params=KINDS)
@@ -71,8 +78,9 @@ def _wait_closed(srv, sid: str, timeout: float = 10.0) -> None:
 def test_both_paths_give_the_same_results(srv, kind):
     tab = torch.randn(20_000, 64)  # 5 MiB: a 4,096-row get_rows is 1 MiB, sent in chunks
     idx = torch.randint(0, 20_000, (4096,), generator=torch.Generator().manual_seed(1))
-    with Client(srv.address, transport=kind) as fast, Client(srv.address, transport=kind, data_requests=False) as slow:
-        assert fast._dp and not slow._dp
+    with Client(srv.address, transport=kind) as fast, \
+            Client(srv.address, transport=_socket(kind), data_requests=False) as slow:
+        assert fast._dp and not slow._dp and fast.shm == (kind == "shm") and not slow.shm
         for c, name in ((fast, f"same-fast-{kind}"), (slow, f"same-slow-{kind}")):
             st1 = c.put(name, tab)
             assert st1.version == 1 and st1.spec.shape == (20_000, 64) and st1.nbytes == tab.numel() * 4
@@ -114,6 +122,9 @@ def test_get_rows_gathers_right_whatever_the_split(srv, kind, monkeypatch, chunk
         calls, session = _check_splits(srv, kind)
     finally:
         torch.set_num_threads(threads)
+    if kind == "shm":  # the client gathers from the pinned version itself: no split, no bytes on the connection
+        assert session.gatherer is None and session._down_step == 0
+        return
     # which split ran: the helper thread exists only for two-thread gathers, and chunks (UCX only:
     # sends posted without waiting) are messages of their own on tag 1
     assert (session.gatherer is not None) == (parallel_min < (1 << 40))
@@ -276,7 +287,7 @@ def test_both_paths_on_one_session_stay_in_step(srv, kind):
 
 @pytest.mark.timeout(120)
 def test_lost_session_is_reopened_for_reads_and_writes_not_yet_sent(kind):
-    with in_process(transport="auto" if kind == "ucx" else "tcp") as s:
+    with in_process(transport="auto" if kind == "ucx" else "tcp") as s:  # shm: on by default
         if kind not in _kinds(s):
             pytest.skip(f"the server offers no {kind} listener here")
         with Client(s.address, transport=kind) as c:

@@ -107,11 +107,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-dir", default=None, metavar="DIR", help=_h("snapshot the store here (safetensors) on shutdown and on demand; restored on start", E + "SNAPSHOT_DIR"))
     p.add_argument("--ready-file", default=None, metavar="F", help=_h("write the ready line (JSON with the bound ports) to F", E + "READY_FILE"))
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S", help=_h("seconds in-flight transfers get on shutdown", E + "DRAIN_TIMEOUT", 10))
+    p.add_argument(
+        "--shm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_h("keep tensors in /dev/shm so that clients on this host copy them directly (one memcpy, no socket); "
+                "--no-shm: ordinary memory, data connection only", E + "SHM=0|1", "on"),
+    )
 
 
 _SERVE_FLAGS = (
     "host", "port", "data_port", "transport", "max_bytes", "token_file", "tls_cert", "tls_key", "tls_ca",
-    "insecure", "metrics_port", "snapshot_dir", "ready_file", "drain_timeout",
+    "insecure", "metrics_port", "snapshot_dir", "ready_file", "drain_timeout", "shm",
 )
 
 
@@ -157,7 +164,9 @@ def _client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, metavar="F", help="client certificate for mTLS (env TENSORWIRE_CLIENT_TLS_CERT)")
     p.add_argument("--tls-key", default=None, metavar="F", help="client key for mTLS (env TENSORWIRE_CLIENT_TLS_KEY)")
     p.add_argument("--tls", action="store_true", help="use TLS with the system roots (implied by --tls-*)")
-    p.add_argument("--transport", choices=("auto", "ucx", "tcp"), default=None, help="data plane (default auto; env TENSORWIRE_CLIENT_TRANSPORT)")
+    p.add_argument("--transport", choices=("auto", "shm", "ucx", "tcp"), default=None,
+                   help="data plane (default auto: shared memory with a daemon on this host, else UCX/TCP; "
+                        "env TENSORWIRE_CLIENT_TRANSPORT)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per operation (default 300)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
 

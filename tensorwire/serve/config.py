@@ -213,6 +213,10 @@ class ServeConfig:
         session_idle_timeout: sessions idle this long are closed.
         max_sessions: concurrent client sessions.
         workers: gRPC handler threads.
+        shm: keep slots in shared memory under ``/dev/shm`` so that clients on
+            this host (same ``/dev/shm``, same uid) move bytes with one memcpy
+            instead of the socket; clients elsewhere use the data connection.
+            Off: ordinary memory, socket only.
     """
 
     host: str = "127.0.0.1"
@@ -232,6 +236,7 @@ class ServeConfig:
     session_idle_timeout: float = 3600.0
     max_sessions: int = 256
     workers: int = 32
+    shm: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -275,6 +280,7 @@ class ServeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         set_("insecure", bool(self.insecure))
+        set_("shm", bool(self.shm))
         if not is_loopback(self.host) and not (self.token_file or self.tls_cert or self.insecure):
             raise ConfigError(
                 f"refusing to bind {self.host!r}, which is not a loopback address, without authentication: "
@@ -340,7 +346,7 @@ def env_name(field_name: str) -> str:
 
 _INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "workers"}
 _FLOAT_FIELDS = {"drain_timeout", "session_idle_timeout"}
-_BOOL_FIELDS = {"insecure"}
+_BOOL_FIELDS = {"insecure", "shm"}
 
 
 def _from_env(name: str, raw: str) -> Any:

@@ -12,6 +12,10 @@ Names (all ``tensorwire_*``):
 - ``tensorwire_tensors``, ``tensorwire_slots``: names held, slots allocated.
 - ``tensorwire_memory_bytes`` (allocated), ``tensorwire_reserved_bytes``
   (charged against the limit), ``tensorwire_max_bytes``.
+- ``tensorwire_shm_regions``, ``tensorwire_shm_bytes``: shared-memory regions
+  under ``/dev/shm`` (slots, session scratch and hello regions) and their bytes.
+  Bytes clients copied through them count in ``tensorwire_bytes_total`` with
+  ``transport="shm"``.
 - ``tensorwire_sessions``, ``tensorwire_inflight_transfers``,
   ``tensorwire_rejected_connections_total``, ``tensorwire_snapshots_total{status}``.
 
@@ -59,8 +63,14 @@ class Metrics:
             "tensorwire_rejected_connections", "Data connections dropped (bad credential or garbage)", registry=r
         )
         self.snapshots = Counter("tensorwire_snapshots", "Snapshots written", ["status"], registry=r)
+        self.shm_regions = Gauge("tensorwire_shm_regions", "Shared-memory regions under /dev/shm", registry=r)
+        self.shm_bytes = Gauge("tensorwire_shm_bytes", "Bytes of shared-memory regions", registry=r)
         self._http: Any = None
         self.port: int | None = None
+
+    def shm_changed(self, regions: int, nbytes: int) -> None:
+        self.shm_regions.set(regions)
+        self.shm_bytes.set(nbytes)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint; returns the bound port."""

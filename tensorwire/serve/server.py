@@ -153,6 +153,7 @@ class Server:
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self._reaper: threading.Thread | None = None
+        self._store: Any = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> "Server":
@@ -183,11 +184,23 @@ class Server:
             log.warning("--insecure: serving %s without any authentication", cfg.host)
 
         self._metrics = metrics = Metrics()
-        store = Store(cfg.max_bytes, metrics)
-        if cfg.snapshot_dir:
-            os.makedirs(cfg.snapshot_dir, exist_ok=True)
-            self.restored = restore_snapshot(store, cfg.snapshot_dir)
-        self._listeners, self._primary = choose_listeners(cfg)
+        shm = None
+        if cfg.shm:
+            from .shm import Registry, ShmError
+
+            try:
+                shm = Registry(on_change=metrics.shm_changed)
+            except ShmError as exc:
+                log.warning("shared memory is not usable here (%s); clients on this host use the data connection", exc)
+        self._store = store = Store(cfg.max_bytes, metrics, shm=shm)
+        try:
+            if cfg.snapshot_dir:
+                os.makedirs(cfg.snapshot_dir, exist_ok=True)
+                self.restored = restore_snapshot(store, cfg.snapshot_dir)
+            self._listeners, self._primary = choose_listeners(cfg)
+        except BaseException:
+            store.close()
+            raise
         try:
             service = StoreService(cfg, store, self._listeners, self._primary, metrics)
             self.service = service
@@ -253,6 +266,11 @@ class Server:
             h, p = lst.address
             log.info("data plane: %s listening on %s%s", kind, _hostport(h, p), " (chosen)" if kind == self._primary else " (fallback)")
         log.info("transport: %s (asked for %s)", self._primary, cfg.transport)
+        if self._store is not None and self._store.shm is not None:
+            log.info("shared memory: tensors in %s/%s-*; clients on this host that map them copy directly",
+                     self._store.shm.directory, self._store.shm.prefix)
+        elif cfg.shm is False:
+            log.info("shared memory: off (--no-shm)")
         if cfg.tls:
             log.info("note: TLS covers the control plane; data connections are authenticated by a per-session nonce, not encrypted")
         if self.metrics_port is not None:
@@ -281,6 +299,7 @@ class Server:
             "token": bool(cfg.token_file),
             "snapshot_dir": cfg.snapshot_dir,
             "restored": self.restored,
+            "shm": self._store is not None and self._store.shm is not None,
         }
 
     @property
@@ -360,6 +379,8 @@ class Server:
                 pass
         if self._metrics is not None:
             self._metrics.close()
+        if self._store is not None:
+            self._store.close()  # unlink every shared-memory region
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -384,6 +405,9 @@ class Server:
                 stop.set()
             else:
                 log.error("%s again: exiting now", signal.Signals(signum).name)
+                from .shm import unlink_all
+
+                unlink_all()  # os._exit skips atexit: leave nothing in /dev/shm
                 os._exit(130)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -271,6 +271,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self.draining = False
         #: The data-plane request format sessions may use (tensorwire.serve.wire); 0 = none (gRPC calls only).
         self.data_requests = DATA_REQUESTS_VERSION
+        #: The shared-memory protocol sessions may use (tensorwire.serve.shm), when the store has regions; 0 = none.
+        from .shm import SHM_VERSION
+
+        self.shm_version = SHM_VERSION
         self._data_handler: Any = None
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -309,7 +313,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def reap(self, idle_timeout: float) -> None:
         now = time.monotonic()
         for s in self.sessions():
-            if now - s.last_used > idle_timeout and s.active == 0 and s.pending is None:
+            p = s.pending
+            if p is not None and p.shm_op and p.deadline is not None and now > p.deadline:
+                # a client that reserved a slot in shared memory and neither committed nor went away
+                s.close(f"shared-memory {p.shm_op} not committed within its timeout")
+            elif now - s.last_used > idle_timeout and s.active == 0 and p is None:
                 s.close(f"idle for more than {idle_timeout:.0f}s")
 
     def _addresses(self, first: str) -> list[types_pb2.TransportAddress]:
@@ -340,6 +348,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
             )
         client = request.client[:128]
         data_requests = min(request.data_requests, self.data_requests)
+        # Shared memory rides on data-plane requests; offered when this daemon keeps its slots there.
+        shm_version = min(request.shm, self.shm_version) if data_requests and self.store.shm is not None else 0
         handler = None
         if data_requests:
             if self._data_handler is None:
@@ -366,8 +376,18 @@ class StoreService(store_pb2_grpc.StoreServicer):
             n = len(self._sessions)
         if self.metrics is not None:
             self.metrics.sessions.set(n)
-        log.info("session %s opened (%s%s, client %r, peer %s)", sid[:8], kind,
-                 ", data-plane requests" if data_requests else "", client, context.peer())
+        hello = ""
+        if shm_version:
+            from .shm import ShmError
+
+            try:
+                hello = s.offer_shm(self.store.shm)
+            except ShmError as exc:
+                log.debug("session %s: no shared memory offered: %s", sid[:8], exc)
+                shm_version = 0
+        log.info("session %s opened (%s%s%s, client %r, peer %s)", sid[:8], kind,
+                 ", data-plane requests" if data_requests else "", ", shared memory offered" if shm_version else "",
+                 client, context.peer())
         return store_pb2.OpenSessionResponse(
             session_id=sid,
             nonce=nonce,
@@ -377,6 +397,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
             max_index_rows=MAX_INDEX_ROWS,
             max_rows_bytes=MAX_ROWS_BYTES,
             data_requests=data_requests,
+            shm=shm_version,
+            shm_hello=hello,
         )
 
     @_rpc("CloseSession")

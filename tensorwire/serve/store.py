@@ -19,7 +19,16 @@ Consistency model (per name):
 Memory: validation happens before any allocation. A tensor of N bytes
 reserves 2N against ``max_bytes`` (current + staging); the staging slot is
 allocated on the first replacing put only, so tensors that are written once
-and then updated by rows hold N.
+and then updated by rows hold N. The sessions' shared-memory scratch regions
+(row updates through shared memory) are charged against ``max_bytes`` too.
+
+Shared memory (a store made with a :class:`~tensorwire.serve.shm.Registry`):
+every slot of a non-empty tensor is a region the daemon created under
+``/dev/shm`` (:class:`StoreSlot`), so clients on this host can copy straight in
+and out of it. Where a region cannot be had (``/dev/shm`` full, too many
+regions) the slot is ordinary memory, with a warning, and served over the
+socket. A deleted tensor's regions are unlinked as soon as no read pins them
+and no put is writing into them.
 """
 
 from __future__ import annotations
@@ -37,9 +46,12 @@ from .config import format_size
 from .protocol import MAX_TENSORS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .metrics import Metrics
+    import torch
 
-__all__ = ["Store", "Entry", "Info", "normalise_spec"]
+    from .metrics import Metrics
+    from .shm import Region, Registry
+
+__all__ = ["Store", "Entry", "Info", "StoreSlot", "normalise_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +63,32 @@ def normalise_spec(spec: TensorSpec) -> TensorSpec:
     if spec.device != "cpu":
         spec = TensorSpec(spec.name, spec.shape, spec.dtype, "cpu")
     return spec
+
+
+class StoreSlot:
+    """A slot whose bytes live in a shared-memory region (``raw``/``tensor`` as :class:`~tensorwire.buffers.Slot`)."""
+
+    __slots__ = ("spec", "raw", "tensor", "region", "pinned")
+
+    def __init__(self, spec: TensorSpec, region: "Region") -> None:
+        self.spec = spec
+        self.region = region
+        self.raw: "torch.Tensor" = region.tensor[: spec.nbytes]
+        self.tensor = self.raw.view(spec.torch_dtype).view(spec.shape)
+        self.pinned = region.pinned
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+    def __repr__(self) -> str:
+        return f"StoreSlot({self.spec}, {self.region.name})"
+
+
+def region_of(slot: object) -> "Region | None":
+    """The shared-memory region behind a slot (None: ordinary memory)."""
+    r = getattr(slot, "region", None)
+    return None if r is None or r.closed else r
 
 
 @dataclass(frozen=True)
@@ -76,7 +114,7 @@ class Entry:
         self.spec = spec
         self.nbytes = spec.nbytes
         self._store = store
-        self.slots: list[Slot | None] = [Slot(spec), None]
+        self.slots: "list[Slot | StoreSlot | None]" = [store._new_slot(spec), None]
         self.cur = 0
         self.version = 0
         self.readers = [0, 0]
@@ -107,6 +145,19 @@ class Entry:
             self.readers[idx] -= 1
             if self.readers[idx] == 0:
                 self.cond.notify_all()
+                self._retire()
+
+    def _retire(self) -> None:
+        """Under ``cond``: once deleted and idle (no pins, no put writing), unlink the shared-memory regions.
+
+        Clients map regions by name: a name must stay until the read that was
+        given it has released its pin (and a put's until it commits or aborts).
+        """
+        if self.deleted and not any(self.readers) and not self.putting and not self.row_writer:
+            for sl in self.slots:
+                r = region_of(sl)
+                if r is not None:
+                    r.close()
 
     def _check_readable(self) -> None:
         if self.deleted:
@@ -130,6 +181,10 @@ class Entry:
                 slot = self._store._allocate_staging(self.spec)
                 with self.cond:
                     self.slots[idx] = slot
+                    deleted = self.deleted
+                if deleted:  # deleted meanwhile: its accounting is done, the slot's must be undone
+                    self._store._forget_staging(self.spec)
+                    raise NotFoundError(f"no tensor named {self.spec.name!r} (deleted)")
             with self.cond:
                 # a slot with readers on it is not reused until they finish
                 _wait(self.cond, lambda: self.readers[idx] == 0, deadline, self.spec.name)
@@ -150,12 +205,14 @@ class Entry:
             finally:
                 self.putting = False
                 self.cond.notify_all()
+                self._retire()
 
     def end_put(self) -> None:
         """Release the staging reservation without committing."""
         with self.cond:
             self.putting = False
             self.cond.notify_all()
+            self._retire()
 
     def slot(self, idx: int) -> Slot:
         s = self.slots[idx]
@@ -191,6 +248,7 @@ class Entry:
             if changed:
                 self.version += 1
             self.cond.notify_all()
+            self._retire()
             return self.info()
 
     def memory(self) -> int:
@@ -200,9 +258,11 @@ class Entry:
 class Store:
     """All tensors of the daemon, with the ``max_bytes`` accounting."""
 
-    def __init__(self, max_bytes: int, metrics: "Metrics | None" = None) -> None:
+    def __init__(self, max_bytes: int, metrics: "Metrics | None" = None, *, shm: "Registry | None" = None) -> None:
         self.max_bytes = max_bytes
         self._metrics = metrics
+        #: Where slots live when clients may map them (None: ordinary memory, no shared-memory path).
+        self.shm = shm
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._reserved = 0
@@ -210,6 +270,48 @@ class Store:
         self._nslots = 0
         if metrics is not None:
             metrics.max_bytes.set(max_bytes)
+
+    def _new_slot(self, spec: TensorSpec) -> "Slot | StoreSlot":
+        """A slot for ``spec``: a shared-memory region when the store has them, else ordinary memory."""
+        reg = self.shm
+        if reg is not None and spec.nbytes:
+            from .shm import ShmError
+
+            try:
+                return StoreSlot(spec, reg.create(spec.nbytes))
+            except ShmError as exc:
+                reg.warn_once(f"slot-{exc.errno}", "shared memory: %s; such tensors are kept in ordinary memory and "
+                              "served over the data connection", exc)
+        return Slot(spec)
+
+    # -- shared-memory scratch (charged like tensors) ----------------------------------------
+    def charge(self, nbytes: int, what: str) -> None:
+        """Reserve ``nbytes`` of ``max_bytes`` for something other than a tensor (a session's scratch region).
+
+        Raises:
+            ResourceExhaustedError: it does not fit; nothing changed.
+        """
+        with self._lock:
+            if self._reserved + nbytes > self.max_bytes:
+                raise ResourceExhaustedError(
+                    f"{what} needs {format_size(nbytes)} but only "
+                    f"{format_size(max(0, self.max_bytes - self._reserved))} of --max-bytes "
+                    f"{format_size(self.max_bytes)} is free"
+                )
+            self._reserved += nbytes
+            self._allocated += nbytes
+            self._update_gauges()
+
+    def uncharge(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
+            self._allocated -= nbytes
+            self._update_gauges()
+
+    def close(self) -> None:
+        """Shutdown: unlink every shared-memory region (the tensors stay readable in this process)."""
+        if self.shm is not None:
+            self.shm.close()
 
     # -- accounting ---------------------------------------------------------------
     @property
@@ -228,13 +330,19 @@ class Store:
             m.memory.set(self._allocated)
             m.reserved.set(self._reserved)
 
-    def _allocate_staging(self, spec: TensorSpec) -> Slot:
-        slot = Slot(spec)  # already reserved at declare
+    def _allocate_staging(self, spec: TensorSpec) -> "Slot | StoreSlot":
+        slot = self._new_slot(spec)  # already reserved at declare
         with self._lock:
             self._allocated += spec.nbytes
             self._nslots += 1
             self._update_gauges()
         return slot
+
+    def _forget_staging(self, spec: TensorSpec) -> None:
+        with self._lock:
+            self._allocated -= spec.nbytes
+            self._nslots -= 1
+            self._update_gauges()
 
     # -- names ------------------------------------------------------------------
     def get(self, name: str) -> Entry:
@@ -298,6 +406,7 @@ class Store:
         with e.cond:
             e.deleted = True
             e.cond.notify_all()
+            e._retire()
 
     def entries(self) -> list[Entry]:
         with self._lock:

@@ -18,9 +18,9 @@ transports report the length)::
     offset size field
     0      4    magic      b"TWRQ"
     4      1    version    DATA_REQUESTS_VERSION (1)
-    5      1    op         1 GET, 2 GET_ROWS, 3 PUT, 4 PUT_ROWS, 5 ADD_ROWS
-    6      1    flags      0 (reserved)
-    7      1    ndim       PUT: rank of the tensor; PUT_ROWS/ADD_ROWS: rank of the values; else 0
+    5      1    op         1 GET, 2 GET_ROWS, 3 PUT, 4 PUT_ROWS, 5 ADD_ROWS; 6 SHM_HELLO, 7 RELEASE, 8 COMMIT
+    6      1    flags      0, or FLAG_SHM (1): shared memory wanted (see below)
+    7      1    ndim       PUT: rank of the tensor; PUT_ROWS/ADD_ROWS: rank of the values; GET_ROWS + FLAG_SHM: 1; else 0
     8      8    req_id     the client's number for the request, echoed in its replies (the client counts 1, 2, ...)
     16     4    timeout_ms 0 = the server's default
     20     4    dtype      PUT, *_ROWS: tensorwire.v1.DType of the tensor / values; else 0
@@ -42,20 +42,21 @@ Reply (server -> client, tag 5 ``TAG_REPLY``; always :data:`REPLY_BYTES`)::
     offset size field
     0      4    magic      b"TWRP"
     4      1    version    DATA_REQUESTS_VERSION
-    5      1    status     0 OK, 1 ERROR, 2 GO (writes: send the payload now)
+    5      1    status     0 OK, 1 ERROR, 2 GO (writes: send the payload now), 3 SHM, 4 FALLBACK (shared memory)
     6      1    op         the request's op
     7      1    ndim       rank of the stored tensor
     8      8    req_id     the request's req_id
     16     8    version    OK: the version read (GET, GET_ROWS) or committed (writes)
     24     8    step       first step of the payload: on tag 1 (reads) / tag 2 (GO)
     32     8    nbytes     payload bytes: sent on tag 1 (reads) / to send on tag 2 (GO)
-    40     8    chunk      reads: bytes per tag-1 message (the last one may be shorter); 0 if nbytes is 0
+    40     8    chunk      reads: bytes per tag-1 message (the last one may be shorter); 0 if nbytes is 0;
+                           SHM: the payload's offset in the region
     48     4    dtype      tensorwire.v1.DType of the stored tensor
-    52     2    msg_len    ERROR: bytes of the message
+    52     2    msg_len    ERROR, SHM: bytes of the message
     54     2    (zero)
     56     64   dims       8 x int64: the stored tensor's shape
     120    32   error      ERROR: the error class name, ASCII, zero-padded (e.g. b"NotFoundError")
-    152    360  message    ERROR: msg_len bytes of UTF-8
+    152    360  message    ERROR: msg_len bytes of UTF-8; SHM: the region's name (ASCII)
 
 Exchanges (each side serialises its operations, so every tag is FIFO):
 
@@ -74,6 +75,35 @@ Exchanges (each side serialises its operations, so every tag is FIFO):
 
 Steps: tag 1 and tag 2 steps are the session's (shared with the gRPC-scheduled
 transfers); tag 5 replies and tag 4 requests count 1, 2, 3, ... each.
+
+Shared memory (a session whose OpenSession negotiated ``shm`` and whose client
+then proved it maps the daemon's memory; see :mod:`tensorwire.serve.shm`):
+
+- ``SHM_HELLO`` (op 6): ``name`` = the hex of the nonce the client read from
+  the session's hello region -> OK (the session uses shared memory from now
+  on) or ERROR ``AuthError`` (it does not; the socket path keeps working).
+- ``flags`` bit 0 ``FLAG_SHM`` on GET, GET_ROWS, PUT, PUT_ROWS, ADD_ROWS asks
+  for the shared-memory path. The server may answer it as usual (OK + bytes on
+  tag 1, GO) -- for a slot it keeps in ordinary memory, say -- or with an SHM
+  reply (status 3): the payload is ``nbytes`` bytes at offset ``chunk`` of the
+  region named by the reply's ``message`` (a name, never a path).
+  - reads (GET, GET_ROWS): the server pinned the version it names; the client
+    copies out of the region. The pin ends with the session's next request
+    (of any op), a ``RELEASE`` (op 7, no reply: what a client that has gone
+    idle sends), or the session's close -- a writer waits for it, as for a
+    read over the connection.
+  - GET_ROWS with ``FLAG_SHM`` carries no index: ``ndim`` is 1, ``dims[0]``
+    the number of rows the client will gather itself from the pinned version
+    (``nindex`` 0). The reply names the whole tensor. A server that cannot
+    answer it from shared memory replies ``FALLBACK`` (status 4): send the
+    request again without the flag.
+  - writes: the server reserved the region (the staging slot of a PUT, the
+    session's scratch for PUT_ROWS / ADD_ROWS, whose request carries the index
+    as usual); the client writes the bytes there and sends ``COMMIT`` (op 8)
+    -> OK (the committed version) or ERROR. Until COMMIT nothing is visible;
+    a session closed before it (client gone) changes nothing.
+  - ``RELEASE`` and ``COMMIT`` carry the tensor's name and no other field;
+    they, and ``FLAG_SHM``, on a session without shared memory are malformed.
 """
 
 from __future__ import annotations
@@ -96,10 +126,16 @@ __all__ = [
     "OP_PUT",
     "OP_PUT_ROWS",
     "OP_ADD_ROWS",
+    "OP_SHM_HELLO",
+    "OP_RELEASE",
+    "OP_COMMIT",
     "OPS",
+    "FLAG_SHM",
     "OK",
     "ERROR",
     "GO",
+    "SHM",
+    "FALLBACK",
     "Request",
     "Reply",
     "pack_request",
@@ -127,11 +163,17 @@ MAX_NAME_BYTES = 1024
 MAX_REQUEST_BYTES = REQUEST.size + MAX_NAME_BYTES + 8 * MAX_INDEX_ROWS
 
 OP_GET, OP_GET_ROWS, OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS = 1, 2, 3, 4, 5
+OP_SHM_HELLO, OP_RELEASE, OP_COMMIT = 6, 7, 8
 #: op -> the name metrics and logs use (the gRPC method doing the same).
-OPS = {OP_GET: "Get", OP_GET_ROWS: "GetRows", OP_PUT: "Put", OP_PUT_ROWS: "PutRows", OP_ADD_ROWS: "AddRows"}
+OPS = {OP_GET: "Get", OP_GET_ROWS: "GetRows", OP_PUT: "Put", OP_PUT_ROWS: "PutRows", OP_ADD_ROWS: "AddRows",
+       OP_SHM_HELLO: "ShmHello", OP_RELEASE: "Release", OP_COMMIT: "Commit"}
 _INDEXED = (OP_GET_ROWS, OP_PUT_ROWS, OP_ADD_ROWS)
 _SHAPED = (OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS)
-OK, ERROR, GO = 0, 1, 2
+#: Ops that may carry FLAG_SHM.
+_SHM_CAPABLE = (OP_GET, OP_GET_ROWS, OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS)
+#: Request flag: answer through shared memory if you can.
+FLAG_SHM = 0x01
+OK, ERROR, GO, SHM, FALLBACK = 0, 1, 2, 3, 4
 
 assert REQUEST.size == 96 and REPLY.size == 152
 
@@ -173,6 +215,11 @@ class Request:
     shape: tuple[int, ...]
     nindex: int
     index_offset: int
+    flags: int = 0
+
+    @property
+    def shm(self) -> bool:
+        return bool(self.flags & FLAG_SHM)
 
 
 def request_size(name_bytes: int, nindex: int) -> int:
@@ -180,12 +227,12 @@ def request_size(name_bytes: int, nindex: int) -> int:
 
 
 def pack_request(buf: memoryview, *, op: int, req_id: int, name: bytes, timeout_ms: int = 0, dtype: int = 0,
-                 shape: tuple[int, ...] = (), nindex: int = 0) -> int:
+                 shape: tuple[int, ...] = (), nindex: int = 0, flags: int = 0) -> int:
     """Write the fixed part and the name into ``buf``; returns the offset of the index (the caller fills it)."""
     if len(shape) > MAX_DIMS:
         raise ValueError(f"rank {len(shape)} exceeds {MAX_DIMS}")
     dims = tuple(shape) + (0,) * (MAX_DIMS - len(shape))
-    REQUEST.pack_into(buf, 0, REQ_MAGIC, DATA_REQUESTS_VERSION, op, 0, len(shape), req_id,
+    REQUEST.pack_into(buf, 0, REQ_MAGIC, DATA_REQUESTS_VERSION, op, flags, len(shape), req_id,
                       min(max(0, int(timeout_ms)), 0xFFFFFFFF), dtype, len(name), nindex, *dims)
     off = REQUEST.size
     buf[off : off + len(name)] = name
@@ -210,9 +257,12 @@ def parse_request(data: memoryview) -> Request:
         raise MalformedRequest(f"request format v{version}, this server speaks v{DATA_REQUESTS_VERSION}")
     if op not in OPS:
         raise MalformedRequest(f"unknown request op {op}")
-    if flags:
-        raise MalformedRequest(f"request flags {flags:#x} (reserved, must be 0)")
-    if ndim > MAX_DIMS or (ndim and op not in _SHAPED):
+    if flags & ~FLAG_SHM or (flags and op not in _SHM_CAPABLE):
+        raise MalformedRequest(f"request flags {flags:#x} for op {OPS[op]}")
+    rows_shm = op == OP_GET_ROWS and bool(flags & FLAG_SHM)  # carries the row count as its shape, no index
+    if rows_shm and (ndim != 1 or nindex or dims[0] < 0):
+        raise MalformedRequest("a shared-memory GET_ROWS has rank 1 (the row count) and no index")
+    if ndim > MAX_DIMS or (ndim and op not in _SHAPED and not rows_shm):
         raise MalformedRequest(f"request rank {ndim} for op {OPS[op]}")
     if any(dims[ndim:]):
         raise MalformedRequest("request dims past its rank are not zero")
@@ -235,7 +285,7 @@ def parse_request(data: memoryview) -> Request:
         name = raw_name.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedRequest(f"request name is not UTF-8: {exc}") from None
-    return Request(op, req_id, timeout_ms, dtype, name, tuple(dims[:ndim]), nindex, off + _pad8(name_len))
+    return Request(op, req_id, timeout_ms, dtype, name, tuple(dims[:ndim]), nindex, off + _pad8(name_len), flags)
 
 
 @dataclass(frozen=True)
@@ -280,7 +330,7 @@ def parse_reply(data: memoryview) -> Reply:
     dims, error = rest[:MAX_DIMS], rest[MAX_DIMS]
     if magic != REPLY_MAGIC or version != DATA_REQUESTS_VERSION:
         raise ValueError(f"bad reply magic/version {bytes(magic)!r} v{version}")
-    if status not in (OK, ERROR, GO) or ndim > MAX_DIMS or msg_len > MAX_MESSAGE:
+    if status not in (OK, ERROR, GO, SHM, FALLBACK) or ndim > MAX_DIMS or msg_len > MAX_MESSAGE:
         raise ValueError(f"bad reply (status {status}, rank {ndim}, message {msg_len} bytes)")
     message = bytes(data[REPLY.size : REPLY.size + msg_len]).decode("utf-8", "replace")
     return Reply(status, op, req_id, tversion, step, nbytes, chunk, dtype, tuple(dims[:ndim]),

@@ -30,21 +30,23 @@ class Transfer(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., step: _Optional[int] = ..., nbytes: _Optional[int] = ..., op_id: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("protocol_version", "transport", "client", "host_id", "data_requests")
+    __slots__ = ("protocol_version", "transport", "client", "host_id", "data_requests", "shm")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     transport: str
     client: str
     host_id: str
     data_requests: int
-    def __init__(self, protocol_version: _Optional[int] = ..., transport: _Optional[str] = ..., client: _Optional[str] = ..., host_id: _Optional[str] = ..., data_requests: _Optional[int] = ...) -> None: ...
+    shm: int
+    def __init__(self, protocol_version: _Optional[int] = ..., transport: _Optional[str] = ..., client: _Optional[str] = ..., host_id: _Optional[str] = ..., data_requests: _Optional[int] = ..., shm: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "nonce", "data", "protocol_version", "max_bytes", "max_index_rows", "max_rows_bytes", "data_requests")
+    __slots__ = ("session_id", "nonce", "data", "protocol_version", "max_bytes", "max_index_rows", "max_rows_bytes", "data_requests", "shm", "shm_hello")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +55,8 @@ class OpenSessionResponse(_message.Message):
     MAX_INDEX_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_HELLO_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nonce: bytes
     data: _containers.RepeatedCompositeFieldContainer[_types_pb2.TransportAddress]
@@ -61,7 +65,9 @@ class OpenSessionResponse(_message.Message):
     max_index_rows: int
     max_rows_bytes: int
     data_requests: int
-    def __init__(self, session_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., data: _Optional[_Iterable[_Union[_types_pb2.TransportAddress, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_index_rows: _Optional[int] = ..., max_rows_bytes: _Optional[int] = ..., data_requests: _Optional[int] = ...) -> None: ...
+    shm: int
+    shm_hello: str
+    def __init__(self, session_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., data: _Optional[_Iterable[_Union[_types_pb2.TransportAddress, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_index_rows: _Optional[int] = ..., max_rows_bytes: _Optional[int] = ..., data_requests: _Optional[int] = ..., shm: _Optional[int] = ..., shm_hello: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
