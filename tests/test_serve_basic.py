@@ -12,7 +12,7 @@ import torch
 import tensorwire as tw
 from tensorwire.client import Client
 
-from test_serve_common import in_process
+from test_serve_common import SHM, in_process
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def srv():
         yield s
 
 
-@pytest.fixture(params=["tcp", "shm"])
+@pytest.fixture(params=["tcp", SHM])
 def client(srv, request):
     """A client over the TCP data connection, and one whose bytes move through shared memory."""
     with Client(srv.address, transport=request.param, timeout=30) as c:
@@ -179,7 +179,7 @@ def test_repeated_gets_reuse_buffers_and_never_overwrite_a_held_result(client):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["tcp", "shm"])
+@pytest.mark.parametrize("kind", ["tcp", SHM])
 def test_get_concurrent_with_puts_sees_old_or_new_whole(srv, kind):
     n = 1 << 16
     with Client(srv.address, transport=kind) as w, Client(srv.address, transport=kind) as r:

@@ -25,6 +25,20 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def shm_room(need: int = 256 << 20) -> bool:
+    """Whether /dev/shm exists with ``need`` bytes free (a container's default 64 MiB one does not)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= need
+
+
+# the "shm" parameter of serve tests: skipped where the daemon could not put its slots in /dev/shm
+# (it would serve them over the socket instead, correctly, and the test's shm assertions would fail)
+SHM = pytest.param("shm", marks=pytest.mark.skipif(not shm_room(), reason="no /dev/shm, or under 256 MiB free"))
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The test's environment without TENSORWIRE_* (a developer's settings must not leak in)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORWIRE_")}

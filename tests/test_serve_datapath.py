@@ -18,7 +18,7 @@ from tensorwire.client import Client
 from tensorwire.serve import wire
 from tensorwire.serve.protocol import DATA_REQUESTS_VERSION, MAX_INDEX_ROWS, TAG_REQUEST
 
-from test_serve_common import in_process
+from test_serve_common import SHM, in_process
 
 
 def _ucx_usable() -> bool:
@@ -32,7 +32,7 @@ def _ucx_usable() -> bool:
 
 
 # "shm": data-plane requests whose bytes move through shared memory (the daemon's slots mapped here)
-KINDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx not importable")), "shm"]
+KINDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx not importable")), SHM]
 
 
 @pytest.fixture(scope="module")
