@@ -166,17 +166,10 @@ class DeviceGrpcComm:
 
 def exchange(comm: Any, cfg: Any, rank: int, payload: dict[str, list[Any]], device: Any) -> float:
     """One GPipe step's messages, no compute; rank's wall seconds including the final flush + device sync."""
+    import bench_pipeline as bp
+
     t0 = time.perf_counter()
-    if rank == 0:
-        for _ in range(cfg.microbatches):
-            comm.send_forward(payload["act"])
-        for _ in range(cfg.microbatches):
-            comm.recv_backward()
-    else:
-        for m in range(cfg.microbatches):
-            comm.recv_forward(m)
-        for _ in range(cfg.microbatches):
-            comm.send_backward(payload["grad"])
+    bp.exchange_step(comm, None, cfg, rank, payload)
     comm.flush()
     _sync(device)
     return time.perf_counter() - t0
