@@ -127,3 +127,29 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     assert all(m["attempt"] == 1 for m in metas)
     ref_params, ref_losses = reference(steps=steps)
     assert_matches_reference(params, losses, ref_params, ref_losses)
+
+
+@pytest.mark.timeout(150)
+def test_gpu_pipeline_bench_dry_run_on_cpu(tmp_path):
+    """bench/bench_pipeline_gpu.py without CUDA (gloo instead of NCCL): every variant runs, interleaved,
+    and all of them end at the same loss (the same bytes arrive whichever way they travel)."""
+    from netns import TORCHRUN
+
+    bench = EXAMPLE.parents[1] / "bench" / "bench_pipeline_gpu.py"
+    out = tmp_path / "pipe.json"
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.2", str(bench),
+           "--hidden", "64", "--batch", "32", "--steps", "2", "--warmup", "1",
+           "--variants", "tensorwire,tensorwire-blocking,nccl,grpc", "--out-json", str(out)]
+    rc, log = run(cmd, env=child_env(TENSORWIRE_TIMEOUT="60"), log=tmp_path / "torchrun.log", timeout=120)
+    assert rc == 0, tail(log)
+    import json
+
+    ranks = json.loads(out.read_text())["ranks"]
+    last = ranks[1]
+    assert set(last) == {"tensorwire", "tensorwire-blocking", "nccl", "grpc"}
+    losses = {v: r["final_loss"] for v, r in last.items()}
+    assert len({round(x, 6) for x in losses.values()}) == 1, losses
+    first = ranks[0]
+    for v in ("tensorwire", "nccl"):
+        assert first[v]["exchange_blocking_ms"] > 0 and first[v]["exchange_overlapped_ms"] > 0
+    assert "exchange_overlapped_ms" not in first["grpc"]
