@@ -1055,6 +1055,61 @@ class Client:
         row_bytes = max(1, spec.nbytes // spec.shape[0]) if spec.shape[0] else max(1, spec.itemsize * math.prod(spec.shape[1:]))
         return max(1, min(MAX_INDEX_ROWS, MAX_ROWS_BYTES // row_bytes))
 
+    def _rows_dest(self, name: str, got: TensorSpec, n: int,
+                   out: "torch.Tensor | None") -> tuple["torch.Tensor", "torch.Tensor", int]:
+        """Where get_rows puts ``n`` rows of ``got``: ``(typed tensor, its bytes, bytes per row)``.
+
+        ``out`` itself when it is a contiguous host tensor, else a pooled buffer (copied into ``out`` by
+        :meth:`_rows_result`). Raises ShapeMismatchError when ``out`` does not fit (nothing written).
+        """
+        shape = (n, *got.shape[1:])
+        row_bytes = (got.nbytes // got.shape[0]) if got.shape and got.shape[0] else 0
+        if out is not None:
+            self._check_out(got, out, shape)
+            if out.device.type == "cpu" and out.is_contiguous():
+                return out, _as_bytes(out), row_bytes
+        raw = self._pool(name, "rows").acquire(n * row_bytes)
+        return _typed(raw, got.torch_dtype, shape), raw, row_bytes
+
+    @staticmethod
+    def _rows_result(result: "torch.Tensor", out: "torch.Tensor | None") -> "torch.Tensor":
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result
+
+    def _rows_in_parts(self, name: str, idx: "torch.Tensor", out: "torch.Tensor | None",
+                       fetch: Callable[["torch.Tensor"], tuple[TensorSpec, int, Callable[..., None],
+                                                               Callable[[], None]]]) -> "torch.Tensor":
+        """get_rows over a connection: the index in parts (each read whole), the rows received into one result.
+
+        ``fetch(part)`` asks for one part and returns ``(spec, nbytes, receive, drain)``:
+        ``receive(rows, row_bytes, dest)`` takes the part's bytes into ``dest``; ``drain()`` discards
+        them (the session stays in step) when the part cannot be taken.
+        """
+        n = idx.numel()
+        chunk = self._chunk_rows(self._row_spec(name))
+        spec: TensorSpec | None = None
+        result = dest_raw = None
+        row_bytes = 0
+        for start in range(0, max(n, 1), chunk):
+            part = idx[start : start + chunk]
+            got, nbytes, receive, drain = fetch(part)
+            if spec is None:
+                spec = got
+                try:
+                    result, dest_raw, row_bytes = self._rows_dest(name, got, n, out)
+                except ShapeMismatchError:
+                    drain()
+                    raise
+            elif got != spec:
+                drain()
+                raise ShapeMismatchError(f"{name} was replaced by {got.describe()} during get_rows")
+            assert dest_raw is not None
+            receive(part.numel(), row_bytes, dest_raw[start * row_bytes : start * row_bytes + nbytes])
+        assert result is not None
+        return self._rows_result(result, out)
+
     def get_rows(self, name: str, index: Any, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
         """Rows ``index`` of dim 0 of ``name``, gathered by the server: only they travel.
 
@@ -1073,45 +1128,23 @@ class Client:
         n = idx.numel()
 
         def op(sid: str, t: "Transport") -> "torch.Tensor":
-            spec = self._row_spec(name)
-            chunk = self._chunk_rows(spec)
-            result: "torch.Tensor | None" = None
-            dest_raw: "torch.Tensor | None" = None
-            row_bytes = 0
-            for start in range(0, max(n, 1), chunk):
-                part = idx[start : start + chunk]
+            first = True
+
+            def fetch(part: "torch.Tensor") -> tuple[TensorSpec, int, Callable[..., None], Callable[[], None]]:
+                nonlocal first
                 req = store_pb2.GetRowsRequest(
                     session_id=sid, name=name, index=encode_index(part), timeout_ms=self._timeout_ms()
                 )
                 resp = self._rpc("GetRows", req, data_op=True)
                 tr = resp.transfer
                 got = TensorSpec.from_proto(resp.info.spec)
-                if result is None:
-                    spec = got
+                if first:
                     self._specs[name] = got
-                    shape = (n, *got.shape[1:])
-                    row_bytes = (got.nbytes // got.shape[0]) if got.shape[0] else 0
-                    if out is not None:
-                        try:
-                            self._check_out(got, out, shape)
-                        except ShapeMismatchError:
-                            self._drain(t, tr)
-                            raise
-                    if out is not None and out.device.type == "cpu" and out.is_contiguous():
-                        result, dest_raw = out, _as_bytes(out)
-                    else:
-                        dest_raw = self._pool(name, "rows").acquire(n * row_bytes)
-                        result = _typed(dest_raw, got.torch_dtype, shape)
-                elif got != spec:
-                    self._drain(t, tr)
-                    raise ShapeMismatchError(f"{name} was replaced by {got.describe()} during get_rows")
-                assert dest_raw is not None
-                self._recv(t, tr, dest_raw[start * row_bytes : start * row_bytes + tr.nbytes])
-            assert result is not None
-            if out is not None and result is not out:
-                out.copy_(result)
-                return out
-            return result
+                    first = False
+                return (got, tr.nbytes, lambda _rows, _row_bytes, dest: self._recv(t, tr, dest),
+                        lambda: self._drain(t, tr))
+
+            return self._rows_in_parts(name, idx, out, fetch)
 
         def gather(got: TensorSpec, src: "torch.Tensor", region: str) -> "torch.Tensor":
             """The rows, gathered by this process from the daemon's pinned version (shared memory): one copy."""
@@ -1123,14 +1156,7 @@ class Client:
                 lo, hi = int(inp.min()), int(inp.max())
                 if lo < 0 or hi >= rows:
                     raise SpecError(f"index: row {lo if lo < 0 else hi} out of range for a tensor of {rows} rows")
-            shape = (n, *got.shape[1:])
-            row_bytes = got.nbytes // rows if rows else 0
-            if out is not None:
-                self._check_out(got, out, shape)
-            if out is not None and out.device.type == "cpu" and out.is_contiguous():
-                dest = out
-            else:
-                dest = _typed(self._pool(name, "rows").acquire(n * row_bytes), got.torch_dtype, shape)
+            dest, dest_raw, row_bytes = self._rows_dest(name, got, n, out)
             if n and row_bytes:
                 key = (region, rows, row_bytes)
                 cached = self._rows_views.get(name)
@@ -1139,12 +1165,9 @@ class Client:
                         self._rows_views.clear()
                     cached = self._rows_views[name] = (key, src.numpy().reshape(rows, row_bytes))
                 # rows as bytes: any dtype (numpy's take, no OpenMP team: see tensorwire.serve.shm)
-                self._copier.take(cached[1], inp, _as_bytes(dest).numpy().reshape(n, row_bytes))
+                self._copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes))
             self.shm_bytes += n * row_bytes
-            if out is not None and dest is not out:
-                out.copy_(dest)
-                return out
-            return dest
+            return self._rows_result(dest, out)
 
         def dp(t: "Transport", pr: _Progress) -> "torch.Tensor":
             if self._shm:
@@ -1157,43 +1180,19 @@ class Client:
                 if rep.status != wire.FALLBACK:
                     raise self._lost(pr, f"get_rows {name}: reply status {rep.status} to a shared-memory request")
                 # the tensor is not in shared memory: the request again, with the index, over the connection
-            spec = self._row_spec(name)
-            chunk = self._chunk_rows(spec)
-            result: "torch.Tensor | None" = None
-            dest_raw: "torch.Tensor | None" = None
-            row_bytes = 0
-            for start in range(0, max(n, 1), chunk):
-                part = idx[start : start + chunk]
+
+            def fetch(part: "torch.Tensor") -> tuple[TensorSpec, int, Callable[..., None], Callable[[], None]]:
                 rep = self._dp_call(t, pr, wire.OP_GET_ROWS, name, index=part)
-                got = self._reply_spec(name, rep)
-                if result is None:
-                    spec = got
-                    shape = (n, *got.shape[1:])
-                    row_bytes = (got.nbytes // got.shape[0]) if got.shape and got.shape[0] else 0
-                    if out is not None:
-                        try:
-                            self._check_out(got, out, shape)
-                        except ShapeMismatchError:
-                            self._dp_drain(t, pr, rep)
-                            raise
-                    if out is not None and out.device.type == "cpu" and out.is_contiguous():
-                        result, dest_raw = out, _as_bytes(out)
-                    else:
-                        dest_raw = self._pool(name, "rows").acquire(n * row_bytes)
-                        result = _typed(dest_raw, got.torch_dtype, shape)
-                elif got != spec:
-                    self._dp_drain(t, pr, rep)
-                    raise ShapeMismatchError(f"{name} was replaced by {got.describe()} during get_rows")
-                assert dest_raw is not None
-                if rep.nbytes != part.numel() * row_bytes:
-                    raise self._lost(pr, f"get_rows {name}: the server sends {rep.nbytes} bytes for {part.numel()} "
-                                         f"rows of {row_bytes}")
-                self._dp_receive(t, pr, rep, dest_raw[start * row_bytes : start * row_bytes + rep.nbytes])
-            assert result is not None
-            if out is not None and result is not out:
-                out.copy_(result)
-                return out
-            return result
+
+                def receive(rows: int, row_bytes: int, dest: "torch.Tensor") -> None:
+                    if rep.nbytes != rows * row_bytes:
+                        raise self._lost(pr, f"get_rows {name}: the server sends {rep.nbytes} bytes for {rows} "
+                                             f"rows of {row_bytes}")
+                    self._dp_receive(t, pr, rep, dest)
+
+                return self._reply_spec(name, rep), rep.nbytes, receive, lambda: self._dp_drain(t, pr, rep)
+
+            return self._rows_in_parts(name, idx, out, fetch)
 
         return self._run(op, dp)
 

@@ -199,24 +199,21 @@ def _cudart() -> Any:
     raise OSError("libcudart not found")
 
 
-def _torch_sync(device: "torch.device") -> None:
-    import torch
+@functools.lru_cache(maxsize=None)
+def _on_current_stream(fn_name: str, expected: tuple[int, ...]) -> Any:
+    """``f(device) -> int | None``: the CUDA runtime's ``fn_name(cudaStream_t)`` on ``device``'s current stream.
 
-    torch.cuda.current_stream(device).synchronize()
-
-
-@functools.lru_cache(maxsize=1)
-def _stream_sync() -> Any:
-    """``f(device)``: synchronize ``device``'s current stream; through the CUDA runtime directly when possible.
-
-    ``torch.cuda.current_stream(device).synchronize()`` builds a Stream object
-    each time: measured 8.1 us per call on an H200 host (5.5 of them to get the
-    stream), where a link sending a 16 MiB tensor spends ~60 us moving it. This
-    asks torch for the raw ``cudaStream_t`` of the current stream and calls
-    ``cudaStreamSynchronize`` on it (the runtime torch itself loaded: the same
-    call torch makes); only when the tensor's device is the current device (the
-    legacy default stream, handle 0, means "the current device's"), else it
-    takes torch's way. Falls back to torch's way entirely if either is missing.
+    ``torch.cuda.current_stream(device)`` builds a Stream object each time:
+    measured 8.1 us per ``synchronize()`` on an H200 host (5.5 of them to get
+    the stream), where a link sending a 16 MiB tensor spends ~60 us moving it.
+    This asks torch for the raw ``cudaStream_t`` of the current stream and calls
+    the runtime torch itself loaded (the same call torch makes) -- only when
+    ``device`` is the current device (the legacy default stream, handle 0,
+    means "the current device's"). ``f`` returns the call's result code when it
+    is one of ``expected``; None when the caller must take torch's way: the
+    device is not current, torch or the runtime lacks what this needs, or the
+    call failed (the error is cleared first, so torch raises its own for the
+    same stream).
     """
     import torch
 
@@ -224,74 +221,46 @@ def _stream_sync() -> Any:
     getdev = getattr(torch._C, "_cuda_getDevice", None)
     try:
         lib = _cudart()
-        sync = lib.cudaStreamSynchronize
-        sync.argtypes = [ctypes.c_void_p]
-        sync.restype = ctypes.c_int
+        fn = getattr(lib, fn_name)
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
     except (OSError, AttributeError):
-        return _torch_sync
-    if raw is None or getdev is None:
-        return _torch_sync
+        fn = None
+    if fn is None or raw is None or getdev is None:
+        return lambda device: None
 
-    def fast(device: "torch.device") -> None:
+    def call(device: "torch.device") -> int | None:
         idx = device.index
         if idx is None or idx != getdev():
-            _torch_sync(device)
-            return
-        err = sync(raw(idx))
-        if err:
-            lib.cudaGetLastError()  # clear it, then let torch raise its own error for the same stream
-            _torch_sync(device)
-
-    return fast
-
-
-@functools.lru_cache(maxsize=1)
-def _stream_query() -> Any:
-    """``f(device) -> bool``: whether ``device``'s current stream has nothing pending (cudaStreamQuery).
-
-    Same route as :func:`_stream_sync` (the raw current stream, the runtime torch loaded), torch's
-    ``Stream.query()`` otherwise.
-    """
-    import torch
-
-    def slow(device: "torch.device") -> bool:
-        return bool(torch.cuda.current_stream(device).query())
-
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    getdev = getattr(torch._C, "_cuda_getDevice", None)
-    try:
-        lib = _cudart()
-        query = lib.cudaStreamQuery
-        query.argtypes = [ctypes.c_void_p]
-        query.restype = ctypes.c_int
-    except (OSError, AttributeError):
-        return slow
-    if raw is None or getdev is None:
-        return slow
-
-    def fast(device: "torch.device") -> bool:
-        idx = device.index
-        if idx is None or idx != getdev():
-            return slow(device)
-        err = query(raw(idx))
-        if err == 0:
-            return True
-        if err == 600:  # cudaErrorNotReady
-            return False
+            return None
+        err = fn(raw(idx))
+        if err in expected:
+            return err
         lib.cudaGetLastError()
-        return slow(device)  # let torch raise its own error for the same stream
+        return None
 
-    return fast
+    return call
+
+
+_CUDA_ERROR_NOT_READY = 600
 
 
 def current_stream_idle(device: "torch.device") -> bool:
     """Whether the work queued so far on ``device``'s current stream is all done (does not wait)."""
-    return _stream_query()(device)
+    err = _on_current_stream("cudaStreamQuery", (0, _CUDA_ERROR_NOT_READY))(device)
+    if err is None:
+        import torch
+
+        return bool(torch.cuda.current_stream(device).query())
+    return err == 0
 
 
 def sync_current_stream(device: "torch.device") -> None:
-    """Block until the work queued so far on ``device``'s current stream is done (see :func:`_stream_sync`)."""
-    _stream_sync()(device)
+    """Block until the work queued so far on ``device``'s current stream is done (see :func:`_on_current_stream`)."""
+    if _on_current_stream("cudaStreamSynchronize", (0,))(device) is None:
+        import torch
+
+        torch.cuda.current_stream(device).synchronize()
 
 
 class CudaBuffer:

@@ -569,37 +569,24 @@ class Link:
             raise ShapeMismatchError(f"{name!r} was not declared as sent on this link (declared: {sorted(self._send)})")
         st.spec.check_tensor(tensor)
         tmo = self._timeout if timeout is None else timeout
-        if (self._async and tensor.is_cuda and not st.spec.is_dynamic and st.nbytes and tensor.is_contiguous()
-                and st.slot.is_cuda and st.stager is None):
-            # CUDA: the caller's thread does not wait for its stream. An event recorded on it marks
-            # the point after which the tensor's bytes are final; the link's thread waits for that
-            # event, then posts the message (in isend order, once the receiver's credit is there) and
-            # the handle waits for it to be out -- the caller goes on queueing work meanwhile, and
-            # several messages are in flight at once, as many as the peer has slots posted.
+        if (self._async and not st.spec.is_dynamic and st.nbytes and tensor.is_contiguous()
+                and (not tensor.is_cuda or (st.slot.is_cuda and st.stager is None))):
+            # Posted once the receiver's credit is there and completed by the handle: several
+            # messages in flight at once, as many as the peer has slots posted -- the next one is
+            # posted while the previous one is moving.
             data = tensor.detach() if tensor.requires_grad else tensor
-            if self._queued or not current_stream_idle(tensor.device):
+            if tensor.is_cuda and (self._queued or not current_stream_idle(tensor.device)):
+                # CUDA: the caller's thread does not wait for its stream. An event recorded on it
+                # marks the point after which the bytes are final; the link's thread waits for that
+                # event, then posts (in isend order) -- the caller goes on queueing work meanwhile.
                 import torch
 
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(tensor.device))
                 return SendHandle(self._submit(self._post_after_event, st, data, ev, tmo), name, transport=self._t)
-            # The stream has nothing pending and nothing is queued before it: post right here.
-            with st.lock:
-                op = self._t.start_send(st.tag, data, step=st.step + 1, timeout=tmo)  # type: ignore[attr-defined]
-                st.step += 1
-            self.bytes_sent += st.nbytes
-            return SendHandle(None, name, op=op, transport=self._t)
-        if (self._async and not st.spec.is_dynamic and st.nbytes and tensor.is_contiguous()
-                and not tensor.is_cuda and not self._queued):
-            # Posted here, in the caller's thread (once the receiver's credit is there), and
-            # completed by the handle: several messages in flight at once, as many as the peer
-            # has slots posted -- the next one is posted while the previous one is moving.
-            data = tensor.detach() if tensor.requires_grad else tensor
-            with st.lock:
-                op = self._t.start_send(st.tag, data, step=st.step + 1, timeout=tmo)  # type: ignore[attr-defined]
-                st.step += 1
-            self.bytes_sent += st.nbytes
-            return SendHandle(None, name, op=op, transport=self._t)
+            if not self._queued:
+                # Nothing queued before it (and, for CUDA, nothing pending on the stream): post right here.
+                return SendHandle(None, name, op=self._post(st, data, tmo), transport=self._t)
         # A chunk-staged send runs on the executor thread, whose current stream is not the caller's:
         # capture the caller's now, so the copies order after the work that writes ``tensor``.
         stream = None
@@ -619,14 +606,18 @@ class Link:
         fut.add_done_callback(self._dequeued)
         return fut
 
-    def _post_after_event(self, st: _SendState, data: "torch.Tensor", ev: Any, timeout: float) -> Any:
-        """(sender thread) Wait for the caller's work on ``data`` (``ev``), then post it; returns the send op."""
-        ev.synchronize()  # releases the GIL
+    def _post(self, st: _SendState, data: "torch.Tensor", timeout: float) -> Any:
+        """Post ``data`` as the next message of ``st`` (waiting only for a credit); returns the send op."""
         with st.lock:
             op = self._t.start_send(st.tag, data, step=st.step + 1, timeout=timeout)  # type: ignore[attr-defined]
             st.step += 1
         self.bytes_sent += st.nbytes
         return op
+
+    def _post_after_event(self, st: _SendState, data: "torch.Tensor", ev: Any, timeout: float) -> Any:
+        """(sender thread) Wait for the caller's work on ``data`` (``ev``), then post it; returns the send op."""
+        ev.synchronize()  # releases the GIL
+        return self._post(st, data, timeout)
 
     def _dequeued(self, _: Any) -> None:
         with self._lock:

@@ -293,11 +293,7 @@ class Store:
         """
         with self._lock:
             if self._reserved + nbytes > self.max_bytes:
-                raise ResourceExhaustedError(
-                    f"{what} needs {format_size(nbytes)} but only "
-                    f"{format_size(max(0, self.max_bytes - self._reserved))} of --max-bytes "
-                    f"{format_size(self.max_bytes)} is free"
-                )
+                raise ResourceExhaustedError(f"{what} needs {format_size(nbytes)} but only {self._free_text()}")
             self._reserved += nbytes
             self._allocated += nbytes
             self._update_gauges()
@@ -321,6 +317,10 @@ class Store:
     @property
     def allocated(self) -> int:
         return self._allocated
+
+    def _free_text(self) -> str:
+        """What is left of ``--max-bytes``, for the errors that refuse a reservation (under the lock)."""
+        return f"{format_size(max(0, self.max_bytes - self._reserved))} of --max-bytes {format_size(self.max_bytes)} is free"
 
     def _update_gauges(self) -> None:
         m = self._metrics
@@ -378,8 +378,7 @@ class Store:
             if self._reserved + need > self.max_bytes:
                 raise ResourceExhaustedError(
                     f"{spec.name}: {spec.describe()} needs {format_size(need)} (2 x {format_size(spec.nbytes)}, "
-                    f"double-buffered) but only {format_size(max(0, self.max_bytes - self._reserved))} of "
-                    f"--max-bytes {format_size(self.max_bytes)} is free; nothing was changed"
+                    f"double-buffered) but only {self._free_text()}; nothing was changed"
                 )
             self._reserved += need
             try:
