@@ -163,6 +163,16 @@ def recv_consumed_by_kernel(rank, world, store, transport):
         return bad
 
 
+def _send_step_numbers(node, spec, steps: int, dev) -> int:
+    """Rank 0 of the slot-reuse workers: message k of ``x`` is filled with float(k)."""
+    import torch
+
+    link = node.link(1, send=[spec])
+    for step in range(steps):
+        link.send("x", torch.full(spec.shape, float(step), device=dev))
+    return 0
+
+
 def slot_reused_while_a_kernel_reads_it(rank, world, store, transport):
     """The receiver queues slow work reading each received slot and keeps receiving (no sync of its own):
     a slot must not be overwritten by a later message while that work still reads it."""
@@ -175,10 +185,7 @@ def slot_reused_while_a_kernel_reads_it(rank, world, store, transport):
     steps = 40
     with _node(rank, world, store, transport) as node:
         if rank == 0:
-            link = node.link(1, send=[spec])
-            for step in range(steps):
-                link.send("x", torch.full(spec.shape, float(step), device=dev))
-            return 0
+            return _send_step_numbers(node, spec, steps, dev)
         link = node.link(0, recv=[spec])
         sums = torch.zeros(steps, device=dev)
         for step in range(steps):
@@ -202,10 +209,7 @@ def recv_out_copy_still_queued(rank, world, store, transport):
     steps = 40
     with _node(rank, world, store, transport) as node:
         if rank == 0:
-            link = node.link(1, send=[spec])
-            for step in range(steps):
-                link.send("x", torch.full(spec.shape, float(step), device=dev))
-            return 0
+            return _send_step_numbers(node, spec, steps, dev)
         link = node.link(0, recv=[spec])
         outs = [torch.empty(spec.shape, device=dev) for _ in range(steps)]
         for step in range(steps):
@@ -227,10 +231,7 @@ def deep_cuda_slots_read_late(rank, world, store, transport):
     steps = 30
     with _node(rank, world, store, transport) as node:
         if rank == 0:
-            link = node.link(1, send=[spec])
-            for step in range(steps):
-                link.send("x", torch.full(spec.shape, float(step), device=dev))
-            return 0
+            return _send_step_numbers(node, spec, steps, dev)
         link = node.link(0, recv=[spec], depth=4)
         deep = link.depth("x") == 4
         sums = torch.zeros(steps, device=dev)

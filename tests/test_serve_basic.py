@@ -12,7 +12,7 @@ import torch
 import tensorwire as tw
 from tensorwire.client import Client
 
-from test_serve_common import SHM, in_process
+from test_serve_common import SHM, in_process, ucx_usable
 
 
 @pytest.fixture(scope="module")
@@ -291,18 +291,8 @@ def test_bad_client_arguments():
         Client("127.0.0.1:1", transport="tcp", connect_timeout=2)
 
 
-def _ucx_usable() -> bool:
-    try:
-        from tensorwire.transport.base import get_factory
-
-        get_factory("ucx")
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not _ucx_usable(), reason="ucxx not importable")
+@pytest.mark.skipif(not ucx_usable(), reason="ucxx not importable")
 def test_auto_transport_uses_ucx_when_it_works():
     with in_process(transport="auto") as s:
         kinds = {d["kind"] for d in s.ready_info()["data"]}
@@ -323,7 +313,7 @@ def test_auto_transport_uses_ucx_when_it_works():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not _ucx_usable(), reason="ucxx not importable")
+@pytest.mark.skipif(not ucx_usable(), reason="ucxx not importable")
 def test_auto_prefer_tcp_keeps_same_host_clients_on_tcp(monkeypatch):
     with in_process(transport="auto") as s:
         if "ucx" not in {d["kind"] for d in s.ready_info()["data"]}:

@@ -25,6 +25,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def ucx_usable() -> bool:
+    """Whether tensorwire's UCX transport can be created here (ucxx importable and working)."""
+    try:
+        from tensorwire.transport.base import get_factory
+
+        get_factory("ucx")
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def shm_room(need: int = 256 << 20) -> bool:
     """Whether /dev/shm exists with ``need`` bytes free (a container's default 64 MiB one does not)."""
     try:

@@ -18,21 +18,11 @@ from tensorwire.client import Client
 from tensorwire.serve import wire
 from tensorwire.serve.protocol import DATA_REQUESTS_VERSION, MAX_INDEX_ROWS, TAG_REQUEST
 
-from test_serve_common import SHM, in_process
-
-
-def _ucx_usable() -> bool:
-    try:
-        from tensorwire.transport.base import get_factory
-
-        get_factory("ucx")
-        return True
-    except Exception:  # noqa: BLE001
-        return False
+from test_serve_common import SHM, in_process, ucx_usable
 
 
 # "shm": data-plane requests whose bytes move through shared memory (the daemon's slots mapped here)
-KINDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not _ucx_usable(), reason="ucxx not importable")), SHM]
+KINDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not ucx_usable(), reason="ucxx not importable")), SHM]
 
 
 @pytest.fixture(scope="module")
