@@ -36,7 +36,13 @@ big ones split with one helper thread unless the machine is oversubscribed, see
 :class:`tensorwire.serve.shm.Copier`). Each operation still is a data-plane
 request (the daemon pins, reserves, commits, validates), so the guarantees
 below are the same; a read's pin goes back with the next request, or with a
-RELEASE a helper thread sends once the client has been idle for 2 ms. A client
+RELEASE a helper thread sends once the client has been idle for 2 ms. A read
+also hands the client a *read lease* (x86 only; ``TENSORWIRE_SHM_LEASES=0``
+turns leases off): until a writer or the daemon's exit changes the tensor's
+generation in the daemon's lease table, the next get / get_rows of it reads
+the same slot with no request at all, checking the generation before and
+after its copy (:class:`tensorwire.serve.shm.Leases`); ``lease_reads`` counts
+them. A client
 that cannot map the region (another host, container or uid) uses the data
 connection without a word (debug log); ``transport="shm"`` makes that an error
 instead. ``data_path`` says which one a client uses, ``shm_bytes`` counts what
@@ -239,6 +245,23 @@ _RECV_WINDOW = 8
 #: at most about this long for an idle reader. Measured on the 2-core VM: a RELEASE per read cost the
 #: client ~40 us and the daemon ~60 us before it answered the next request.
 _RELEASE_AFTER = 0.002
+#: What :meth:`Client._lease_read` returns when the lease cannot serve the read.
+_MISS = object()
+#: Which counters of the session page a lease read adds to (tensorwire.serve.shm.SessionPage).
+_PAGE_GET, _PAGE_ROWS = 0, 2
+#: ``TENSORWIRE_SHM_LEASES=0`` turns read leases off (every shared-memory read asks the daemon).
+LEASES_ENV = "TENSORWIRE_SHM_LEASES"
+
+
+def _leases_wanted() -> bool:
+    import os
+    import platform
+
+    from .serve.shm import LEASE_MACHINES
+
+    if os.environ.get(LEASES_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return platform.machine().lower() in LEASE_MACHINES
 
 
 class _Progress:
@@ -361,6 +384,14 @@ class Client:
         self._releaser: threading.Thread | None = None
         #: Bytes this client copied through shared memory (all sessions).
         self.shm_bytes = 0
+        # read leases (see tensorwire.serve.shm.Leases): name -> (cell, generation, region, offset, nbytes, spec)
+        self._use_leases = _leases_wanted()
+        self._leases: dict[str, tuple[int, int, str, int, int, TensorSpec]] = {}
+        self._lease_tab: Any = None  # shm.LeaseTable of the current session's daemon
+        self._page: Any = None  # shm.SessionPage: where this client counts its lease reads for the daemon
+        #: Reads served from a read lease, without a request (all sessions), and leases found stale.
+        self.lease_reads = 0
+        self.lease_misses = 0
         try:
             self._open_session()
         except BaseException:
@@ -474,7 +505,7 @@ class Client:
             return
         pr = _Progress()
         try:
-            self._dp_call(t, pr, wire.OP_SHM_HELLO, nonce.hex())
+            ok = self._dp_call(t, pr, wire.OP_SHM_HELLO, nonce.hex())
         except TensorWireError as exc:
             if pr.lost is not None:
                 self._drop_session()
@@ -484,6 +515,19 @@ class Client:
             return
         self._shm = True
         self._shm_why = ""
+        if ok.message and self._use_leases:
+            try:
+                tab = shm.LeaseTable(ok.message)
+            except shm.ShmError as exc:
+                log.debug("shared memory: no read leases (%s)", exc)
+                return
+            try:
+                self._page = shm.SessionPage(hello)
+            except shm.ShmError as exc:
+                tab.close()
+                log.debug("shared memory: no read leases (the session page: %s)", exc)
+                return
+            self._lease_tab = tab
 
     @property
     def shm(self) -> bool:
@@ -535,7 +579,11 @@ class Client:
         (or the helper's RELEASE once this client is idle: :data:`_RELEASE_AFTER`)."""
         view = self._shm_view(pr, rep, name)
         try:
-            return use(view)
+            result = use(view)
+            if rep.lease and self._lease_tab is not None:
+                self._leases[name] = (rep.lease, rep.step, rep.message, rep.chunk, rep.nbytes,
+                                      self._reply_spec(name, rep))
+            return result
         finally:
             with self._rel_cond:
                 self._pin, self._pin_at = name, time.monotonic()
@@ -545,6 +593,44 @@ class Client:
                     self._releaser.start()
                 elif self._rel_parked:
                     self._rel_cond.notify()
+
+    def _lease_read(self, name: str, use: Callable[[TensorSpec, "torch.Tensor", str], Any], which: int) -> Any:
+        """A read served from this client's lease on ``name`` (no request), or :data:`_MISS`.
+
+        ``use(spec, bytes, region)`` copies out of the region the lease names; the result counts only
+        if the lease's generation is the same before and after (else the lease is dropped and the
+        caller asks the daemon). Errors ``use`` raises (a wrong ``out``, a row out of range) are the
+        caller's, as they would be on the pinned path.
+        """
+        from .serve import shm
+
+        with self._lock:
+            self._check_open()
+            lease = self._leases.get(name)
+            tab = self._lease_tab
+            if lease is None or tab is None or not self._shm:
+                return _MISS
+            cell, gen, region, offset, nbytes, spec = lease
+            cells = tab.cells
+            if cells[cell] != gen or not tab.alive():
+                del self._leases[name]
+                self.lease_misses += 1
+                return _MISS
+            try:
+                view = self._maps.get(region, offset, nbytes)
+            except shm.ShmError:
+                del self._leases[name]
+                return _MISS
+            before = self.shm_bytes
+            result = use(spec, view, region)
+            if cells[cell] != gen:  # a writer came meanwhile: what was copied may be mixed
+                del self._leases[name]
+                self.shm_bytes = before
+                self.lease_misses += 1
+                return _MISS
+            self.lease_reads += 1
+            self._page.add(which, self.shm_bytes - before)
+            return result
 
     def _release_loop(self) -> None:
         """The helper: RELEASE a pin the client has held for :data:`_RELEASE_AFTER` without sending anything."""
@@ -599,8 +685,18 @@ class Client:
         spec = self._reply_spec(name, done)
         return TensorStat(spec, int(done.version), spec.nbytes)
 
+    def _drop_leases(self) -> None:
+        self._leases.clear()
+        tab, self._lease_tab = self._lease_tab, None
+        page, self._page = self._page, None
+        if tab is not None:
+            tab.close()
+        if page is not None:
+            page.close()
+
     def _drop_session(self) -> None:
         self._shm = False
+        self._drop_leases()
         self._pin = None  # the daemon releases what a closed session held
         t, self._transport = self._transport, None
         sid, self._sid = self._sid, None
@@ -1036,6 +1132,10 @@ class Client:
                 return out
             return result
 
+        if self._leases:
+            got = self._lease_read(name, copy_out, _PAGE_GET)
+            if got is not _MISS:
+                return got
         return self._run(op, dp)
 
     def _drain(self, t: "Transport", tr: Any) -> None:
@@ -1194,6 +1294,10 @@ class Client:
 
             return self._rows_in_parts(name, idx, out, fetch)
 
+        if self._leases:
+            got = self._lease_read(name, gather, _PAGE_ROWS)
+            if got is not _MISS:
+                return got
         return self._run(op, dp)
 
     def put_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:

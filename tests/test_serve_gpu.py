@@ -44,3 +44,26 @@ def test_cuda_tensors_put_get_rows_staged_through_pinned_memory():
         assert torch.equal(c.get("g").to(dev), x)
         c.put("h", torch.arange(10, device=dev, dtype=torch.bfloat16))
         assert torch.equal(c.get("h"), torch.arange(10, dtype=torch.bfloat16))
+
+
+@pytest.mark.timeout(120)
+def test_cuda_destinations_read_from_leases_and_see_every_write():
+    from tensorwire.client import _leases_wanted
+
+    dev = torch.device("cuda")
+    with in_process(transport="auto") as s, Client(s.address) as c, Client(s.address) as w:
+        if c.data_path != "shm" or not _leases_wanted():
+            pytest.skip(f"no read leases here (data path {c.data_path})")
+        x = torch.randint(-1000, 1000, (256, 32), device=dev).float()
+        w.put("L", x)
+        out = torch.empty_like(x)
+        rows = torch.empty(4, 32, device=dev)
+        idx = torch.tensor([255, 0, 3, 3], device=dev)
+        c.get("L", out=out)
+        for k in range(5):
+            w.add_rows("L", torch.tensor([k], device=dev), torch.ones(1, 32, device=dev))  # in place: the lease ends
+            x[k] += 1
+            for _ in range(2):  # the first asks the daemon, the second is read from the new lease
+                assert c.get("L", out=out) is out and torch.equal(out, x)
+                assert torch.equal(c.get_rows("L", idx, out=rows), x[idx])
+        assert c.lease_reads >= 15 and c.lease_misses >= 5, (c.lease_reads, c.lease_misses)

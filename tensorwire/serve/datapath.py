@@ -43,6 +43,10 @@ cross the data connection.
   a RELEASE the client sends once idle, or close): a RELEASE after every read
   cost ~0.1 ms per operation on the 2-core VM (the client's send, the
   daemon's handling before the next request).
+- both carry a read lease (sessions of shm version >= 2): the tensor's cell in
+  the store's lease table and its generation for the pinned version, read
+  with the pin under the tensor's lock; the client reads that version again
+  without a request while the generation holds (:class:`tensorwire.serve.shm.Leases`).
 - get_rows: the same pin and reply (the whole table); the client gathers the
   rows itself, from the mapping straight into its destination: one copy, no
   index sent, no scratch -- a gather by the daemon into a shared scratch
@@ -72,6 +76,7 @@ from .. import errors
 from ..spec import TensorSpec
 from .protocol import ERROR_CLASSES, TAG_DOWN, TAG_REPLY, TAG_UP, check_index
 from .session import Job
+from .shm import LEASE_VERSION
 from .store import region_of
 from .wire import (
     ERROR,
@@ -393,29 +398,41 @@ class DataRequests:
         nonce = s.shm_nonce
         offered = s.shm_hello is not None and bool(nonce)
         ok = offered and hmac.compare_digest(req.name.encode("ascii", "replace"), nonce.hex().encode())
-        s.withdraw_hello()  # one try
+        if ok and s.shm_version >= LEASE_VERSION:
+            s.keep_page()  # the client counts its lease reads there
+        else:
+            s.withdraw_hello()  # one try
         if not offered:
             raise errors.ProtocolError("no shared-memory offer is open on this session")
         if not ok:
             raise errors.AuthError("shared-memory proof failed: the client read other bytes than the daemon wrote")
         s.shm = True
         deadline = time.monotonic() + self._timeout(req)
-        log.debug("session %s: shared memory on", s.id[:8])
+        table = ""
+        if s.shm_version >= LEASE_VERSION:
+            leases = self.store.lease_table()
+            table = leases.name if leases is not None else ""
+        log.debug("session %s: shared memory on%s", s.id[:8], ", read leases" if table else "")
 
         def body(t: "Transport", job: Job) -> BaseException | None:
-            self._reply(s, t, job.reply_step, deadline, status=OK, op=req.op, req_id=req.req_id)
+            self._reply(s, t, job.reply_step, deadline, status=OK, op=req.op, req_id=req.req_id, message=table)
             return None
 
         return self._job(req, t0, "shm hello", body, deadline=deadline, messages=(0, 0, 1), direction="", nbytes=0)
 
     def _shm_read(self, s: "Session", req: Request, t0: float, kind: str, spec: TensorSpec, version: int,
-                  region: Any, nbytes: int, accounted: int, release: "_Once", deadline: float) -> Job:
-        """The SHM reply of a read: ``nbytes`` at offset 0 of ``region``; the pin goes to the session."""
+                  region: Any, nbytes: int, accounted: int, release: "_Once", deadline: float,
+                  lease: tuple[int, int]) -> Job:
+        """The SHM reply of a read: ``nbytes`` at offset 0 of ``region``; the pin goes to the session.
+
+        ``lease``: (cell, generation) of the pinned version, handed to sessions that take leases.
+        """
         handed = [False]
+        cell, gen = lease if s.shm_version >= LEASE_VERSION else (0, 0)
 
         def body(t: "Transport", job: Job) -> BaseException | None:
             self._ok(s, t, job.reply_step, req, spec, deadline, status=SHM, version=version, nbytes=nbytes,
-                     chunk=0, message=region.name)
+                     chunk=0, message=region.name, lease=cell, step=gen if cell else 0)
             s.hold_pin(release, req.name)  # until the client's RELEASE
             handed[0] = True
             return None
@@ -440,7 +457,7 @@ class DataRequests:
         rows = req.shape[0]
         row_bytes = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
         deadline = time.monotonic() + self._timeout(req)
-        idx, version = e.acquire_read(deadline)
+        idx, version, lease = e.acquire_read_leased(deadline)
         release = _Once(lambda: e.release_read(idx))
         try:
             region = region_of(e.slot(idx))
@@ -454,7 +471,7 @@ class DataRequests:
                 return self._job(req, t0, "get_rows fallback", fallback, deadline=deadline, messages=(0, 0, 1),
                                  direction="", nbytes=0)
             return self._shm_read(s, req, t0, "get_rows", spec, version, region, e.nbytes,
-                                  min(rows * row_bytes, 1 << 62), release, deadline)
+                                  min(rows * row_bytes, 1 << 62), release, deadline, lease)
         except BaseException:
             release()
             raise
@@ -550,13 +567,14 @@ class DataRequests:
 
         e = self.store.get(_name(req.name))
         deadline = time.monotonic() + self._timeout(req)
-        idx, version = e.acquire_read(deadline)
+        idx, version, lease = e.acquire_read_leased(deadline)
         release = _Once(lambda: e.release_read(idx))
         try:
             spec, nbytes, slot = e.spec, e.nbytes, e.slot(idx)
             region = region_of(slot) if req.shm else None
             if region is not None:
-                return self._shm_read(s, req, t0, "get", spec, version, region, nbytes, nbytes, release, deadline)
+                return self._shm_read(s, req, t0, "get", spec, version, region, nbytes, nbytes, release, deadline,
+                                      lease)
             raw = slot.raw
 
             def body(t: "Transport", job: Job) -> BaseException | None:

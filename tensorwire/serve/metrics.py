@@ -15,7 +15,9 @@ Names (all ``tensorwire_*``):
 - ``tensorwire_shm_regions``, ``tensorwire_shm_bytes``: shared-memory regions
   under ``/dev/shm`` (slots, session scratch and hello regions) and their bytes.
   Bytes clients copied through them count in ``tensorwire_bytes_total`` with
-  ``transport="shm"``.
+  ``transport="shm"`` -- reads a client served from a read lease too (it counts
+  them in its session's page; they are added at each scrape and when the
+  session closes).
 - ``tensorwire_sessions``, ``tensorwire_inflight_transfers``,
   ``tensorwire_rejected_connections_total``, ``tensorwire_snapshots_total{status}``.
 
@@ -31,6 +33,26 @@ __all__ = ["Metrics"]
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+class _BeforeCollect:
+    """A collector of nothing that runs hooks first thing in each collection."""
+
+    def __init__(self, hooks: list[Any]) -> None:
+        self._hooks = hooks
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> list[Any]:
+        for fn in list(self._hooks):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a scrape must not fail for it
+                import logging
+
+                logging.getLogger(__name__).exception("a metrics hook failed")
+        return []
+
+
 class Metrics:
     """The daemon's metrics; ``registry`` is private to this instance."""
 
@@ -38,6 +60,8 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._before: list[Any] = []
+        r.register(_BeforeCollect(self._before))  # first: it runs before the counters are read
         self.bytes = Counter("tensorwire_bytes", "Data-plane payload bytes", ["transport", "direction"], registry=r)
         self.transfers = Counter("tensorwire_transfers", "Data-plane transfers", ["transport", "direction"], registry=r)
         self.transfer_seconds = Histogram(
@@ -67,6 +91,10 @@ class Metrics:
         self.shm_bytes = Gauge("tensorwire_shm_bytes", "Bytes of shared-memory regions", registry=r)
         self._http: Any = None
         self.port: int | None = None
+
+    def before_collect(self, fn: Any) -> None:
+        """Call ``fn()`` before each scrape (it folds counts the daemon learns only then: lease reads)."""
+        self._before.append(fn)
 
     def shm_changed(self, regions: int, nbytes: int) -> None:
         self.shm_regions.set(regions)

@@ -279,6 +279,13 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
+        if metrics is not None:
+            metrics.before_collect(self._fold_pages)
+
+    def _fold_pages(self) -> None:
+        """Before a scrape: add what clients read through read leases (counted in their sessions' pages)."""
+        for s in self.sessions():
+            s.fold_page()
 
     # -- sessions ---------------------------------------------------------------------
     def _session(self, sid: str) -> Session:
@@ -381,6 +388,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             from .shm import ShmError
 
             try:
+                s.shm_version = shm_version
                 hello = s.offer_shm(self.store.shm)
             except ShmError as exc:
                 log.debug("session %s: no shared memory offered: %s", sid[:8], exc)

@@ -219,6 +219,9 @@ class Session:
         self.shm = False
         self.shm_hello: Any = None  # the hello region, until proven or withdrawn
         self.shm_nonce = b""
+        self.shm_version = 0  # negotiated at OpenSession (2: read leases)
+        self.shm_page: Any = None  # the hello region once proven (shm version >= 2): the client's lease-read counts
+        self._page_seen = (0, 0, 0, 0)
         self._pin: "tuple[Callable[[], None], str] | None" = None
         self._shm_scratch: Any = None  # Region
         self._scratch_charge: "tuple[Any, int] | None" = None  # (store, bytes charged)
@@ -315,6 +318,39 @@ class Session:
             self.shm_nonce = b""
         if region is not None:
             region.close()
+
+    def keep_page(self) -> None:
+        """The proof was good: the hello region stays as the session's page (see :meth:`fold_page`)."""
+        with self._lock:
+            region, self.shm_hello = self.shm_hello, None
+            self.shm_nonce = b""
+            closed = self.closed
+            if not closed:
+                self.shm_page = region
+        if closed and region is not None:
+            region.close()
+
+    def fold_page(self) -> None:
+        """Add the reads this session's client served from leases since the last fold to the metrics.
+
+        The client counts them in its page (get ops, get bytes, get_rows ops, get_rows bytes); only
+        growth is counted, so a client writing nonsense can at worst inflate its own counters.
+        """
+        from .shm import page_counts
+
+        with self._lock:
+            page, m, seen = self.shm_page, self._metrics, self._page_seen
+            if page is None or m is None or page.closed:
+                return
+            now = page_counts(page)
+            self._page_seen = tuple(max(a, b) for a, b in zip(now, seen))  # type: ignore[assignment]
+        d = [max(0, a - b) for a, b in zip(now, seen)]
+        for op, ops, nbytes in (("Get", d[0], d[1]), ("GetRows", d[2], d[3])):
+            if ops:
+                m.operations.labels(op, "ok").inc(ops)
+                m.transfers.labels("shm", "out").inc(ops)
+            if nbytes:
+                m.bytes.labels("shm", "out").inc(nbytes)
 
     def hold_pin(self, release: Callable[[], None], name: str) -> None:
         """Keep a read pin until the client's RELEASE (or its next request, or close)."""
@@ -603,6 +639,11 @@ class Session:
             self.release_pin()
             self._drop_scratch()
             self.withdraw_hello()
+            self.fold_page()
+            with self._lock:
+                page, self.shm_page = self.shm_page, None
+            if page is not None:
+                page.close()
         except Exception:  # noqa: BLE001
             log.exception("releasing the session's shared memory failed")
         self._jobs.put(None)

@@ -25,6 +25,12 @@ Daemon side (:class:`Registry`, one per server):
   process: pids from other pid namespaces cannot fool it), before it creates
   its own.
 
+Read leases (:class:`Leases` on the daemon, :class:`LeaseTable` on the client,
+shm version 2): a table of per-tensor generations that lets a client read the
+version it was last handed again without a request, and without ever seeing a
+write; the client counts such reads in its session's page
+(:class:`SessionPage`), which the daemon folds into its metrics.
+
 Client side (:class:`ClientMaps`, :class:`Copier`): maps regions by the names the daemon gives
 it (checked against the name pattern; never a path), read-write, with
 ``MAP_POPULATE``; keeps up to :data:`CLIENT_MAPS` mappings (least recently
@@ -64,6 +70,9 @@ __all__ = [
     "ShmError",
     "ClientMaps",
     "Copier",
+    "Leases",
+    "LeaseTable",
+    "SessionPage",
     "HELLO_BYTES",
     "read_hello",
     "valid_name",
@@ -73,8 +82,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Version of the shared-memory protocol (OpenSession*.shm); 0 = none.
-SHM_VERSION = 1
+#: Version of the shared-memory protocol (OpenSession*.shm); 0 = none. 2 adds read leases (:class:`Leases`).
+SHM_VERSION = 2
+#: The first version with read leases.
+LEASE_VERSION = 2
 #: Where regions live (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
 #: Regions one daemon creates at most (each is a mapping; Linux allows ~65k per process by default).
@@ -86,6 +97,14 @@ CLIENT_MAPS = 256
 HELLO_BYTES = mmap.PAGESIZE
 HELLO_MAGIC = b"TWSHMHI1"
 HELLO_NONCE_BYTES = 32
+#: Where a client counts, in its session's hello page, the reads it served from leases (four uint64:
+#: get operations and bytes, get_rows operations and bytes; the daemon adds them to its metrics).
+PAGE_STATS_OFFSET = 64
+#: Lease cells in a daemon's table (cell 0 means "no lease"); one per tensor kept in shared memory.
+LEASE_CELLS = MAX_REGIONS + 1
+#: Machines where a lease read is safe: loads are not reordered with other loads (x86-TSO), so a
+#: generation read after the copy is read after every byte of it. Elsewhere clients never use leases.
+LEASE_MACHINES = ("x86_64", "amd64", "i686", "i386")
 
 _PAGE = mmap.PAGESIZE
 _NAME_RE = re.compile(r"^tensorwire-([0-9]{1,10})-([0-9a-f]{8})-([0-9a-f]{24})$")
@@ -430,6 +449,85 @@ class Registry:
             _live.discard(self)
 
 
+class Leases:
+    """The daemon's lease table: one uint64 *generation* per tensor kept in shared memory.
+
+    A read lease lets a client on this host read the version it was last
+    handed again without asking the daemon (no request, no pin): the reply to
+    a shared-memory read names the tensor's cell and its generation at the
+    moment the version was pinned. The daemon changes a cell's generation
+    before anything could make that lease wrong:
+
+    - a commit that makes another slot current: ``+2``;
+    - a row update in place: odd from before the first byte is written until
+      after the last (``+1``, ``+1``);
+    - delete, and closing the table (shutdown): ``+2`` / odd for good.
+
+    A client reads the generation, copies, and reads it again: equal to its
+    lease both times means the bytes it copied are the version it was handed,
+    whole (a writer into that slot bumps the cell first, and on x86 loads are
+    not reordered with loads). Anything else: the client drops the lease and
+    asks the daemon (the ordinary pinned read). Generations only grow, also
+    across the reuse of a freed cell, so an old lease never matches again.
+
+    Every change is made by the daemon under the tensor's lock; clients only
+    read the table (it is mapped read-only on their side).
+    """
+
+    def __init__(self, registry: Registry, cells: int = LEASE_CELLS) -> None:
+        import ctypes
+
+        self.region = registry.create(8 * cells)
+        self._cells = (ctypes.c_uint64 * cells).from_buffer(self.region._mm)
+        self._free = list(range(cells - 1, 0, -1))  # cell 0 is never handed out
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self.region.name
+
+    def alloc(self) -> int:
+        """A free cell (its generation even), or 0 when none is left (that tensor gets no leases)."""
+        with self._lock:
+            if self._closed or not self._free:
+                return 0
+            cell = self._free.pop()
+            g = self._cells[cell]
+            if g & 1:  # pragma: no cover - freed cells are left even
+                self._cells[cell] = g + 1
+            return cell
+
+    def gen(self, cell: int) -> int:
+        return self._cells[cell] if cell else 0
+
+    def bump(self, cell: int, by: int = 2) -> None:
+        """Advance ``cell``'s generation (by 2: a new state; by 1: into or out of a write in place)."""
+        if cell:
+            self._cells[cell] += by
+
+    def free(self, cell: int) -> None:
+        """The tensor is gone: invalidate its leases and keep the cell for another tensor."""
+        if not cell:
+            return
+        with self._lock:
+            g = self._cells[cell]
+            self._cells[cell] = (g | 1) + 1  # even, and past every generation handed out for it
+            if not self._closed:
+                self._free.append(cell)
+
+    def close(self) -> None:
+        """Shutdown: every cell odd for good (each lease fails; clients ask, and learn the daemon is going)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            cells = self._cells
+            for i in range(1, len(cells)):
+                cells[i] = cells[i] | 1
+        self.region.close()
+
+
 def new_hello(registry: Registry) -> tuple[Region, bytes]:
     """A session's hello region and the nonce written in it (the client proves it can read it)."""
     region = registry.create(HELLO_BYTES)
@@ -491,6 +589,105 @@ def read_hello(name: str) -> bytes:
     if head[: len(HELLO_MAGIC)] != HELLO_MAGIC:
         raise ShmError(errno.EINVAL, f"{name} is not a hello region")
     return head[len(HELLO_MAGIC) :]
+
+
+class LeaseTable:
+    """A client's read-only view of a daemon's :class:`Leases`, with the daemon's liveness.
+
+    ``alive()`` asks the kernel whether the daemon still holds the ``flock``
+    of its lock file (one non-blocking ``flock`` call): a SIGKILLed daemon's
+    table never changes again, so a lease must not outlive it.
+
+    Raises (constructor):
+        ShmError: not a region name of a daemon on this host, too small, or not mappable.
+    """
+
+    def __init__(self, name: str) -> None:
+        m = _NAME_RE.match(name) if valid_name(name) else None
+        if m is None:
+            raise ShmError(errno.EINVAL, f"{name!r} is not a tensorwire shared-memory region name")
+        path = os.path.join(SHM_DIR, name)
+        lock = os.path.join(SHM_DIR, f"tensorwire-{m.group(1)}-{m.group(2)}.lock")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmError(exc.errno, f"cannot open {path}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < 16 or size % 8:
+                raise ShmError(errno.EINVAL, f"{path} is not a lease table")
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError as exc:
+            raise ShmError(exc.errno, f"cannot map {path}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+        try:
+            self._lock_fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            mm.close()
+            raise ShmError(exc.errno, f"cannot open {lock}: {exc.strerror}") from None
+        import numpy as np
+
+        self._mm = mm
+        #: The generations, read-only (an aligned 8-byte load each).
+        self.cells = np.frombuffer(mm, dtype=np.uint64)
+        self.size = size // 8
+        self.name = name
+
+    def alive(self) -> bool:
+        """Whether the daemon still runs (holds its lock)."""
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        return False
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+        self.cells = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:  # pragma: no cover - a caller still holds a view
+            pass
+
+
+class SessionPage:
+    """A client's mapping of its session's hello page, where it counts the reads its leases served."""
+
+    GET, ROWS = 0, 2
+
+    def __init__(self, name: str) -> None:
+        import numpy as np
+
+        self._mm, t = _open_map(name, HELLO_BYTES)
+        del t
+        #: get ops, get bytes, get_rows ops, get_rows bytes (the client is the only writer).
+        self.counts = np.frombuffer(self._mm, dtype=np.uint64, count=4, offset=PAGE_STATS_OFFSET)
+
+    def add(self, which: int, nbytes: int) -> None:
+        c = self.counts
+        c[which] += 1
+        c[which + 1] += nbytes
+
+    def close(self) -> None:
+        self.counts = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:  # pragma: no cover
+            pass
+
+
+def page_counts(region: Region) -> tuple[int, int, int, int]:
+    """Daemon side: what a session's client counted in its page (get ops, get bytes, get_rows ops, bytes)."""
+    import numpy as np
+
+    a = np.frombuffer(region._mm, dtype=np.uint64, count=4, offset=PAGE_STATS_OFFSET)
+    return int(a[0]), int(a[1]), int(a[2]), int(a[3])
 
 
 class ClientMaps:

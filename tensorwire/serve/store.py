@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .metrics import Metrics
-    from .shm import Region, Registry
+    from .shm import Leases, Region, Registry
 
 __all__ = ["Store", "Entry", "Info", "StoreSlot", "normalise_spec"]
 
@@ -123,6 +123,8 @@ class Entry:
         self.putting = False
         self.deleted = False
         self.cond = threading.Condition(threading.Lock())
+        #: Cell in the store's lease table (0: no read leases; see tensorwire.serve.shm.Leases).
+        self.lease = store._lease_cell() if isinstance(self.slots[0], StoreSlot) else 0
 
     def info(self) -> Info:
         return Info(self.spec, self.version, self.nbytes)
@@ -134,11 +136,25 @@ class Entry:
         Raises:
             NotFoundError: deleted, or never written.
         """
+        idx, version, _ = self.acquire_read_leased(deadline)
+        return idx, version
+
+    def acquire_read_leased(self, deadline: float) -> tuple[int, int, tuple[int, int]]:
+        """:meth:`acquire_read`, with the lease of that slot and version: (cell, generation), read in the
+        same breath ((0, 0): no lease)."""
         with self.cond:
             _wait(self.cond, lambda: self.deleted or not (self.row_writer or self.row_waiting), deadline, self.spec.name)
             self._check_readable()
             self.readers[self.cur] += 1
-            return self.cur, self.version
+            leases = self._store.leases
+            lease = (self.lease, leases.gen(self.lease)) if leases is not None and self.lease else (0, 0)
+            return self.cur, self.version, lease
+
+    def _bump(self, by: int = 2) -> None:
+        """Under ``cond``: the current slot's bytes or identity change (leases on it must fail)."""
+        leases = self._store.leases
+        if leases is not None:
+            leases.bump(self.lease, by)
 
     def release_read(self, idx: int) -> None:
         with self.cond:
@@ -199,6 +215,8 @@ class Entry:
                 _wait(self.cond, lambda: self.deleted or not self.row_writer, deadline, self.spec.name)
                 if self.deleted:
                     raise NotFoundError(f"{self.spec.name!r} was deleted while being written")
+                if idx != self.cur:
+                    self._bump()  # before the commit is visible to anyone: a lease on the old slot fails
                 self.cur = idx
                 self.version += 1
                 return self.info()
@@ -240,11 +258,13 @@ class Entry:
                 self.cond.notify_all()
                 raise NotFoundError(f"{self.spec.name!r} is declared but has no data yet: put it first")
             self.row_writer = True
+            self._bump(1)  # odd while rows are written in place
             return self.cur
 
     def end_rows(self, *, changed: bool) -> Info:
         with self.cond:
             self.row_writer = False
+            self._bump(1)
             if changed:
                 self.version += 1
             self.cond.notify_all()
@@ -268,8 +288,30 @@ class Store:
         self._reserved = 0
         self._allocated = 0
         self._nslots = 0
+        #: Read leases of tensors in shared memory (made with the first such tensor; None: none).
+        self.leases: "Leases | None" = None
+        self._leases_lock = threading.Lock()
+        self._leases_failed = False
         if metrics is not None:
             metrics.max_bytes.set(max_bytes)
+
+    def lease_table(self) -> "Leases | None":
+        """The read-lease table (made on first use; None: no shared memory, or it could not be made)."""
+        with self._leases_lock:
+            if self.leases is None and not self._leases_failed and self.shm is not None:
+                from .shm import Leases, ShmError
+
+                try:
+                    self.leases = Leases(self.shm)
+                except ShmError as exc:
+                    self._leases_failed = True
+                    log.warning("shared memory: no read leases (%s); reads ask the daemon each time", exc)
+            return self.leases
+
+    def _lease_cell(self) -> int:
+        """A lease cell for a new tensor in shared memory (0: none)."""
+        leases = self.lease_table()
+        return leases.alloc() if leases is not None else 0
 
     def _new_slot(self, spec: TensorSpec) -> "Slot | StoreSlot":
         """A slot for ``spec``: a shared-memory region when the store has them, else ordinary memory."""
@@ -306,6 +348,10 @@ class Store:
 
     def close(self) -> None:
         """Shutdown: unlink every shared-memory region (the tensors stay readable in this process)."""
+        with self._leases_lock:
+            self._leases_failed = True
+            if self.leases is not None:
+                self.leases.close()  # every lease fails from now on
         if self.shm is not None:
             self.shm.close()
 
@@ -404,6 +450,9 @@ class Store:
             self._update_gauges()
         with e.cond:
             e.deleted = True
+            if self.leases is not None:
+                self.leases.free(e.lease)
+            e.lease = 0
             e.cond.notify_all()
             e._retire()
 

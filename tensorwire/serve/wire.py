@@ -47,13 +47,15 @@ Reply (server -> client, tag 5 ``TAG_REPLY``; always :data:`REPLY_BYTES`)::
     7      1    ndim       rank of the stored tensor
     8      8    req_id     the request's req_id
     16     8    version    OK: the version read (GET, GET_ROWS) or committed (writes)
-    24     8    step       first step of the payload: on tag 1 (reads) / tag 2 (GO)
+    24     8    step       first step of the payload: on tag 1 (reads) / tag 2 (GO); SHM read with a lease:
+                           the lease's generation
     32     8    nbytes     payload bytes: sent on tag 1 (reads) / to send on tag 2 (GO)
     40     8    chunk      reads: bytes per tag-1 message (the last one may be shorter); 0 if nbytes is 0;
                            SHM: the payload's offset in the region
     48     4    dtype      tensorwire.v1.DType of the stored tensor
     52     2    msg_len    ERROR, SHM: bytes of the message
-    54     2    (zero)
+    54     2    lease      SHM read on a session of shm version >= 2: the tensor's cell in the daemon's lease
+                           table (``step`` is then the cell's generation); 0: no lease
     56     64   dims       8 x int64: the stored tensor's shape
     120    32   error      ERROR: the error class name, ASCII, zero-padded (e.g. b"NotFoundError")
     152    360  message    ERROR: msg_len bytes of UTF-8; SHM: the region's name (ASCII)
@@ -82,6 +84,16 @@ then proved it maps the daemon's memory; see :mod:`tensorwire.serve.shm`):
 - ``SHM_HELLO`` (op 6): ``name`` = the hex of the nonce the client read from
   the session's hello region -> OK (the session uses shared memory from now
   on) or ERROR ``AuthError`` (it does not; the socket path keeps working).
+  With shm version >= 2 the OK reply's ``message`` names the daemon's lease
+  table (empty: no leases) and the hello region stays the session's *page*:
+  the client counts there the reads its leases served (four uint64 at offset
+  64: get operations, get bytes, get_rows operations, get_rows bytes), which
+  the daemon adds to its metrics.
+- Read leases (shm version >= 2, x86 clients): an SHM read reply with
+  ``lease`` != 0 lets the client read that same region again without a
+  request while cell ``lease`` of the lease table still holds generation
+  ``step`` before and after its copy (see :class:`tensorwire.serve.shm.Leases`);
+  otherwise it sends the request as usual.
 - ``flags`` bit 0 ``FLAG_SHM`` on GET, GET_ROWS, PUT, PUT_ROWS, ADD_ROWS asks
   for the shared-memory path. The server may answer it as usual (OK + bytes on
   tag 1, GO) -- for a slot it keeps in ordinary memory, say -- or with an SHM
@@ -154,7 +166,7 @@ MAX_DIMS = 8
 #: The fixed part of a request.
 REQUEST = struct.Struct("<4sBBBBQIIII8q")
 #: The fixed part of a reply (the message follows, up to REPLY_BYTES).
-REPLY = struct.Struct("<4sBBBBQQQQQIH2x8q32s")
+REPLY = struct.Struct("<4sBBBBQQQQQIHH8q32s")
 REPLY_BYTES = 512
 MAX_MESSAGE = REPLY_BYTES - REPLY.size
 #: Bytes of a UTF-8 name (256 characters of up to 4 bytes).
@@ -301,18 +313,19 @@ class Reply:
     shape: tuple[int, ...]
     error: str
     message: str
+    lease: int = 0
 
 
 def pack_reply(buf: memoryview, *, status: int, op: int, req_id: int, version: int = 0, step: int = 0,
                nbytes: int = 0, chunk: int = 0, dtype: int = 0, shape: tuple[int, ...] = (), error: str = "",
-               message: str = "") -> None:
+               message: str = "", lease: int = 0) -> None:
     """Fill ``buf`` (REPLY_BYTES) with a reply; a long message is cut to fit (at a character boundary)."""
     dims = tuple(shape) + (0,) * (MAX_DIMS - len(shape))
     msg = message.encode("utf-8")
     if len(msg) > MAX_MESSAGE:
         msg = msg[: MAX_MESSAGE - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
     REPLY.pack_into(buf, 0, REPLY_MAGIC, DATA_REQUESTS_VERSION, status, op, len(shape), req_id, version, step, nbytes,
-                    chunk, dtype, len(msg), *dims, error.encode("ascii", "replace")[:32])
+                    chunk, dtype, len(msg), lease, *dims, error.encode("ascii", "replace")[:32])
     buf[REPLY.size : REPLY.size + len(msg)] = msg
     buf[REPLY.size + len(msg) : REPLY_BYTES] = bytes(REPLY_BYTES - REPLY.size - len(msg))
 
@@ -325,7 +338,7 @@ def parse_reply(data: memoryview) -> Reply:
     """
     if len(data) != REPLY_BYTES:
         raise ValueError(f"reply of {len(data)} bytes, expected {REPLY_BYTES}")
-    (magic, version, status, op, ndim, req_id, tversion, step, nbytes, chunk, dtype, msg_len,
+    (magic, version, status, op, ndim, req_id, tversion, step, nbytes, chunk, dtype, msg_len, lease,
      *rest) = REPLY.unpack_from(data)
     dims, error = rest[:MAX_DIMS], rest[MAX_DIMS]
     if magic != REPLY_MAGIC or version != DATA_REQUESTS_VERSION:
@@ -334,4 +347,4 @@ def parse_reply(data: memoryview) -> Reply:
         raise ValueError(f"bad reply (status {status}, rank {ndim}, message {msg_len} bytes)")
     message = bytes(data[REPLY.size : REPLY.size + msg_len]).decode("utf-8", "replace")
     return Reply(status, op, req_id, tversion, step, nbytes, chunk, dtype, tuple(dims[:ndim]),
-                 error.rstrip(b"\0").decode("ascii", "replace"), message)
+                 error.rstrip(b"\0").decode("ascii", "replace"), message, lease if status == SHM else 0)
