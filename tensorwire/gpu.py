@@ -26,7 +26,7 @@ allocator, so no allocator setting can change how it is mapped).
 (TCP), wired into :class:`tensorwire.Link` for static CUDA specs:
 
 - :func:`chunk_plan` cuts a tensor's bytes into chunks (``DEFAULT_CHUNK`` =
-  4 MiB, at most ``MAX_STAGING_CHUNKS``; the whole tensor when small). Both
+  2 MiB, at most ``MAX_STAGING_CHUNKS``; the whole tensor when small). Both
   sides compute it from the negotiated spec alone (and the
   ``TENSORWIRE_STAGING_CHUNK`` knob, :func:`staging_chunk`), so the wire carries
   one ordinary header-less message per chunk on the spec's tag: nothing new in
@@ -85,7 +85,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Chunk of the overlapped device->host staging (large enough to keep PCIe/NVLink busy, small enough to overlap).
-DEFAULT_CHUNK = 4 << 20
+#: 2 MiB: the sweep on 2 x H200 (bench/results/staged_chunks_h200x2.md) put it first at 16 MiB (0.91x the
+#: bound, vs 0.69-0.81x for 1, 4, 8 and 16 MiB chunks) and at 1.06x at 64 MiB.
+DEFAULT_CHUNK = 2 << 20
 #: Most chunks one staged message is cut into: bigger tensors get bigger chunks (bounds per-chunk Python work
 #: and the number of posted receive buffers; the pipeline's fill/drain stays below 1/64 of the transfer).
 MAX_STAGING_CHUNKS = 64

@@ -298,7 +298,7 @@ class Link:
 
     **CUDA specs over a host-only transport** (TCP: ``transport.reaches_cuda``
     is False) travel through pinned host slots. For static specs the bytes are
-    cut into chunks by :func:`tensorwire.gpu.chunk_plan` (4 MiB, or the whole
+    cut into chunks by :func:`tensorwire.gpu.chunk_plan` (2 MiB, or the whole
     tensor when small; ``TENSORWIRE_STAGING_CHUNK`` changes it and must be the
     same on both sides), each chunk an ordinary message on the spec's tag, and
     the device<->host copies run on per-link copy streams overlapped with the

@@ -2,7 +2,7 @@
 IPC-safe slots under ``expandable_segments``. Skipped without CUDA; run on a GPU host with ``pytest -m gpu``.
 
 The chunk-staged TCP path (``tensorwire.gpu.StagedSender`` / ``StagedReceiver`` wired into ``Link``) is
-checked for: every dtype and sizes around and across the chunk (1 MiB, default 4 MiB, unchunked), sends
+checked for: every dtype and sizes around and across the chunk (1 MiB, default 2 MiB, unchunked), sends
 ordered after the caller's (non-default) stream including ``isend``, receives consumed on the current stream
 (and through ``out=``), a next ``recv`` that must wait for work still reading the slot, 100 steps without
 allocations, cudaMalloc slots under expandable segments, and the engines alone with real streams. Its
@@ -282,9 +282,10 @@ def _set_chunk(chunk) -> None:
 def _staged_specs(chunk: int):
     """Every dtype at a size that is not a multiple of the chunk, plus edge sizes around the chunk, and a dynamic spec."""
     import tensorwire as tw
+    from tensorwire.gpu import DEFAULT_CHUNK
     from tensorwire.spec import DTYPES
 
-    c = chunk or (4 << 20)
+    c = chunk or DEFAULT_CHUNK
     specs = [tw.TensorSpec(f"d.{d}", (1000, 1037), d, "cuda") for d in DTYPES]  # 1.04e6 elements: 1..8 chunks of 1 MiB
     for label, n in (("empty", 0), ("one", 1), ("below", c - 1), ("exact", c), ("above", c + 1),
                      ("three_and_a_bit", 3 * c + 12345), ("many", 64 * c + 3)):
@@ -301,7 +302,9 @@ def staged_every_dtype_and_size(rank, world, store, transport, chunk=None, steps
 
     _set_chunk(chunk)
     dev = _dev(rank)
-    specs = _staged_specs(int(chunk) if chunk not in (None, "") else 4 << 20)
+    from tensorwire.gpu import DEFAULT_CHUNK
+
+    specs = _staged_specs(int(chunk) if chunk not in (None, "") else DEFAULT_CHUNK)
     echo = [s.with_name("echo." + s.name) for s in specs]
     with _node(rank, world, store, "tcp") as node:
         link = node.link(1 - rank, send=specs if rank == 0 else echo, recv=echo if rank == 0 else specs)
@@ -412,7 +415,7 @@ def staged_no_new_allocations(rank, world, store, transport, steps=100):
     import tensorwire as tw
 
     dev = _dev(rank)
-    a = tw.TensorSpec("a", ((3 << 20) + 5,), "float32", "cuda")  # 4 chunks of 4 MiB, the last one short
+    a = tw.TensorSpec("a", ((3 << 20) + 5,), "float32", "cuda")  # 7 chunks of 2 MiB, the last one short
     b = tw.TensorSpec("b", (1 << 16,), "bfloat16", "cuda")  # one chunk
     mine, theirs = (a, b) if rank == 0 else (b, a)
     with _node(rank, world, store, "tcp") as node:

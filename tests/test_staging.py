@@ -44,9 +44,13 @@ def test_chunk_plan_examples():
     MiB = 1 << 20
     assert chunk_plan(0) == ((0, 0),)  # an empty tensor is still one (empty) message
     assert chunk_plan(1) == ((0, 1),)
-    assert chunk_plan(4 * MiB) == ((0, 4 * MiB),)  # exactly one chunk: whole tensor
-    assert chunk_plan(4 * MiB + 1) == ((0, 4 * MiB), (4 * MiB, 1))
-    assert chunk_plan(10 * MiB) == ((0, 4 * MiB), (4 * MiB, 4 * MiB), (8 * MiB, 2 * MiB))
+    four = 4 * MiB
+    assert chunk_plan(4 * MiB, four) == ((0, 4 * MiB),)  # exactly one chunk: whole tensor
+    assert chunk_plan(4 * MiB + 1, four) == ((0, 4 * MiB), (4 * MiB, 1))
+    assert chunk_plan(10 * MiB, four) == ((0, 4 * MiB), (4 * MiB, 4 * MiB), (8 * MiB, 2 * MiB))
+    assert chunk_plan(256 * MiB, four) == tuple((i * 4 * MiB, 4 * MiB) for i in range(64))
+    # the default (2 MiB): 8 chunks at 16 MiB; at 256 MiB the 64-chunk cap makes them 4 MiB
+    assert chunk_plan(16 * MiB) == tuple((i * 2 * MiB, 2 * MiB) for i in range(8))
     assert chunk_plan(256 * MiB) == tuple((i * 4 * MiB, 4 * MiB) for i in range(64))
     # above 64 chunks the chunk grows (aligned) instead of the count
     big = chunk_plan(1 << 30)
@@ -58,7 +62,7 @@ def test_chunk_plan_examples():
     assert chunk_plan(100 * MiB, 0) == ((0, 100 * MiB),)
     assert chunk_plan(10, 3) == ((0, 3), (3, 3), (6, 3), (9, 1))
     assert chunk_plan(10, 3, max_chunks=1) == ((0, 10),)
-    assert DEFAULT_CHUNK == 4 * MiB
+    assert DEFAULT_CHUNK == 2 * MiB
 
 
 @pytest.mark.timeout(30)
