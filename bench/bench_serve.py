@@ -394,8 +394,20 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
 
         # Interleaved (twenty back-to-back calls of each path in turn, repeatedly): a shared machine's
         # load drifts over seconds, and this way it weighs on every path alike.
+        # Shared memory also without read leases (each call a request to the daemon, as before leases existed).
+        extra: dict[str, Any] = {}
+        if "shm" in clients:
+            from tensorwire.client import LEASES_ENV
+
+            os.environ[LEASES_ENV] = "0"
+            try:
+                extra["shm, no leases"] = tw.Client(f"127.0.0.1:{dinfo['port']}", transport="shm", timeout=300)
+            finally:
+                os.environ.pop(LEASES_ENV, None)
+            assert torch.equal(extra["shm, no leases"].get_rows("table", i0), table[i0])
         res = _interleaved({
             **{k: rows_of(c) for k, c in clients.items()},
+            **{k: rows_of(c) for k, c in extra.items()},
             **{f"{k} grpc calls": rows_of(cg) for k, cg in grpc_clients.items()},
             "grpc": lambda: bc.get_rows("table", idxs[next(it) % 64], gdst),
             "local": lambda: table[idxs[next(it) % 64]],
@@ -403,7 +415,12 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         }, nrep, warmup=3)
         nb = B * D * 4
         op_rows = f"get_rows {B}x{D} f32 of {R:,}"
-        for k in paths:
+        if "shm" in clients:
+            print(f"get_rows over shm: {clients['shm'].lease_reads} reads served from read leases, "
+                  f"{clients['shm'].lease_misses} leases found stale", file=sys.stderr)
+        for c in extra.values():
+            c.close()
+        for k in [*paths, *extra]:
             rows.append((op_rows, f"tensorwire/{k}", f"{res[k] * 1e3:.2f} ms", f"{_gbps(nb, res[k])} GB/s",
                          f"{res['grpc'] / res[k]:.1f}x vs gRPC, {res['local'] / res[k]:.2f}x vs local table[idx], "
                          f"{res['local out'] / res[k]:.2f}x vs local index_select"))

@@ -339,8 +339,10 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> tuple[str, bool]:
     """The markdown page, and whether every size met the target."""
+    from tensorwire.gpu import DEFAULT_CHUNK, MAX_STAGING_CHUNKS
+
     env = res["environment"]
-    chunk_label = args.chunk or "default (4 MiB, at most 64 chunks)"
+    chunk_label = args.chunk or f"default ({DEFAULT_CHUNK >> 20} MiB, at most {MAX_STAGING_CHUNKS} chunks)"
     title = "TCP-staged GPU->GPU: tensorwire vs. pinned copies and a raw socket"
     if args.cpu_dry_run:
         title += " (CPU DRY RUN: not a measurement)"

@@ -622,8 +622,10 @@ def test_send_and_isend_order_after_the_callers_stream_and_serve_other_streams(t
 @pytest.mark.timeout(300)
 def test_staged_tcp_next_recv_waits_for_work_still_reading_the_slot():
     res = run_ranks(staged_receive_war, transport="tcp", timeout=240)
+    from tensorwire.gpu import chunk_plan
+
     r = res[1]
-    assert r["chunks"] == 4
+    assert r["chunks"] == len(chunk_plan(((3 << 20) + 4097) * 4)) > 1  # staged_receive_war's spec, in chunks
     assert r["min"] == r["max"] == r["want"], r
 
 
@@ -634,7 +636,9 @@ def test_staged_tcp_100_steps_allocate_nothing():
         assert r["wrong"] == 0, (rank, r)
         assert not r["moved"], (rank, r)
         assert r["grew"] == [0, 0, 0, 0], (rank, r)  # cuda allocs, cuda segments, pinned handouts, pinned allocs
-    assert res[0]["chunks"] == 4 and res[1]["chunks"] == 1
+    from tensorwire.gpu import chunk_plan
+
+    assert res[0]["chunks"] == len(chunk_plan(((3 << 20) + 5) * 4)) > 1 and res[1]["chunks"] == 1
 
 
 @pytest.mark.timeout(300)
