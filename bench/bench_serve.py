@@ -590,7 +590,7 @@ def main() -> int:
         "operation, the default); `tensorwire/shm` is a client that moves the bytes through the daemon's shared "
         "memory (`transport=\"shm\"`; what `auto` gives a client on the daemon's host): one copy in the client's "
         "process (numpy; split with one helper thread from 4 MiB, 1 MiB for gathers, unless the machine is "
-        "oversubscribed), and for get_rows a gather by the client from the pinned version; `tensorwire/ucx` and `tensorwire/tcp` are clients that asked for that data connection (no "
+        "oversubscribed), and for get_rows a gather by the client from the pinned version; after a tensor's first read, gets and get_rows are served from a read lease (no request; `shm, no leases` is the same client with `TENSORWIRE_SHM_LEASES=0`); `tensorwire/ucx` and `tensorwire/tcp` are clients that asked for that data connection (no "
         "shared memory); `via gRPC calls` rows are the same client with `data_requests=False`, the path an older "
         "daemon offers.",
         "",
