@@ -580,7 +580,7 @@ class Client:
         view = self._shm_view(pr, rep, name)
         try:
             result = use(view)
-            if rep.lease and self._lease_tab is not None:
+            if rep.lease and self._lease_tab is not None and rep.lease < self._lease_tab.size:
                 self._leases[name] = (rep.lease, rep.step, rep.message, rep.chunk, rep.nbytes,
                                       self._reply_spec(name, rep))
             return result
