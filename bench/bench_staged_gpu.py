@@ -24,6 +24,11 @@ For each size (default 16, 64, 256 MiB) this script measures, on this machine:
 - **tensorwire-tcp unchunked**: the same with ``TENSORWIRE_STAGING_CHUNK=0`` (one message
   per tensor: copy all, then send all, then copy all — the path before chunking).
 
+The socket and both tensorwire rows run in one process pair, in turns (a tenth of each
+row's messages, then the next row's, ten times per size), so a drift in the machine's
+speed during the run weighs on the bound and on tensorwire alike; ``--separate`` measures
+them one after the other in a process pair each (the method before session 5).
+
 Every figure is ``size / median(time per message)``; each message of the socket and
 tensorwire rows is timed from the start of the send to the arrival of its ack (the
 same protocol for both). The first and the last message of every tensorwire size are
@@ -204,12 +209,8 @@ def _device(rank: int, args: dict) -> Any:
 # -- 2. raw TCP socket -------------------------------------------------------------------------------
 
 
-def socket_pair(rank: int, store: Any, args: dict, sizes: list[int]) -> dict:
-    """Rank 0 sends ``size`` bytes per message with ``sendall``, rank 1 ``recv_into``s them and acks one byte."""
-    import torch
-
-    cuda = not args["cpu_dry_run"]
-    ns = argparse.Namespace(**args)
+def _connect(rank: int, store: Any, args: dict) -> socket.socket:
+    """A plain TCP connection between the two ranks (rank 1 listens on port 0)."""
     if rank == 1:
         lst = socket.create_server(("127.0.0.1", 0))
         lst.settimeout(args["timeout"])
@@ -221,6 +222,33 @@ def socket_pair(rank: int, store: Any, args: dict, sizes: list[int]) -> dict:
         conn = socket.create_connection(("127.0.0.1", int(store.get("sock/port").decode())), timeout=args["timeout"])
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn.settimeout(args["timeout"])
+    return conn
+
+
+def _socket_message(rank: int, conn: socket.socket, view: memoryview, ack: bytearray) -> None:
+    """One message of the socket row: rank 0 sends and waits for the 1-byte ack, rank 1 receives and acks."""
+    size = len(view)
+    if rank == 0:
+        conn.sendall(view)
+        if conn.recv_into(ack, 1) != 1:
+            raise ConnectionError("receiver closed the connection")
+        return
+    got = 0
+    while got < size:
+        k = conn.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError("sender closed the connection mid-message")
+        got += k
+    conn.sendall(b"\x01")
+
+
+def socket_pair(rank: int, store: Any, args: dict, sizes: list[int]) -> dict:
+    """Rank 0 sends ``size`` bytes per message with ``sendall``, rank 1 ``recv_into``s them and acks one byte."""
+    import torch
+
+    cuda = not args["cpu_dry_run"]
+    ns = argparse.Namespace(**args)
+    conn = _connect(rank, store, args)
     ack = bytearray(1)
     out: dict[str, Any] = {}
     try:
@@ -231,21 +259,10 @@ def socket_pair(rank: int, store: Any, args: dict, sizes: list[int]) -> dict:
             n = args["warmup"] + iterations(size, ns)
             times = []
             for i in range(n):
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    conn.sendall(view)
-                    if conn.recv_into(ack, 1) != 1:
-                        raise ConnectionError("receiver closed the connection")
-                    if i >= args["warmup"]:
-                        times.append(time.perf_counter() - t0)
-                else:
-                    got = 0
-                    while got < size:
-                        k = conn.recv_into(view[got:], size - got, socket.MSG_WAITALL)
-                        if k == 0:
-                            raise ConnectionError("sender closed the connection mid-message")
-                        got += k
-                    conn.sendall(b"\x01")
+                t0 = time.perf_counter()
+                _socket_message(rank, conn, view, ack)
+                if rank == 0 and i >= args["warmup"]:
+                    times.append(time.perf_counter() - t0)
             if rank == 0:
                 out[str(size)] = {"gbps": size / statistics.median(times) / 1e9, "iters": len(times)}
     finally:
@@ -318,6 +335,114 @@ def tensorwire_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: 
     return out
 
 
+# -- 4. all three rows in one process pair, in turns ------------------------------------------------
+
+#: Turns per size in the interleaved mode: each row sends about 1/ROUNDS of its messages per turn.
+ROUNDS = 10
+ROWS = ("socket", "staged", "unchunked")
+
+
+def _set_chunk(chunk: str | None) -> None:
+    if chunk is None:
+        os.environ.pop(CHUNK_ENV, None)
+    else:
+        os.environ[CHUNK_ENV] = chunk  # read by each Link when it is made; both ranks set the same value
+
+
+def interleaved_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | None) -> dict:
+    """The socket, staged and unchunked rows in one process pair, taken in turns: a few messages of each row,
+    then the next row, ROUNDS times per size. A host whose socket speed drifts (a shared machine, another
+    job) then weighs on the bound and on tensorwire alike. Same messages and acks as the separate rows; the
+    receiver checks the first and the last message of each tensorwire row byte for byte."""
+    import torch
+
+    import tensorwire as tw
+
+    ns = argparse.Namespace(**args)
+    dev = _device(rank, args)
+    cuda = dev.type == "cuda"
+    conn = _connect(rank, store, args)
+    node = tw.Node(rank=rank, world_size=2, store=store, transport="tcp", timeout=min(120.0, args["timeout"]),
+                   prefix="bench-staged/interleaved/", device=dev if cuda else None)
+    out: dict[str, dict] = {k: {} for k in ROWS}
+    ackbuf = bytearray(1)
+    one = torch.ones(1, dtype=torch.uint8)
+    try:
+        for size in sizes:
+            data = tw.TensorSpec("data", (size,), "uint8", dev.type)
+            ack = tw.TensorSpec("ack", (1,), "uint8", "cpu")
+            want = content(size, dev)
+            links = {}
+            for row, ch in (("staged", chunk), ("unchunked", "0")):
+                _set_chunk(ch)
+                if rank == 0:
+                    links[row] = node.link(1, send=[data], recv=[ack], name=f"{row}{size}")
+                else:
+                    links[row] = node.link(0, send=[ack], recv=[data], name=f"{row}{size}")
+            _set_chunk(chunk)
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+            buf.fill_(7)
+            view = memoryview(buf.numpy())
+            n = iterations(size, ns)
+            times: dict[str, list[float]] = {k: [] for k in ROWS}
+            got: dict[str, Any] = {}
+            bad: list[str] = []
+
+            def message(row: str, timed: bool, first: bool) -> None:
+                if rank == 0 and cuda:
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                if row == "socket":
+                    _socket_message(rank, conn, view, ackbuf)
+                elif rank == 0:
+                    links[row].send("data", want)
+                    links[row].recv("ack")
+                else:
+                    got[row] = links[row].recv("data")
+                    if cuda:
+                        torch.cuda.current_stream(dev).synchronize()  # the bytes are in GPU memory
+                    if first and not torch.equal(got[row], want):
+                        bad.append(f"{row}: first message")
+                    links[row].send("ack", one)
+                if timed and rank == 0:
+                    times[row].append(time.perf_counter() - t0)
+
+            for row in ROWS:
+                for i in range(args["warmup"]):
+                    message(row, False, i == 0)
+            per = max(1, -(-n // ROUNDS))
+            done = 0
+            while done < n:
+                k = min(per, n - done)
+                for row in ROWS:
+                    for _ in range(k):
+                        message(row, True, False)
+                done += k
+            if rank == 1:
+                for row in ("staged", "unchunked"):
+                    if not torch.equal(got[row], want):  # its last message: the slot stays valid (no recv after it)
+                        bad.append(f"{row}: last message")
+                store.wait([f"interleaved/done/{size}"], timedelta(seconds=args["timeout"]))
+            else:
+                store.set(f"interleaved/done/{size}", "1")  # the receiver closes the links after we are done
+            for row, link in links.items():
+                if rank == 0:
+                    plan = link.staging_plan("data")
+                    out[row][str(size)] = {"gbps": size / statistics.median(times[row]) / 1e9,
+                                           "iters": len(times[row]), "chunks": len(plan) if plan else None,
+                                           "transport": link.transport}
+                link.close()
+            if rank == 0:
+                out["socket"][str(size)] = {"gbps": size / statistics.median(times["socket"]) / 1e9,
+                                            "iters": len(times["socket"])}
+            if bad:
+                raise AssertionError(f"{fmt_size(size)}: wrong bytes in {', '.join(bad)}")
+    finally:
+        node.close()
+        conn.close()
+    return out
+
+
 # -- report -----------------------------------------------------------------------------------------
 
 
@@ -352,7 +477,13 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> tuple[str, bool]:
              f"{env['cpus']} CPUs, load {env.get('loadavg', '?')}, {env['date']}. Staging chunk: {chunk_label}. "
              f"Medians of up to {args.max_iters} messages per size after {args.warmup} warm-up, 1-byte ack per "
              f"message (socket and tensorwire alike); the tensorwire receiver synchronizes its stream before "
-             f"acking. Command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`.", "",
+             f"acking. "
+             + ("Socket, staged and unchunked rows each in their own process pair, one after the other. "
+                if args.separate else
+                f"Socket, staged and unchunked rows measured in one process pair, in turns ({ROUNDS} turns per "
+                f"size, a tenth of each row's messages per turn): drift in the machine's speed weighs on all "
+                f"three alike. ")
+             + f"Command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`.", "",
              "| size | pinned D2H | pinned H2D | raw TCP socket | bound = min | tensorwire-tcp staged (chunks) "
              "| staged / bound | unchunked | unchunked / bound | target >= 0.8 |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
@@ -399,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None, help="write every figure here (JSON)")
     p.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
+    p.add_argument("--separate", action="store_true",
+                   help="measure the socket, staged and unchunked rows one after the other, each in its own "
+                        "process pair (default: in turns, in one pair)")
     p.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -432,15 +566,25 @@ def main(argv: list[str] | None = None) -> int:
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("copies", lambda: {str(k): v for k, v in measure_copies(
             args.sizes, args, torch.device(args.send_device), torch.device(args.recv_device)).items()}),
-        ("socket", lambda: run_pair(socket_pair, args, sizes=args.sizes)[0]),
-        ("staged", lambda: run_pair(tensorwire_pair, args, sizes=args.sizes, chunk=args.chunk, tag="chunked")[0]),
-        ("unchunked", lambda: run_pair(tensorwire_pair, args, sizes=args.sizes, chunk="0", tag="unchunked")[0]),
     ]
+    if args.separate:
+        steps += [
+            ("socket", lambda: run_pair(socket_pair, args, sizes=args.sizes)[0]),
+            ("staged", lambda: run_pair(tensorwire_pair, args, sizes=args.sizes, chunk=args.chunk, tag="chunked")[0]),
+            ("unchunked", lambda: run_pair(tensorwire_pair, args, sizes=args.sizes, chunk="0", tag="unchunked")[0]),
+        ]
+    else:
+        steps.append(("socket+staged+unchunked",
+                      lambda: run_pair(interleaved_pair, args, sizes=args.sizes, chunk=args.chunk)[0]))
     for key, step in steps:
         print(f"bench_staged_gpu: {key} ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
-            res[key] = step()
+            got = step()
+            if key == "socket+staged+unchunked":
+                res.update(got)
+            else:
+                res[key] = got
         except Exception as exc:  # noqa: BLE001 - one failed row must not lose the others
             res["errors"].append(f"{key}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
             print(f"bench_staged_gpu: {key} FAILED: {exc}", file=sys.stderr, flush=True)
