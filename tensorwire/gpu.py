@@ -202,6 +202,42 @@ def _cudart() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
+def _memcpy_async() -> Any:
+    """``f(dst_ptr, src_ptr, nbytes, stream) -> bool``: ``cudaMemcpyAsync(..., cudaMemcpyDefault, raw stream)``
+    with ``stream``'s device current; False when it failed (the error is cleared: the caller takes torch's way).
+    None when the runtime or torch lacks what this needs."""
+    try:
+        lib = _cudart()
+        fn = lib.cudaMemcpyAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        getdev, setdev = lib.cudaGetDevice, lib.cudaSetDevice
+    except (OSError, AttributeError):
+        return None
+
+    def call(dst: int, src: int, nbytes: int, stream: Any) -> bool:
+        idx = stream.device.index
+        cur = ctypes.c_int(-1)
+        if getdev(ctypes.byref(cur)) != 0:
+            lib.cudaGetLastError()
+            return False
+        if cur.value != idx and setdev(idx) != 0:
+            lib.cudaGetLastError()
+            return False
+        try:
+            err = fn(dst, src, nbytes, 4, stream.cuda_stream)  # 4: cudaMemcpyDefault (unified addressing)
+        finally:
+            if cur.value != idx:
+                setdev(cur.value)
+        if err != 0:
+            lib.cudaGetLastError()
+            return False
+        return True
+
+    return call
+
+
 def _on_current_stream(fn_name: str, expected: tuple[int, ...]) -> Any:
     """``f(device) -> int | None``: the CUDA runtime's ``fn_name(cudaStream_t)`` on ``device``'s current stream.
 
@@ -436,7 +472,19 @@ class CudaOps:
         return torch.cuda.Event()
 
     def copy(self, dst: "torch.Tensor", src: "torch.Tensor", stream: Any) -> None:
-        """Queue ``dst.copy_(src)`` on ``stream`` (asynchronous: one side is pinned host memory)."""
+        """Queue ``dst.copy_(src)`` on ``stream`` (asynchronous: one side is pinned host memory).
+
+        Contiguous byte-for-byte copies (what the staging engines queue) go to ``cudaMemcpyAsync``
+        of the runtime torch loaded, on the stream's raw handle: measured on an H200 host, the
+        ``torch.cuda.stream(...)`` + ``copy_`` way costs ~42 us of the calling thread per copy --
+        8 copies of 2 MiB chunks put 0.34 ms of host time on a 16 MiB message's receive path.
+        Anything else, or a runtime call that fails, takes torch's way.
+        """
+        memcpy = _memcpy_async()
+        if (memcpy is not None and dst.dtype == src.dtype and dst.numel() == src.numel()
+                and dst.is_contiguous() and src.is_contiguous()):
+            if memcpy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), stream):
+                return
         import torch
 
         with torch.cuda.stream(stream):
