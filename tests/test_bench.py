@@ -152,6 +152,23 @@ def test_bench_tiny_run_with_check_json_csv_table(tmp_path):
     _no_children_left()
 
 
+@pytest.mark.timeout(150)
+def test_check_with_messages_in_flight_isend(tmp_path):
+    """--check stamps the source before each send: with isend windows (2 and 4 in flight, the receiver's link at
+    depth 4) no message may still be reading it -- this used to time out (the stamp of message k+1 landed in
+    message k; the receiver's check failed and the sender waited for an ack forever)."""
+    pytest.importorskip("ucxx")
+    out = _bench("--backends", "tensorwire-ucx-isend,tensorwire-ucx-isend4", "--check", "--no-memcheck",
+                 "--json", str(tmp_path / "i.json"), *FAST)
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.load(open(tmp_path / "i.json"))
+    for name in ("tensorwire-ucx-isend", "tensorwire-ucx-isend4"):
+        res = data["backends"][name]
+        assert res["status"] == "ok" and res["sender"]["transport"] == "ucx", res
+        assert res["receiver"]["messages"] > 0
+    _no_children_left()
+
+
 @pytest.mark.timeout(90)
 def test_check_catches_a_corrupted_byte(tmp_path):
     out = _bench("--backends", "raw-tcp", "--check", "--inject-corruption", "raw-tcp", "--no-memcheck",

@@ -21,6 +21,8 @@ BACKENDS: dict[str, tuple[str, str | None, str]] = {
     "tensorwire-ucx-isend": ("tw", "ucx-isend", "as tensorwire-ucx, the stream pattern through Link.isend: up to "
                              "2 messages in flight (the receiver's slots per name), as torch-nccl's send returns "
                              "once queued on a stream; round trips are the same as tensorwire-ucx"),
+    "tensorwire-ucx-isend4": ("tw", "ucx-isend4", "as tensorwire-ucx-isend with node.link(..., depth=4) on the "
+                              "receiver: up to 4 messages in flight"),
     "grpc-unary": ("grpcb", "unary", "gRPC unary call carrying the bytes (limits raised), response = ack"),
     "grpc-stream": ("grpcb", "stream", "gRPC client-streaming in chunks into a preallocated buffer"),
     "raw-tcp": ("rawtcp", None, "plain TCP socket: sendall / recv_into, 1-byte ack"),
