@@ -242,102 +242,9 @@ def _socket_message(rank: int, conn: socket.socket, view: memoryview, ack: bytea
     conn.sendall(b"\x01")
 
 
-def socket_pair(rank: int, store: Any, args: dict, sizes: list[int]) -> dict:
-    """Rank 0 sends ``size`` bytes per message with ``sendall``, rank 1 ``recv_into``s them and acks one byte."""
-    import torch
+# -- 3. tensorwire over a TCP link, and the rows together ---------------------------------------------
 
-    cuda = not args["cpu_dry_run"]
-    ns = argparse.Namespace(**args)
-    conn = _connect(rank, store, args)
-    ack = bytearray(1)
-    out: dict[str, Any] = {}
-    try:
-        for size in sizes:
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-            buf.fill_(7)
-            view = memoryview(buf.numpy())
-            n = args["warmup"] + iterations(size, ns)
-            times = []
-            for i in range(n):
-                t0 = time.perf_counter()
-                _socket_message(rank, conn, view, ack)
-                if rank == 0 and i >= args["warmup"]:
-                    times.append(time.perf_counter() - t0)
-            if rank == 0:
-                out[str(size)] = {"gbps": size / statistics.median(times) / 1e9, "iters": len(times)}
-    finally:
-        conn.close()
-    return out
-
-
-# -- 3. tensorwire over a TCP link -------------------------------------------------------------------
-
-
-def tensorwire_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | None, tag: str) -> dict:
-    """One Link per size (transport="tcp"): rank 0 sends a CUDA tensor, rank 1 receives into its CUDA slot,
-    synchronizes its current stream and acks; the first and last message are checked byte for byte."""
-    import torch
-
-    if chunk is None:
-        os.environ.pop(CHUNK_ENV, None)
-    else:
-        os.environ[CHUNK_ENV] = chunk  # read by each Link when it is made; both ranks set the same value
-    import tensorwire as tw
-
-    ns = argparse.Namespace(**args)
-    dev = _device(rank, args)
-    cuda = dev.type == "cuda"
-    out: dict[str, Any] = {}
-    node = tw.Node(rank=rank, world_size=2, store=store, transport="tcp", timeout=min(120.0, args["timeout"]),
-                   prefix=f"bench-staged/{tag}/", device=dev if cuda else None)
-    try:
-        for size in sizes:
-            data = tw.TensorSpec("data", (size,), "uint8", dev.type)
-            ack = tw.TensorSpec("ack", (1,), "uint8", "cpu")
-            want = content(size, dev)
-            n = args["warmup"] + iterations(size, ns)
-            if rank == 0:
-                link = node.link(1, send=[data], recv=[ack], name=f"s{size}")
-                plan = link.staging_plan("data")
-                times = []
-                for i in range(n):
-                    if cuda:
-                        torch.cuda.synchronize(dev)
-                    t0 = time.perf_counter()
-                    link.send("data", want)
-                    link.recv("ack")
-                    if i >= args["warmup"]:
-                        times.append(time.perf_counter() - t0)
-                store.set(f"{tag}/done/{size}", "1")  # the receiver closes this link only after we are done with it
-                link.close()
-                out[str(size)] = {"gbps": size / statistics.median(times) / 1e9, "iters": len(times),
-                                  "chunks": len(plan) if plan else None, "transport": link.transport}
-            else:
-                link = node.link(0, send=[ack], recv=[data], name=f"s{size}")
-                one = torch.ones(1, dtype=torch.uint8)
-                bad = []
-                for i in range(n):
-                    got = link.recv("data")
-                    if cuda:
-                        torch.cuda.current_stream(dev).synchronize()  # the bytes are in GPU memory
-                    if i == 0 and not torch.equal(got, want):
-                        bad.append(i)
-                    link.send("ack", one)
-                if not torch.equal(got, want):  # the last message (its slot stays valid: no recv after it)
-                    bad.append(n - 1)
-                store.wait([f"{tag}/done/{size}"], timedelta(seconds=args["timeout"]))
-                link.close()
-                if bad:
-                    raise AssertionError(f"{fmt_size(size)}: message(s) {bad} arrived with wrong bytes")
-                out[str(size)] = {"checked": 2}
-    finally:
-        node.close()
-    return out
-
-
-# -- 4. all three rows in one process pair, in turns ------------------------------------------------
-
-#: Turns per size in the interleaved mode: each row sends about 1/ROUNDS of its messages per turn.
+#: Turns per size when rows share a process pair: each row sends about 1/ROUNDS of its messages per turn.
 ROUNDS = 10
 ROWS = ("socket", "staged", "unchunked")
 
@@ -349,42 +256,57 @@ def _set_chunk(chunk: str | None) -> None:
         os.environ[CHUNK_ENV] = chunk  # read by each Link when it is made; both ranks set the same value
 
 
-def interleaved_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | None) -> dict:
-    """The socket, staged and unchunked rows in one process pair, taken in turns: a few messages of each row,
-    then the next row, ROUNDS times per size. A host whose socket speed drifts (a shared machine, another
-    job) then weighs on the bound and on tensorwire alike. Same messages and acks as the separate rows; the
-    receiver checks the first and the last message of each tensorwire row byte for byte."""
-    import torch
+def rows_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | None,
+              rows: tuple[str, ...] = ROWS) -> dict:
+    """The ``rows`` (of :data:`ROWS`) in one process pair; with more than one, taken in turns: a few messages of
+    each row, then the next row, ROUNDS times per size, so a host whose socket speed drifts (a shared machine,
+    another job) weighs on the bound and on tensorwire alike.
 
-    import tensorwire as tw
+    - socket: rank 0 ``sendall``s from a pinned host buffer, rank 1 ``recv_into``s and acks one byte;
+    - staged / unchunked: one Link per size and row (``transport="tcp"``; unchunked with
+      ``TENSORWIRE_STAGING_CHUNK=0``): rank 0 sends a CUDA tensor, rank 1 receives into its CUDA slot,
+      synchronizes its current stream and acks; the first and the last message are checked byte for byte.
+
+    Returns (rank 0) ``{row: {str(size): {"gbps", "iters", ...}}}``.
+    """
+    import torch
 
     ns = argparse.Namespace(**args)
     dev = _device(rank, args)
     cuda = dev.type == "cuda"
-    conn = _connect(rank, store, args)
-    node = tw.Node(rank=rank, world_size=2, store=store, transport="tcp", timeout=min(120.0, args["timeout"]),
-                   prefix="bench-staged/interleaved/", device=dev if cuda else None)
-    out: dict[str, dict] = {k: {} for k in ROWS}
+    links_wanted = [(row, chunk if row == "staged" else "0") for row in rows if row != "socket"]
+    conn = _connect(rank, store, args) if "socket" in rows else None
+    node = None
+    if links_wanted:
+        import tensorwire as tw
+
+        node = tw.Node(rank=rank, world_size=2, store=store, transport="tcp", timeout=min(120.0, args["timeout"]),
+                       prefix="bench-staged/", device=dev if cuda else None)
+    out: dict[str, dict] = {k: {} for k in rows}
     ackbuf = bytearray(1)
     one = torch.ones(1, dtype=torch.uint8)
     try:
         for size in sizes:
-            data = tw.TensorSpec("data", (size,), "uint8", dev.type)
-            ack = tw.TensorSpec("ack", (1,), "uint8", "cpu")
-            want = content(size, dev)
             links = {}
-            for row, ch in (("staged", chunk), ("unchunked", "0")):
-                _set_chunk(ch)
-                if rank == 0:
-                    links[row] = node.link(1, send=[data], recv=[ack], name=f"{row}{size}")
-                else:
-                    links[row] = node.link(0, send=[ack], recv=[data], name=f"{row}{size}")
-            _set_chunk(chunk)
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-            buf.fill_(7)
-            view = memoryview(buf.numpy())
+            want = None
+            if node is not None:
+                data = tw.TensorSpec("data", (size,), "uint8", dev.type)
+                ack = tw.TensorSpec("ack", (1,), "uint8", "cpu")
+                want = content(size, dev)
+                for row, ch in links_wanted:
+                    _set_chunk(ch)
+                    if rank == 0:
+                        links[row] = node.link(1, send=[data], recv=[ack], name=f"{row}{size}")
+                    else:
+                        links[row] = node.link(0, send=[ack], recv=[data], name=f"{row}{size}")
+                _set_chunk(chunk)
+            view = None
+            if conn is not None:
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+                buf.fill_(7)
+                view = memoryview(buf.numpy())
             n = iterations(size, ns)
-            times: dict[str, list[float]] = {k: [] for k in ROWS}
+            times: dict[str, list[float]] = {k: [] for k in rows}
             got: dict[str, Any] = {}
             bad: list[str] = []
 
@@ -407,24 +329,25 @@ def interleaved_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk:
                 if timed and rank == 0:
                     times[row].append(time.perf_counter() - t0)
 
-            for row in ROWS:
+            for row in rows:
                 for i in range(args["warmup"]):
                     message(row, False, i == 0)
-            per = max(1, -(-n // ROUNDS))
+            per = max(1, -(-n // ROUNDS)) if len(rows) > 1 else n
             done = 0
             while done < n:
                 k = min(per, n - done)
-                for row in ROWS:
+                for row in rows:
                     for _ in range(k):
                         message(row, True, False)
                 done += k
-            if rank == 1:
-                for row in ("staged", "unchunked"):
-                    if not torch.equal(got[row], want):  # its last message: the slot stays valid (no recv after it)
-                        bad.append(f"{row}: last message")
-                store.wait([f"interleaved/done/{size}"], timedelta(seconds=args["timeout"]))
-            else:
-                store.set(f"interleaved/done/{size}", "1")  # the receiver closes the links after we are done
+            if links:
+                if rank == 1:
+                    for row in links:
+                        if not torch.equal(got[row], want):  # the last message (its slot stays valid: no recv after it)
+                            bad.append(f"{row}: last message")
+                    store.wait([f"rows/done/{size}"], timedelta(seconds=args["timeout"]))
+                else:
+                    store.set(f"rows/done/{size}", "1")  # the receiver closes the links after we are done
             for row, link in links.items():
                 if rank == 0:
                     plan = link.staging_plan("data")
@@ -432,14 +355,16 @@ def interleaved_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk:
                                            "iters": len(times[row]), "chunks": len(plan) if plan else None,
                                            "transport": link.transport}
                 link.close()
-            if rank == 0:
+            if rank == 0 and conn is not None:
                 out["socket"][str(size)] = {"gbps": size / statistics.median(times["socket"]) / 1e9,
                                             "iters": len(times["socket"])}
             if bad:
                 raise AssertionError(f"{fmt_size(size)}: wrong bytes in {', '.join(bad)}")
     finally:
-        node.close()
-        conn.close()
+        if node is not None:
+            node.close()
+        if conn is not None:
+            conn.close()
     return out
 
 
@@ -567,24 +492,16 @@ def main(argv: list[str] | None = None) -> int:
         ("copies", lambda: {str(k): v for k, v in measure_copies(
             args.sizes, args, torch.device(args.send_device), torch.device(args.recv_device)).items()}),
     ]
-    if args.separate:
-        steps += [
-            ("socket", lambda: run_pair(socket_pair, args, sizes=args.sizes)[0]),
-            ("staged", lambda: run_pair(tensorwire_pair, args, sizes=args.sizes, chunk=args.chunk, tag="chunked")[0]),
-            ("unchunked", lambda: run_pair(tensorwire_pair, args, sizes=args.sizes, chunk="0", tag="unchunked")[0]),
-        ]
-    else:
-        steps.append(("socket+staged+unchunked",
-                      lambda: run_pair(interleaved_pair, args, sizes=args.sizes, chunk=args.chunk)[0]))
+    groups = [(row,) for row in ROWS] if args.separate else [ROWS]
+    for rows in groups:
+        steps.append(("+".join(rows), lambda rows=rows: run_pair(rows_pair, args, sizes=args.sizes, chunk=args.chunk,
+                                                                 rows=rows)[0]))
     for key, step in steps:
         print(f"bench_staged_gpu: {key} ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
             got = step()
-            if key == "socket+staged+unchunked":
-                res.update(got)
-            else:
-                res[key] = got
+            res.update(got if key != "copies" else {"copies": got})
         except Exception as exc:  # noqa: BLE001 - one failed row must not lose the others
             res["errors"].append(f"{key}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
             print(f"bench_staged_gpu: {key} FAILED: {exc}", file=sys.stderr, flush=True)
