@@ -247,8 +247,6 @@ _RECV_WINDOW = 8
 _RELEASE_AFTER = 0.002
 #: What :meth:`Client._lease_read` returns when the lease cannot serve the read.
 _MISS = object()
-#: Which counters of the session page a lease read adds to (tensorwire.serve.shm.SessionPage).
-_PAGE_GET, _PAGE_ROWS = 0, 2
 #: ``TENSORWIRE_SHM_LEASES=0`` turns read leases off (every shared-memory read asks the daemon).
 LEASES_ENV = "TENSORWIRE_SHM_LEASES"
 
@@ -594,7 +592,7 @@ class Client:
                 elif self._rel_parked:
                     self._rel_cond.notify()
 
-    def _lease_read(self, name: str, use: Callable[[TensorSpec, "torch.Tensor", str], Any], which: int) -> Any:
+    def _lease_read(self, name: str, use: Callable[[TensorSpec, "torch.Tensor", str], Any], op: str) -> Any:
         """A read served from this client's lease on ``name`` (no request), or :data:`_MISS`.
 
         ``use(spec, bytes, region)`` copies out of the region the lease names; the result counts only
@@ -629,7 +627,7 @@ class Client:
                 self.lease_misses += 1
                 return _MISS
             self.lease_reads += 1
-            self._page.add(which, self.shm_bytes - before)
+            self._page.add(op, self.shm_bytes - before)
             return result
 
     def _release_loop(self) -> None:
@@ -1133,7 +1131,7 @@ class Client:
             return result
 
         if self._leases:
-            got = self._lease_read(name, copy_out, _PAGE_GET)
+            got = self._lease_read(name, copy_out, "get")
             if got is not _MISS:
                 return got
         return self._run(op, dp)
@@ -1295,7 +1293,7 @@ class Client:
             return self._rows_in_parts(name, idx, out, fetch)
 
         if self._leases:
-            got = self._lease_read(name, gather, _PAGE_ROWS)
+            got = self._lease_read(name, gather, "get_rows")
             if got is not _MISS:
                 return got
         return self._run(op, dp)

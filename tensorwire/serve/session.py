@@ -70,11 +70,9 @@ SHM_SPIN_MAX_BYTES = 16 << 20
 
 
 def _spin_slots() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover
-        cpus = os.cpu_count() or 1
-    return max(0, cpus - 1)
+    from .shm import usable_cpus
+
+    return max(0, usable_cpus() - 1)
 
 
 _SPIN_SLOTS = threading.BoundedSemaphore(max(1, _spin_slots()))

@@ -113,6 +113,14 @@ _TMP_LOCK_RE = re.compile(r"^\.tensorwire-([0-9]{1,10})-([0-9a-f]{8})\.lock\.tmp
 _MMAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover
+        return os.cpu_count() or 1
+
+
 class ShmError(OSError):
     """A region could not be created or mapped (the caller falls back to the socket path)."""
 
@@ -603,7 +611,7 @@ class LeaseTable:
     """
 
     def __init__(self, name: str) -> None:
-        m = _NAME_RE.match(name) if valid_name(name) else None
+        m = _NAME_RE.match(name) if isinstance(name, str) else None
         if m is None:
             raise ShmError(errno.EINVAL, f"{name!r} is not a tensorwire shared-memory region name")
         path = os.path.join(SHM_DIR, name)
@@ -656,23 +664,30 @@ class LeaseTable:
             pass
 
 
+#: The session page's counters (uint64 from PAGE_STATS_OFFSET): operations, then bytes, of each read kind.
+_PAGE_SLOTS = {"get": 0, "get_rows": 2}
+
+
+def _page_counters(mm: mmap.mmap) -> Any:
+    """The session page's counters as a uint64 numpy view of ``mm`` (see :data:`_PAGE_SLOTS`)."""
+    import numpy as np
+
+    return np.frombuffer(mm, dtype=np.uint64, count=2 * len(_PAGE_SLOTS), offset=PAGE_STATS_OFFSET)
+
+
 class SessionPage:
     """A client's mapping of its session's hello page, where it counts the reads its leases served."""
 
-    GET, ROWS = 0, 2
-
     def __init__(self, name: str) -> None:
-        import numpy as np
-
         self._mm, t = _open_map(name, HELLO_BYTES)
         del t
-        #: get ops, get bytes, get_rows ops, get_rows bytes (the client is the only writer).
-        self.counts = np.frombuffer(self._mm, dtype=np.uint64, count=4, offset=PAGE_STATS_OFFSET)
+        self.counts = _page_counters(self._mm)  # the client is the only writer
 
-    def add(self, which: int, nbytes: int) -> None:
-        c = self.counts
-        c[which] += 1
-        c[which + 1] += nbytes
+    def add(self, op: str, nbytes: int) -> None:
+        """One lease read of kind ``op`` ("get" or "get_rows") that copied ``nbytes``."""
+        c, i = self.counts, _PAGE_SLOTS[op]
+        c[i] += 1
+        c[i + 1] += nbytes
 
     def close(self) -> None:
         self.counts = None  # type: ignore[assignment]
@@ -684,9 +699,7 @@ class SessionPage:
 
 def page_counts(region: Region) -> tuple[int, int, int, int]:
     """Daemon side: what a session's client counted in its page (get ops, get bytes, get_rows ops, bytes)."""
-    import numpy as np
-
-    a = np.frombuffer(region._mm, dtype=np.uint64, count=4, offset=PAGE_STATS_OFFSET)
+    a = _page_counters(region._mm)
     return int(a[0]), int(a[1]), int(a[2]), int(a[3])
 
 
@@ -827,11 +840,7 @@ class Copier:
     def __init__(self) -> None:
         self._tasks: "queue.SimpleQueue[_Pieces | None]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):  # pragma: no cover
-            cpus = os.cpu_count() or 1
-        self._cpus = cpus
+        cpus = self._cpus = usable_cpus()
         self.parallel = cpus > 1
         self._loadavg = -1
         if self.parallel:
