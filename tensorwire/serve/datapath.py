@@ -398,10 +398,7 @@ class DataRequests:
         nonce = s.shm_nonce
         offered = s.shm_hello is not None and bool(nonce)
         ok = offered and hmac.compare_digest(req.name.encode("ascii", "replace"), nonce.hex().encode())
-        if ok and s.shm_version >= LEASE_VERSION:
-            s.keep_page()  # the client counts its lease reads there
-        else:
-            s.withdraw_hello()  # one try
+        s.withdraw_hello(keep=ok and s.shm_version >= LEASE_VERSION)  # one try; kept: the client counts lease reads there
         if not offered:
             raise errors.ProtocolError("no shared-memory offer is open on this session")
         if not ok:

@@ -309,23 +309,15 @@ class Session:
             region.close()
         return region.name
 
-    def withdraw_hello(self) -> None:
-        """Unlink the hello region (proof given, refused, or the client went on without it)."""
+    def withdraw_hello(self, *, keep: bool = False) -> None:
+        """Take the hello region off the offer (proof given, refused, or the client went on without it): unlinked,
+        or with ``keep`` (a good proof on shm version >= 2) kept as the session's page (see :meth:`fold_page`)."""
         with self._lock:
             region, self.shm_hello = self.shm_hello, None
             self.shm_nonce = b""
+            if keep and region is not None and not self.closed:
+                self.shm_page, region = region, None
         if region is not None:
-            region.close()
-
-    def keep_page(self) -> None:
-        """The proof was good: the hello region stays as the session's page (see :meth:`fold_page`)."""
-        with self._lock:
-            region, self.shm_hello = self.shm_hello, None
-            self.shm_nonce = b""
-            closed = self.closed
-            if not closed:
-                self.shm_page = region
-        if closed and region is not None:
             region.close()
 
     def fold_page(self) -> None:
