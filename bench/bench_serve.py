@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
     import tensorwire as tw
 
     sizes = [16, 64] if args.quick else [16, 64, 256]
-    reps = {16: 7, 64: 5, 256: 3} if not args.quick else {16: 3, 64: 2}
+    reps = {16: 15, 64: 9, 256: 5} if not args.quick else {16: 4, 64: 2}
     daemon, dinfo = _spawn([sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--transport", args.transport,
                             "--max-bytes", "8GiB"])
     base, binfo = _spawn([sys.executable, os.path.abspath(__file__), "--baseline-server"])
@@ -475,38 +475,51 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
                          f"{gres['local'] * 1e3:.2f} ms", f"{_gbps(nb, gres['local'])} GB/s", ""))
         rows_rows, rows = rows, main_rows
         rows_verdicts, verdicts = verdicts, main_verdicts
-        # 1. put / get
+        # 1. put / get: every path in turns (two calls of each at a time, repeatedly), as get_rows above; each
+        # tensorwire path puts its own copy of the tensor (a put by one client would end another's write-ahead
+        # grant on a shared name, and the figure would be of two clients taking turns on one tensor)
+        noahead = None
+        if "shm" in clients:
+            from tensorwire.client import AHEAD_ENV
+
+            os.environ[AHEAD_ENV] = "0"
+            try:
+                noahead = tw.Client(f"127.0.0.1:{dinfo['port']}", transport="shm", timeout=300)
+            finally:
+                os.environ.pop(AHEAD_ENV, None)
+        writers = {**clients, **({"shm, no write-ahead": noahead} if noahead is not None else {}),
+                   **{f"{k} grpc calls": cg for k, cg in grpc_clients.items()}}
         for mib in sizes:
             n = mib * MiB
             x = torch.randint(0, 255, (n,), dtype=torch.uint8)
             dst = torch.empty(n, dtype=torch.uint8)
-            res: dict[str, float] = {}
-            first.put(f"blob{mib}", x)  # both slots (current, staging) allocated before any path is timed
-            first.put(f"blob{mib}", x)
-            for k, c in clients.items():
-                # two warm-up calls: a put goes to the other slot each time (a shared-memory client maps each once)
-                res[f"put {k}"] = _timed(lambda: c.put(f"blob{mib}", x), reps[mib], warmup=2)
-                res[f"get {k}"] = _timed(lambda: c.get(f"blob{mib}", out=dst), reps[mib], warmup=2)
-                assert torch.equal(dst, x)
-                if k not in grpc_clients:
-                    continue
-                cg = grpc_clients[k]
-                res[f"put {k} grpc calls"] = _timed(lambda: cg.put(f"blob{mib}", x), reps[mib])
-                res[f"get {k} grpc calls"] = _timed(lambda: cg.get(f"blob{mib}", out=dst), reps[mib])
-                assert torch.equal(dst, x)
-            res["put grpc unary"] = _timed(lambda: bc.put(f"blob{mib}", x), reps[mib])
-            res["put grpc stream"] = _timed(lambda: bc.put_stream(f"blob{mib}", x), reps[mib])
-            res["get grpc unary"] = _timed(lambda: bc.get(f"blob{mib}", dst), reps[mib])
-            res["get grpc stream"] = _timed(lambda: bc.get_stream(f"blob{mib}", dst), reps[mib])
-            assert torch.equal(dst, x)
+            for k, c in writers.items():
+                c.put(f"blob{mib} {k}", x)  # both slots (current, staging) allocated before any path is timed
+                c.put(f"blob{mib} {k}", x)
+            puts: dict[str, Callable[[], Any]] = {
+                f"put {k}": (lambda c=c, k=k: c.put(f"blob{mib} {k}", x)) for k, c in writers.items()}
+            puts["put grpc unary"] = lambda: bc.put(f"blob{mib}", x)
+            puts["put grpc stream"] = lambda: bc.put_stream(f"blob{mib}", x)
+            res = _interleaved(puts, reps[mib], warmup=2, per_turn=2)
+            gets: dict[str, Callable[[], Any]] = {
+                f"get {k}": (lambda c=c, k=k: c.get(f"blob{mib} {k}", out=dst)) for k, c in writers.items()
+                if k in clients or k.endswith("grpc calls")}
+            gets["get grpc unary"] = lambda: bc.get(f"blob{mib}", dst)
+            gets["get grpc stream"] = lambda: bc.get_stream(f"blob{mib}", dst)
+            res.update(_interleaved(gets, reps[mib], warmup=2, per_turn=2))
+            for k, c in writers.items():
+                assert torch.equal(c.get(f"blob{mib} {k}", out=dst), x)
+                c.delete(f"blob{mib} {k}")
+            assert torch.equal(bc.get_stream(f"blob{mib}", dst), x)
             for op in ("put", "get"):
                 g_best = min(res[f"{op} grpc unary"], res[f"{op} grpc stream"])
-                for k in paths:
+                for k in paths + (["shm, no write-ahead"] if op == "put" and noahead is not None else []):
                     ratio = g_best / res[f"{op} {k}"]
                     rows.append((f"{op} {mib} MiB", f"tensorwire/{k}", f"{res[f'{op} {k}'] * 1e3:.1f} ms",
                                  f"{_gbps(n, res[f'{op} {k}'])} GB/s", f"{ratio:.1f}x vs best gRPC"))
-                    verdicts.append(f"{op} {mib} MiB tensorwire/{k}: {ratio:.1f}x gRPC (target >= 5x): "
-                                    + ("met" if ratio >= 5 else "MISSED"))
+                    if k in paths:
+                        verdicts.append(f"{op} {mib} MiB tensorwire/{k}: {ratio:.1f}x gRPC (target >= 5x): "
+                                        + ("met" if ratio >= 5 else "MISSED"))
                 for k in kinds:
                     t = res[f"{op} {k} grpc calls"]
                     rows.append((f"{op} {mib} MiB", f"tensorwire/{k} via gRPC calls", f"{t * 1e3:.1f} ms",
@@ -514,13 +527,11 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
                 for v in ("unary", "stream"):
                     t = res[f"{op} grpc {v}"]
                     rows.append((f"{op} {mib} MiB", f"gRPC {v}", f"{t * 1e3:.1f} ms", f"{_gbps(n, t)} GB/s", ""))
-            for k, c in clients.items():
-                c.delete(f"blob{mib}") if k == kinds[0] else None
         rows.extend(rows_rows)
         verdicts.extend(rows_verdicts)
         first.delete("table")
         bc.close()
-        for c in [*clients.values(), *grpc_clients.values()]:
+        for c in [*clients.values(), *grpc_clients.values(), *([noahead] if noahead is not None else [])]:
             c.close()
         # 3. concurrency
         with tw.Client(f"127.0.0.1:{dinfo['port']}", transport=kinds[0]) as c:
@@ -580,8 +591,9 @@ def main() -> int:
         "jobs shared the CPUs and the figures are noisy.",
         "",
         "Daemon and baseline each run in their own process on this machine; clients in the bench process "
-        "(the concurrency rows: one process per client). Times are medians; the get_rows paths are measured in "
-        "turns (twenty back-to-back calls of each at a time), so a drifting load weighs on all of them. The gRPC baseline uses raw-bytes "
+        "(the concurrency rows: one process per client). Times are medians; every path is measured in turns "
+        "(get_rows: twenty back-to-back calls of each at a time; put and get: two), so a drifting load weighs on "
+        "all of them alike, and each tensorwire path puts and gets its own copy of the tensor. The gRPC baseline uses raw-bytes "
         "methods (no protobuf: gRPC's best case), unary with 1 GiB limits and streaming 1 MiB chunks; "
         "`ratio` compares tensorwire with the faster of the two. `local table[idx]` is a pageable-CPU "
         "index-and-copy in the client process (a new tensor each time), `local index_select(out=)` the same "
@@ -590,7 +602,7 @@ def main() -> int:
         "operation, the default); `tensorwire/shm` is a client that moves the bytes through the daemon's shared "
         "memory (`transport=\"shm\"`; what `auto` gives a client on the daemon's host): one copy in the client's "
         "process (numpy; split with one helper thread from 4 MiB, 1 MiB for gathers, unless the machine is "
-        "oversubscribed), and for get_rows a gather by the client from the pinned version; after a tensor's first read, gets and get_rows are served from a read lease (no request; `shm, no leases` is the same client with `TENSORWIRE_SHM_LEASES=0`); `tensorwire/ucx` and `tensorwire/tcp` are clients that asked for that data connection (no "
+        "oversubscribed), and for get_rows a gather by the client from the pinned version; after a tensor's first read, gets and get_rows are served from a read lease (no request; `shm, no leases` is the same client with `TENSORWIRE_SHM_LEASES=0`); after its first put, a client's puts of a tensor go through a write-ahead grant (the daemon reserved the slot for it with the last commit: one copy and one COMMIT request; `shm, no write-ahead` is the same client with `TENSORWIRE_SHM_AHEAD=0`, which reserves the slot with a request first); `tensorwire/ucx` and `tensorwire/tcp` are clients that asked for that data connection (no "
         "shared memory); `via gRPC calls` rows are the same client with `data_requests=False`, the path an older "
         "daemon offers.",
         "",

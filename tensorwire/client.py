@@ -251,6 +251,16 @@ _MISS = object()
 LEASES_ENV = "TENSORWIRE_SHM_LEASES"
 
 
+#: ``TENSORWIRE_SHM_AHEAD=0`` turns write-ahead grants off (every shared-memory put reserves its slot first).
+AHEAD_ENV = "TENSORWIRE_SHM_AHEAD"
+
+
+def _ahead_wanted() -> bool:
+    import os
+
+    return os.environ.get(AHEAD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _leases_wanted() -> bool:
     import os
     import platform
@@ -386,7 +396,13 @@ class Client:
         self._use_leases = _leases_wanted()
         self._leases: dict[str, tuple[int, int, str, int, int, TensorSpec]] = {}
         self._lease_tab: Any = None  # shm.LeaseTable of the current session's daemon
-        self._page: Any = None  # shm.SessionPage: where this client counts its lease reads for the daemon
+        self._page: Any = None  # shm.SessionPage: lease-read counts for the daemon, the write-ahead ticket
+        # write-ahead grant (see tensorwire.serve.shm.PageLock), or None
+        self._use_ahead = _ahead_wanted()
+        self._ahead: tuple[str, tuple[int, tuple[int, ...]], str, int] | None = None  # name, (dtype, shape), region, ticket
+        self._shm_version = 0
+        #: Puts written into a write-ahead grant's slot (one round trip instead of two; all sessions).
+        self.ahead_puts = 0
         #: Reads served from a read lease, without a request (all sessions), and leases found stale.
         self.lease_reads = 0
         self.lease_misses = 0
@@ -415,7 +431,7 @@ class Client:
         from .transport.base import get_factory
         from .v1 import store_pb2
 
-        from .serve.shm import SHM_VERSION
+        from .serve.shm import LEASE_VERSION, SHM_VERSION
 
         kinds: list[str]
         if self._want == "tcp":
@@ -437,7 +453,8 @@ class Client:
             req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name,
                                                host_id=host_id(),
                                                data_requests=DATA_REQUESTS_VERSION if self._want_dp else 0,
-                                               shm=SHM_VERSION if offer_shm else 0)
+                                               shm=(SHM_VERSION if self._use_ahead else LEASE_VERSION)
+                                               if offer_shm else 0)
             resp = self._rpc("OpenSession", req, timeout=self._connect_timeout + 5)
             if not resp.data:
                 raise ProtocolError("the server offered no data listener")
@@ -466,6 +483,7 @@ class Client:
             self._req_id = self._replies = 0
             self._replies_posted.clear()
             self._shm = False
+            self._shm_version = resp.shm
             if self._shm_broken:
                 pass  # the reason stays
             elif not offer_shm:
@@ -513,19 +531,19 @@ class Client:
             return
         self._shm = True
         self._shm_why = ""
-        if ok.message and self._use_leases:
+        leases = bool(ok.message) and self._use_leases
+        if not (leases or (self._use_ahead and self._shm_version >= shm.AHEAD_VERSION)):
+            return
+        try:
+            self._page = shm.SessionPage(hello)
+        except shm.ShmError as exc:
+            log.debug("shared memory: no read leases or write-ahead grants (the session page: %s)", exc)
+            return
+        if leases:
             try:
-                tab = shm.LeaseTable(ok.message)
+                self._lease_tab = shm.LeaseTable(ok.message)
             except shm.ShmError as exc:
                 log.debug("shared memory: no read leases (%s)", exc)
-                return
-            try:
-                self._page = shm.SessionPage(hello)
-            except shm.ShmError as exc:
-                tab.close()
-                log.debug("shared memory: no read leases (the session page: %s)", exc)
-                return
-            self._lease_tab = tab
 
     @property
     def shm(self) -> bool:
@@ -680,11 +698,58 @@ class Client:
         if done.status != wire.OK:
             raise self._lost(pr, f"reply to a commit has status {done.status}")
         self.shm_bytes += nbytes
+        if op == wire.OP_PUT:
+            self._take_grant(name, nbytes, done)
+        spec = self._reply_spec(name, done)
+        return TensorStat(spec, int(done.version), spec.nbytes)
+
+    def _take_grant(self, name: str, nbytes: int, done: "wire.Reply") -> None:
+        """Keep the write-ahead grant a put's COMMIT reply carries (if any) for the next put of ``name``."""
+        ok = done.message and done.step > 0 and done.nbytes == nbytes and self._page is not None and self._use_ahead
+        self._ahead = (name, (done.dtype, tuple(done.shape)), done.message, int(done.step)) if ok else None
+
+    def _put_ahead(self, t: "Transport", pr: "_Progress", spec: TensorSpec,
+                   fill: Callable[["torch.Tensor", str], None]) -> "TensorStat | None":
+        """A put into the slot of the session's write-ahead grant: one copy, one COMMIT. None: not this put
+        (another name or spec: the daemon's answer to the ordinary request is what the caller gets), or the
+        grant has ended (nothing was written that anyone will see); put the ordinary way."""
+        from .serve import shm
+
+        grant, self._ahead = self._ahead, None
+        page, name, nbytes = self._page, spec.name, spec.nbytes
+        if (grant is None or page is None or grant[0] != name
+                or grant[1] != (wire.dtype_code(spec.dtype), tuple(spec.shape))):
+            return None
+        region, ticket = grant[2], grant[3]
+        if not page.lock.try_lock():  # the daemon is revoking it right now
+            return None
+        try:
+            if int(page.ahead[0]) != ticket:  # revoked (another writer, a delete)
+                return None
+            try:
+                dst = self._maps.get(region, 0, nbytes)
+            except shm.ShmError:
+                return None
+            self._regions_of.setdefault(name, set()).add(region)
+            fill(dst, region)
+            pr.sent = True  # from here on the daemon may commit: never repeated
+            done = self._dp_call(t, pr, wire.OP_COMMIT, name, shape=(ticket,), flags=wire.FLAG_AHEAD)
+        finally:
+            page.lock.unlock()
+        if done.status == wire.FALLBACK:  # the grant had ended before the COMMIT: nothing changed
+            pr.sent = False
+            return None
+        if done.status != wire.OK:
+            raise self._lost(pr, f"reply to a commit has status {done.status}")
+        self.shm_bytes += nbytes
+        self.ahead_puts += 1
+        self._take_grant(name, nbytes, done)
         spec = self._reply_spec(name, done)
         return TensorStat(spec, int(done.version), spec.nbytes)
 
     def _drop_leases(self) -> None:
         self._leases.clear()
+        self._ahead = None
         tab, self._lease_tab = self._lease_tab, None
         page, self._page = self._page, None
         if tab is not None:
@@ -808,6 +873,8 @@ class Client:
             assert index is not None
             buf[off : off + 8 * n].view(torch.int64).copy_(index)
         self._prepost_reply(t, pr)
+        if not flags & wire.FLAG_AHEAD:
+            self._ahead = None  # any other request ends the session's write-ahead grant (the daemon's side too)
         try:
             self._req_id = req_id
             self._pin = None  # any request gives the last read's pin back (the daemon releases it first)
@@ -1025,21 +1092,25 @@ class Client:
             resp = self._rpc("BeginPut", req, timeout=self._timeout + 10, data_op=True)
             return self._send_commit(sid, t, resp.transfer, src)
 
+        def fill(dst: "torch.Tensor", region: str) -> None:  # one copy, straight from the caller's tensor (any layout)
+            src = tensor.detach()
+            if src.device.type == "cpu" and src.is_contiguous():
+                if spec.nbytes:
+                    self._copier.copy(dst.numpy(), _as_bytes(src).numpy())
+                return
+            if src.is_cuda:
+                self._maps.pin_for_cuda(region)
+            _typed(dst, src.dtype, tuple(src.shape)).copy_(src)
+
         def dp(t: "Transport", pr: _Progress) -> TensorStat:
+            if self._ahead is not None and self._shm:
+                st = self._put_ahead(t, pr, spec, fill)
+                if st is not None:
+                    return st
             rep = self._dp_call(t, pr, wire.OP_PUT, name, dtype=wire.dtype_code(spec.dtype), shape=spec.shape,
                                 flags=self._shm_flag())
             if rep.status == wire.SHM:
-                def fill(dst: "torch.Tensor") -> None:  # one copy, straight from the caller's tensor (any layout)
-                    src = tensor.detach()
-                    if src.device.type == "cpu" and src.is_contiguous():
-                        if spec.nbytes:
-                            self._copier.copy(dst.numpy(), _as_bytes(src).numpy())
-                        return
-                    if src.is_cuda:
-                        self._maps.pin_for_cuda(rep.message)
-                    _typed(dst, src.dtype, tuple(src.shape)).copy_(src)
-
-                return self._shm_write(t, pr, wire.OP_PUT, rep, name, spec.nbytes, fill)
+                return self._shm_write(t, pr, wire.OP_PUT, rep, name, spec.nbytes, lambda dst: fill(dst, rep.message))
             return self._dp_write(t, pr, wire.OP_PUT, rep, self._source(name, tensor), name)
 
         st = self._run(op, dp)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -67,3 +69,20 @@ def test_cuda_destinations_read_from_leases_and_see_every_write():
                 assert c.get("L", out=out) is out and torch.equal(out, x)
                 assert torch.equal(c.get_rows("L", idx, out=rows), x[idx])
         assert c.lease_reads >= 15 and c.lease_misses >= 5, (c.lease_reads, c.lease_misses)
+
+
+@pytest.mark.timeout(120)
+def test_cuda_sources_put_through_write_ahead_grants():
+    """A training loop's repeated put of CUDA weights: after the first, each is one copy (device to the granted
+    shared slot, page-locked) and one COMMIT; every version arrives whole, from contiguous and strided sources."""
+    dev = torch.device("cuda")
+    with in_process(transport="auto") as s, Client(s.address) as w, Client(s.address) as r:
+        if w.data_path != "shm":
+            pytest.skip(f"no shared memory here (data path {w.data_path})")
+        x = torch.randn(1024, 256, device=dev)
+        for k in range(8):
+            src = (x + k) if k % 2 else (x + k).t().contiguous().t()  # every other one strided
+            assert w.put("wa", src).version == k + 1
+            assert torch.equal(r.get("wa").to(dev), x + k)
+            time.sleep(0.02)  # the reader's pin goes back (idle RELEASE): a pinned slot is not granted
+        assert w.ahead_puts >= 6, w.ahead_puts

@@ -511,16 +511,17 @@ def test_wire_checks_of_the_shm_fields():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("parallel_bytes", [0, 1 << 40], ids=["split", "one-thread"])
-def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_bytes):
+@pytest.mark.parametrize("parallel_bytes,helpers", [(0, 1), (0, 5), (1 << 40, 1)],
+                         ids=["split", "split-5-helpers", "one-thread"])
+def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_bytes, helpers):
     monkeypatch.setattr(shm.Copier, "SPLIT_BYTES", parallel_bytes)
     monkeypatch.setattr(shm.Copier, "TAKE_SPLIT_BYTES", parallel_bytes)
-    monkeypatch.setattr(shm.Copier, "_split", lambda self, n, least: n >= least)  # whatever the load
+    monkeypatch.setattr(shm.Copier, "_split", lambda self, n, least: helpers if n >= least else 0)  # whatever the load
     g = torch.Generator().manual_seed(11)
     with Client(srv.address, transport="shm") as c:
         for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.uint8):
             x = (torch.randn(500, 3, 5, generator=g) * 50).to(dtype)
-            name = f"gather/{parallel_bytes}/{dtype}"
+            name = f"gather/{parallel_bytes}/{helpers}/{dtype}"
             c.put(name, x)
             for idx in ([], [0], [499, 0, 499], torch.randint(0, 500, (777,), generator=g)):
                 i = torch.as_tensor(idx, dtype=torch.int64)

@@ -54,6 +54,13 @@ cross the data connection.
 - put: the staging slot is reserved as for the socket path and its region
   named; the client writes into it and sends COMMIT, which swaps the version
   in (a session closed before that aborts: the previous version stays).
+  The COMMIT's reply may carry a write-ahead grant (shm version >= 3,
+  :meth:`Session.grant_ahead`): the next staging slot, already reserved for
+  this session's next put of the tensor, which is then just a COMMIT with
+  ``FLAG_AHEAD`` (:meth:`DataRequests._commit_ahead`). Any other request of
+  the session ends its grant first (revoking needs the client's page lock: a
+  client that holds it while asking something else is broken, and its session
+  is closed).
 - put_rows / add_rows: validated as usual (the index travels in the request),
   the values go into the session's scratch region (charged against
   ``--max-bytes``), and COMMIT applies them under the row lock.
@@ -272,6 +279,10 @@ class DataRequests:
                 raise MalformedRequest(f"RELEASE of {req.name!r}, which this session does not hold")
             return None
         s.release_pin()  # a client sends its next request once it is done with the last read
+        if s.ahead is not None and not (req.op == OP_COMMIT and req.ahead):
+            g = s.take_ahead()  # the client went on to something else: its grant ends
+            if not g.revoke():
+                raise MalformedRequest(f"{OPS[req.op]} request while writing the slot of a write-ahead grant")
         if s.shm_hello is not None and req.op != OP_SHM_HELLO:
             s.withdraw_hello()  # the client went on without shared memory
         if (req.shm or req.op == OP_COMMIT) and not s.shm:
@@ -441,6 +452,7 @@ class DataRequests:
         job = self._job(req, t0, kind, body, deadline=deadline, messages=(0, 0, 1), direction="out",
                         nbytes=accounted, cleanup=cleanup)
         job.via = "shm"
+        job.client_copy = accounted
         return job
 
     def _get_rows_shm(self, s: "Session", req: Request, t0: float) -> Job:
@@ -474,7 +486,8 @@ class DataRequests:
             raise
 
     def _shm_write(self, s: "Session", req: Request, t0: float, kind: str, spec: TensorSpec, region: Any,
-                   nbytes: int, deadline: float, commit: Callable[[], Any], abort: Callable[[], None]) -> Job:
+                   nbytes: int, deadline: float, commit: Callable[[], Any], abort: Callable[[], None],
+                   entry: Any = None) -> Job:
         """The SHM reply of a write: the client fills ``region[:nbytes]``, then COMMIT runs ``commit``.
 
         Until the reply is out the job owns the reservation (``abort`` on failure); from then on the
@@ -493,6 +506,7 @@ class DataRequests:
                 p = PendingWrite(s.next_op_id(), done, commit, abort, shm_op=op, deadline=deadline, nbytes=nbytes,
                                  t0=t0)
                 p.name = req.name  # type: ignore[attr-defined]
+                p.entry = entry  # type: ignore[attr-defined]  # a put: its commit may grant the next one
                 with s._lock:
                     if s.closed:
                         raise errors.ClosedError(f"session closed: {s.close_reason}")
@@ -513,6 +527,7 @@ class DataRequests:
         holder: list[Job] = []
         # no direction: the bytes are counted by the COMMIT; nbytes says what the client copies meanwhile
         job = Job(kind, run, deadline=deadline, cleanup=cleanup, direction="", nbytes=nbytes, messages=(0, 0, 1))
+        job.client_copy = nbytes
         holder.append(job)
         return job
 
@@ -520,6 +535,8 @@ class DataRequests:
         """COMMIT: apply the session's shared-memory write and answer with the version (or the error)."""
         from .service import status_of
 
+        if req.ahead:
+            return self._commit_ahead(s, req, t0)
         with s._lock:
             p = s.pending
             if p is None or not p.shm_op or p.finished:
@@ -541,7 +558,8 @@ class DataRequests:
                     self._fail_reply(s, t, holder[0].reply_step, req, exc, deadline)
                     self._record(p.shm_op, status_of(exc).name, p.t0)
                     return
-                self._ok(s, t, holder[0].reply_step, req, info.spec, deadline, version=info.version)
+                self._ok(s, t, holder[0].reply_step, req, info.spec, deadline, version=info.version,
+                         **self._grant(s, holder[0], getattr(p, "entry", None)))
             except BaseException as exc:
                 self._record(p.shm_op, status_of(exc).name, p.t0)
                 raise
@@ -553,6 +571,63 @@ class DataRequests:
 
         holder: list[Job] = []
         job = Job("commit", run, deadline=deadline, cleanup=cleanup, direction="in", nbytes=p.nbytes,
+                  messages=(0, 0, 1))
+        job.via = "shm"
+        holder.append(job)
+        return job
+
+    def _grant(self, s: "Session", job: Job, entry: Any) -> dict[str, Any]:
+        """The reply fields of a write-ahead grant for the session's next put of ``entry`` ({}: none)."""
+        if entry is None or self.service.draining:
+            return {}
+        g = s.grant_ahead(entry)
+        if g is None:
+            return {}
+        job.client_copy = entry.nbytes  # what the client's next put copies before it asks again
+        return {"message": g.region.name, "step": g.ticket, "nbytes": entry.nbytes, "chunk": 0}
+
+    def _commit_ahead(self, s: "Session", req: Request, t0: float) -> Job:
+        """A COMMIT with FLAG_AHEAD: the put the client wrote into its grant's slot (FALLBACK if the grant ended)."""
+        from .service import status_of
+
+        g = s.take_ahead()
+        deadline = time.monotonic() + self._timeout(req)
+        if g is None or g.ticket != req.ahead or g.entry.spec.name != req.name or not g.claim():
+            if g is not None and (g.ticket != req.ahead or g.entry.spec.name != req.name):
+                s.give_back_ahead(g)  # not the grant this COMMIT names: the session's next request ends it
+
+            def fallback(t: "Transport", job: Job) -> BaseException | None:
+                self._reply(s, t, job.reply_step, deadline, status=FALLBACK, op=req.op, req_id=req.req_id)
+                return None
+
+            return self._job(req, t0, "commit fallback", fallback, deadline=deadline, messages=(0, 0, 1),
+                             direction="", nbytes=0)
+        e = g.entry
+        tried = [False]
+
+        def run(t: "Transport", step: int) -> None:
+            tried[0] = True
+            try:
+                try:
+                    info = e.commit_put(g.idx, time.monotonic() + self._timeout(req))
+                except errors.TensorWireError as exc:
+                    holder[0].direction = ""  # refused: no bytes went in
+                    self._fail_reply(s, t, holder[0].reply_step, req, exc, deadline)
+                    self._record("Put", status_of(exc).name, t0)
+                    return
+                self._ok(s, t, holder[0].reply_step, req, info.spec, deadline, version=info.version,
+                         **self._grant(s, holder[0], e))
+            except BaseException as exc:
+                self._record("Put", status_of(exc).name, t0)
+                raise
+            self._record("Put", "ok", t0)
+
+        def cleanup() -> None:
+            if not tried[0]:  # never ran (the session closed first): the reservation must go
+                e.end_put()
+
+        holder: list[Job] = []
+        job = Job("commit", run, deadline=deadline, cleanup=cleanup, direction="in", nbytes=e.nbytes,
                   messages=(0, 0, 1))
         job.via = "shm"
         holder.append(job)
@@ -700,7 +775,7 @@ class DataRequests:
             if region is not None:
                 reserved[0] = False  # the shared-memory write owns the reservation now (abort = end_put)
                 return self._shm_write(s, req, t0, "put", spec, region, nbytes, deadline,
-                                       lambda: e.commit_put(slot, time.monotonic() + timeout), e.end_put)
+                                       lambda: e.commit_put(slot, time.monotonic() + timeout), e.end_put, entry=e)
 
             def body(t: "Transport", job: Job) -> BaseException | None:
                 self._receive(s, t, job, req, spec, raw, nbytes, deadline, "put")

@@ -114,6 +114,9 @@ class Job:
         self.nbytes = nbytes
         #: The transport the metrics name (None: the session's; "shm": shared memory).
         self.via: str | None = None
+        #: Bytes the client copies through shared memory after this reply (a read, or a write it fills before
+        #: its COMMIT): a request thread that polls for the next request would only slow a long copy down.
+        self.client_copy = 0
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -220,6 +223,9 @@ class Session:
         self.shm_version = 0  # negotiated at OpenSession (2: read leases)
         self.shm_page: Any = None  # the hello region once proven (shm version >= 2): the client's lease-read counts
         self._page_seen = (0, 0, 0, 0)
+        self.ahead: Any = None  # the write-ahead grant its client holds (tensorwire.serve.store.AheadGrant)
+        self._page_lock: Any = None  # shm.PageLock of the page, made with the first grant
+        self._tickets = 0
         self._pin: "tuple[Callable[[], None], str] | None" = None
         self._shm_scratch: Any = None  # Region
         self._scratch_charge: "tuple[Any, int] | None" = None  # (store, bytes charged)
@@ -341,6 +347,51 @@ class Session:
                 m.transfers.labels("shm", "out").inc(ops)
             if nbytes:
                 m.bytes.labels("shm", "out").inc(nbytes)
+
+    def grant_ahead(self, entry: Any) -> Any:
+        """After this session committed a put of ``entry``: reserve its staging slot for the next one
+        (shm version >= 3). Returns the grant (its slot's region and ticket go in the COMMIT's reply) or None."""
+        from .shm import AHEAD_VERSION, PageLock, page_ahead
+        from .store import AheadGrant, region_of
+
+        with self._lock:
+            page = self.shm_page
+            if self.closed or page is None or page.closed or self.shm_version < AHEAD_VERSION or self.ahead is not None:
+                return None
+            if self._page_lock is None:
+                self._page_lock = PageLock(page.path)
+            lock = self._page_lock
+            self._tickets += 1
+            ticket = self._tickets
+        word = page_ahead(page._mm)
+
+        def make(idx: int) -> AheadGrant:
+            word[0] = ticket  # the client reads it only after the reply, or under the page lock
+            return AheadGrant(entry, idx, ticket, region_of(entry.slot(idx)), word, lock)
+
+        g = entry.grant_ahead(make)
+        if g is None:
+            return None
+        with self._lock:
+            if not self.closed:
+                self.ahead = g
+                return g
+        g.revoke(force=True)
+        return None
+
+    def give_back_ahead(self, g: Any) -> None:
+        """Undo :meth:`take_ahead` (the grant stays the session's; ended at close if not before)."""
+        with self._lock:
+            if not self.closed and self.ahead is None:
+                self.ahead = g
+                return
+        g.revoke(force=True)
+
+    def take_ahead(self) -> Any:
+        """The session's grant, no longer the session's (claim or revoke it)."""
+        with self._lock:
+            g, self.ahead = self.ahead, None
+        return g
 
     def hold_pin(self, release: Callable[[], None], name: str) -> None:
         """Keep a read pin until the client's RELEASE (or its next request, or close)."""
@@ -521,7 +572,7 @@ class Session:
                     b = torch.empty(MAX_REQUEST_BYTES, dtype=torch.uint8)
                     t.post_recv(TAG_REQUEST, b, header=True)
                     posted.append(b)
-                spin = self.shm and SHM_SPIN_S > 0 and _CAN_SPIN and (job is None or job.nbytes <= SHM_SPIN_MAX_BYTES)
+                spin = self.shm and SHM_SPIN_S > 0 and _CAN_SPIN and (job is None or job.client_copy <= SHM_SPIN_MAX_BYTES)
                 spin_until = time.monotonic() + SHM_SPIN_S if spin else 0.0
         except ClosedError:
             pass
@@ -627,11 +678,17 @@ class Session:
                 log.exception("releasing a pending write failed")
         try:
             self.release_pin()
+            g = self.take_ahead()
+            if g is not None:
+                g.revoke(force=True)  # the client is gone or going (as a pending write's abort)
             self._drop_scratch()
             self.withdraw_hello()
             self.fold_page()
             with self._lock:
                 page, self.shm_page = self.shm_page, None
+                lock, self._page_lock = self._page_lock, None
+            if lock is not None:
+                lock.close()
             if page is not None:
                 page.close()
         except Exception:  # noqa: BLE001

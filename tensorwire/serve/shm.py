@@ -31,6 +31,13 @@ version it was last handed again without a request, and without ever seeing a
 write; the client counts such reads in its session's page
 (:class:`SessionPage`), which the daemon folds into its metrics.
 
+Write-ahead grants (shm version 3): with the reply to a put's COMMIT the daemon
+may reserve the tensor's staging slot for the same session's next put
+(:class:`tensorwire.serve.store.AheadGrant`); the client then writes there and
+sends only a COMMIT. Who may touch that slot is settled by an ``flock`` on the
+session page (:class:`PageLock`) and a ticket in the page
+(:data:`PAGE_AHEAD_OFFSET`).
+
 Client side (:class:`ClientMaps`, :class:`Copier`): maps regions by the names the daemon gives
 it (checked against the name pattern; never a path), read-write, with
 ``MAP_POPULATE``; keeps up to :data:`CLIENT_MAPS` mappings (least recently
@@ -73,6 +80,7 @@ __all__ = [
     "Leases",
     "LeaseTable",
     "SessionPage",
+    "PageLock",
     "HELLO_BYTES",
     "read_hello",
     "valid_name",
@@ -82,10 +90,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Version of the shared-memory protocol (OpenSession*.shm); 0 = none. 2 adds read leases (:class:`Leases`).
-SHM_VERSION = 2
+#: Version of the shared-memory protocol (OpenSession*.shm); 0 = none. 2 adds read leases (:class:`Leases`),
+#: 3 write-ahead grants (:class:`PageLock`).
+SHM_VERSION = 3
 #: The first version with read leases.
 LEASE_VERSION = 2
+#: The first version with write-ahead grants.
+AHEAD_VERSION = 3
 #: Where regions live (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
 #: Regions one daemon creates at most (each is a mapping; Linux allows ~65k per process by default).
@@ -100,6 +111,9 @@ HELLO_NONCE_BYTES = 32
 #: Where a client counts, in its session's hello page, the reads it served from leases (four uint64:
 #: get operations and bytes, get_rows operations and bytes; the daemon adds them to its metrics).
 PAGE_STATS_OFFSET = 64
+#: Where the daemon writes, in a session's page, the ticket of the write-ahead grant its client holds
+#: (uint64; 0: none), only while it holds the page's flock or while the client waits for its reply.
+PAGE_AHEAD_OFFSET = 96
 #: Lease cells in a daemon's table (cell 0 means "no lease"); one per tensor kept in shared memory.
 LEASE_CELLS = MAX_REGIONS + 1
 #: Machines where a lease read is safe: loads are not reordered with other loads (x86-TSO), so a
@@ -666,6 +680,7 @@ class LeaseTable:
 
 #: The session page's counters (uint64 from PAGE_STATS_OFFSET): operations, then bytes, of each read kind.
 _PAGE_SLOTS = {"get": 0, "get_rows": 2}
+assert PAGE_AHEAD_OFFSET >= PAGE_STATS_OFFSET + 16 * len(_PAGE_SLOTS)
 
 
 def _page_counters(mm: mmap.mmap) -> Any:
@@ -675,13 +690,66 @@ def _page_counters(mm: mmap.mmap) -> Any:
     return np.frombuffer(mm, dtype=np.uint64, count=2 * len(_PAGE_SLOTS), offset=PAGE_STATS_OFFSET)
 
 
+def page_ahead(mm: mmap.mmap) -> Any:
+    """The session page's write-ahead ticket (one uint64 numpy element at :data:`PAGE_AHEAD_OFFSET`)."""
+    import numpy as np
+
+    return np.frombuffer(mm, dtype=np.uint64, count=1, offset=PAGE_AHEAD_OFFSET)
+
+
+class PageLock:
+    """An ``flock`` on a session page's file: who may touch a write-ahead grant's slot (shm version 3).
+
+    A *write-ahead grant* (:class:`tensorwire.serve.store.AheadGrant`) is the
+    staging slot of a tensor, reserved by the daemon for a session's next put
+    of it when it commits the last one, so that put is one copy and one COMMIT
+    (no reserving round trip first). The client holds this lock (exclusive)
+    from before it checks the page's ticket until the reply to its COMMIT; the
+    daemon takes it, non-blocking, to revoke the grant (another writer wants
+    the tensor, the session asked for something else, the tensor is deleted)
+    and clears the ticket meanwhile. So a revocation never happens while the
+    client writes, and a client never starts writing after one: the kernel
+    arbitrates, a process that dies drops its lock, and neither side waits on
+    the other (a failed ``try_lock`` means "not now").
+    """
+
+    def __init__(self, path: str) -> None:
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmError(exc.errno, f"cannot open {path}: {exc.strerror}") from None
+
+    def try_lock(self) -> bool:
+        """Take the lock if nobody else holds it (never waits)."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class SessionPage:
-    """A client's mapping of its session's hello page, where it counts the reads its leases served."""
+    """A client's mapping of its session's hello page: the reads its leases served (counted here), and the
+    ticket of its write-ahead grant with the page's :class:`PageLock`."""
 
     def __init__(self, name: str) -> None:
         self._mm, t = _open_map(name, HELLO_BYTES)
         del t
         self.counts = _page_counters(self._mm)  # the client is the only writer
+        self.ahead = page_ahead(self._mm)  # the daemon is the only writer
+        try:
+            self.lock = PageLock(os.path.join(SHM_DIR, name))
+        except ShmError:
+            self._mm.close()
+            raise
 
     def add(self, op: str, nbytes: int) -> None:
         """One lease read of kind ``op`` ("get" or "get_rows") that copied ``nbytes``."""
@@ -690,7 +758,8 @@ class SessionPage:
         c[i + 1] += nbytes
 
     def close(self) -> None:
-        self.counts = None  # type: ignore[assignment]
+        self.counts = self.ahead = None  # type: ignore[assignment]
+        self.lock.close()
         try:
             self._mm.close()
         except BufferError:  # pragma: no cover
@@ -817,17 +886,20 @@ class _Pieces:
 
 
 class Copier:
-    """Copies and row gathers of this process, big ones split between the calling thread and one helper.
+    """Copies and row gathers of this process, big ones split between the calling thread and helpers.
 
     numpy releases the GIL while it copies; the pieces are taken in turn by
     whichever thread is free, so a helper that is slow to wake costs little:
     the caller does the pieces meanwhile. A copy is split only when the
     machine is not oversubscribed at that moment (no more runnable tasks than
-    CPUs, ``/proc/loadavg``):
+    CPUs, ``/proc/loadavg``), over as many helpers as there are cores left
+    (at most :data:`MAX_HELPERS`; one on a 2-core machine):
     measured on the 2-core VM, a 16 MiB get went 9.0 -> 10.4 GB/s split for
     one client, but 16 clients at once got less in all with helpers than
-    without (8.5 vs 9.9 GB/s). Not re-entrant (a client runs one operation at
-    a time).
+    without (8.5 vs 9.9 GB/s); on a 16-core host one helper left a 4,096-row
+    gather at 0.42 ms where torch's own threads index in 0.15 ms
+    (bench/results/serve_h100_session6.md). Not re-entrant (a client runs one
+    operation at a time).
     """
 
     #: Copies of at least this many bytes are split (unless the machine is oversubscribed).
@@ -835,11 +907,14 @@ class Copier:
     #: Gathers too: they wait on memory (random rows), so a second thread pays off sooner (measured:
     #: 4,096 rows of 512 bytes from a 1,000,000-row table, 414 -> 321 us).
     TAKE_SPLIT_BYTES = 1 << 20
+    #: Pieces of a split copy: at least this many, and two per thread.
     PIECES = 8
+    #: Helper threads at most (memory bandwidth, not cores, bounds a copy beyond a few threads).
+    MAX_HELPERS = 7
 
     def __init__(self) -> None:
         self._tasks: "queue.SimpleQueue[_Pieces | None]" = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         cpus = self._cpus = usable_cpus()
         self.parallel = cpus > 1
         self._loadavg = -1
@@ -849,25 +924,31 @@ class Copier:
             except OSError:  # pragma: no cover - not Linux: always split
                 pass
 
-    def _split(self, nbytes: int, least: int) -> bool:
+    def _split(self, nbytes: int, least: int) -> int:
+        """Helpers to split a copy of ``nbytes`` over now (0: do it in the calling thread)."""
         if nbytes < least or not self.parallel:
-            return False
+            return 0
+        most = min(self.MAX_HELPERS, self._cpus - 1)
         if self._loadavg < 0:  # pragma: no cover
-            return True
+            return most
         try:
             running = int(os.pread(self._loadavg, 64, 0).split()[3].split(b"/")[0])  # this thread included
         except (OSError, ValueError, IndexError):  # pragma: no cover
-            return True
+            return most
         # not oversubscribed (one runnable besides us on a 2-core machine may well be the daemon polling for
-        # our next request, which yields its core at once)
-        return running <= self._cpus
+        # our next request, which yields its core at once); one helper per core left, that one included
+        if running > self._cpus:
+            return 0
+        return max(1, min(most, self._cpus - running + 1))
 
-    def _run(self, fn: Callable[[int], None], n: int) -> None:
+    def _run(self, fn: Callable[[int], None], n: int, helpers: int) -> None:
         job = _Pieces(fn, n)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="tensorwire-client-copy", daemon=True)
-            self._thread.start()
-        self._tasks.put(job)
+        while len(self._threads) < helpers:
+            th = threading.Thread(target=self._loop, name=f"tensorwire-client-copy-{len(self._threads)}", daemon=True)
+            th.start()
+            self._threads.append(th)
+        for _ in range(helpers):
+            self._tasks.put(job)  # a helper that comes late finds nothing left and waits for the next
         try:
             job.work()
         finally:
@@ -887,39 +968,43 @@ class Copier:
         import numpy as np
 
         n = len(dst)
-        if not self._split(n, self.SPLIT_BYTES):
+        helpers = self._split(n, self.SPLIT_BYTES)
+        if not helpers:
             np.copyto(dst, src)
             return
-        step = ((n + self.PIECES - 1) // self.PIECES + 63) // 64 * 64
+        pieces = max(self.PIECES, 2 * (helpers + 1))
+        step = ((n + pieces - 1) // pieces + 63) // 64 * 64
 
         def piece(i: int) -> None:
             a, b = i * step, min(n, (i + 1) * step)
             if a < b:
                 np.copyto(dst[a:b], src[a:b])
 
-        self._run(piece, self.PIECES)
+        self._run(piece, pieces, helpers)
 
     def take(self, table: Any, index: Any, out: Any) -> None:
         """Rows ``index`` of ``table`` (a 2-D uint8 numpy array: rows x row bytes) into ``out`` (indices checked)."""
         import numpy as np
 
         rows, width = len(index), table.shape[1]
-        if rows < self.PIECES or not self._split(rows * width, self.TAKE_SPLIT_BYTES):
+        helpers = self._split(rows * width, self.TAKE_SPLIT_BYTES) if rows >= self.PIECES else 0
+        if not helpers:
             np.take(table, index, axis=0, out=out, mode="clip")  # "clip": unbuffered (indices are in range)
             return
-        step = (rows + self.PIECES - 1) // self.PIECES
+        pieces = min(rows, max(self.PIECES, 2 * (helpers + 1)))
+        step = (rows + pieces - 1) // pieces
 
         def piece(i: int) -> None:
             a, b = i * step, min(rows, (i + 1) * step)
             if a < b:
                 np.take(table, index[a:b], axis=0, out=out[a:b], mode="clip")
 
-        self._run(piece, self.PIECES)
+        self._run(piece, pieces, helpers)
 
     def close(self) -> None:
-        if self._thread is not None:
+        for _ in self._threads:
             self._tasks.put(None)
-            self._thread = None
+        self._threads = []
         if self._loadavg >= 0:
             os.close(self._loadavg)
             self._loadavg = -1

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..buffers import Slot
 from ..errors import NotFoundError, ResourceExhaustedError, ShapeMismatchError, SpecError, TransferTimeout
@@ -107,6 +107,70 @@ def _wait(cond: threading.Condition, pred, deadline: float, what: str) -> None:
         cond.wait(min(rem, 1.0))
 
 
+class AheadGrant:
+    """A session's reservation of a tensor's staging slot for its next put (a *write-ahead grant*).
+
+    Made by :meth:`Entry.grant_ahead` when the session commits a put of the
+    tensor through shared memory, and named in that COMMIT's reply, so the
+    session's next put of it is one copy and one COMMIT. While granted, the
+    entry is reserved for a put as by :meth:`Entry.begin_put`. It ends with
+    :meth:`claim` (the COMMIT that uses it: an ordinary reservation from then
+    on) or :meth:`revoke`, which needs the client's page lock
+    (:class:`tensorwire.serve.shm.PageLock`) unless the session is gone
+    (``force``): another writer's :meth:`Entry.begin_put` and a delete revoke
+    it, as does the session's next request of anything else.
+    """
+
+    __slots__ = ("entry", "idx", "ticket", "region", "_word", "_lock")
+
+    def __init__(self, entry: "Entry", idx: int, ticket: int, region: Any, word: Any, lock: Any) -> None:
+        self.entry = entry
+        self.idx = idx
+        self.ticket = ticket
+        self.region = region
+        self._word = word  # the session page's ticket cell
+        self._lock = lock  # the session page's PageLock
+
+    def _revoke_locked(self, force: bool) -> bool:
+        """Under the entry's ``cond``, while it holds this grant. False: the client is writing (not now)."""
+        if not force:
+            if not self._lock.try_lock():
+                return False
+            try:
+                self._word[0] = 0
+            finally:
+                self._lock.unlock()
+        else:
+            try:
+                self._word[0] = 0
+            except (TypeError, ValueError):  # pragma: no cover - the page is unmapped already
+                pass
+        e = self.entry
+        e.ahead = None
+        e.putting = False
+        e.cond.notify_all()
+        e._retire()
+        return True
+
+    def revoke(self, *, force: bool = False) -> bool:
+        """End the grant unless the client is writing into it now (``force``: whatever it does). True: ended."""
+        e = self.entry
+        with e.cond:
+            if e.ahead is not self:
+                return True
+            return self._revoke_locked(force)
+
+    def claim(self) -> bool:
+        """The COMMIT of the write it granted: from now on an ordinary reservation (``commit_put`` ends it).
+        False: it was revoked (nothing to commit)."""
+        e = self.entry
+        with e.cond:
+            if e.ahead is not self:
+                return False
+            e.ahead = None
+            return True
+
+
 class Entry:
     """One name: its spec, two slots, version and reader/writer state."""
 
@@ -121,6 +185,8 @@ class Entry:
         self.row_writer = False
         self.row_waiting = 0
         self.putting = False
+        self.put_waiting = 0  # begin_put callers waiting (no write-ahead grant is made meanwhile)
+        self.ahead: AheadGrant | None = None  # the write-ahead grant holding the put reservation
         self.deleted = False
         self.cond = threading.Condition(threading.Lock())
         #: Cell in the store's lease table (0: no read leases; see tensorwire.serve.shm.Leases).
@@ -185,7 +251,19 @@ class Entry:
     def begin_put(self, deadline: float) -> int:
         """Reserve the staging slot (allocating it on first use). Returns its index."""
         with self.cond:
-            _wait(self.cond, lambda: self.deleted or not self.putting, deadline, self.spec.name)
+            self.put_waiting += 1
+            try:
+                while not (self.deleted or not self.putting):
+                    g = self.ahead
+                    if g is not None and g._revoke_locked(False):
+                        continue
+                    rem = deadline - time.monotonic()
+                    if rem <= 0:
+                        raise TransferTimeout(f"{self.spec.name}: timed out waiting for other transfers on this tensor")
+                    # a grant's client is writing: it commits soon, but its page lock wakes nobody
+                    self.cond.wait(min(rem, 0.001 if g is not None else 1.0))
+            finally:
+                self.put_waiting -= 1
             if self.deleted:
                 raise NotFoundError(f"no tensor named {self.spec.name!r} (deleted)")
             self.putting = True
@@ -224,6 +302,23 @@ class Entry:
                 self.putting = False
                 self.cond.notify_all()
                 self._retire()
+
+    def grant_ahead(self, make: "Callable[[int], AheadGrant]") -> "AheadGrant | None":
+        """Reserve the staging slot for a session's next put if that can be done now without waiting
+        (no put or row update under way or waiting, no read pinning it, in shared memory): ``make(idx)``
+        builds the grant. None: not now."""
+        with self.cond:
+            if (self.deleted or self.putting or self.put_waiting or self.row_writer or self.row_waiting
+                    or self.version == 0 or self.ahead is not None):
+                return None
+            idx = 1 - self.cur
+            sl = self.slots[idx]
+            if sl is None or region_of(sl) is None or self.readers[idx]:
+                return None
+            g = make(idx)
+            self.putting = True
+            self.ahead = g
+            return g
 
     def end_put(self) -> None:
         """Release the staging reservation without committing."""
@@ -450,6 +545,8 @@ class Store:
             self._update_gauges()
         with e.cond:
             e.deleted = True
+            if e.ahead is not None:
+                e.ahead._revoke_locked(False)  # else its client is writing: its COMMIT fails and ends the put
             if self.leases is not None:
                 self.leases.free(e.lease)
             e.lease = 0

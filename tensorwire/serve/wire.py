@@ -114,8 +114,22 @@ then proved it maps the daemon's memory; see :mod:`tensorwire.serve.shm`):
     as usual); the client writes the bytes there and sends ``COMMIT`` (op 8)
     -> OK (the committed version) or ERROR. Until COMMIT nothing is visible;
     a session closed before it (client gone) changes nothing.
-  - ``RELEASE`` and ``COMMIT`` carry the tensor's name and no other field;
-    they, and ``FLAG_SHM``, on a session without shared memory are malformed.
+  - ``RELEASE`` and ``COMMIT`` carry the tensor's name and no other field
+    (but see write-ahead grants); they, and ``FLAG_SHM``, on a session
+    without shared memory are malformed.
+- Write-ahead grants (shm version >= 3): the OK reply to the COMMIT of a put
+  may name, in ``message``, the region of the tensor's staging slot, which
+  the daemon has reserved for this session's next put of that tensor
+  (``nbytes`` bytes at offset 0; ``step`` = the grant's *ticket*, > 0; an
+  empty message: no grant). The client may then, holding its session page's
+  ``flock`` (:class:`tensorwire.serve.shm.PageLock`) and finding the ticket
+  at :data:`tensorwire.serve.shm.PAGE_AHEAD_OFFSET` of the page, write the
+  tensor there and send ``COMMIT`` with ``FLAG_AHEAD`` (0x02; ``ndim`` 1,
+  ``dims[0]`` the ticket), keeping the lock until the reply: OK (committed;
+  it may carry the next grant), ERROR, or ``FALLBACK`` (the grant had ended:
+  nothing changed, put the ordinary way). A ticket of 0, or a lock it cannot
+  take, means the grant has ended. Any other request (but ``RELEASE``) ends
+  the session's grant.
 """
 
 from __future__ import annotations
@@ -143,6 +157,7 @@ __all__ = [
     "OP_COMMIT",
     "OPS",
     "FLAG_SHM",
+    "FLAG_AHEAD",
     "OK",
     "ERROR",
     "GO",
@@ -185,6 +200,8 @@ _SHAPED = (OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS)
 _SHM_CAPABLE = (OP_GET, OP_GET_ROWS, OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS)
 #: Request flag: answer through shared memory if you can.
 FLAG_SHM = 0x01
+#: COMMIT flag (shm version >= 3): commit the put written into the slot of a write-ahead grant.
+FLAG_AHEAD = 0x02
 OK, ERROR, GO, SHM, FALLBACK = 0, 1, 2, 3, 4
 
 assert REQUEST.size == 96 and REPLY.size == 152
@@ -233,6 +250,11 @@ class Request:
     def shm(self) -> bool:
         return bool(self.flags & FLAG_SHM)
 
+    @property
+    def ahead(self) -> int:
+        """The ticket of a write-ahead COMMIT; 0: not one."""
+        return self.shape[0] if self.flags & FLAG_AHEAD else 0
+
 
 def request_size(name_bytes: int, nindex: int) -> int:
     return REQUEST.size + _pad8(name_bytes) + 8 * nindex
@@ -269,12 +291,15 @@ def parse_request(data: memoryview) -> Request:
         raise MalformedRequest(f"request format v{version}, this server speaks v{DATA_REQUESTS_VERSION}")
     if op not in OPS:
         raise MalformedRequest(f"unknown request op {op}")
-    if flags & ~FLAG_SHM or (flags and op not in _SHM_CAPABLE):
+    ahead = op == OP_COMMIT and flags == FLAG_AHEAD  # carries the grant's ticket as its shape
+    if not ahead and (flags & ~FLAG_SHM or (flags and op not in _SHM_CAPABLE)):
         raise MalformedRequest(f"request flags {flags:#x} for op {OPS[op]}")
+    if ahead and (ndim != 1 or dims[0] <= 0):
+        raise MalformedRequest("a write-ahead COMMIT has rank 1 (the grant's ticket, > 0)")
     rows_shm = op == OP_GET_ROWS and bool(flags & FLAG_SHM)  # carries the row count as its shape, no index
     if rows_shm and (ndim != 1 or nindex or dims[0] < 0):
         raise MalformedRequest("a shared-memory GET_ROWS has rank 1 (the row count) and no index")
-    if ndim > MAX_DIMS or (ndim and op not in _SHAPED and not rows_shm):
+    if ndim > MAX_DIMS or (ndim and op not in _SHAPED and not rows_shm and not ahead):
         raise MalformedRequest(f"request rank {ndim} for op {OPS[op]}")
     if any(dims[ndim:]):
         raise MalformedRequest("request dims past its rank are not zero")
