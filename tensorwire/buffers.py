@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import mmap
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .spec import TensorSpec
 

@@ -10,7 +10,6 @@ progress, a per-tensor table and the speed-up.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import queue
 import sys
