@@ -182,6 +182,8 @@ def test_lease_reads_never_see_a_mix_of_two_versions(srv, write):
         assert len(values) > 3, "the writer did not get through: the test proved nothing"
         # both paths were exercised: reads from leases, and leases found stale under the writer
         assert reader.lease_reads > 0 and reader.lease_misses > 0, (reader.lease_reads, reader.lease_misses)
+        if write == "put":  # ... and the writer's puts went through write-ahead grants (test_serve_ahead.py)
+            assert writer.ahead_puts > 0, "no put went through a grant"
         writer.delete("lease-mix")
 
 

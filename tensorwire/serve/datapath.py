@@ -533,8 +533,6 @@ class DataRequests:
 
     def _commit(self, s: "Session", req: Request, t0: float) -> Job:
         """COMMIT: apply the session's shared-memory write and answer with the version (or the error)."""
-        from .service import status_of
-
         if req.ahead:
             return self._commit_ahead(s, req, t0)
         with s._lock:
@@ -545,32 +543,40 @@ class DataRequests:
                 raise errors.ProtocolError(f"COMMIT of {req.name!r}, the write under way is {p.name!r}")  # type: ignore[attr-defined]
             p.finished = True
             s.pending = None
+        return self._commit_job(s, req, p.shm_op, p.t0, p.nbytes, p.commit, p.abort, getattr(p, "entry", None))
+
+    def _commit_job(self, s: "Session", req: Request, op: str, t0: float, nbytes: int, commit: Callable[[], Any],
+                    abort: Callable[[], None], entry: Any) -> Job:
+        """The job answering a COMMIT: ``commit()`` (its error is the reply), else OK with the version and, for a
+        put (``entry``), maybe the next write-ahead grant; ``abort()`` if the session closes before it runs."""
+        from .service import status_of
+
         deadline = time.monotonic() + self._timeout(req)
         tried = [False]
 
         def run(t: "Transport", step: int) -> None:
+            tried[0] = True
             try:
-                tried[0] = True
                 try:
-                    info = p.commit()
+                    info = commit()
                 except errors.TensorWireError as exc:
                     holder[0].direction = ""  # refused: no bytes went in
                     self._fail_reply(s, t, holder[0].reply_step, req, exc, deadline)
-                    self._record(p.shm_op, status_of(exc).name, p.t0)
+                    self._record(op, status_of(exc).name, t0)
                     return
                 self._ok(s, t, holder[0].reply_step, req, info.spec, deadline, version=info.version,
-                         **self._grant(s, holder[0], getattr(p, "entry", None)))
+                         **self._grant(s, holder[0], entry))
             except BaseException as exc:
-                self._record(p.shm_op, status_of(exc).name, p.t0)
+                self._record(op, status_of(exc).name, t0)
                 raise
-            self._record(p.shm_op, "ok", p.t0)
+            self._record(op, "ok", t0)
 
         def cleanup() -> None:
             if not tried[0]:  # never ran (the session closed first): the reservation must go
-                p.abort()
+                abort()
 
         holder: list[Job] = []
-        job = Job("commit", run, deadline=deadline, cleanup=cleanup, direction="in", nbytes=p.nbytes,
+        job = Job("commit", run, deadline=deadline, cleanup=cleanup, direction="in", nbytes=nbytes,
                   messages=(0, 0, 1))
         job.via = "shm"
         holder.append(job)
@@ -588,13 +594,11 @@ class DataRequests:
 
     def _commit_ahead(self, s: "Session", req: Request, t0: float) -> Job:
         """A COMMIT with FLAG_AHEAD: the put the client wrote into its grant's slot (FALLBACK if the grant ended)."""
-        from .service import status_of
-
         g = s.take_ahead()
-        deadline = time.monotonic() + self._timeout(req)
         if g is None or g.ticket != req.ahead or g.entry.spec.name != req.name or not g.claim():
             if g is not None and (g.ticket != req.ahead or g.entry.spec.name != req.name):
                 s.give_back_ahead(g)  # not the grant this COMMIT names: the session's next request ends it
+            deadline = time.monotonic() + self._timeout(req)
 
             def fallback(t: "Transport", job: Job) -> BaseException | None:
                 self._reply(s, t, job.reply_step, deadline, status=FALLBACK, op=req.op, req_id=req.req_id)
@@ -602,36 +606,9 @@ class DataRequests:
 
             return self._job(req, t0, "commit fallback", fallback, deadline=deadline, messages=(0, 0, 1),
                              direction="", nbytes=0)
-        e = g.entry
-        tried = [False]
-
-        def run(t: "Transport", step: int) -> None:
-            tried[0] = True
-            try:
-                try:
-                    info = e.commit_put(g.idx, time.monotonic() + self._timeout(req))
-                except errors.TensorWireError as exc:
-                    holder[0].direction = ""  # refused: no bytes went in
-                    self._fail_reply(s, t, holder[0].reply_step, req, exc, deadline)
-                    self._record("Put", status_of(exc).name, t0)
-                    return
-                self._ok(s, t, holder[0].reply_step, req, info.spec, deadline, version=info.version,
-                         **self._grant(s, holder[0], e))
-            except BaseException as exc:
-                self._record("Put", status_of(exc).name, t0)
-                raise
-            self._record("Put", "ok", t0)
-
-        def cleanup() -> None:
-            if not tried[0]:  # never ran (the session closed first): the reservation must go
-                e.end_put()
-
-        holder: list[Job] = []
-        job = Job("commit", run, deadline=deadline, cleanup=cleanup, direction="in", nbytes=e.nbytes,
-                  messages=(0, 0, 1))
-        job.via = "shm"
-        holder.append(job)
-        return job
+        e, timeout = g.entry, self._timeout(req)
+        return self._commit_job(s, req, "Put", t0, e.nbytes, lambda: e.commit_put(g.idx, time.monotonic() + timeout),
+                                e.end_put, e)
 
     # -- reads ----------------------------------------------------------------------------------------
     def _get(self, s: "Session", req: Request, t0: float) -> Job:
