@@ -1333,7 +1333,7 @@ class Client:
                     if len(self._rows_views) >= 64:
                         self._rows_views.clear()
                     cached = self._rows_views[name] = (key, src.numpy().reshape(rows, row_bytes))
-                # rows as bytes: any dtype (numpy's take, no OpenMP team: see tensorwire.serve.shm)
+                # rows as bytes: any dtype (numpy's take or torch's index_select: see tensorwire.serve.shm.Copier)
                 self._copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes))
             self.shm_bytes += n * row_bytes
             return self._rows_result(dest, out)
