@@ -396,6 +396,7 @@ class Client:
         self._use_leases = _leases_wanted()
         self._leases: dict[str, tuple[int, int, str, int, int, TensorSpec]] = {}
         self._lease_tab: Any = None  # shm.LeaseTable of the current session's daemon
+        self._in_lease = False  # a read from a lease is copying (see shm.Copier.take's pool)
         self._page: Any = None  # shm.SessionPage: lease-read counts for the daemon, the write-ahead ticket
         # write-ahead grant (see tensorwire.serve.shm.PageLock), or None
         self._use_ahead = _ahead_wanted()
@@ -638,7 +639,11 @@ class Client:
                 del self._leases[name]
                 return _MISS
             before = self.shm_bytes
-            result = use(spec, view, region)
+            self._in_lease = True  # no request follows at once: the copy may use torch's thread pool
+            try:
+                result = use(spec, view, region)
+            finally:
+                self._in_lease = False
             if cells[cell] != gen:  # a writer came meanwhile: what was copied may be mixed
                 del self._leases[name]
                 self.shm_bytes = before
@@ -1334,7 +1339,7 @@ class Client:
                         self._rows_views.clear()
                     cached = self._rows_views[name] = (key, src.numpy().reshape(rows, row_bytes))
                 # rows as bytes: any dtype (numpy's take or torch's index_select: see tensorwire.serve.shm.Copier)
-                self._copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes))
+                self._copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=self._in_lease)
             self.shm_bytes += n * row_bytes
             return self._rows_result(dest, out)
 

@@ -47,8 +47,8 @@ system once no process maps it. Copies in and out of regions are numpy's
 (``copyto``: no OpenMP team; measured on the 2-core VM with 16 client
 processes, torch's ``copy_`` fell to 4.5 GB/s in all, numpy held 14-17 GB/s),
 the big ones split between the calling thread and helpers; row gathers are
-numpy's ``take`` on a busy machine and torch's ``index_select`` (its thread
-pool) when cores are idle (:class:`Copier`).
+numpy's ``take``, or torch's ``index_select`` (its thread pool) for a lease
+read when many cores are idle (:class:`Copier`).
 """
 
 from __future__ import annotations
@@ -913,11 +913,16 @@ class Copier:
     PIECES = 8
     #: Helper threads at most (memory bandwidth, not cores, bounds a copy beyond a few threads).
     MAX_HELPERS = 7
-    #: A gather on a machine with cores to spare is torch's ``index_select`` (its own thread pool)
-    #: rather than numpy's ``take`` split over helpers: a lease get_rows of 4,096 rows of a
-    #: 1,000,000 x 128 float32 table took 0.46-0.66 ms with numpy and 0-7 helpers on the 16-core H100
-    #: host, 0.105 ms with torch; 0.95-1.14 vs 0.72-0.84 ms on the 2-core VM (in turns).
+    #: A gather that may use torch's thread pool (``take(pool=True)``: a read from a lease, which no
+    #: request to the daemon follows at once) on a machine with at least TORCH_GATHER_MIN_HELPERS cores
+    #: to spare is torch's ``index_select`` rather than numpy's ``take`` (which holds the GIL: helpers
+    #: do not speed it up). A lease get_rows of 4,096 rows of a 1,000,000 x 128 float32 table on the
+    #: 16-core H100 host: 0.46-0.66 ms with numpy and 0-7 helpers, 0.105 ms with torch. Not after a
+    #: request (an OpenMP team spins a while after its work, on the cores the daemon needs to answer the
+    #: client's next request: there a get_rows without leases went 1.04 -> 1.47 ms), and not on a
+    #: 2-core machine (0.72-0.84 vs 0.95-1.14 ms, and the same spinning).
     TORCH_GATHER = True
+    TORCH_GATHER_MIN_HELPERS = 3
 
     def __init__(self) -> None:
         self._tasks: "queue.SimpleQueue[_Pieces | None]" = queue.SimpleQueue()
@@ -989,8 +994,10 @@ class Copier:
 
         self._run(piece, pieces, helpers)
 
-    def take(self, table: Any, index: Any, out: Any) -> None:
-        """Rows ``index`` of ``table`` (a 2-D uint8 numpy array: rows x row bytes) into ``out`` (indices checked)."""
+    def take(self, table: Any, index: Any, out: Any, *, pool: bool = False) -> None:
+        """Rows ``index`` of ``table`` (a 2-D uint8 numpy array: rows x row bytes) into ``out`` (indices checked).
+
+        ``pool``: torch's thread pool may do it (see :data:`TORCH_GATHER`)."""
         import numpy as np
 
         rows, width = len(index), table.shape[1]
@@ -998,7 +1005,7 @@ class Copier:
         if not helpers:
             np.take(table, index, axis=0, out=out, mode="clip")  # "clip": unbuffered (indices are in range)
             return
-        if self.TORCH_GATHER:
+        if pool and self.TORCH_GATHER and helpers >= self.TORCH_GATHER_MIN_HELPERS:
             import torch
 
             torch.index_select(torch.from_numpy(table), 0, torch.from_numpy(index), out=torch.from_numpy(out))
