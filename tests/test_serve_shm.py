@@ -515,7 +515,7 @@ def test_wire_checks_of_the_shm_fields():
                          ids=["split", "split-5-helpers-numpy-gather", "one-thread"])
 def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_bytes, helpers, torch_gather):
     monkeypatch.setattr(shm.Copier, "TORCH_GATHER", torch_gather)
-    monkeypatch.setattr(shm.Copier, "TORCH_GATHER_MIN_HELPERS", 1)
+    monkeypatch.setattr(shm.Copier, "TORCH_GATHER_MIN_CPUS", 1)
     monkeypatch.setattr(shm.Copier, "SPLIT_BYTES", parallel_bytes)
     monkeypatch.setattr(shm.Copier, "TAKE_SPLIT_BYTES", parallel_bytes)
     monkeypatch.setattr(shm.Copier, "_split", lambda self, n, least: helpers if n >= least else 0)  # whatever the load

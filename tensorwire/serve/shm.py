@@ -914,15 +914,15 @@ class Copier:
     #: Helper threads at most (memory bandwidth, not cores, bounds a copy beyond a few threads).
     MAX_HELPERS = 7
     #: A gather that may use torch's thread pool (``take(pool=True)``: a read from a lease, which no
-    #: request to the daemon follows at once) on a machine with at least TORCH_GATHER_MIN_HELPERS cores
-    #: to spare is torch's ``index_select`` rather than numpy's ``take`` (which holds the GIL: helpers
+    #: request to the daemon follows at once) on a machine of at least TORCH_GATHER_MIN_CPUS cores, not
+    #: oversubscribed at the moment (as for splitting), is torch's ``index_select`` rather than numpy's ``take`` (which holds the GIL: helpers
     #: do not speed it up). A lease get_rows of 4,096 rows of a 1,000,000 x 128 float32 table on the
     #: 16-core H100 host: 0.46-0.66 ms with numpy and 0-7 helpers, 0.105 ms with torch. Not after a
     #: request (an OpenMP team spins a while after its work, on the cores the daemon needs to answer the
     #: client's next request: there a get_rows without leases went 1.04 -> 1.47 ms), and not on a
     #: 2-core machine (0.72-0.84 vs 0.95-1.14 ms, and the same spinning).
     TORCH_GATHER = True
-    TORCH_GATHER_MIN_HELPERS = 3
+    TORCH_GATHER_MIN_CPUS = 4
 
     def __init__(self) -> None:
         self._tasks: "queue.SimpleQueue[_Pieces | None]" = queue.SimpleQueue()
@@ -1005,7 +1005,7 @@ class Copier:
         if not helpers:
             np.take(table, index, axis=0, out=out, mode="clip")  # "clip": unbuffered (indices are in range)
             return
-        if pool and self.TORCH_GATHER and helpers >= self.TORCH_GATHER_MIN_HELPERS:
+        if pool and self.TORCH_GATHER and self._cpus >= self.TORCH_GATHER_MIN_CPUS:
             import torch
 
             torch.index_select(torch.from_numpy(table), 0, torch.from_numpy(index), out=torch.from_numpy(out))
