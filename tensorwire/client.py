@@ -255,19 +255,23 @@ LEASES_ENV = "TENSORWIRE_SHM_LEASES"
 AHEAD_ENV = "TENSORWIRE_SHM_AHEAD"
 
 
-def _ahead_wanted() -> bool:
+def _env_off(name: str) -> bool:
+    """Whether environment variable ``name`` turns its feature off ("0", "false", "no", "off"; unset: on)."""
     import os
 
-    return os.environ.get(AHEAD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _ahead_wanted() -> bool:
+    return not _env_off(AHEAD_ENV)
 
 
 def _leases_wanted() -> bool:
-    import os
     import platform
 
     from .serve.shm import LEASE_MACHINES
 
-    if os.environ.get(LEASES_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if _env_off(LEASES_ENV):
         return False
     return platform.machine().lower() in LEASE_MACHINES
 
@@ -401,7 +405,6 @@ class Client:
         # write-ahead grant (see tensorwire.serve.shm.PageLock), or None
         self._use_ahead = _ahead_wanted()
         self._ahead: tuple[str, tuple[int, tuple[int, ...]], str, int] | None = None  # name, (dtype, shape), region, ticket
-        self._shm_version = 0
         #: Puts written into a write-ahead grant's slot (one round trip instead of two; all sessions).
         self.ahead_puts = 0
         #: Reads served from a read lease, without a request (all sessions), and leases found stale.
@@ -484,7 +487,6 @@ class Client:
             self._req_id = self._replies = 0
             self._replies_posted.clear()
             self._shm = False
-            self._shm_version = resp.shm
             if self._shm_broken:
                 pass  # the reason stays
             elif not offer_shm:
@@ -492,7 +494,7 @@ class Client:
             elif not (self._dp and resp.shm >= 1 and resp.shm_hello):
                 self._shm_why = "the daemon offers no shared memory (--no-shm, an older daemon, or /dev/shm unusable there)"
             else:
-                self._shm_hello(t, resp.shm_hello)
+                self._shm_hello(t, resp.shm_hello, resp.shm)
             if self._want == "shm" and not self._shm:
                 why = self._shm_why
                 self._drop_session()
@@ -509,8 +511,9 @@ class Client:
         except Exception:  # noqa: BLE001 - best effort
             pass
 
-    def _shm_hello(self, t: "Transport", hello: str) -> None:
-        """Prove to the daemon that this process maps its memory: read the hello region's nonce, echo it."""
+    def _shm_hello(self, t: "Transport", hello: str, version: int) -> None:
+        """Prove to the daemon that this process maps its memory: read the hello region's nonce, echo it.
+        ``version``: the shared-memory protocol version the session negotiated."""
         from .serve import shm
 
         try:
@@ -533,7 +536,7 @@ class Client:
         self._shm = True
         self._shm_why = ""
         leases = bool(ok.message) and self._use_leases
-        if not (leases or (self._use_ahead and self._shm_version >= shm.AHEAD_VERSION)):
+        if not (leases or (self._use_ahead and version >= shm.AHEAD_VERSION)):
             return
         try:
             self._page = shm.SessionPage(hello)
@@ -700,10 +703,14 @@ class Client:
             raise
         pr.sent = True  # from here on the daemon may commit: never repeated
         done = self._dp_call(t, pr, wire.OP_COMMIT, name)
+        return self._committed(pr, name, nbytes, done, put=op == wire.OP_PUT)
+
+    def _committed(self, pr: "_Progress", name: str, nbytes: int, done: "wire.Reply", *, put: bool) -> TensorStat:
+        """The stat of a shared-memory write from its COMMIT's OK reply (a put's may carry a write-ahead grant)."""
         if done.status != wire.OK:
             raise self._lost(pr, f"reply to a commit has status {done.status}")
         self.shm_bytes += nbytes
-        if op == wire.OP_PUT:
+        if put:
             self._take_grant(name, nbytes, done)
         spec = self._reply_spec(name, done)
         return TensorStat(spec, int(done.version), spec.nbytes)
@@ -744,13 +751,9 @@ class Client:
         if done.status == wire.FALLBACK:  # the grant had ended before the COMMIT: nothing changed
             pr.sent = False
             return None
-        if done.status != wire.OK:
-            raise self._lost(pr, f"reply to a commit has status {done.status}")
-        self.shm_bytes += nbytes
+        st = self._committed(pr, name, nbytes, done, put=True)
         self.ahead_puts += 1
-        self._take_grant(name, nbytes, done)
-        spec = self._reply_spec(name, done)
-        return TensorStat(spec, int(done.version), spec.nbytes)
+        return st
 
     def _drop_leases(self) -> None:
         self._leases.clear()

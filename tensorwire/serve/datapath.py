@@ -595,9 +595,10 @@ class DataRequests:
     def _commit_ahead(self, s: "Session", req: Request, t0: float) -> Job:
         """A COMMIT with FLAG_AHEAD: the put the client wrote into its grant's slot (FALLBACK if the grant ended)."""
         g = s.take_ahead()
-        if g is None or g.ticket != req.ahead or g.entry.spec.name != req.name or not g.claim():
-            if g is not None and (g.ticket != req.ahead or g.entry.spec.name != req.name):
-                s.give_back_ahead(g)  # not the grant this COMMIT names: the session's next request ends it
+        named = g is not None and g.ticket == req.ahead and g.entry.spec.name == req.name
+        if g is not None and not named:
+            s.give_back_ahead(g)  # not the grant this COMMIT names: the session's next request ends it
+        if not named or not g.claim():  # type: ignore[union-attr]
             deadline = time.monotonic() + self._timeout(req)
 
             def fallback(t: "Transport", job: Job) -> BaseException | None:

@@ -224,7 +224,7 @@ class Session:
         self.shm_page: Any = None  # the hello region once proven (shm version >= 2): the client's lease-read counts
         self._page_seen = (0, 0, 0, 0)
         self.ahead: Any = None  # the write-ahead grant its client holds (tensorwire.serve.store.AheadGrant)
-        self._page_lock: Any = None  # shm.PageLock of the page, made with the first grant
+        self._page_lock: Any = None  # (shm.PageLock, ticket cell) of the page, made with the first grant
         self._tickets = 0
         self._pin: "tuple[Callable[[], None], str] | None" = None
         self._shm_scratch: Any = None  # Region
@@ -359,11 +359,10 @@ class Session:
             if self.closed or page is None or page.closed or self.shm_version < AHEAD_VERSION or self.ahead is not None:
                 return None
             if self._page_lock is None:
-                self._page_lock = PageLock(page.path)
-            lock = self._page_lock
+                self._page_lock = (PageLock(page.path), page_ahead(page._mm))
+            lock, word = self._page_lock
             self._tickets += 1
             ticket = self._tickets
-        word = page_ahead(page._mm)
 
         def make(idx: int) -> AheadGrant:
             word[0] = ticket  # the client reads it only after the reply, or under the page lock
@@ -688,7 +687,7 @@ class Session:
                 page, self.shm_page = self.shm_page, None
                 lock, self._page_lock = self._page_lock, None
             if lock is not None:
-                lock.close()
+                lock[0].close()
             if page is not None:
                 page.close()
         except Exception:  # noqa: BLE001

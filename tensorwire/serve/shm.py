@@ -915,8 +915,8 @@ class Copier:
     MAX_HELPERS = 7
     #: A gather that may use torch's thread pool (``take(pool=True)``: a read from a lease, which no
     #: request to the daemon follows at once) on a machine of at least TORCH_GATHER_MIN_CPUS cores, not
-    #: oversubscribed at the moment (as for splitting), is torch's ``index_select`` rather than numpy's ``take`` (which holds the GIL: helpers
-    #: do not speed it up). A lease get_rows of 4,096 rows of a 1,000,000 x 128 float32 table on the
+    #: oversubscribed at the moment (as for splitting), is torch's ``index_select`` rather than numpy's
+    #: ``take`` (which holds the GIL: helpers do not speed it up). A lease get_rows of 4,096 rows of a 1,000,000 x 128 float32 table on the
     #: 16-core H100 host: 0.46-0.66 ms with numpy and 0-7 helpers, 0.105 ms with torch. Not after a
     #: request (an OpenMP team spins a while after its work, on the cores the daemon needs to answer the
     #: client's next request: there a get_rows without leases went 1.04 -> 1.47 ms), and not on a

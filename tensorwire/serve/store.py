@@ -98,13 +98,15 @@ class Info:
     nbytes: int
 
 
-def _wait(cond: threading.Condition, pred, deadline: float, what: str) -> None:
-    """Under ``cond``: wait until ``pred()``; TransferTimeout at ``deadline``."""
+def _wait(cond: threading.Condition, pred, deadline: float, what: str,
+          poll: "Callable[[], float]" = lambda: 1.0) -> None:
+    """Under ``cond``: wait until ``pred()``; TransferTimeout at ``deadline``. ``pred`` is checked again at
+    least every ``poll()`` seconds (for what changes without a notify)."""
     while not pred():
         rem = deadline - time.monotonic()
         if rem <= 0:
             raise TransferTimeout(f"{what}: timed out waiting for other transfers on this tensor")
-        cond.wait(min(rem, 1.0))
+        cond.wait(min(rem, poll()))
 
 
 class AheadGrant:
@@ -145,11 +147,8 @@ class AheadGrant:
                 self._word[0] = 0
             except (TypeError, ValueError):  # pragma: no cover - the page is unmapped already
                 pass
-        e = self.entry
-        e.ahead = None
-        e.putting = False
-        e.cond.notify_all()
-        e._retire()
+        self.entry.ahead = None
+        self.entry._end_put_locked()
         return True
 
     def revoke(self, *, force: bool = False) -> bool:
@@ -253,15 +252,10 @@ class Entry:
         with self.cond:
             self.put_waiting += 1
             try:
-                while not (self.deleted or not self.putting):
-                    g = self.ahead
-                    if g is not None and g._revoke_locked(False):
-                        continue
-                    rem = deadline - time.monotonic()
-                    if rem <= 0:
-                        raise TransferTimeout(f"{self.spec.name}: timed out waiting for other transfers on this tensor")
-                    # a grant's client is writing: it commits soon, but its page lock wakes nobody
-                    self.cond.wait(min(rem, 0.001 if g is not None else 1.0))
+                # a write-ahead grant is revoked unless its client is writing: then it commits soon, but its
+                # page lock wakes nobody, so look again every millisecond
+                _wait(self.cond, lambda: self.deleted or not self.putting or self._revoke_ahead(), deadline,
+                      self.spec.name, poll=lambda: 0.001 if self.ahead is not None else 1.0)
             finally:
                 self.put_waiting -= 1
             if self.deleted:
@@ -299,9 +293,7 @@ class Entry:
                 self.version += 1
                 return self.info()
             finally:
-                self.putting = False
-                self.cond.notify_all()
-                self._retire()
+                self._end_put_locked()
 
     def grant_ahead(self, make: "Callable[[int], AheadGrant]") -> "AheadGrant | None":
         """Reserve the staging slot for a session's next put if that can be done now without waiting
@@ -320,12 +312,20 @@ class Entry:
             self.ahead = g
             return g
 
+    def _revoke_ahead(self) -> bool:
+        """Under ``cond``: end the write-ahead grant holding the put reservation, unless its client is writing.
+        True: ended (the reservation is free)."""
+        return self.ahead is not None and self.ahead._revoke_locked(False)
+
     def end_put(self) -> None:
         """Release the staging reservation without committing."""
         with self.cond:
-            self.putting = False
-            self.cond.notify_all()
-            self._retire()
+            self._end_put_locked()
+
+    def _end_put_locked(self) -> None:
+        self.putting = False
+        self.cond.notify_all()
+        self._retire()
 
     def slot(self, idx: int) -> Slot:
         s = self.slots[idx]
@@ -545,8 +545,7 @@ class Store:
             self._update_gauges()
         with e.cond:
             e.deleted = True
-            if e.ahead is not None:
-                e.ahead._revoke_locked(False)  # else its client is writing: its COMMIT fails and ends the put
+            e._revoke_ahead()  # unless its client is writing: then its COMMIT fails and ends the put
             if self.leases is not None:
                 self.leases.free(e.lease)
             e.lease = 0
