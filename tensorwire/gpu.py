@@ -202,7 +202,6 @@ def _cudart() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _memcpy_async() -> Any:
     """``f(dst_ptr, src_ptr, nbytes, stream) -> bool``: ``cudaMemcpyAsync(..., cudaMemcpyDefault, raw stream)``
     with ``stream``'s device current; False when it failed (the error is cleared: the caller takes torch's way).
@@ -238,6 +237,7 @@ def _memcpy_async() -> Any:
     return call
 
 
+@functools.lru_cache(maxsize=None)
 def _on_current_stream(fn_name: str, expected: tuple[int, ...]) -> Any:
     """``f(device) -> int | None``: the CUDA runtime's ``fn_name(cudaStream_t)`` on ``device``'s current stream.
 
