@@ -218,6 +218,8 @@ class SendHandle:
         try:
             op = self._future.result(timeout)
         except concurrent.futures.TimeoutError:
+            if self._future.done():
+                raise  # the send's own error (TransferTimeout is a TimeoutError too), not this wait's timeout
             raise TransferTimeout(f"isend of {self._name!r} not complete within {timeout}s") from None
         if self._t is not None:  # the link's thread posted it (CUDA isend): now wait for the bytes to leave
             self._op = op

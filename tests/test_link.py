@@ -134,3 +134,20 @@ def test_bad_depth_is_refused_before_anything_is_negotiated():
         errs = res[rank]
         assert len(errs) == 5 and not any("accepted" in e for e in errs), errs
         assert "must be an int in [2, 64]" in errs[0] and "'nope'" in errs[4]
+
+
+def test_isend_handle_reports_the_sends_own_error_not_a_wait_timeout():
+    """A send on the link's thread that failed with TransferTimeout (a TimeoutError, as the futures' own
+    timeout is) must reach wait() as itself -- it used to be reported as "not complete within None s"."""
+    import concurrent.futures
+
+    from tensorwire.errors import TransferTimeout
+    from tensorwire.node import SendHandle
+
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(TransferTimeout("no credit to send on tag 3 within 60s"))
+    with pytest.raises(TransferTimeout, match="no credit to send on tag 3 within 60s"):
+        SendHandle(failed, "x").wait()
+    pending: concurrent.futures.Future = concurrent.futures.Future()
+    with pytest.raises(TransferTimeout, match="isend of 'x' not complete within 0.01s"):
+        SendHandle(pending, "x").wait(0.01)
