@@ -276,6 +276,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
         self.shm_version = SHM_VERSION
         self._data_handler: Any = None
+        from tensorwire.serve.daemon.limits import WaitGate
+
+        #: Bounds waits in gRPC handler threads (see tensorwire.serve.daemon.limits).
+        self.waits = WaitGate(config.max_waiting_calls or max(1, config.workers // 4))
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
@@ -458,7 +462,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
         e, created = self.store.declare(spec)
-        idx = e.begin_put(deadline)
+        idx = self.waits.run(e.begin_put, deadline, f"BeginPut {spec.name}")
         raw = e.slot(idx).raw
         nbytes = e.nbytes
 
@@ -506,8 +510,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def CommitPut(self, request: store_pb2.CommitPutRequest, context: grpc.ServicerContext) -> Any:
         s = self._session(request.session_id)
         p = self._claim(s, request.op_id)
-        # The job is bounded by its own deadline; it fails (and closes the session) past it.
-        p.job.wait(max(0.0, p.job.deadline - time.monotonic()) + 5.0)
+        # The job is bounded by its own deadline; it fails (and closes the session) past it. Until then
+        # this handler waits for the bytes a slice at a time (Busy: the client calls CommitPut again).
+        self.waits.run(lambda until: p.job.wait(max(0.0, until - time.monotonic())), p.job.deadline + 5.0, "CommitPut")
         with s._lock:
             if p.finished:
                 raise errors.ClosedError(f"session closed: {s.close_reason}")
@@ -545,7 +550,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         e = self.store.get(_name(request.name))
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
-        idx, version = e.acquire_read(deadline)
+        idx, version = self.waits.run(e.acquire_read, deadline, f"Get {e.spec.name}")
         try:
             raw = e.slot(idx).raw
             job = Job(
@@ -574,7 +579,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         e, spec, index, shape, nbytes = p.entry, p.spec, p.index, p.shape, p.nbytes
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
-        idx, version = e.acquire_read(deadline)
+        idx, version = self.waits.run(e.acquire_read, deadline, f"GetRows {spec.name}")
         released = threading.Event()
 
         def release() -> None:
