@@ -362,6 +362,19 @@ class StoreService(store_pb2_grpc.StoreServicer):
         # Shared memory rides on data-plane requests; offered when this daemon keeps its slots there.
         shm_version = min(request.shm, self.shm_version) if data_requests and self.store.shm is not None else 0
         handler = None
+        charged = 0
+        if data_requests:
+            # the request thread's buffers (two, a third with shared memory) count against --max-bytes; where
+            # they do not fit the session goes without data-plane requests (the gRPC calls, no buffers of its own)
+            from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES
+
+            need = (3 if shm_version else 2) * MAX_REQUEST_BYTES
+            try:
+                self.store.charge(need, "a session's request buffers", buffers=True)
+                charged = need
+            except errors.ResourceExhaustedError as exc:
+                log.info("session without data-plane requests: %s", exc)
+                data_requests = shm_version = 0
         if data_requests:
             if self._data_handler is None:
                 from tensorwire.serve.daemon.datapath import DataRequests
@@ -370,6 +383,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
             handler = self._data_handler
         with self._lock:
             if len(self._sessions) >= self.config.max_sessions:
+                if charged:
+                    self.store.uncharge(charged, buffers=True)
                 raise errors.ResourceExhaustedError(f"the server holds the maximum of {self.config.max_sessions} sessions")
             sid = secrets.token_hex(SESSION_ID_LEN // 2)
             nonce = new_nonce()
@@ -382,6 +397,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 on_close=self._forget,
                 client=client,
                 handler=handler,
+                store=self.store,
+                charged=charged,
             )
             self._sessions[sid] = s
             n = len(self._sessions)
@@ -484,6 +501,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         p = plan_row_update(self.store, request.name, lambda rows: decode_index(request.index, rows),
                             TensorSpec.from_proto(request.values), add)
         nbytes = p.nbytes
+        s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is scheduled
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
         dtype = p.spec.torch_dtype
@@ -577,6 +595,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self._no_pending(s)
         p = plan_rows(self.store, request.name, lambda rows: decode_index(request.index, rows), "request")
         e, spec, index, shape, nbytes = p.entry, p.spec, p.index, p.shape, p.nbytes
+        s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is pinned or scheduled
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
         idx, version = self.waits.run(e.acquire_read, deadline, f"GetRows {spec.name}")
