@@ -829,31 +829,40 @@ class TcpListener(Listener):
             conn.setblocking(False)
             fd = conn.fileno()
             for old in self._pending.add(fd, str(addr[0]), time.monotonic(), timeout=self.HELLO_TIMEOUT):
+                if self._read_hello(old, pending=False):
+                    self._pending.evicted -= 1  # its hello was there already: admitted, not evicted
+                    continue
                 self._drop(old, "evicted for load: too many connections without a hello", reply=_BUSY, pending=False)
             self._hellos[fd] = _Hello(conn, addr)
             self._sel.register(conn, selectors.EVENT_READ, None)
 
-    def _read_hello(self, fd: int) -> None:
+    def _read_hello(self, fd: int, *, pending: bool = True) -> bool:
+        """Read what arrived of ``fd``'s hello; True once it is whole (then it is admitted or refused).
+        ``pending``: ``fd`` is still in the table (False: about to be evicted; an incomplete one stays)."""
         h = self._hellos.get(fd)
         if h is None:
-            return
+            return False
         try:
             n = h.conn.recv_into(memoryview(h.buf)[h.got :], HELLO.size - h.got)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:
-            self._drop(fd, f"hello failed: {exc}")
-            return
+            if pending:
+                self._drop(fd, f"hello failed: {exc}")
+            return False
         if n == 0:
-            self._drop(fd, "closed during hello")
-            return
+            if pending:
+                self._drop(fd, "closed during hello")
+            return False
         h.got += n
         if h.got < HELLO.size:
-            return
-        self._pending.remove(fd)
+            return False
+        if pending:
+            self._pending.remove(fd)
         self._sel.unregister(h.conn)
         del self._hellos[fd]
         self._admit(h.conn, h.addr, h.buf)
+        return True
 
     def _admit(self, conn: socket.socket, addr: Any, buf: bytearray) -> None:
         """A whole hello arrived: check it, answer, park the connection for its nonce."""
