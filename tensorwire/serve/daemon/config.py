@@ -212,6 +212,11 @@ class ServeConfig:
         drain_timeout: seconds in-flight transfers get to finish on shutdown.
         session_idle_timeout: sessions idle this long are closed.
         max_sessions: concurrent client sessions.
+        max_sessions_per_client: concurrent sessions one client may hold (a
+            client: its certificate identity under mTLS, else the local user
+            for a caller on loopback, else its IP address; see
+            :mod:`tensorwire.serve.daemon.peers`), so that one client cannot
+            take every session. Capped at ``max_sessions``.
         workers: gRPC handler threads.
         shm: keep slots in shared memory under ``/dev/shm`` so that clients on
             this host (same ``/dev/shm``, same uid) move bytes with one memcpy
@@ -235,6 +240,7 @@ class ServeConfig:
     drain_timeout: float = 10.0
     session_idle_timeout: float = 3600.0
     max_sessions: int = 256
+    max_sessions_per_client: int = 64
     workers: int = 32
     shm: bool = True
 
@@ -275,10 +281,11 @@ class ServeConfig:
             if not v > 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
             set_(name, v)
-        for name in ("max_sessions", "workers"):
+        for name in ("max_sessions", "max_sessions_per_client", "workers"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        set_("max_sessions_per_client", min(self.max_sessions_per_client, self.max_sessions))
         set_("insecure", bool(self.insecure))
         set_("shm", bool(self.shm))
         if not is_loopback(self.host) and not (self.token_file or self.tls_cert or self.insecure):
@@ -344,7 +351,7 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "workers"}
+_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "max_sessions_per_client", "workers"}
 _FLOAT_FIELDS = {"drain_timeout", "session_idle_timeout"}
 _BOOL_FIELDS = {"insecure", "shm"}
 
