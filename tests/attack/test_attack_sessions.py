@@ -20,7 +20,7 @@ from tensorwire.serve.client.client import Client
 from tensorwire.transport.base import new_nonce
 from tensorwire.v1 import store_pb2, store_pb2_grpc
 
-from serve_common import in_process, ucx_usable
+from serve_common import in_process, make_pki, ucx_usable
 
 pytestmark = pytest.mark.attack
 
@@ -231,3 +231,20 @@ def test_max_sessions_per_client_comes_from_flag_or_env_and_is_validated():
     for bad in (0, -1, True):
         with pytest.raises(tw.ConfigError, match="max_sessions_per_client"):
             ServeConfig(max_sessions_per_client=bad)
+
+
+@pytest.mark.timeout(60)
+def test_under_mtls_a_client_is_counted_by_its_certificate(tmp_path):
+    pki = make_pki(tmp_path)
+    with in_process(tls_cert=pki["server.pem"], tls_key=pki["server.key"], tls_ca=pki["ca1.pem"],
+                    max_sessions_per_client=1) as s:
+        tls = {"ca": pki["ca1.pem"], "cert": pki["client.pem"], "key": pki["client.key"]}
+        with Client(s.address, tls=tls, transport="tcp") as c:
+            c.put("m", torch.zeros(2))
+            svc = s.service
+            assert svc is not None
+            owners = set(svc._owner.values())
+            assert len(owners) == 1 and next(iter(owners)).startswith("cert:"), owners
+            with pytest.raises(tw.ResourceExhaustedError, match="per client"):
+                with Client(s.address, tls=tls, transport="tcp") as c2:
+                    c2.put("n", torch.zeros(2))

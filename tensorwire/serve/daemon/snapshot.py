@@ -413,7 +413,7 @@ def restore_snapshot(store: "Store", directory: str) -> int:
                 if got != sums[key]:
                     raise SnapshotError(
                         f"snapshot {path}: tensor {key!r} is corrupt (its {_ALGO} is {got}, the snapshot recorded "
-                        f"{sums[key]}); refusing to start. The file is kept for inspection: move it away to start "
+                        f"{sums[key]}). The file is kept for inspection: move it away to start "
                         "empty, or restore a backup"
                     )
 
