@@ -23,7 +23,7 @@ receives while the rows are gathered), lets the transport progress once
 carries thousands of row numbers, may complete only then), gathers the rows
 into the session's scratch buffer and sends them. How was chosen by measurement
 on the 2-core VM (figures with the constants below; the end-to-end result is in
-bench/results/serve_cpu.md):
+bench/results/archive/serve_cpu2_2026-11-22.md):
 
 - on UCX, in chunks of ``ROWS_CHUNK_BYTES``, each posted (``start_send``) as
   soon as it is gathered: the client's process copies chunk i out of this
