@@ -14,6 +14,7 @@ visible in the traceback.
     ├── AuthError              missing/wrong token, TLS mismatch, bad session credential
     ├── ResourceExhaustedError over a configured memory or size limit
     ├── NotFoundError          no tensor of that name (serve)
+    ├── SnapshotError          a snapshot could not be written, or one on disk is corrupt (serve)
     ├── ProtocolError          the peer broke the wire protocol
     │   └── VersionMismatchError  the peer speaks another protocol version
     ├── TransportError         the data plane or control plane failed
@@ -37,6 +38,7 @@ __all__ = [
     "AuthError",
     "ResourceExhaustedError",
     "NotFoundError",
+    "SnapshotError",
     "ProtocolError",
     "VersionMismatchError",
     "TransportError",
@@ -79,6 +81,10 @@ class NotFoundError(TensorWireError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want plain text
         return str(self.args[0]) if self.args else ""
+
+
+class SnapshotError(TensorWireError):
+    """A snapshot could not be written (the previous one is kept), or one on disk is unreadable or corrupt."""
 
 
 class ProtocolError(TensorWireError):

@@ -106,6 +106,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, metavar="N", help=_h("serve Prometheus metrics on this port", E + "METRICS_PORT", "off"))
     p.add_argument("--snapshot-dir", default=None, metavar="DIR", help=_h("snapshot the store here (safetensors) on shutdown and on demand; restored on start", E + "SNAPSHOT_DIR"))
     p.add_argument("--ready-file", default=None, metavar="F", help=_h("write the ready line (JSON with the bound ports) to F", E + "READY_FILE"))
+    p.add_argument(
+        "--max-sessions-per-client",
+        type=int,
+        default=None,
+        metavar="N",
+        help=_h("sessions one client may hold at once (a client: its certificate under mTLS, else its local user "
+                "on loopback, else its IP address)", E + "MAX_SESSIONS_PER_CLIENT", 64),
+    )
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S", help=_h("seconds in-flight transfers get on shutdown", E + "DRAIN_TIMEOUT", 10))
     p.add_argument("--hello-timeout", type=float, default=None, metavar="S",
                    help=_h("seconds a data connection may take to present its credential", E + "HELLO_TIMEOUT", 3))
@@ -128,7 +136,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 _SERVE_FLAGS = (
     "host", "port", "data_port", "transport", "max_bytes", "token_file", "tls_cert", "tls_key", "tls_ca",
-    "insecure", "metrics_port", "snapshot_dir", "ready_file", "drain_timeout", "shm",
+    "insecure", "metrics_port", "snapshot_dir", "ready_file", "drain_timeout", "shm", "max_sessions_per_client",
     "hello_timeout", "max_pending_connections", "max_pending_per_peer", "max_waiting_calls",
 )
 

@@ -716,6 +716,9 @@ class TcpListener(Listener):
         self.HELLO_TIMEOUT = self.limits.hello_timeout
         self._cond = threading.Condition()
         self._expected: set[bytes] = set()
+        #: Nonces a connection has presented and is being answered for: taken out of ``_expected`` in the
+        #: same breath as they were checked, so one nonce admits one connection, however many race for it.
+        self._claimed: set[bytes] = set()
         self._parked: dict[bytes, TcpTransport] = {}
         self._closed = False
         self._sel = selectors.DefaultSelector()
@@ -750,6 +753,7 @@ class TcpListener(Listener):
     def forget(self, nonce: bytes) -> None:
         with self._cond:
             self._expected.discard(nonce)
+            self._claimed.discard(nonce)
             t = self._parked.pop(nonce, None)
         if t is not None:
             t.abort()
@@ -765,6 +769,7 @@ class TcpListener(Listener):
                     raise ConnectTimeout(f"no data connection arrived on {self._host}:{self._port} within {timeout}s")
                 self._cond.wait(0.5 if rem is None else min(rem, 0.5))
             self._expected.discard(nonce)
+            self._claimed.discard(nonce)
             return self._parked.pop(nonce)
 
     def close(self) -> None:
@@ -874,20 +879,32 @@ class TcpListener(Listener):
                 conn.send(_NO)
                 raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
             with self._cond:
-                # this thread reads every hello: nothing can park this nonce between the check and the park
-                ok = nonce in self._expected and nonce not in self._parked and not self._closed
+                # check and claim in one step: a nonce is single-use (a second connection presenting it,
+                # even at the same instant, is refused before it is answered)
+                ok = nonce in self._expected and not self._closed
+                if ok:
+                    self._expected.discard(nonce)
+                    self._claimed.add(nonce)
             if not ok:
                 conn.send(_NO)
                 raise AuthError("unknown data-plane credential")
-            conn.setblocking(True)
-            conn.settimeout(self.HELLO_TIMEOUT)
-            conn.sendall(HELLO_OK + struct.pack("<I", PROTOCOL_VERSION))
-            tune_socket(conn, peer_timeout=self._peer_timeout)
-            transport = TcpTransport(conn, peer=f"{addr[0]}:{addr[1]}", peer_timeout=self._peer_timeout)
+            try:
+                conn.setblocking(True)
+                conn.settimeout(self.HELLO_TIMEOUT)
+                conn.sendall(HELLO_OK + struct.pack("<I", PROTOCOL_VERSION))
+                tune_socket(conn, peer_timeout=self._peer_timeout)
+                transport = TcpTransport(conn, peer=f"{addr[0]}:{addr[1]}", peer_timeout=self._peer_timeout)
+            except BaseException:
+                with self._cond:  # answering failed: nobody got in; the nonce may be presented again
+                    if nonce in self._claimed:
+                        self._claimed.discard(nonce)
+                        self._expected.add(nonce)
+                raise
             with self._cond:
-                if self._closed or nonce not in self._expected:
+                if self._closed or nonce not in self._claimed:  # forgotten meanwhile
                     transport.abort()
                     return
+                self._claimed.discard(nonce)
                 self._parked[nonce] = transport
                 self._cond.notify_all()
         except (OSError, ProtocolError, AuthError) as exc:

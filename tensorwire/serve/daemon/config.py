@@ -212,6 +212,11 @@ class ServeConfig:
         drain_timeout: seconds in-flight transfers get to finish on shutdown.
         session_idle_timeout: sessions idle this long are closed.
         max_sessions: concurrent client sessions.
+        max_sessions_per_client: concurrent sessions one client may hold (a
+            client: its certificate identity under mTLS, else the local user
+            for a caller on loopback, else its IP address; see
+            :mod:`tensorwire.serve.daemon.peers`), so that one client cannot
+            take every session. Capped at ``max_sessions``.
         workers: gRPC handler threads.
         hello_timeout: seconds a data connection may take to present its hello.
         max_pending_connections: data connections without a hello, at most (the oldest of the
@@ -241,6 +246,7 @@ class ServeConfig:
     drain_timeout: float = 10.0
     session_idle_timeout: float = 3600.0
     max_sessions: int = 256
+    max_sessions_per_client: int = 64
     workers: int = 32
     hello_timeout: float = 3.0
     max_pending_connections: int = 512
@@ -285,13 +291,15 @@ class ServeConfig:
             if not v > 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
             set_(name, v)
-        for name in ("max_sessions", "workers", "max_pending_connections", "max_pending_per_peer"):
+        for name in ("max_sessions", "max_sessions_per_client", "workers", "max_pending_connections",
+                     "max_pending_per_peer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         v = self.max_waiting_calls
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"max_waiting_calls must be a non-negative integer, got {v!r}")
+        set_("max_sessions_per_client", min(self.max_sessions_per_client, self.max_sessions))
         set_("insecure", bool(self.insecure))
         set_("shm", bool(self.shm))
         if not is_loopback(self.host) and not (self.token_file or self.tls_cert or self.insecure):
@@ -357,8 +365,8 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "workers", "max_pending_connections",
-               "max_pending_per_peer", "max_waiting_calls"}
+_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "max_sessions_per_client", "workers",
+               "max_pending_connections", "max_pending_per_peer", "max_waiting_calls"}
 _FLOAT_FIELDS = {"drain_timeout", "session_idle_timeout", "hello_timeout"}
 _BOOL_FIELDS = {"insecure", "shm"}
 

@@ -7,6 +7,14 @@ drains: health goes NOT_SERVING, new work is refused, in-flight transfers get
 ``drain_timeout`` seconds, the snapshot is written, and everything closes.
 ``serve_forever()`` does both around SIGTERM/SIGINT (a second SIGINT exits
 at once) and prints the ready line (JSON with the bound ports) on stdout.
+
+Exit codes of ``serve_forever()`` (and so of ``tensorwire serve``):
+:data:`EXIT_OK` after a clean drain (and a written snapshot, with
+``--snapshot-dir``); :data:`EXIT_SNAPSHOT_FAILED` when the shutdown snapshot
+could not be written (what was put since the last good snapshot is lost; that
+snapshot is whole); :data:`EXIT_SNAPSHOT_UNREADABLE` when the daemon refused
+to start because the snapshot it should restore is unreadable or corrupt (the
+file is left as it is); 1 for any other error, 130 after a second signal.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import time
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
-from tensorwire.errors import ConfigError, TensorWireError
+from tensorwire.errors import ConfigError, SnapshotError
 from tensorwire.serve.daemon.config import ServeConfig, format_size
 from tensorwire.serve.protocol.common import MAX_MESSAGE_BYTES, SERVICE
 
@@ -32,7 +40,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from tensorwire.transport.base import Listener
     from tensorwire.serve.daemon.service import StoreService
 
-__all__ = ["Server", "choose_listeners"]
+__all__ = ["Server", "choose_listeners", "EXIT_OK", "EXIT_SNAPSHOT_FAILED", "EXIT_SNAPSHOT_UNREADABLE"]
+
+#: A clean drain; with ``--snapshot-dir``, the shutdown snapshot was written.
+EXIT_OK = 0
+#: The shutdown snapshot failed (disk full, I/O error): the previous snapshot is whole, what came after is lost.
+EXIT_SNAPSHOT_FAILED = 3
+#: Refused to start: the snapshot to restore is unreadable or fails its checksums (kept for inspection).
+EXIT_SNAPSHOT_UNREADABLE = 4
 
 log = logging.getLogger("tensorwire.serve")
 
@@ -247,6 +262,7 @@ class Server:
             if not port:
                 raise ConfigError(f"cannot listen on {addr} (in use, or not an address of this host)")
             self.port = port
+            service.port = port
             server.start()
             self._grpc = server
             for svc in ("", SERVICE):
@@ -348,7 +364,13 @@ class Server:
             self._health.enter_graceful_shutdown()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Drain, wait for in-flight transfers (bounded), snapshot, close. Idempotent."""
+        """Drain, wait for in-flight transfers (bounded), snapshot, close. Idempotent.
+
+        Raises:
+            SnapshotError: the shutdown snapshot failed (raised once everything is closed; the previous
+                snapshot is whole, what was put since is lost).
+        """
+        failed: SnapshotError | None = None
         with self._stop_lock:
             if self._stopped.is_set() or not self._started:
                 self._stopped.set()
@@ -367,11 +389,17 @@ class Server:
                 if self.config.snapshot_dir:
                     try:
                         svc.snapshot()
-                    except Exception as exc:  # noqa: BLE001 - report, keep shutting down
-                        log.error("snapshot on shutdown failed: %s", exc)
+                    except Exception as exc:  # noqa: BLE001 - close everything first, then raise
+                        log.error("snapshot on shutdown failed: %s; the previous snapshot is kept, what was put "
+                                  "since it is lost", exc)
+                        failed = exc if isinstance(exc, SnapshotError) else SnapshotError(f"shutdown snapshot: {exc}")
+                        if failed is not exc:
+                            failed.__cause__ = exc
             self._teardown()
             self._stopped.set()
             log.info("stopped")
+        if failed is not None:
+            raise failed
 
     def _teardown(self) -> None:
         if self.service is not None:
@@ -397,7 +425,7 @@ class Server:
 
     # -- foreground ---------------------------------------------------------------------
     def serve_forever(self, *, ready_stream=None) -> int:
-        """Run until SIGTERM/SIGINT; returns the exit code (0 after a clean drain).
+        """Run until SIGTERM/SIGINT; returns the exit code (see the module docstring).
 
         Prints the ready JSON as one line on ``ready_stream`` (stdout) and to
         ``config.ready_file`` if set. A second SIGINT/SIGTERM exits at once (130).
@@ -421,8 +449,9 @@ class Server:
         try:
             try:
                 self.start()
-            except TensorWireError:
-                raise
+            except SnapshotError as exc:
+                log.error("refusing to start: %s", exc)
+                return EXIT_SNAPSHOT_UNREADABLE
             info = json.dumps(self.ready_info())
             if self.config.ready_file:  # first, so whoever reads the line finds the file too
                 tmp = self.config.ready_file + ".tmp"
@@ -433,8 +462,11 @@ class Server:
             print(info, file=stream, flush=True)
             while not stop.wait(0.5):
                 pass
-            self.stop()
-            return 0
+            try:
+                self.stop()
+            except SnapshotError:
+                return EXIT_SNAPSHOT_FAILED  # logged by stop()
+            return EXIT_OK
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

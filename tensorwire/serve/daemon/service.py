@@ -69,6 +69,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.AuthError, grpc.StatusCode.PERMISSION_DENIED),
     (errors.TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.SnapshotError, grpc.StatusCode.INTERNAL),
     (errors.ClosedError, grpc.StatusCode.UNAVAILABLE),
     (errors.TransportError, grpc.StatusCode.UNAVAILABLE),
 ]
@@ -281,6 +282,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
         #: Bounds waits in gRPC handler threads (see tensorwire.serve.daemon.limits).
         self.waits = WaitGate(config.max_waiting_calls or max(1, config.workers // 4))
         self._sessions: dict[str, Session] = {}
+        #: Per-client session counts (--max-sessions-per-client): session id -> client key, key -> count.
+        self._owner: dict[str, str] = {}
+        self._per_client: dict[str, int] = {}
+        #: The control port clients connect to (set by the server once bound): finds a loopback caller's uid.
+        self.port: int | None = None
         self._lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         if metrics is not None:
@@ -302,9 +308,21 @@ class StoreService(store_pb2_grpc.StoreServicer):
         s.touch()
         return s
 
+    def _client_key(self, context: grpc.ServicerContext) -> str:
+        from tensorwire.serve.daemon.peers import client_key
+
+        return client_key(context, server_port=self.port)
+
     def _forget(self, s: Session) -> None:
         with self._lock:
-            self._sessions.pop(s.id, None)
+            if self._sessions.pop(s.id, None) is not None:
+                key = self._owner.pop(s.id, None)
+                if key is not None:
+                    left = self._per_client.get(key, 1) - 1
+                    if left > 0:
+                        self._per_client[key] = left
+                    else:
+                        self._per_client.pop(key, None)
             n = len(self._sessions)
         if self.metrics is not None:
             self.metrics.sessions.set(n)
@@ -381,11 +399,18 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
                 self._data_handler = DataRequests(self)
             handler = self._data_handler
+        owner = self._client_key(context)
         with self._lock:
             if len(self._sessions) >= self.config.max_sessions:
                 if charged:
                     self.store.uncharge(charged, buffers=True)
                 raise errors.ResourceExhaustedError(f"the server holds the maximum of {self.config.max_sessions} sessions")
+            cap = self.config.max_sessions_per_client
+            if self._per_client.get(owner, 0) >= cap:
+                raise errors.ResourceExhaustedError(
+                    f"this client ({owner}) holds the maximum of {cap} sessions per client "
+                    f"(--max-sessions-per-client): close one (a tw.Client holds one) or raise the cap"
+                )
             sid = secrets.token_hex(SESSION_ID_LEN // 2)
             nonce = new_nonce()
             s = Session(
@@ -401,6 +426,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 charged=charged,
             )
             self._sessions[sid] = s
+            self._owner[sid] = owner
+            self._per_client[owner] = self._per_client.get(owner, 0) + 1
             n = len(self._sessions)
         if self.metrics is not None:
             self.metrics.sessions.set(n)
@@ -414,9 +441,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
             except ShmError as exc:
                 log.debug("session %s: no shared memory offered: %s", sid[:8], exc)
                 shm_version = 0
-        log.info("session %s opened (%s%s%s, client %r, peer %s)", sid[:8], kind,
+        log.info("session %s opened (%s%s%s, client %r, peer %s as %s)", sid[:8], kind,
                  ", data-plane requests" if data_requests else "", ", shared memory offered" if shm_version else "",
-                 client, context.peer())
+                 client, context.peer(), owner)
         return store_pb2.OpenSessionResponse(
             session_id=sid,
             nonce=nonce,
@@ -653,6 +680,12 @@ class StoreService(store_pb2_grpc.StoreServicer):
         return store_pb2.SnapshotResponse(path=res.path, tensors=res.tensors, nbytes=res.nbytes, seconds=res.seconds)
 
     def snapshot(self):
+        """Write the snapshot now. A failure is raised (and counted, and logged as an ERROR), never swallowed.
+
+        Raises:
+            ConfigError: no ``--snapshot-dir``.
+            SnapshotError: the snapshot was not written; the previous one is unchanged.
+        """
         from tensorwire.serve.daemon.snapshot import write_snapshot
 
         if not self.config.snapshot_dir:
@@ -660,14 +693,13 @@ class StoreService(store_pb2_grpc.StoreServicer):
         with self._snapshot_lock:
             try:
                 res = write_snapshot(self.store, self.config.snapshot_dir)
-            except errors.TensorWireError:
+            except (errors.TensorWireError, OSError) as exc:
                 if self.metrics is not None:
                     self.metrics.snapshots.labels("error").inc()
+                log.error("snapshot to %s failed: %s", self.config.snapshot_dir, exc)
+                if isinstance(exc, OSError):
+                    raise errors.SnapshotError(f"snapshot to {self.config.snapshot_dir} failed: {exc}") from exc
                 raise
-            except OSError as exc:
-                if self.metrics is not None:
-                    self.metrics.snapshots.labels("error").inc()
-                raise errors.ResourceExhaustedError(f"snapshot to {self.config.snapshot_dir} failed: {exc}") from exc
         if self.metrics is not None:
             self.metrics.snapshots.labels("ok").inc()
         return res

@@ -43,6 +43,7 @@ from tensorwire.buffers import Slot
 from tensorwire.errors import NotFoundError, ResourceExhaustedError, ShapeMismatchError, SpecError, TransferTimeout
 from tensorwire.spec import TensorSpec
 from tensorwire.serve.daemon.config import format_size
+from tensorwire.serve.daemon.snapshot import check_storable_name
 from tensorwire.serve.protocol.common import MAX_TENSORS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,7 +58,9 @@ log = logging.getLogger(__name__)
 
 
 def normalise_spec(spec: TensorSpec) -> TensorSpec:
-    """What the store keeps: static shapes, host memory (the device of the writer is not part of it)."""
+    """What the store keeps: static shapes, host memory (the device of the writer is not part of it), and
+    names its snapshots can hold (``__metadata__`` is safetensors' own: refused with a SpecError)."""
+    check_storable_name(spec.name)
     if spec.is_dynamic:
         raise SpecError(f"{spec.name}: the store holds static shapes; dynamic dims are not supported")
     if spec.device != "cpu":

@@ -57,6 +57,7 @@ ERROR_CLASSES: dict[str, type[errors.TensorWireError]] = {
         errors.AuthError,
         errors.ResourceExhaustedError,
         errors.NotFoundError,
+        errors.SnapshotError,
         errors.ProtocolError,
         errors.VersionMismatchError,
         errors.TransportError,
