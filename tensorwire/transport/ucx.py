@@ -98,17 +98,37 @@ NO, then closes); the dialler creates its endpoint from that. A connection that
 sends garbage, a wrong nonce or nothing within ``HELLO_TIMEOUT`` (5 s) is
 dropped; the listener keeps serving. Data never goes over this socket.
 
-Why worker-address endpoints without UCX error handling (default;
-``TENSORWIRE_UCX_ERROR_HANDLING=peer`` turns it on, and it must then be set
-the same on every process -- UCX refuses asymmetric endpoints): UCX leaves every
-transport that cannot report a failed peer -- shared memory, cma, cuda_ipc --
-out of endpoints with error handling (tensorwire's first UCX transport had it
-on, through UCX's sockaddr connection manager). Measured on the 2-core machine
-(bench/results/cpu_loopback.md): with it, a 1 MiB message went over tcp/lo at
-0.8 GB/s; without it, small messages go through shared memory (sysv) and large
-ones are one ``process_vm_readv`` copy (cma): 9 GB/s, and a 4 KiB round trip
-drops from ~29 to ~10 us in raw ucxx. On a GPU host the same applies to
-cuda_ipc over NVLink.
+Peer death and error handling. UCX 1.21 through ucxx 0.52 installs no error
+callback on an endpoint made without peer error handling, and then treats any
+transport error on it as fatal: a peer SIGKILLed while a cma rendezvous reads
+its memory (``process_vm_readv ... No such process``) aborts *this* process
+(6 of 6 trials with 64 MiB messages). With peer error handling the same kill is
+an endpoint error and surfaces as PeerLostError (0 aborts). But UCX admits to
+an endpoint with peer error handling only lanes that can report a failed peer:
+sysv/posix shared memory are left out, and cma too (its memory domain does not
+advertise ``INVALIDATE_RMA``, which UCX requires of rendezvous lanes under peer
+error handling; cuda_ipc does advertise it), so host memory between two
+processes of one host goes over tcp/lo. Measured on the 2-core machine, loaded
+(``tensorwire bench -b tensorwire-ucx``, runs in turns; bench/results/
+ucx_error_handling_cpu2_2026-11-24.md): stream 1 MiB 1.30 -> 0.23 GB/s,
+16 MiB 1.74 -> 0.32 GB/s, 4 KiB round trip p50 105 -> 166 us. Without cma (sysv
+fragments instead) 16 MiB fell to 0.2-0.6 GB/s, so keeping the shared-memory
+transports and dropping only cma is no way out either. The choice: **peer
+error handling by default** -- no peer's death may take down this process --
+and ``TENSORWIRE_UCX_ERROR_HANDLING=none`` for jobs that accept that risk for
+cma's speed (ranks of one host whose deaths end the job anyway). The listener
+decides and tells the dialler in its answer (REPLY flag ``R_PEER_ERRORS``), so
+the two ends never disagree.
+
+Untrusted peers (``UcxListener(untrusted=True)``, the serve daemon): the
+process's UCX context gets no shm / cma / cuda_ipc transport at all (these act
+on the pid, segment or IPC handle the peer's address names: with cma, a forged
+address would make the daemon read or write any process of its uid), every
+endpoint has peer error handling, and each peer's worker address is first
+unpacked by a sandbox process (:class:`_AddressCheck`): UCX asserts, and
+aborts, on a malformed one. A dialler proves it holds the listener's link
+secret (``secret=``) in its hello (HMAC of the nonce) before the listener
+reads its address.
 
 Liveness: so a peer that vanishes must be detected by tensorwire itself. The
 handshake's TCP connection stays open for the life of the transport as the
