@@ -38,7 +38,7 @@ contract and like the TCP transport, and it also carries what the sender must
 know: whether the receiver wants a header, and the capacity, so a message that
 does not fit is refused on the sender (:class:`~tensorwire.ProtocolError`,
 nothing sent, the credit kept) instead of breaking the receive. Measured cost
-(bench/results/ucx_progress_mode.md, raw ucxx with the same progress loop):
+(bench/results/ucx-progress_cpu2_2026-11-22.md, raw ucxx with the same progress loop):
 a 4 KiB round trip goes from ~42 to ~76 µs on this 2-core machine -- one more
 small message each way, which costs CPU on both sides even when the credit
 is off the critical path (it is sent when the buffer is posted, normally well
@@ -55,7 +55,7 @@ those tags a message must fill the posted buffer exactly (fixed specs always
 do); the sender enforces it from the credit's capacity.
 
 Progress model ("caller progresses: spin, then sleep"), chosen by measurement
-(bench/ucx_progress_probe.py; table in bench/results/ucx_progress_mode.md).
+(a probe kept in the history of bench/; table in bench/results/ucx-progress_cpu2_2026-11-22.md).
 There is one UCX context and one worker per process, created lazily and
 shared by every listener and connection, and one process-wide lock around
 every UCX call. A thread that waits (for a receive, a credit, a send to
@@ -110,7 +110,7 @@ advertise ``INVALIDATE_RMA``, which UCX requires of rendezvous lanes under peer
 error handling; cuda_ipc does advertise it), so host memory between two
 processes of one host goes over tcp/lo. Measured on the 2-core machine, loaded
 (``tensorwire bench -b tensorwire-ucx``, runs in turns; bench/results/
-ucx_error_handling_cpu2_2026-11-24.md): stream 1 MiB 1.30 -> 0.23 GB/s,
+ucx-error-handling_cpu2_2026-11-24.md): stream 1 MiB 1.30 -> 0.23 GB/s,
 16 MiB 1.74 -> 0.32 GB/s, 4 KiB round trip p50 105 -> 166 us. Without cma (sysv
 fragments instead) 16 MiB fell to 0.2-0.6 GB/s, so keeping the shared-memory
 transports and dropping only cma is no way out either. The choice: **peer
@@ -257,7 +257,7 @@ def _env_us(name: str, default: float) -> float:
 SPIN_US = _env_us("TENSORWIRE_UCX_SPIN_US", 100)
 #: The same for a wait on a transfer of CUDA memory. cuda_ipc copies are issued and
 #: completed from worker progress and do not wake a sleeping worker promptly: measured on
-#: 2 x H200 (bench/results/gpu_h200x2_nvlink.md), a 256 MiB send + ack took 1,281 us
+#: 2 x H200 (bench/results/gpu_h200x2_2026-11-22-2.md), a 256 MiB send + ack took 1,281 us
 #: with 100 us of spinning and 781 us with 2 ms (raw ucxx, always polling: 712 us).
 CUDA_SPIN_US = _env_us("TENSORWIRE_UCX_CUDA_SPIN_US", 2000)
 #: UCX endpoint keepalive interval (seconds) unless UCX_KEEPALIVE_INTERVAL is set.
@@ -900,7 +900,7 @@ class UcxTransport(Transport):
         # message the peer announced, whose rendezvous (the cuda_ipc copy) then overlaps the
         # post instead of following it -- or when the message is complete, or at the timeout.
         # It cannot be needed earlier: the peer spends this credit on the message after the
-        # one awaited here. Measured on 2 x H200 (bench/gpu_ucx_probe.py, tw-trace): posting
+        # one awaited here. Measured on 2 x H200 (a probe in bench/'s history, tw-trace): posting
         # first put the post on the critical path of every message of a stream.
         _check_tag(tag)
         keep, arr, cap = _as_array(buf, writable=True)
