@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
+import hmac
 import os
 import secrets
 import time
@@ -49,7 +51,10 @@ __all__ = [
     "Received",
     "TransportKind",
     "NONCE_BYTES",
+    "PROOF_BYTES",
     "new_nonce",
+    "link_proof",
+    "proof_matches",
     "register",
     "get_factory",
     "available_kinds",
@@ -69,6 +74,29 @@ def remaining(deadline: float | None) -> float | None:
 def new_nonce() -> bytes:
     """A fresh random data-plane credential."""
     return secrets.token_bytes(NONCE_BYTES)
+
+
+#: Bytes of the proof a data handshake carries that the dialler holds the link secret.
+PROOF_BYTES = 16
+_NO_PROOF = bytes(PROOF_BYTES)
+
+
+def link_proof(secret: bytes | None, nonce: bytes) -> bytes:
+    """What a dialler presents beside ``nonce``: HMAC-SHA256(secret, nonce), truncated; zeros without a secret.
+
+    The nonce is fresh per connection, so a proof seen on the wire is worth
+    nothing for another connection, and the secret itself never travels.
+    """
+    if not secret:
+        return _NO_PROOF
+    return hmac.new(secret, b"tensorwire-data-v1\0" + nonce, hashlib.sha256).digest()[:PROOF_BYTES]
+
+
+def proof_matches(secret: bytes | None, nonce: bytes, proof: bytes) -> bool:
+    """Constant-time check of a dialler's proof (always true for a listener without a secret)."""
+    if not secret:
+        return True
+    return hmac.compare_digest(link_proof(secret, nonce), bytes(proof))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

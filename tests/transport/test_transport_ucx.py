@@ -365,7 +365,7 @@ def test_garbage_and_wrong_nonce_are_dropped_listener_keeps_serving() -> None:
     t = None
     try:
         # raw garbage on the listener's port, and a hello-shaped message with a wrong magic
-        bad_magic = U.HELLO.pack(b"NOTTWUCX", U.PROTOCOL_VERSION, 1, b"\0" * 16, 8) + b"\0" * 8
+        bad_magic = U.HELLO.pack(b"NOTTWUCX", U.PROTOCOL_VERSION, 1, b"\0" * 16, b"\0" * 16, 8) + b"\0" * 8
         for payload in (os.urandom(512), b"\0" * 4096, b"GET / HTTP/1.0\r\n\r\n", bad_magic):
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
             s.sendall(payload)
@@ -547,8 +547,10 @@ def test_error_handling_mode_is_validated(monkeypatch) -> None:
         U._error_handling()
     monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "peer")
     assert U._error_handling() is True
-    monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
+    monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "none")
     assert U._error_handling() is False
+    monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
+    assert U._error_handling() is True  # default: a peer's death is an error, never an abort
 
 
 def test_buffer_descriptors_are_reused_and_keep_no_tensor_alive() -> None:

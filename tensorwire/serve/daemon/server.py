@@ -104,7 +104,9 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
         listener = None
         try:
             factory = get_factory("ucx")
-            listener = factory(config.host, port=config.data_port)
+            # Clients are not trusted: no shared-memory / cma / cuda_ipc transport, UCX peer error
+            # handling on every endpoint, worker addresses unpacked in a sandbox first (transport.ucx).
+            listener = factory(config.host, port=config.data_port, untrusted=True)
             _self_test(factory, listener, config.host)
             listeners["ucx"] = listener
         except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
