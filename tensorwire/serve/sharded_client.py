@@ -347,19 +347,7 @@ class ShardedClient:
             raise ConfigError(f"shard must be None or 'rows', got {shard!r}")
         if tensor.dim() < 1:
             raise SpecError(f"{name}: a 0-d tensor has no rows to shard")
-        spec = TensorSpec(name, tuple(tensor.shape), tensor.dtype)
-        t = _Table(spec, self._layouts(spec.shape[0]))
-        declared = self._fan([(k, _bound(t, name, k, lambda c, k=k: c.declare(t.shard_spec(k))))
-                              for k in range(self._n)], settle=True)
-        failed = [e for e in declared if isinstance(e, BaseException)]
-        if failed:
-            # the shards declared here and never written go again; nothing else was touched
-            undo = [(k, _bound(t, name, k, lambda c: c.delete(name))) for k, st in enumerate(declared)
-                    if isinstance(st, TensorStat) and st.version == 0]
-            if undo:
-                self._fan(undo, settle=True)
-            self._forget(name)
-            raise failed[0]
+        t = self._declare_all(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
         stats = self._sharded(name, t, [(k, lambda c, k=k: c.put(name, tensor[t.ranges[k][0]:t.ranges[k][1]]))
                                         for k in range(self._n)])
         t.versions = [s.version for s in stats]
@@ -373,11 +361,28 @@ class ShardedClient:
             return self._whole(spec.name, lambda c: c.declare(spec))
         if shard != "rows" or not spec.shape:
             raise ConfigError("declare: shard must be None or 'rows' (with at least one dimension)")
-        t = _Table(spec, self._layouts(spec.shape[0]))
-        stats = self._sharded(spec.name, t, [(k, lambda c, k=k: c.declare(t.shard_spec(k))) for k in range(self._n)])
-        t.versions = [s.version for s in stats]
+        t = self._declare_all(spec)
         self._remember(spec.name, t)
-        return self._sharded_stat(t, stats)
+        return self._sharded_stat(t, [TensorStat(t.shard_spec(k), v, t.shard_spec(k).nbytes, t.layouts[k])
+                                      for k, v in enumerate(t.versions)])
+
+    def _declare_all(self, spec: TensorSpec) -> _Table:
+        """Declare every shard of ``spec`` (each daemon checks the layout and reserves its memory under
+        ``--max-bytes``). If one refuses, the shards declared here that hold no data are deleted again."""
+        name = spec.name
+        t = _Table(spec, self._layouts(spec.shape[0]))
+        declared = self._fan([(k, _bound(t, name, k, lambda c, k=k: c.declare(t.shard_spec(k))))
+                              for k in range(self._n)], settle=True)
+        failed = [e for e in declared if isinstance(e, BaseException)]
+        if failed:
+            undo = [(k, _bound(t, name, k, lambda c: c.delete(name))) for k, st in enumerate(declared)
+                    if isinstance(st, TensorStat) and st.version == 0]
+            if undo:
+                self._fan(undo, settle=True)
+            self._forget(name)
+            raise failed[0]
+        t.versions = [st.version for st in declared]
+        return t
 
     def get(self, name: str, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
         """The current version of ``name``: a whole tensor, or a sharded table assembled from its shards
