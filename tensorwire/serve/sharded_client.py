@@ -42,6 +42,7 @@ once it is back (restored from its snapshot) the next call reconnects.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,18 +95,58 @@ class ShardedStat(TensorStat):
     shards: tuple[ShardStat, ...] = ()
 
 
+class _Buffers:
+    """Reusable host buffers by key: one is handed out again only when no tensor but the pool's refers to it.
+
+    A fresh 2 MiB ``torch.empty`` per call costs its page faults every time (~1 ms for a 4,096 x 128 float32
+    result on the 2-core VM, more than the gather itself), as the one-daemon client's per-name buffers avoid.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[Any, tuple["torch.Tensor", int | None]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: Any, shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tensor":
+        import torch
+
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            got = self._bufs.get(key)
+            if got is not None and got[0].numel() >= nbytes and got[1] is not None and _use_count(got[0]) == got[1]:
+                raw = got[0]
+            else:
+                raw = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+                if len(self._bufs) >= 256:
+                    self._bufs.clear()
+                self._bufs[key] = (raw, _use_count(raw))
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        return raw[:nbytes].view(dtype).view(shape)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bufs.clear()
+
+
+def _use_count(t: "torch.Tensor") -> int | None:
+    import torch
+
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    return None if fn is None else int(fn(t.untyped_storage()._cdata))
+
+
 class _Table:
     """What a client knows of a sharded table: its spec and the layout of each shard under this client's list."""
 
     __slots__ = ("spec", "layouts", "ranges", "starts", "versions")
 
     def __init__(self, spec: TensorSpec, layouts: list[ShardLayout]) -> None:
-        import torch
+        import numpy as np
 
         self.spec = spec
         self.layouts = layouts
         self.ranges = [(la.row_start, la.row_stop) for la in layouts]
-        self.starts = torch.tensor([a for a, _ in self.ranges[1:]], dtype=torch.int64)
+        self.starts = np.array([a for a, _ in self.ranges[1:]], dtype=np.int64)
         self.versions = [0] * len(layouts)
 
     @property
@@ -131,6 +172,13 @@ class ShardedClient:
             as :class:`tensorwire.client.Client`, for every daemon.
         reverse_dns: name the addresses a ``dns:///`` name resolves to by their
             reverse-DNS names (stable across pod restarts in a StatefulSet).
+        parallel: run the parts of an operation on several daemons in
+            threads (True), or one after the other in the calling thread
+            (False). None (default): threads, unless every daemon the operation
+            touches is reached through shared memory -- then each part is a
+            local memory copy of a fraction of a millisecond, and handing it to
+            another thread cost more than it saved (measured on the 2-core VM:
+            bench/bench_sharded.py).
 
     Raises:
         AuthError, ConfigError: from any daemon (nothing is kept open).
@@ -151,6 +199,7 @@ class ShardedClient:
         name: str = "",
         data_requests: bool = True,
         reverse_dns: bool = True,
+        parallel: bool | None = None,
     ) -> None:
         if not timeout or timeout <= 0:
             raise ConfigError("timeout must be positive")
@@ -167,6 +216,8 @@ class ShardedClient:
         self._tables: dict[str, _Table | None] = {}  # name -> sharded table, or None: a whole tensor
         self._lock = threading.Lock()
         self._closed = False
+        self._parallel = parallel
+        self._bufs = _Buffers()
         self._pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="tensorwire-shard") if n > 1 else None
         outcomes = self._fan([(k, lambda c: None) for k in range(n)], settle=True)
         errs = [e for e in outcomes if isinstance(e, BaseException)]
@@ -219,6 +270,8 @@ class ShardedClient:
         if len(tasks) == 1 and not settle:
             k, fn = tasks[0]
             return [self._on(k, fn)]
+        if not settle and not self._threads([k for k, _ in tasks]):
+            return [self._on(k, fn) for k, fn in tasks]  # an error stops the rest (reads: nothing to finish)
 
         def run(k: int, fn: Callable[[Client], Any]) -> Any:
             try:
@@ -236,6 +289,16 @@ class ShardedClient:
             if isinstance(r, _Failed):
                 raise r.exc
         return out
+
+    def _threads(self, ks: Sequence[int]) -> bool:
+        """Whether parts on daemons ``ks`` run in threads (see ``parallel``)."""
+        if self._parallel is not None:
+            return self._parallel
+        for k in ks:
+            c = self._clients[k]
+            if c is None or not c.shm:
+                return True
+        return False
 
     def _check_open(self) -> None:
         if self._closed:
@@ -426,17 +489,20 @@ class ShardedClient:
             if out is not None:
                 _check_out(spec, out, shape)
             direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+            dtype = spec.torch_dtype
             if split.order is None:
-                dest = out if direct else torch.empty(shape, dtype=spec.torch_dtype)
+                dest = out if direct else self._bufs.take((name, "rows"), shape, dtype)
             else:
-                dest = torch.empty(shape, dtype=spec.torch_dtype)  # rows in shard order, then into the caller's
+                # rows in shard order (a scratch buffer of this call), then into the caller's order
+                dest = self._bufs.take((name, "sorted", threading.get_ident()), shape, dtype)
             if split.parts:
                 self._sharded(name, t, [(k, lambda c, k=k, local=local, a=a, b=b: c.get_rows(name, local, out=dest[a:b]))
                                         for k, local, a, b in split.parts])
             if split.order is not None:
                 if direct:
                     return split.gather(dest, out)  # type: ignore[arg-type]
-                result = split.gather(dest, torch.empty(shape, dtype=spec.torch_dtype))
+                result = split.gather(dest, self._bufs.take((name, "rows"), shape, dtype))
+                del dest
             else:
                 result = dest
             if out is not None and result is not out:

@@ -134,48 +134,54 @@ class RowSplit:
 
     ``parts`` lists ``(shard, local_index, first, stop)``: the rows of that shard
     (numbered from the shard's first row) and their slice ``[first, stop)`` of
-    the index sorted by shard. ``order`` is None when the index is sorted by
-    shard already (one shard, or ascending); otherwise ``gather(sorted_rows,
+    the index sorted by shard. ``order`` is None when the index is in shard
+    order already (one shard, or ascending); otherwise ``gather(sorted_rows,
     out)`` / ``sort(values)`` go between the caller's order and shard order.
+
+    Done with numpy on the index (a few microseconds per step; the same steps
+    in torch cost ~0.1 ms in all for 4,096 rows on the 2-core VM).
     """
 
     __slots__ = ("n", "parts", "order", "_inverse")
 
-    def __init__(self, index: "torch.Tensor", rows: int, shards: int, starts: "torch.Tensor | None" = None) -> None:
+    def __init__(self, index: "torch.Tensor", rows: int, shards: int, starts: Any = None) -> None:
+        import numpy as np
         import torch
 
-        self.n = n = index.numel()
-        if n:
-            lo, hi = int(index.min()), int(index.max())
-            if lo < 0 or hi >= rows:
-                raise SpecError(f"index: row {lo if lo < 0 else hi} out of range for a tensor of {rows} rows")
-        ranges = row_ranges(rows, shards)
+        inp = index.numpy()
+        self.n = n = inp.shape[0]
         self._inverse: "torch.Tensor | None" = None
+        self.order: "torch.Tensor | None" = None
+        self.parts: list[tuple[int, "torch.Tensor", int, int]] = []
         if n == 0:
-            self.parts: list[tuple[int, "torch.Tensor", int, int]] = []
-            self.order: "torch.Tensor | None" = None
             return
+        lo, hi = int(inp.min()), int(inp.max())
+        if lo < 0 or hi >= rows:
+            raise SpecError(f"index: row {lo if lo < 0 else hi} out of range for a tensor of {rows} rows")
         if starts is None:
-            starts = torch.tensor([a for a, _ in ranges[1:]], dtype=torch.int64)
-        shard_of = torch.bucketize(index, starts, right=True)
-        first = int(shard_of[0])
-        if bool((shard_of == first).all()):  # one shard: no reordering
-            self.order = None
-            self.parts = [(first, index - ranges[first][0], 0, n)]
+            starts = np.array([a for a, _ in row_ranges(rows, shards)[1:]], dtype=np.int64)
+        first, last = (int(x) for x in np.searchsorted(starts, (lo, hi), side="right"))
+        if first == last:  # one shard: no reordering
+            base = int(starts[first - 1]) if first else 0
+            self.parts = [(first, index - base if base else index, 0, n)]
             return
-        counts = torch.bincount(shard_of, minlength=shards).tolist()
+        shard_of = np.searchsorted(starts, inp, side="right").astype(np.int8 if shards < 128 else np.int32)
         if bool((shard_of[1:] >= shard_of[:-1]).all()):
-            self.order = None
-            sorted_index = index
+            order = None
+            sorted_inp = inp
         else:
-            self.order = torch.argsort(shard_of, stable=True)
-            sorted_index = index[self.order]
-        self.parts = []
+            order = np.argsort(shard_of, kind="stable")  # a radix sort for small integer keys
+            sorted_inp = inp[order]
+        counts = np.bincount(shard_of, minlength=shards)
         a = 0
-        for k, c in enumerate(counts):
+        for k in range(shards):
+            c = int(counts[k])
             if c:
-                self.parts.append((k, sorted_index[a : a + c] - ranges[k][0], a, a + c))
+                base = int(starts[k - 1]) if k else 0
+                self.parts.append((k, torch.from_numpy(sorted_inp[a : a + c] - base), a, a + c))
             a += c
+        if order is not None:
+            self.order = torch.from_numpy(order.astype(np.int64, copy=False))
 
     def sort(self, values: "torch.Tensor") -> "torch.Tensor":
         """``values`` (one row per index entry, the caller's order) in shard order."""
