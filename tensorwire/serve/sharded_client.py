@@ -174,11 +174,12 @@ class ShardedClient:
             reverse-DNS names (stable across pod restarts in a StatefulSet).
         parallel: run the parts of an operation on several daemons in
             threads (True), or one after the other in the calling thread
-            (False). None (default): threads, unless every daemon the operation
-            touches is reached through shared memory -- then each part is a
-            local memory copy of a fraction of a millisecond, and handing it to
-            another thread cost more than it saved (measured on the 2-core VM:
-            bench/bench_sharded.py).
+            (False). None (default): threads, except for a read (get,
+            get_rows) whose daemons are all reached through shared memory --
+            then each part is a copy by this process of a fraction of a
+            millisecond, and handing it to another thread cost more than it
+            saved (measured on the 2-core VM: bench/bench_sharded.py). Writes
+            keep their threads: each daemon applies its part itself.
 
     Raises:
         AuthError, ConfigError: from any daemon (nothing is kept open).
@@ -262,15 +263,17 @@ class ShardedClient:
         except TransportError as exc:
             raise self._lost(k, exc) from exc
 
-    def _fan(self, tasks: list[tuple[int, Callable[[Client], Any]]], *, settle: bool = False) -> list[Any]:
+    def _fan(self, tasks: list[tuple[int, Callable[[Client], Any]]], *, settle: bool = False,
+             read: bool = False) -> list[Any]:
         """Run ``fn`` on each daemon of ``tasks`` (in parallel when more than one); their results, in order.
 
         Every task runs to its end; then the first error is raised (``settle``: returned in its place).
+        ``read``: the tasks are reads, which may run in this thread (see ``parallel``).
         """
         if len(tasks) == 1 and not settle:
             k, fn = tasks[0]
             return [self._on(k, fn)]
-        if not settle and not self._threads([k for k, _ in tasks]):
+        if read and not settle and not self._threads([k for k, _ in tasks]):
             return [self._on(k, fn) for k, fn in tasks]  # an error stops the rest (reads: nothing to finish)
 
         def run(k: int, fn: Callable[[Client], Any]) -> Any:
@@ -354,7 +357,8 @@ class ShardedClient:
 
         return self._on(owner(name, self.addresses), call)
 
-    def _sharded(self, name: str, t: _Table, tasks: list[tuple[int, Callable[[Client], Any]]]) -> list[Any]:
+    def _sharded(self, name: str, t: _Table, tasks: list[tuple[int, Callable[[Client], Any]]], *,
+                 read: bool = False) -> list[Any]:
         """Run per-shard tasks of table ``t``, each client expecting its shard's layout; a layout refusal makes
         this client forget what it knew of ``name`` (the next call asks again)."""
         def bind(k: int, fn: Callable[[Client], Any]) -> Callable[[Client], Any]:
@@ -364,7 +368,7 @@ class ShardedClient:
             return call
 
         try:
-            return self._fan([(k, bind(k, fn)) for k, fn in tasks])
+            return self._fan([(k, bind(k, fn)) for k, fn in tasks], read=read)
         except LayoutMismatchError:
             self._forget(name)
             raise
@@ -464,7 +468,7 @@ class ShardedClient:
                 dest = torch.empty(spec.shape, dtype=spec.torch_dtype)
             tasks = [(k, lambda c, a=a, b=b: c.get(name, out=dest[a:b])) for k, (a, b) in enumerate(t.ranges) if b > a]
             if tasks:
-                self._sharded(name, t, tasks)
+                self._sharded(name, t, tasks, read=True)
             if out is not None and dest is not out:
                 out.copy_(dest)
                 return out
@@ -497,7 +501,7 @@ class ShardedClient:
                 dest = self._bufs.take((name, "sorted", threading.get_ident()), shape, dtype)
             if split.parts:
                 self._sharded(name, t, [(k, lambda c, k=k, local=local, a=a, b=b: c.get_rows(name, local, out=dest[a:b]))
-                                        for k, local, a, b in split.parts])
+                                        for k, local, a, b in split.parts], read=True)
             if split.order is not None:
                 if direct:
                     return split.gather(dest, out)  # type: ignore[arg-type]
