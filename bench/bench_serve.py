@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         # Shared memory also without read leases (each call a request to the daemon, as before leases existed).
         extra: dict[str, Any] = {}
         if "shm" in clients:
-            from tensorwire.client import LEASES_ENV
+            from tensorwire.serve.client.client import LEASES_ENV
 
             os.environ[LEASES_ENV] = "0"
             try:
@@ -480,7 +480,7 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         # grant on a shared name, and the figure would be of two clients taking turns on one tensor)
         noahead = None
         if "shm" in clients:
-            from tensorwire.client import AHEAD_ENV
+            from tensorwire.serve.client.client import AHEAD_ENV
 
             os.environ[AHEAD_ENV] = "0"
             try:

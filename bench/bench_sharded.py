@@ -27,7 +27,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 
 def main() -> int:
@@ -43,7 +43,7 @@ def main() -> int:
     import torch
 
     import tensorwire as tw
-    from test_serve_common import Daemon
+    from serve_common import Daemon
 
     torch.set_num_threads(1)
     daemons = [Daemon("--max-bytes", "2GiB", transport="tcp") for _ in range(4)]

@@ -10,7 +10,7 @@
 # 3. `tensorwire bench --device cuda` GPU0 -> GPU1 with tensorwire-ucx, NCCL, raw ucxx (by worker address and
 # through a listener), gRPC (unary, stream; capped at $GRPC_MAX, they take seconds per message) and
 # tensorwire-tcp (staged through pinned memory);
-# 4. `pytest -m gpu tests/test_gpu.py`.
+# 4. `pytest -m gpu tests/p2p/test_gpu.py`.
 # Files written to $OUT (7, within what the device tool brings back): doctor.txt doctor.json bench.log
 # gpu_nvlink.md gpu_nvlink.json gpu_nvlink.png gpu_tests.log
 # Knobs (environment): STEPS=bench,tests,staged,pipeline (a subset picks steps), BACKENDS, MIN_SIZE, MAX_SIZE,
@@ -87,9 +87,9 @@ STEPS=${STEPS:-bench,tests,staged,pipeline}
 has() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 if has tests; then
-  echo "== pytest (gpu marker + staging): tests/test_gpu.py tests/test_staging.py tests/test_staging_bench.py"
-  timeout "$T_TESTS" python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu.py tests/test_staging.py \
-    tests/test_staging_bench.py 2>&1 | tee "$OUT/gpu_tests.log"
+  echo "== pytest (gpu marker + staging): tests/p2p/test_gpu.py tests/p2p/test_staging.py tests/tools/test_staging_bench.py"
+  timeout "$T_TESTS" python3 -m pytest -q -rfEs -p no:cacheprovider tests/p2p/test_gpu.py tests/p2p/test_staging.py \
+    tests/tools/test_staging_bench.py 2>&1 | tee "$OUT/gpu_tests.log"
   echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.log"
 fi
 

@@ -170,7 +170,7 @@ def _tw(rank: int, variant: str, sizes: list[int], q, aq) -> None:
     else:
         from torch.distributed import TCPStore
 
-        from tensorwire.node import Node
+        from tensorwire.p2p.node import Node
 
         tlog = _install_trace(rank) if variant == "tw-trace" else None
         if tlog is not None and rank == 0 and DEV == "cuda":
@@ -268,7 +268,7 @@ def _tw(rank: int, variant: str, sizes: list[int], q, aq) -> None:
 def _install_trace(rank: int) -> list:
     """Record (event, perf_counter) at the hot points of Link and the UCX transport (CLOCK_MONOTONIC: comparable
     between the two processes of one host)."""
-    from tensorwire import node as twnode
+    from tensorwire.p2p import node as twnode
     from tensorwire.transport import ucx as twucx
 
     log: list = []

@@ -165,7 +165,7 @@ import time
 import weakref
 from typing import Any, Callable, Deque
 
-from ..errors import (
+from tensorwire.errors import (
     AuthError,
     ClosedError,
     ConfigError,
@@ -177,9 +177,9 @@ from ..errors import (
     TransportError,
     VersionMismatchError,
 )
-from .base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
-from .base import remaining as _remaining
-from .tcp import dial, tune_socket
+from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
+from tensorwire.transport.base import remaining as _remaining
+from tensorwire.transport.tcp import dial, tune_socket
 
 
 def _import_ucxx() -> tuple[Any, Any, dict[str, str]]:
