@@ -11,6 +11,7 @@ visible in the traceback.
     ├── ConfigError            bad configuration or arguments (also a ValueError)
     ├── SpecError              an invalid TensorSpec (also a ValueError)
     │   └── ShapeMismatchError a tensor or spec differs from the negotiated one
+    │       └── LayoutMismatchError  a shard's layout differs from the one a request expects
     ├── AuthError              missing/wrong token, TLS mismatch, bad session credential
     ├── ResourceExhaustedError over a configured memory or size limit
     ├── NotFoundError          no tensor of that name (serve)
@@ -19,6 +20,7 @@ visible in the traceback.
     │   └── VersionMismatchError  the peer speaks another protocol version
     ├── TransportError         the data plane or control plane failed
     │   ├── PeerLostError      the peer went away (killed, link cut, reset)
+    │   │   └── ShardLostError a daemon of a sharded client is unreachable (names it)
     │   ├── ConnectTimeout     could not connect or negotiate in time (also TimeoutError)
     │   └── TransferTimeout    a send/recv did not complete in time (also TimeoutError)
     └── ClosedError            you used a Link/Node/Client after closing it
@@ -35,6 +37,7 @@ __all__ = [
     "ConfigError",
     "SpecError",
     "ShapeMismatchError",
+    "LayoutMismatchError",
     "AuthError",
     "ResourceExhaustedError",
     "NotFoundError",
@@ -43,6 +46,7 @@ __all__ = [
     "VersionMismatchError",
     "TransportError",
     "PeerLostError",
+    "ShardLostError",
     "ConnectTimeout",
     "TransferTimeout",
     "ClosedError",
@@ -65,6 +69,16 @@ class ShapeMismatchError(SpecError):
     """A tensor or a declared spec differs from what was negotiated.
 
     The message always names the tensor and shows both sides.
+    """
+
+
+class LayoutMismatchError(ShapeMismatchError):
+    """A tensor is stored with another shard layout than the request expects (``tensorwire serve``).
+
+    Raised by a daemon (and by the sharded client before it asks one) when a
+    client over another daemon list -- other members or another order -- or a
+    client over no list at all addresses a shard, or a sharded client
+    addresses a whole tensor. Nothing was read or written.
     """
 
 
@@ -101,6 +115,18 @@ class TransportError(TensorWireError):
 
 class PeerLostError(TransportError, ConnectionError):
     """The peer is gone: killed, connection reset, or the network cut."""
+
+
+class ShardLostError(PeerLostError):
+    """A daemon of a sharded client is unreachable (down, restarting, cut off).
+
+    ``address`` names it. Operations on the other daemons go on; the client
+    reconnects by itself on a later call once the daemon is back.
+    """
+
+    def __init__(self, message: str, *, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address
 
 
 class ConnectTimeout(TransportError, TimeoutError):

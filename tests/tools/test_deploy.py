@@ -70,6 +70,7 @@ MANIFESTS = {
     "jobset.yaml": {"Service", "JobSet"},
     "serve-statefulset.yaml": {"Service", "StatefulSet"},
     "serve-secret.example.yaml": {"Secret"},
+    "serve-client.example.yaml": {"Job"},
 }
 CRD_SCHEMAS = {
     "PyTorchJob": "pytorchjob-kubeflow-v1.schema.json",
@@ -732,3 +733,22 @@ def test_readme_covers_the_ucx_settings_and_the_files():
         assert needle in text, needle
     for ref in re.findall(r"`((?:k8s|systemd)/[\w./-]+|Dockerfile)`", text):
         assert (DEPLOY / ref).exists(), ref
+
+
+def test_serve_runs_three_daemons_and_the_example_client_reaches_them_through_dns():
+    sts, svc, _secret, _pod, _container = serve_parts()
+    assert sts["spec"]["replicas"] == 3 and svc["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    job = one("serve-client.example.yaml", "Job")
+    (client,) = job["spec"]["template"]["spec"]["containers"]
+    address = {e["name"]: e["value"] for e in client["env"]}["TENSORWIRE_SERVE_ADDRESS"]
+    m = re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local:(\d+)", address)
+    assert m, address
+    grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    assert m.group(1) == svc["metadata"]["name"] and int(m.group(3)) == grpc_port
+    # the client reads the token the daemons check, and its address is what tensorwire resolves
+    secrets = [v["secret"]["secretName"] for v in job["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert secrets == ["tensorwire-token"]
+    from tensorwire.serve.client.sharding import DNS_SCHEME
+
+    assert address.startswith(DNS_SCHEME) and 'shard="rows"' in client["args"][-1]

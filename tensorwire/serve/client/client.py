@@ -56,6 +56,13 @@ overwritten. ``out=`` receives straight into your tensor when it is a
 contiguous CPU tensor (else through the buffer plus one copy). CUDA tensors
 are staged through pinned host memory.
 
+Many daemons: ``Client(["h1:7100", "h2:7100", "h3:7100"])`` or
+``Client("dns:///name:7100")`` returns a
+:class:`tensorwire.serve.client.sharded_client.ShardedClient` (the same methods, over
+all of them: whole tensors placed by rendezvous hashing, ``put(name, t,
+shard="rows")`` for tables sharded by rows); a one-element list or a plain
+address is this class, as before.
+
 Errors are :class:`tensorwire.TensorWireError` subclasses: ``AuthError`` (token,
 TLS), ``NotFoundError``, ``ShapeMismatchError`` (naming both specs),
 ``ResourceExhaustedError`` (``--max-bytes``), ``PeerLostError`` (server gone),
@@ -85,6 +92,7 @@ from tensorwire.errors import (
 )
 from tensorwire.serve.protocol import wire
 from tensorwire.serve.daemon.config import DEFAULT_PORT, TLSConfig
+from tensorwire.serve.protocol.layout import ShardLayout
 from tensorwire.serve.protocol.common import (
     AUTH_KEY,
     DATA_REQUESTS_VERSION,
@@ -137,6 +145,8 @@ class TensorStat:
     version: int
     #: Bytes of one version.
     nbytes: int
+    #: Set when the tensor is one shard of a table sharded by rows (see tensorwire.serve.protocol.layout).
+    layout: ShardLayout | None = None
 
     @property
     def name(self) -> str:
@@ -157,7 +167,8 @@ class SnapshotInfo:
 
 
 def _stat(info: Any) -> TensorStat:
-    return TensorStat(TensorSpec.from_proto(info.spec), int(info.version), int(info.nbytes))
+    return TensorStat(TensorSpec.from_proto(info.spec), int(info.version), int(info.nbytes),
+                      ShardLayout.from_field(info))
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -287,6 +298,17 @@ class _Progress:
         self.sent = False
 
 
+#: Data-plane requests that carry the expected shard layout of their tensor (see Client.expect_layout).
+_LAYOUT_OPS = frozenset((wire.OP_GET, wire.OP_GET_ROWS, wire.OP_PUT, wire.OP_PUT_ROWS, wire.OP_ADD_ROWS))
+
+
+def _many(address: Any) -> bool:
+    """Whether ``address`` names several daemons (a list of more than one, or ``dns:///``)."""
+    if isinstance(address, (list, tuple)):
+        return len(address) > 1
+    return isinstance(address, str) and address.strip().startswith("dns:")
+
+
 def _reply_spec(name: str, rep: "wire.Reply") -> TensorSpec:
     return TensorSpec(name, rep.shape, wire.dtype_name(rep.dtype))
 
@@ -322,7 +344,19 @@ class Client:
 
     A client is thread-safe; its operations run one at a time (use one client
     per thread for parallel transfers: each has its own data connection).
+
+    ``address`` may also be a list of daemons or ``"dns:///name:port"`` (every
+    address of a headless Service): the result is then a
+    :class:`~tensorwire.serve.client.sharded_client.ShardedClient` over all of them
+    (same arguments); a one-element list is one daemon, as a plain address.
     """
+
+    def __new__(cls, address: Any = None, **kwargs: Any) -> Any:
+        if cls is Client and _many(address):
+            from tensorwire.serve.client.sharded_client import ShardedClient  # the client over many daemons builds on this class
+
+            return ShardedClient(address, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -346,6 +380,8 @@ class Client:
             raise ConfigError("timeout must be positive")
         if token is not None and (not isinstance(token, str) or not token.strip()):
             raise ConfigError("token must be a non-empty string")
+        if isinstance(address, (list, tuple)) and len(address) == 1:
+            address = address[0]
         self._host, self._port = parse_address(address)
         self.address = f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
         self._tls = TLSConfig.coerce(tls)
@@ -357,6 +393,9 @@ class Client:
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # a daemon that restarts is reached again within ~2 s of being back (gRPC's default backoff
+            # grows to 120 s, during which every call fails at once)
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         if self._tls is not None:
             ca, key, cert = self._tls.read()
@@ -375,6 +414,12 @@ class Client:
         self._specs: dict[str, TensorSpec] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self._want_dp = bool(data_requests)
+        #: Shard layouts this client expects of names (sent with their requests; absent: a whole tensor).
+        self._expect: dict[str, ShardLayout] = {}
+        self._expect_pb: dict[str, Any] = {}
+        self._expect_packed: dict[str, bytes] = {}
+        #: Whether the daemon records and checks shard layouts (OpenSessionResponse.layouts).
+        self.layout_checks = False
         self._dp = False  # the current session takes data-plane requests
         self._req_id = 0  # requests sent on the current session (tag 4 steps)
         self._replies = 0  # replies received on it (tag 5 steps)
@@ -469,7 +514,7 @@ class Client:
                                                host_id=host_id(),
                                                data_requests=DATA_REQUESTS_VERSION if self._want_dp else 0,
                                                shm=(SHM_VERSION if self._use_ahead else LEASE_VERSION)
-                                               if offer_shm else 0)
+                                               if offer_shm else 0, layouts=1)
             resp = self._rpc("OpenSession", req, timeout=self._connect_timeout + 5)
             if not resp.data:
                 raise ProtocolError("the server offered no data listener")
@@ -493,6 +538,7 @@ class Client:
                 _warn_once("ucx-server", "transport auto: the server offers no UCX; using TCP")
             self._sid = resp.session_id
             self._transport = t
+            self.layout_checks = resp.layouts >= 1
             self.transport_kind = addr.kind
             self._dp = self._want_dp and resp.data_requests >= 1
             self._req_id = self._replies = 0
@@ -883,11 +929,15 @@ class Client:
 
         nb = self._name_bytes(name)
         n = 0 if index is None else index.numel()
-        size = wire.request_size(len(nb), n)
+        layout = self._expect_packed.get(name, b"") if op in _LAYOUT_OPS else b""
+        if layout:
+            flags |= wire.FLAG_LAYOUT
+        size = wire.request_size(len(nb), n, layout=bool(layout))
         buf = self._request_buffer(size)
         req_id = self._req_id + 1
         off = wire.pack_request(memoryview(buf.numpy()), op=op, req_id=req_id, name=nb,
-                                timeout_ms=self._timeout_ms(), dtype=dtype, shape=shape, nindex=n, flags=flags)
+                                timeout_ms=self._timeout_ms(), dtype=dtype, shape=shape, nindex=n, flags=flags,
+                                layout=layout)
         if n:
             assert index is not None
             buf[off : off + 8 * n].view(torch.int64).copy_(index)
@@ -1005,6 +1055,26 @@ class Client:
     def _timeout_ms(self) -> int:
         return int(self._timeout * 1000)
 
+    def expect_layout(self, name: str, layout: ShardLayout | None) -> None:
+        """Send ``layout`` with every request of ``name`` from now on (None: expect a whole tensor, the default).
+
+        The daemon refuses requests whose expectation differs from what it holds
+        (:class:`~tensorwire.errors.LayoutMismatchError`). Used by the sharded
+        client; a read lease on ``name`` taken under another expectation is dropped.
+        """
+        with self._lock:
+            if self._expect.get(name) == layout:
+                return
+            self._leases.pop(name, None)
+            if layout is None:
+                self._expect.pop(name, None)
+                self._expect_pb.pop(name, None)
+                self._expect_packed.pop(name, None)
+            else:
+                self._expect[name] = layout
+                self._expect_pb[name] = layout.to_proto()
+                self._expect_packed[name] = layout.pack()
+
     def _recv(self, t: "Transport", tr: Any, raw: "torch.Tensor") -> None:
         try:
             t.post_recv(tr.tag, raw)
@@ -1096,7 +1166,8 @@ class Client:
             raise SpecError("declare needs a TensorSpec")
         with self._lock:
             self._check_open()
-            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec.to_proto()))
+            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec.to_proto(),
+                                                                  layout=self._expect_pb.get(spec.name)))
         st = _stat(resp.info)
         self._specs[st.name] = st.spec
         return st
@@ -1118,7 +1189,8 @@ class Client:
 
         def op(sid: str, t: "Transport") -> TensorStat:
             src = self._source(name, tensor)
-            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec.to_proto(), timeout_ms=self._timeout_ms())
+            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec.to_proto(), timeout_ms=self._timeout_ms(),
+                                            layout=self._expect_pb.get(name))
             resp = self._rpc("BeginPut", req, timeout=self._timeout + 10, data_op=True)
             return self._send_commit(sid, t, resp.transfer, src)
 
@@ -1185,7 +1257,8 @@ class Client:
             return result
 
         def op(sid: str, t: "Transport") -> "torch.Tensor":
-            resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms()), data_op=True)
+            resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms(),
+                                                         layout=self._expect_pb.get(name)), data_op=True)
             spec = TensorSpec.from_proto(resp.info.spec)
             self._specs[name] = spec
             tr = resp.transfer
@@ -1332,7 +1405,8 @@ class Client:
             def fetch(part: "torch.Tensor") -> tuple[TensorSpec, int, Callable[..., None], Callable[[], None]]:
                 nonlocal first
                 req = store_pb2.GetRowsRequest(
-                    session_id=sid, name=name, index=encode_index(part), timeout_ms=self._timeout_ms()
+                    session_id=sid, name=name, index=encode_index(part), timeout_ms=self._timeout_ms(),
+                    layout=self._expect_pb.get(name),
                 )
                 resp = self._rpc("GetRows", req, data_op=True)
                 tr = resp.transfer
@@ -1440,6 +1514,7 @@ class Client:
                     values=vspec.to_proto(),
                     add=add,
                     timeout_ms=self._timeout_ms(),
+                    layout=self._expect_pb.get(name),
                 )
                 resp = self._rpc("PutRows", req, data_op=True)
                 st = self._send_commit(sid, t, resp.transfer, data)
@@ -1509,7 +1584,7 @@ class Client:
 
         with self._lock:
             self._check_open()
-            self._rpc("Delete", store_pb2.DeleteRequest(name=name))
+            self._rpc("Delete", store_pb2.DeleteRequest(name=name, layout=self._expect_pb.get(name)))
             self._specs.pop(name, None)
             for key in [k for k in self._pools if k[0] == name]:
                 del self._pools[key]

@@ -294,6 +294,8 @@ class DataRequests:
                 raise Draining("the server is shutting down and takes no new work")
             if s.pending is not None:
                 raise errors.ProtocolError("a write is pending on this session: commit or abort it first")
+            if req.op != OP_SHM_HELLO:  # a shard is served only to a request built for its very layout
+                self.store.check_layout(req.name, req.layout)
             if req.op == OP_GET:
                 return self._get(s, req, t0)
             if req.op == OP_GET_ROWS:
@@ -739,7 +741,7 @@ class DataRequests:
         spec = normalise_spec(TensorSpec(req.name, req.shape, dtype_name(req.dtype)))
         timeout = self._timeout(req)
         deadline = time.monotonic() + timeout
-        e, _ = self.store.declare(spec)
+        e, _ = self.store.declare(spec, layout=req.layout)
         slot = e.begin_put(deadline)
         reserved = [True]
 

@@ -45,6 +45,7 @@ from tensorwire.serve.protocol.common import (
     SessionLost,
     decode_index,
 )
+from tensorwire.serve.protocol.layout import ShardLayout
 from tensorwire.serve.daemon.session import Job, PendingWrite, Session
 from tensorwire.serve.daemon.store import Entry, Info, Store, normalise_spec
 
@@ -140,7 +141,8 @@ def _name(name: str) -> str:
 
 
 def _info_proto(info: Info) -> store_pb2.TensorInfo:
-    return store_pb2.TensorInfo(spec=info.spec.to_proto(), version=info.version, nbytes=info.nbytes)
+    return store_pb2.TensorInfo(spec=info.spec.to_proto(), version=info.version, nbytes=info.nbytes,
+                                layout=info.layout.to_proto() if info.layout is not None else None)
 
 
 def _typed(raw: "torch.Tensor", dtype: "torch.dtype", shape: tuple[int, ...]) -> "torch.Tensor":
@@ -455,6 +457,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             data_requests=data_requests,
             shm=shm_version,
             shm_hello=hello,
+            layouts=1,
         )
 
     @_rpc("CloseSession")
@@ -470,7 +473,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     @_rpc("Declare", new_work=True)
     def Declare(self, request: store_pb2.DeclareRequest, context: grpc.ServicerContext) -> Any:
         spec = normalise_spec(TensorSpec.from_proto(request.spec))
-        e, created = self.store.declare(spec)
+        e, created = self.store.declare(spec, layout=ShardLayout.from_field(request))
         return store_pb2.DeclareResponse(info=_info_proto(e.info()), created=created)
 
     # -- writes ------------------------------------------------------------------------------
@@ -505,7 +508,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         spec = normalise_spec(TensorSpec.from_proto(request.spec))
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
-        e, created = self.store.declare(spec)
+        e, created = self.store.declare(spec, layout=ShardLayout.from_field(request))
         idx = self.waits.run(e.begin_put, deadline, f"BeginPut {spec.name}")
         raw = e.slot(idx).raw
         nbytes = e.nbytes
@@ -525,6 +528,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         if s.pending is not None:
             raise errors.ProtocolError("another write is pending on this session: commit or abort it first")
         add = request.add
+        self.store.check_layout(request.name, ShardLayout.from_field(request))
         p = plan_row_update(self.store, request.name, lambda rows: decode_index(request.index, rows),
                             TensorSpec.from_proto(request.values), add)
         nbytes = p.nbytes
@@ -592,6 +596,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Get(self, request: store_pb2.GetRequest, context: grpc.ServicerContext) -> Any:
         s = self._session(request.session_id)
         self._no_pending(s)
+        self.store.check_layout(request.name, ShardLayout.from_field(request))
         e = self.store.get(_name(request.name))
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
@@ -620,6 +625,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
         s = self._session(request.session_id)
         self._no_pending(s)
+        self.store.check_layout(request.name, ShardLayout.from_field(request))
         p = plan_rows(self.store, request.name, lambda rows: decode_index(request.index, rows), "request")
         e, spec, index, shape, nbytes = p.entry, p.spec, p.index, p.shape, p.nbytes
         s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is pinned or scheduled
@@ -671,7 +677,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
     @_rpc("Delete", new_work=True)
     def Delete(self, request: store_pb2.DeleteRequest, context: grpc.ServicerContext) -> Any:
-        self.store.delete(_name(request.name))
+        name = _name(request.name)
+        if request.HasField("layout"):  # a sharded client deletes its own shards only
+            self.store.check_layout(name, ShardLayout.from_field(request))
+        self.store.delete(name)
         return store_pb2.DeleteResponse()
 
     @_rpc("Snapshot", new_work=True)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from tensorwire.errors import ConfigError, NotFoundError, ResourceExhaustedError, SnapshotError, SpecError, TransferTimeout
 from tensorwire.spec import TensorSpec
+from tensorwire.serve.protocol.layout import ShardLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -77,6 +78,8 @@ _ALGO_KEY = "tensorwire.checksum"
 _ALGO = "crc32"
 #: Keys the safetensors format gives a meaning of its own: no tensor may be called so.
 RESERVED_NAMES = frozenset({"__metadata__"})
+#: Metadata key of the shard layouts (JSON: name -> ShardLayout.to_json form), for the sharded tensors only.
+_LAYOUTS_KEY = "tensorwire.layouts"
 
 ST_DTYPES = {
     "float32": "F32",
@@ -301,6 +304,7 @@ def write_snapshot(store: "Store", directory: str, *, timeout: float = 600.0) ->
     with contextlib.ExitStack() as stack:
         items: list[tuple[TensorSpec, "torch.Tensor"]] = []
         versions = {}
+        layouts = {}
         for e in store.entries():
             try:
                 idx, version = e.acquire_read(deadline)
@@ -311,7 +315,12 @@ def write_snapshot(store: "Store", directory: str, *, timeout: float = 600.0) ->
             stack.callback(e.release_read, idx)
             items.append((e.spec, e.slot(idx).raw))
             versions[e.spec.name] = version
-        nbytes = write_safetensors(path, items, {_VERSIONS_KEY: json.dumps(versions)})
+            if e.layout is not None:
+                layouts[e.spec.name] = json.loads(e.layout.to_json())
+        meta = {_VERSIONS_KEY: json.dumps(versions)}
+        if layouts:
+            meta[_LAYOUTS_KEY] = json.dumps(layouts, separators=(",", ":"))
+        nbytes = write_safetensors(path, items, meta)
     dt = time.monotonic() - t0
     log.info("snapshot: %d tensors, %d bytes -> %s in %.2fs", len(items), nbytes, path, dt)
     return SnapshotResult(path, len(items), nbytes, dt)
@@ -391,6 +400,11 @@ def restore_snapshot(store: "Store", directory: str) -> int:
         versions = json.loads(meta.get(_VERSIONS_KEY, "{}"))
         if not isinstance(versions, dict):
             versions = {}
+        raw_layouts = json.loads(meta.get(_LAYOUTS_KEY, "{}"))
+        if not isinstance(raw_layouts, dict):
+            raise SpecError(f"{_LAYOUTS_KEY} is not a JSON object")
+        # a shard restored without its layout would be served as a whole tensor: a bad entry fails the restore
+        layouts = {k: ShardLayout.from_json(v) for k, v in raw_layouts.items()}
     except Exception as exc:  # noqa: BLE001 - any parse failure of an untrusted file
         raise SnapshotError(f"cannot read snapshot {path}: {exc}; the file is kept for inspection") from exc
     sums = _expected_checksums(path, meta, [k for _, k in specs])
@@ -426,9 +440,9 @@ def restore_snapshot(store: "Store", directory: str) -> int:
             except (TypeError, ValueError):
                 v = 1
             try:
-                store.restore(spec, v, fill)
-            except ResourceExhaustedError as exc:  # pragma: no cover - checked above
-                raise ConfigError(str(exc)) from exc
+                store.restore(spec, v, fill, layout=layouts.get(key))
+            except (ResourceExhaustedError, SpecError) as exc:  # over max_bytes: checked above; a layout that
+                raise ConfigError(f"cannot restore {path}: {exc}") from exc  # does not fit its tensor
     log.info("snapshot: restored %d tensors from %s in %.2fs%s", len(specs), path, time.monotonic() - t0,
              " (checksums verified)" if sums is not None else "")
     return len(specs)

@@ -45,6 +45,7 @@ from tensorwire.spec import TensorSpec
 from tensorwire.serve.daemon.config import format_size
 from tensorwire.serve.daemon.snapshot import check_storable_name
 from tensorwire.serve.protocol.common import MAX_TENSORS
+from tensorwire.serve.protocol.layout import ShardLayout, check_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -99,6 +100,7 @@ class Info:
     spec: TensorSpec
     version: int
     nbytes: int
+    layout: ShardLayout | None = None
 
 
 def _wait(cond: threading.Condition, pred, deadline: float, what: str,
@@ -176,8 +178,10 @@ class AheadGrant:
 class Entry:
     """One name: its spec, two slots, version and reader/writer state."""
 
-    def __init__(self, spec: TensorSpec, store: "Store") -> None:
+    def __init__(self, spec: TensorSpec, store: "Store", layout: ShardLayout | None = None) -> None:
         self.spec = spec
+        #: Set when this tensor is one shard of a table sharded by rows (fixed for the entry's life).
+        self.layout = layout
         self.nbytes = spec.nbytes
         self._store = store
         self.slots: "list[Slot | StoreSlot | None]" = [store._new_slot(spec), None]
@@ -195,7 +199,7 @@ class Entry:
         self.lease = store._lease_cell() if isinstance(self.slots[0], StoreSlot) else 0
 
     def info(self) -> Info:
-        return Info(self.spec, self.version, self.nbytes)
+        return Info(self.spec, self.version, self.nbytes, self.layout)
 
     # -- readers ---------------------------------------------------------------
     def acquire_read(self, deadline: float) -> tuple[int, int]:
@@ -503,21 +507,38 @@ class Store:
             raise NotFoundError(f"no tensor named {name!r}")
         return e
 
-    def declare(self, spec: TensorSpec) -> tuple[Entry, bool]:
-        """The entry for ``spec.name``, creating (and allocating) it if new.
+    def check_layout(self, name: str, expected: ShardLayout | None) -> None:
+        """Refuse a request for ``name`` that expects another shard layout than the tensor has (None: whole).
+
+        A name not held passes (the operation itself reports it, or creates it with ``expected``).
+
+        Raises:
+            LayoutMismatchError: saying what is held and what was expected.
+        """
+        with self._lock:
+            e = self._entries.get(name)
+        if e is not None:
+            check_layout(name, e.layout, expected)
+
+    def declare(self, spec: TensorSpec, *, layout: ShardLayout | None = None) -> tuple[Entry, bool]:
+        """The entry for ``spec.name``, creating (and allocating) it if new, as a shard of ``layout`` if given.
 
         Everything is validated before anything is allocated.
 
         Raises:
-            SpecError: dynamic spec.
+            SpecError: dynamic spec, or ``layout`` does not fit the spec's rows.
+            LayoutMismatchError: the name exists with another layout (or a whole tensor vs a shard).
             ShapeMismatchError: the name exists with another spec (both named).
             ResourceExhaustedError: over ``max_bytes`` or the tensor count; nothing changed.
         """
         spec = normalise_spec(spec)
+        if layout is not None and (not spec.shape or spec.shape[0] != layout.shard_rows):
+            raise SpecError(f"{spec.name}: {spec.describe()} cannot be {layout.describe()}")
         need = 2 * spec.nbytes
         with self._lock:
             e = self._entries.get(spec.name)
             if e is not None:
+                check_layout(spec.name, e.layout, layout)
                 if e.spec != spec:
                     raise ShapeMismatchError(
                         f"{spec.name}: stored as {e.spec.describe()}, this put is {spec.describe()} "
@@ -533,7 +554,7 @@ class Store:
                 )
             self._reserved += need
             try:
-                e = Entry(spec, self)
+                e = Entry(spec, self, layout)
             except (RuntimeError, MemoryError) as exc:
                 self._reserved -= need
                 raise ResourceExhaustedError(f"{spec.name}: cannot allocate {format_size(spec.nbytes)}: {exc}") from exc
@@ -579,9 +600,10 @@ class Store:
         with self._lock:
             return len(self._entries)
 
-    def restore(self, spec: TensorSpec, version: int, fill) -> None:
-        """Declare ``spec`` and fill its current slot via ``fill(flat_uint8)`` (startup only)."""
-        e, _ = self.declare(spec)
+    def restore(self, spec: TensorSpec, version: int, fill, *, layout: ShardLayout | None = None) -> None:
+        """Declare ``spec`` (a shard of ``layout`` if given) and fill its current slot via ``fill(flat_uint8)``
+        (startup only)."""
+        e, _ = self.declare(spec, layout=layout)
         fill(e.slot(e.cur).raw)
         with e.cond:
             e.version = max(1, int(version))

@@ -54,6 +54,7 @@ ERROR_CLASSES: dict[str, type[errors.TensorWireError]] = {
         errors.ConfigError,
         errors.SpecError,
         errors.ShapeMismatchError,
+        errors.LayoutMismatchError,
         errors.AuthError,
         errors.ResourceExhaustedError,
         errors.NotFoundError,
