@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import struct
 import threading
 import time
@@ -100,6 +99,7 @@ class SendWork(Work):
         self._peer = peer
         self._op: Any = None  # UCX send posted in the caller's thread: complete it in wait()
         self._keep: Any = None  # what UCX reads until the send completes
+        self._chan: _SendChannel | None = None  # queued: the channel whose queue holds it
         self._staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
 
     def _finish(self, exc: BaseException | None = None) -> None:
@@ -112,6 +112,8 @@ class SendWork(Work):
     def _drive(self, deadline: float) -> None:
         op = self._op
         if op is None:
+            if self._chan is not None:
+                self._chan.help(self, deadline)
             return super()._drive(deadline)
         try:
             self._peer.transport.wait_send(op, timeout=max(0.0, deadline - time.monotonic()))
@@ -227,15 +229,26 @@ class _RecvChannel:
 
 
 class _SendChannel:
-    """Sends of one tag to one peer, in order: in the caller's thread when that cannot block, else a thread."""
+    """Sends of one tag to one peer, in order.
+
+    A message goes out in the caller's thread when that cannot block; otherwise
+    it is queued. Whoever gets there first sends the queued messages, oldest
+    first: the caller when it waits on one of them (``dist.send`` is ``isend``
+    + ``wait``: no thread hand-off), or the tag's sender thread, which takes a
+    queued message once it has waited ``DEFER`` seconds for a caller to do it
+    (so an ``isend`` nobody waits on still goes out).
+    """
+
+    DEFER = 0.0005
 
     def __init__(self, peer: "Peer", tag: int) -> None:
         self.peer = peer
         self.tag = tag
-        self.lock = threading.Lock()
-        self.queued = 0
-        self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.cond = threading.Condition()
+        self.pending: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.send_lock = threading.Lock()  # held by whoever is sending a message of this tag
         self.thread: threading.Thread | None = None
+        self.closed = False
 
     def submit(self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...]) -> None:
         peer = self.peer
@@ -247,76 +260,109 @@ class _SendChannel:
             slot.copy_(tensor)
             work._staging = (sig, "same", slot)
             tensor = slot
-        with self.lock:
-            if self.queued == 0 and not tensor.is_cuda:
-                data = tensor if t.any_dtype else as_bytes(tensor)
-                try:
-                    if t.async_send:
-                        work._keep = tensor
-                        work._op = t.start_send(self.tag, data, shape=hdr, timeout=0.0)
+        if not tensor.is_cuda and not self.pending and self.send_lock.acquire(blocking=False):
+            try:
+                if not self.pending:
+                    data = tensor if t.any_dtype else as_bytes(tensor)
+                    try:
+                        if t.async_send:
+                            work._keep = tensor
+                            work._op = t.start_send(self.tag, data, shape=hdr, timeout=0.0)
+                            return
+                        if sig.nbytes <= INLINE_MAX and t.has_credit(self.tag):
+                            t.send(self.tag, data, shape=hdr, timeout=peer.timeout)
+                            work._finish()
+                            return
+                    except TransferTimeout:
+                        pass  # no credit yet: queued
+                    except BaseException as exc:  # noqa: BLE001
+                        work._finish(peer.fail(exc, work._what, tag=self.tag, sig=sig))
                         return
-                    if sig.nbytes <= INLINE_MAX and t.has_credit(self.tag):
-                        t.send(self.tag, data, shape=hdr, timeout=peer.timeout)
-                        work._finish()
-                        return
-                except TransferTimeout:
-                    pass  # no credit yet: the thread waits for it
-                except BaseException as exc:  # noqa: BLE001
-                    work._finish(peer.fail(exc, work._what, tag=self.tag, sig=sig))
-                    return
-            ev = None
-            if tensor.is_cuda:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(tensor.device))
-            self.queued += 1
-            self.q.put((work, tensor, sig, hdr, ev))
+            finally:
+                self.send_lock.release()
+        ev = None
+        if tensor.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(tensor.device))
+        work._chan = self
+        with self.cond:
+            self.pending.append((work, tensor, sig, hdr, ev))
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, daemon=True,
                                                name=f"tw-dist-send-{peer.peer}-{self.tag - 1}")
                 self.thread.start()
+            self.cond.notify()
 
-    def _run(self) -> None:
+    def help(self, work: SendWork, deadline: float) -> None:
+        """(caller waiting on ``work``) Send queued messages up to and including ``work``'s."""
+        while not work.done:
+            if not self.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return  # the thread is sending (ours or an older one): the caller waits for the event
+            try:
+                if work.done:
+                    return
+                with self.cond:
+                    item = self.pending.popleft() if self.pending else None
+                if item is None:
+                    return
+                self._send(item)
+            finally:
+                self.send_lock.release()
+            if time.monotonic() >= deadline:
+                return
+
+    def _send(self, item: tuple[Any, ...]) -> None:
+        """Send one queued message (caller holds ``send_lock``)."""
         peer = self.peer
         t = peer.transport
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            work, tensor, sig, hdr, ev = item
-            exc: BaseException | None = None
-            try:
-                peer.check()
-                if ev is not None:
-                    ev.synchronize()
-                    if not t.reaches_cuda:  # through a pinned host slot (TCP)
-                        slot = peer.pool.take(sig, "pinned")
-                        work._staging = (sig, "pinned", slot)
-                        slot.copy_(tensor)
-                        tensor = slot
-                    elif not tensor.is_contiguous():
-                        slot = peer.pool.take(sig, "same", tensor.device)
-                        work._staging = (sig, "same", slot)
-                        slot.copy_(tensor)
-                        torch.cuda.current_stream(tensor.device).synchronize()
-                        tensor = slot
-                t.send(self.tag, tensor if t.any_dtype else as_bytes(tensor), shape=hdr, timeout=peer.timeout)
-            except BaseException as exc_:  # noqa: BLE001
-                exc = exc_ if isinstance(exc_, TransferTimeout) else peer.fail(exc_, work._what, tag=self.tag,
-                                                                               sig=sig)
-                if isinstance(exc, TransferTimeout):
-                    exc = translate(exc, work._what)
-            finally:
-                with self.lock:
-                    self.queued -= 1
-            work._finish(exc)
+        work, tensor, sig, hdr, ev = item
+        exc: BaseException | None = None
+        try:
+            peer.check()
+            if ev is not None:
+                ev.synchronize()
+                if not t.reaches_cuda:  # through a pinned host slot (TCP)
+                    slot = peer.pool.take(sig, "pinned")
+                    work._staging = (sig, "pinned", slot)
+                    slot.copy_(tensor)
+                    tensor = slot
+                elif not tensor.is_contiguous():
+                    slot = peer.pool.take(sig, "same", tensor.device)
+                    work._staging = (sig, "same", slot)
+                    slot.copy_(tensor)
+                    torch.cuda.current_stream(tensor.device).synchronize()
+                    tensor = slot
+            t.send(self.tag, tensor if t.any_dtype else as_bytes(tensor), shape=hdr, timeout=peer.timeout)
+        except TransferTimeout as exc_:  # no credit within the group's timeout: nothing sent, the pair lives on
+            exc = translate(exc_, work._what)
+        except BaseException as exc_:  # noqa: BLE001
+            exc = peer.fail(exc_, work._what, tag=self.tag, sig=sig)
+        work._finish(exc)
 
-    def close(self) -> None:
-        with self.lock:
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+            time.sleep(self.DEFER)  # a caller waiting on it sends it itself, without a hand-off
+            with self.send_lock:
+                with self.cond:
+                    item = self.pending.popleft() if self.pending else None
+                if item is not None:
+                    self._send(item)
+
+    def close(self, reason: BaseException) -> None:
+        with self.cond:
+            self.closed = True
+            pending, self.pending = list(self.pending), collections.deque()
+            self.cond.notify_all()
             thread = self.thread
-        if thread is not None:
-            self.q.put(None)
-            if thread is not threading.current_thread():
-                thread.join(timeout=5.0)
+        for item in pending:
+            item[0]._finish(reason)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
 
 class Peer:
@@ -464,7 +510,7 @@ class Peer:
     def close(self, reason: BaseException) -> None:
         self.fail(reason, "")
         for chan in list(self._send.values()):
-            chan.close()
+            chan.close(self.error or reason)
         self.link.close()
 
 

@@ -1,0 +1,148 @@
+"""backend="tensorwire" for torch.distributed: registration, point-to-point, collectives, failures, pipelining.
+
+Multi-process tests run real processes (tests/harness.py: spawn, store on port 0) or real torchrun.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import dist_workers as W
+from harness import run_ranks
+from netns import TORCHRUN, child_env, free_port, run, tail
+
+TRANSPORTS = ["tcp", "ucx"]
+
+
+# -- registration ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_import_tensorwire_registers_the_backend_without_importing_torch():
+    code = textwrap.dedent("""
+        import sys, time
+        t = time.perf_counter()
+        import tensorwire
+        took = time.perf_counter() - t
+        assert "torch" not in sys.modules, "import tensorwire imported torch"
+        import torch.distributed as dist
+        assert dist.is_backend_available("tensorwire")
+        assert dist.Backend.TENSORWIRE == "tensorwire"
+        print(took)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) < 0.5  # measured ~0.01 s; generous for a loaded machine
+
+
+@pytest.mark.timeout(60)
+def test_backend_registered_when_torch_distributed_was_imported_first():
+    code = "import torch.distributed as dist, tensorwire; assert dist.is_backend_available('tensorwire')"
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+
+
+# -- point-to-point and collectives --------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_p2p_every_dtype_and_shape_both_ways_tags_in_flight_futures_collectives(transport):
+    res = run_ranks(W.p2p_suite, 2, timeout=150, transport=transport)
+    assert res[0]["transports"] == {1: transport} and res[1]["transports"] == {0: transport}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_256_mib_tensor_each_way(transport):
+    res = run_ranks(W.big, 2, timeout=150, transport=transport, mib=256)
+    assert res[0]["seconds"] > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_four_ranks_ring_of_isends(transport):
+    res = run_ranks(W.ring, 4, timeout=150, transport=transport)
+    assert all(r["ok"] for r in res.values())
+
+
+# -- errors -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_mismatched_receive_raises_on_the_receiver_naming_both_sides(transport):
+    res = run_ranks(W.mismatch, 2, timeout=200, transport=transport)
+    for name, (s_shape, s_dtype, r_shape, r_dtype) in W.MISMATCHES.items():
+        side, kind, *rest = res[1][name]
+        assert kind == "SignatureMismatch", (name, res[1][name])
+        text = rest[0]
+        assert f"receives into {r_dtype}{list(r_shape)}" in text or f"{r_dtype}{list(r_shape)}" in text, text
+        if name != "larger" or transport == "ucx":  # TCP refuses a larger message on its frame header
+            assert f"{s_dtype}{list(s_shape)}" in text, text
+        assert rest[-1] < 15, f"took {rest[-1]} s"
+        # the sender never hangs: its send or its next operation fails with a DistBackendError
+        s_side, s_kind, *s_rest = res[0][name]
+        assert s_kind != "no error" and s_rest[0] is True, (name, res[0][name])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_peer_killed_mid_step_fails_pending_works_with_peer_lost(transport):
+    res = run_ranks(W.killed, 2, timeout=150, expect_fail=True, transport=transport)
+    assert res[1][0] == "died"
+    assert res[0]["errors"] == ["PeerLost", "PeerLost"], res[0]
+    assert res[0]["seconds"] < 10, res[0]
+
+
+# -- pipelining -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule,transport", [("gpipe", "tcp"), ("1f1b", "ucx"), ("interleaved1f1b", "tcp"),
+                                                ("gpipe", "ucx")])
+def test_pipelining_matches_single_process_training(schedule, transport):
+    res = run_ranks(W.pipeline, 2, timeout=200, transport=transport, schedule=schedule)
+    for r in res.values():
+        assert r["backend"] == "tensorwire" and r["worst"] <= 1e-5 and r["moved"] > 1e-4, r
+
+
+@pytest.mark.timeout(240)
+def test_pipelining_four_ranks_1f1b():
+    res = run_ranks(W.pipeline, 4, timeout=200, transport="tcp", schedule="1f1b", steps=2)
+    assert all(r["worst"] <= 1e-5 for r in res.values()), res
+
+
+# -- under real torchrun --------------------------------------------------------------------------------------------
+
+_TORCHRUN_WORKER = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import dist_workers as W
+r = W.pipeline(None, None, None, {transport!r}, {schedule!r}, steps=2)
+print("RESULT " + json.dumps(r), flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport,nproc,schedule", [("tcp", 2, "gpipe"), ("ucx", 4, "interleaved1f1b")])
+def test_real_torchrun_init_process_group_tensorwire(tmp_path, transport, nproc, schedule):
+    from pathlib import Path
+
+    script = tmp_path / "worker.py"
+    script.write_text(_TORCHRUN_WORKER.format(tests=str(Path(__file__).parent), transport=transport,
+                                              schedule=schedule))
+    port = free_port()
+    cmd = [*TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", str(script)]
+    t0 = time.monotonic()
+    rc, out = run(cmd, env=child_env(), log=tmp_path / "torchrun.log", timeout=200)
+    assert rc == 0, tail(out)
+    results = [line for line in out.splitlines() if "RESULT " in line]
+    assert len(results) == nproc, tail(out)
+    assert time.monotonic() - t0 < 200
