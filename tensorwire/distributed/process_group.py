@@ -107,6 +107,18 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
 
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's names
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return getattr(self, "_group_desc", "")
+
     @property
     def transports(self) -> dict[int, str]:
         """The transport kind of the connection to each peer (for logs and tests)."""
