@@ -142,6 +142,7 @@ def p2p_suite(rank: int, world: int, store: Any, transport: str) -> dict:
         dist.recv_object_list(objs, src=0)
         assert objs[0] == {"from": 0, "shape": [2, 3]}
     dist.destroy_process_group()
+    report["threads_left"] = no_backend_threads_left()
     return report
 
 
@@ -329,3 +330,42 @@ def pipeline(rank: int, world: int, store: Any, transport: str, schedule: str, s
     dist.destroy_process_group()
     assert worst <= 1e-5, f"parameters differ from single-process training by {worst}"
     return {"worst": worst, "moved": moved, "backend": backend_name}
+
+
+def no_backend_threads_left() -> list[str]:
+    """Names of this backend's threads still alive (after destroy_process_group: none)."""
+    import threading
+
+    deadline = time.monotonic() + 5
+    while True:
+        left = [t.name for t in threading.enumerate() if t.name.startswith("tw-dist-") and t.is_alive()]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def cuda_p2p(rank: int, world: int, store: Any, transport: str) -> dict:
+    """Two processes on one GPU: a kernel writes the tensor right before isend, a kernel consumes it right after
+    wait(); the send reads it only after the writes queued on the current stream."""
+    _init(rank, world, store, transport)
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    n = 1 << 22  # 16 MiB of float32
+    results = {}
+    for step in range(3):
+        if rank == 0:
+            x = torch.empty(n, device=dev)
+            torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU work queued before the write
+            x.fill_(float(step + 1))  # the write, queued behind it on the current stream
+            w = dist.isend(x, 1)
+            w.wait()
+        else:
+            y = torch.zeros(n, device=dev)
+            w = dist.irecv(y, 0)
+            t0 = time.perf_counter()
+            w.wait()
+            results[f"wait_s_{step}"] = time.perf_counter() - t0
+            z = y * 2  # a kernel consuming it right after wait()
+            assert torch.all(z == 2.0 * (step + 1)).item(), f"step {step}: stale or partial bytes"
+    dist.destroy_process_group()
+    return results

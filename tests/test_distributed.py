@@ -55,6 +55,7 @@ def test_backend_registered_when_torch_distributed_was_imported_first():
 def test_p2p_every_dtype_and_shape_both_ways_tags_in_flight_futures_collectives(transport):
     res = run_ranks(W.p2p_suite, 2, timeout=150, transport=transport)
     assert res[0]["transports"] == {1: transport} and res[1]["transports"] == {0: transport}
+    assert res[0]["threads_left"] == [] and res[1]["threads_left"] == [], res
 
 
 @pytest.mark.timeout(180)
@@ -146,3 +147,21 @@ def test_real_torchrun_init_process_group_tensorwire(tmp_path, transport, nproc,
     results = [line for line in out.splitlines() if "RESULT " in line]
     assert len(results) == nproc, tail(out)
     assert time.monotonic() - t0 < 200
+
+
+# -- CUDA (run on a GPU host: two processes sharing one GPU) ------------------------------------------------------
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cuda_isend_after_queued_writes_and_irecv_before_consuming_kernel(transport):
+    res = run_ranks(W.cuda_p2p, 2, timeout=200, transport=transport)
+    assert set(res[1]) == {"wait_s_0", "wait_s_1", "wait_s_2"}
