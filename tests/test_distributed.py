@@ -165,3 +165,41 @@ def _cuda() -> bool:
 def test_cuda_isend_after_queued_writes_and_irecv_before_consuming_kernel(transport):
     res = run_ranks(W.cuda_p2p, 2, timeout=200, transport=transport)
     assert set(res[1]) == {"wait_s_0", "wait_s_1", "wait_s_2"}
+
+
+# -- two nodes: two network namespaces, torchrun --nnodes 2 ------------------------------------------------------
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_network_namespace_nodes_torchrun_nnodes_2_pipelining(tmp_path):
+    from pathlib import Path
+
+    from netns import NetnsPair, Proc, netns_unavailable
+
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    example = Path(__file__).resolve().parent.parent / "examples" / "pipelining.py"
+    with NetnsPair() as net:
+        procs = []
+        try:
+            for i in (0, 1):
+                env = child_env(TENSORWIRE_HOST=net.addr[i], TENSORWIRE_TRANSPORT="tcp")
+                cmd = [*net.prefix(i), *TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"{net.addr[0]}:29437", "--rdzv-id", "tw-dist-netns",
+                       "--local-addr", net.addr[i], "--rdzv-conf", f"is_host={1 if i == 0 else 0}",
+                       "--max-restarts", "0", "--monitor-interval", "0.2", str(example), "--backend", "tensorwire",
+                       "--schedule", "1f1b", "--check"]
+                procs.append(Proc(cmd, env=env, log=tmp_path / f"agent{i}.log"))
+                if i == 0:
+                    time.sleep(0.5)
+            deadline = time.monotonic() + 200
+            rcs = [p.wait(max(0.1, deadline - time.monotonic())) for p in procs]
+            text = "\n".join(p.output() for p in procs)
+            assert rcs == [0, 0], f"exit codes {rcs}\n{tail(text, 80)}"
+            assert text.count("over tensorwire") == 4 and text.count("(check passed)") == 4, tail(text, 80)
+        finally:
+            for p in procs:
+                p.kill()
