@@ -19,10 +19,10 @@ server with raw-bytes methods (identity serializers, i.e. no protobuf cost at
 all: the most favourable case for gRPC), tensors held in preallocated torch
 tensors like the daemon's slots, run in its own process like the daemon.
 
-Prints a table with ratios and writes ``bench/results/serve_cpu.md`` (table,
+Prints a table with ratios and writes ``bench/results/serve_cpu<cores>_<date>.md`` (table,
 machine info, the exact command). Usage::
 
-    python bench/bench_serve.py [--quick] [--out bench/results/serve_cpu.md]
+    python bench/bench_serve.py [--quick] [--out bench/results/serve_<machine kind>_<date>.md]
 """
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         # Shared memory also without read leases (each call a request to the daemon, as before leases existed).
         extra: dict[str, Any] = {}
         if "shm" in clients:
-            from tensorwire.client import LEASES_ENV
+            from tensorwire.serve.client.client import LEASES_ENV
 
             os.environ[LEASES_ENV] = "0"
             try:
@@ -480,7 +480,7 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         # grant on a shared name, and the figure would be of two clients taking turns on one tensor)
         noahead = None
         if "shm" in clients:
-            from tensorwire.client import AHEAD_ENV
+            from tensorwire.serve.client.client import AHEAD_ENV
 
             os.environ[AHEAD_ENV] = "0"
             try:
@@ -562,7 +562,8 @@ def main() -> int:
     p.add_argument("--transport", default="auto", choices=("auto", "tcp", "ucx"),
                    help="the daemon's --transport (auto offers UCX, when usable, and TCP: both are measured)")
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "serve_cpu.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+                                            f"serve_cpu{os.cpu_count()}_{time.strftime('%Y-%m-%d')}.md"))
     args = p.parse_args()
     if args.baseline_server:
         serve_baseline()

@@ -27,7 +27,7 @@ For each size (default 16, 64, 256 MiB) this script measures, on this machine:
 The socket and both tensorwire rows run in one process pair, in turns (a tenth of each
 row's messages, then the next row's, ten times per size), so a drift in the machine's
 speed during the run weighs on the bound and on tensorwire alike; ``--separate`` measures
-them one after the other in a process pair each (the method before session 5).
+them one after the other in a process pair each (the method before 2026-11-23).
 
 Every figure is ``size / median(time per message)``; each message of the socket and
 tensorwire rows is timed from the start of the send to the arrival of its ack (the
@@ -389,7 +389,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> tuple[str, bool]:
     """The markdown page, and whether every size met the target."""
-    from tensorwire.gpu import DEFAULT_CHUNK, MAX_STAGING_CHUNKS
+    from tensorwire.p2p.staging import DEFAULT_CHUNK, MAX_STAGING_CHUNKS
 
     env = res["environment"]
     chunk_label = args.chunk or f"default ({DEFAULT_CHUNK >> 20} MiB, at most {MAX_STAGING_CHUNKS} chunks)"
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     if args.chunk is not None:
         from tensorwire.errors import ConfigError
-        from tensorwire.gpu import staging_chunk
+        from tensorwire.p2p.staging import staging_chunk
 
         try:
             staging_chunk({CHUNK_ENV: args.chunk})  # validate here, not in the child processes

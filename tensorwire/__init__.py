@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from tensorwire.errors import (
     AuthError,
     ClosedError,
     ConfigError,
@@ -26,7 +26,7 @@ from .errors import (
     TransportError,
     VersionMismatchError,
 )
-from .spec import TensorSpec
+from tensorwire.spec import TensorSpec
 
 __version__ = "0.1.0"
 
@@ -57,19 +57,20 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Node": ("tensorwire.node", "Node"),
-    "Link": ("tensorwire.node", "Link"),
-    "init": ("tensorwire.bootstrap", "init"),
+    "Node": ("tensorwire.p2p.node", "Node"),
+    "Link": ("tensorwire.p2p.link", "Link"),
+    "init": ("tensorwire.p2p.bootstrap", "init"),
     "discover": ("tensorwire.discovery", "discover"),
     "Plan": ("tensorwire.discovery", "Plan"),
-    "Client": ("tensorwire.client", "Client"),
+    "Client": ("tensorwire.serve.client", "Client"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .client import Client
-    from .bootstrap import init
-    from .discovery import Plan, discover
-    from .node import Link, Node
+    from tensorwire.serve.client.client import Client
+    from tensorwire.p2p.bootstrap import init
+    from tensorwire.discovery import Plan, discover
+    from tensorwire.p2p.link import Link
+    from tensorwire.p2p.node import Node
 
 
 def __getattr__(name: str) -> Any:

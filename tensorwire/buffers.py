@@ -11,7 +11,7 @@ Memory kinds:
 - CUDA specs: device memory on the slot's device (default: the current one).
   From PyTorch's caching allocator (blocks >= 512-byte aligned), except when that
   allocator maps memory with expandable segments: then from plain
-  ``cudaMalloc`` (:func:`tensorwire.gpu.alloc_cuda`), because CUDA IPC handles
+  ``cudaMalloc`` (:func:`tensorwire.cuda.alloc_cuda`), because CUDA IPC handles
   — what UCX's ``cuda_ipc`` needs to move GPU memory between processes — cannot
   be made for expandable-segment memory, and UCX would silently take a path an
   order of magnitude slower. Such a slot is page-aligned, lives outside the
@@ -20,7 +20,7 @@ Memory kinds:
   new slot gets.
 - staging: a pinned host slot shadowing a CUDA spec, used when the transport
   cannot reach GPU memory (TCP); the Link cuts it into chunks
-  (:func:`tensorwire.gpu.chunk_plan`).
+  (:func:`tensorwire.p2p.staging.chunk_plan`).
 
 Every slot exposes ``raw`` (a flat ``uint8`` tensor over all its bytes) and
 ``tensor`` (the typed view of the full spec shape); ``view(shape)`` returns the
@@ -33,7 +33,7 @@ import functools
 import mmap
 from typing import TYPE_CHECKING
 
-from .spec import TensorSpec
+from tensorwire.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -75,7 +75,7 @@ def cuda_slot_source() -> str:
     Checked per slot (cheap: environment and the allocator's own settings), so
     a process that switches its allocator settings before linking is honoured.
     """
-    from .gpu import expandable_segments
+    from tensorwire.cuda import expandable_segments
 
     return "cudaMalloc" if expandable_segments().expandable else "caching-allocator"
 
@@ -85,7 +85,7 @@ def allocate_cuda(nbytes: int, device: "torch.device") -> "torch.Tensor":
     import torch
 
     if cuda_slot_source() == "cudaMalloc":
-        from .gpu import alloc_cuda, check_allocator
+        from tensorwire.cuda import alloc_cuda, check_allocator
 
         check_allocator()  # warns once: tensors the user sends from the caching allocator are still affected
         return alloc_cuda(nbytes, device, align=PAGE)

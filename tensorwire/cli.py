@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Sequence
 
-from . import __version__
+from tensorwire import __version__
 
 COMMAND_MODULES = (
     "tensorwire.serve.cli",  # serve, ls, get, put
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     configure_logging(args.log_level)
-    from .errors import TensorWireError
+    from tensorwire.errors import TensorWireError
 
     try:
         return int(args.func(args) or 0)

@@ -106,8 +106,8 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from .errors import ConfigError, NotFoundError, SpecError, TensorWireError
-from .spec import TensorSpec
+from tensorwire.errors import ConfigError, NotFoundError, SpecError, TensorWireError
+from tensorwire.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

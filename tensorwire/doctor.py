@@ -454,7 +454,7 @@ def check_container(p: Probe) -> list[Finding]:
 
 
 def check_allocator(p: Probe) -> list[Finding]:
-    from .gpu import expandable_segments
+    from tensorwire.cuda import expandable_segments
 
     rep = expandable_segments(p.env, runtime=False)
     if rep.expandable:
@@ -495,13 +495,13 @@ def check_ucx_env(p: Probe) -> list[Finding]:
 
 
 def check_tensorwire(p: Probe) -> list[Finding]:
-    from .transport.base import available_kinds
+    from tensorwire.transport.base import available_kinds
 
     kinds = available_kinds()
     rdma = bool(p.listdir("/sys/class/infiniband"))
     ok_cuda, _ = p.cuda()
-    from .errors import ConfigError
-    from .node import auto_preference
+    from tensorwire.errors import ConfigError
+    from tensorwire.transport.select import auto_preference
 
     try:
         pref = auto_preference(p.env)

@@ -20,12 +20,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping
 
-from .errors import ShapeMismatchError, SpecError
+from tensorwire.errors import ShapeMismatchError, SpecError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .v1 import types_pb2
+    from tensorwire.v1 import types_pb2
 
 __all__ = ["TensorSpec", "DTYPES", "MAX_RANK", "MAX_NAME_LEN", "MAX_TENSOR_BYTES", "check_same_specs"]
 
@@ -222,7 +222,7 @@ class TensorSpec:
 
     # -- protobuf -------------------------------------------------------------
     def to_proto(self) -> "types_pb2.TensorSpec":
-        from .v1 import types_pb2
+        from tensorwire.v1 import types_pb2
 
         return types_pb2.TensorSpec(
             name=self.name,

@@ -5,7 +5,7 @@ that returns a fresh connected pair ``(a, b)`` and it exercises the contract —
 FIFO per tag, credits (a send waits for a posted buffer), bit-exact bytes,
 empty messages, shapes carried for dynamic tags, both directions at once,
 timeouts, and close/peer-loss errors. The in-memory, TCP and UCX transports
-all run it (``tests/test_transport_conformance.py``).
+all run it (``tests/transport/test_transport_conformance.py``).
 
 Everything here runs in one process with threads; multi-process behaviour
 (peer killed, garbage on the port) is tested separately.
@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Callable
 
-from .errors import ClosedError, PeerLostError, TensorWireError, TransferTimeout
-from .transport.base import Transport
+from tensorwire.errors import ClosedError, PeerLostError, TensorWireError, TransferTimeout
+from tensorwire.transport.base import Transport
 
 __all__ = ["check_transport", "CHECKS"]
 

@@ -31,6 +31,6 @@ Nothing heavy is imported at module level.
 
 from __future__ import annotations
 
-from .config import BenchConfig, default_sizes, schedule
+from tensorwire.benchmark.config import BenchConfig, default_sizes, schedule
 
 __all__ = ["BenchConfig", "default_sizes", "schedule"]

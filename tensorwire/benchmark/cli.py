@@ -74,8 +74,8 @@ def register(subparsers: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from .backends import resolve
-    from .config import DEFAULT_MAX_SIZE_CPU, DEFAULT_MAX_SIZE_CUDA, BenchConfig, default_sizes, parse_size
+    from tensorwire.benchmark.backends import resolve
+    from tensorwire.benchmark.config import DEFAULT_MAX_SIZE_CPU, DEFAULT_MAX_SIZE_CUDA, BenchConfig, default_sizes, parse_size
 
     if args.sizes:
         sizes = tuple(sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()}))
@@ -95,8 +95,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace, *, argv: Sequence[str] | None = None) -> int:
-    from . import report
-    from .runner import Progress, execute
+    from tensorwire.benchmark import report
+    from tensorwire.benchmark.runner import Progress, execute
 
     if argv is None:
         argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import ConfigError
+from tensorwire.errors import ConfigError
 
 __all__ = ["BenchConfig", "Steps", "schedule", "default_sizes", "parse_size", "format_size", "PATTERNS",
            "DEFAULT_MAX_SIZE_CPU", "DEFAULT_MAX_SIZE_CUDA"]

@@ -25,7 +25,7 @@ import traceback
 import tracemalloc
 from typing import Any
 
-from .worker import _device, _finish
+from tensorwire.benchmark.worker import _device, _finish
 
 __all__ = ["entry", "RSS_TOLERANCE", "TRACED_TOLERANCE"]
 
@@ -55,9 +55,9 @@ def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store
         import torch
         from torch.distributed import TCPStore
 
-        from ..node import Node
-        from ..spec import TensorSpec
-        from .config import BenchConfig
+        from tensorwire.p2p.node import Node
+        from tensorwire.spec import TensorSpec
+        from tensorwire.benchmark.config import BenchConfig
 
         torch.set_num_threads(1)
         cfg = BenchConfig.from_dict(cfg_dict)
@@ -143,7 +143,7 @@ def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store
 
 def run(cfg: Any, transports: list[str]) -> list[dict[str, Any]]:
     """One memcheck pair per transport (``auto`` first); results in report form."""
-    from .runner import run_pair
+    from tensorwire.benchmark.runner import run_pair
 
     out = []
     for t in transports:

@@ -30,8 +30,8 @@ import math
 import statistics
 from typing import Any, Iterable
 
-from .backends import BACKENDS, GRPC, is_tensorwire
-from .config import format_size
+from tensorwire.benchmark.backends import BACKENDS, GRPC, is_tensorwire
+from tensorwire.benchmark.config import format_size
 
 __all__ = ["summarize", "render_text", "render_markdown", "write_json", "write_csv", "plot", "TARGETS"]
 

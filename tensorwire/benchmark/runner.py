@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from .config import BenchConfig
+from tensorwire.benchmark.config import BenchConfig
 
 __all__ = ["run_pair", "run_all", "Progress"]
 
@@ -47,7 +47,7 @@ class Progress:
         fill = int(width * done / max(1, of))
         bar = "#" * fill + "." * (width - fill)
         try:
-            from .config import format_size
+            from tensorwire.benchmark.config import format_size
 
             label = format_size(int(label))
         except ValueError:
@@ -80,7 +80,7 @@ def run_pair(name: str, cfg: BenchConfig, *, on_progress: Callable[[int, int, st
 
     Returns ``{"status": "ok"|"failed"|"skipped", "error": str, "sender": ..., "receiver": ...}``.
     """
-    from .worker import entry
+    from tensorwire.benchmark.worker import entry
 
     target = target or entry
     timeout = cfg.backend_timeout() if timeout is None else timeout
@@ -184,7 +184,7 @@ def execute(cfg: BenchConfig, *, progress: Progress | None = None, where: str = 
     ``checkpoint(raw)`` is called after each backend with what is known so far (a run cut short still
     leaves its finished backends behind).
     """
-    from . import environment, memcheck
+    from tensorwire.benchmark import environment, memcheck
 
     raw: dict[str, Any] = {
         "config": cfg.to_dict(),

@@ -15,13 +15,13 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
-from .backends.base import BackendUnavailable, PairContext
-from .config import BenchConfig, Steps
+from tensorwire.benchmark.backends.base import BackendUnavailable, PairContext
+from tensorwire.benchmark.config import BenchConfig, Steps
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .backends.base import Sender
+    from tensorwire.benchmark.backends.base import Sender
 
 __all__ = ["CheckError", "Sink", "pattern", "entry", "run_sender"]
 
@@ -203,7 +203,7 @@ def run_sender(tx: "Sender", cfg: BenchConfig, steps: list[Steps], device: "torc
         del src
         sizes_out.append(entry)
     progress(len(steps), len(steps), "done")
-    from .environment import ucx_env_effective
+    from tensorwire.benchmark.environment import ucx_env_effective
 
     return {"sizes": sizes_out, "transport": tx.transport, "ucx_env": ucx_env_effective()}
 
@@ -242,7 +242,7 @@ def entry(backend: str, rank: int, cfg_dict: dict[str, Any], store_host: str, st
         import torch
         from torch.distributed import TCPStore
 
-        from .backends import load
+        from tensorwire.benchmark.backends import load
 
         torch.set_num_threads(1)  # two processes share the cores; no intra-op pool fighting the transport
         cfg = BenchConfig.from_dict(cfg_dict)

@@ -2,7 +2,7 @@
 
 Layers (as in uvicorn): :class:`ServeConfig` (frozen, validated) ->
 :class:`Server` (start / stop / serve_forever) -> the CLI in
-:mod:`tensorwire.serve.cli`. Clients use :class:`tensorwire.client.Client`.
+:mod:`tensorwire.serve.cli`. Clients use :class:`tensorwire.serve.client.client.Client`.
 
 Importing this package is cheap: the server and its dependencies (grpc,
 torch, prometheus_client) load on first use.
@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .config import ServeConfig, TLSConfig, format_size, parse_size
+from tensorwire.serve.daemon.config import ServeConfig, TLSConfig, format_size, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .server import Server
+    from tensorwire.serve.daemon.server import Server
 
 __all__ = ["ServeConfig", "TLSConfig", "Server", "parse_size", "format_size"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "Server":
-        from .server import Server
+        from tensorwire.serve.daemon.server import Server
 
         return Server
     raise AttributeError(name)

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from tensorwire.serve.cli import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """``tensorwire serve`` and the helpers ``ls``, ``get``, ``put``.
 
 Thin: flags and ``TENSORWIRE_*`` variables become a :class:`ServeConfig` (or a
-:class:`~tensorwire.client.Client`), everything else lives in the package.
+:class:`~tensorwire.serve.client.client.Client`), everything else lives in the package.
 Nothing heavy is imported at module level (``tensorwire --help`` stays fast).
 """
 
@@ -73,7 +73,7 @@ def register(subparsers: Any) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from .config import DEFAULT_PORT
+    from tensorwire.serve.daemon.config import DEFAULT_PORT
 
     E = "TENSORWIRE_"
     p.add_argument("--host", default=None, help=_h("address to bind; non-loopback needs auth or --insecure", E + "HOST", "127.0.0.1"))
@@ -123,7 +123,7 @@ _SERVE_FLAGS = (
 
 
 def config_from_args(args: argparse.Namespace, environ: Any = None) -> Any:
-    from .config import ServeConfig
+    from tensorwire.serve.daemon.config import ServeConfig
 
     flags = {k: getattr(args, k, None) for k in _SERVE_FLAGS}
     return ServeConfig.resolve(flags, environ)
@@ -150,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "log_level", None) is None and not os.environ.get("TENSORWIRE_LOG_LEVEL"):
         logging.getLogger("tensorwire").setLevel(logging.INFO)
     _one_intra_op_thread()
-    from .server import Server
+    from tensorwire.serve.daemon.server import Server
 
     return Server(config).serve_forever()
 
@@ -172,8 +172,8 @@ def _client_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _open_client(args: argparse.Namespace) -> Any:
-    from ..client import Client
-    from ..errors import ConfigError
+    from tensorwire.serve.client.client import Client
+    from tensorwire.errors import ConfigError
 
     env = os.environ
     token = None
@@ -217,7 +217,7 @@ class Progress:
         return self
 
     def _render(self, done: int, final: bool = False) -> None:
-        from .config import format_size
+        from tensorwire.serve.daemon.config import format_size
 
         done = min(done, self.total)
         frac = done / self.total
@@ -250,7 +250,7 @@ def _progress_enabled(args: argparse.Namespace, nbytes: int) -> bool:
 def cmd_ls(args: argparse.Namespace) -> int:
     import json
 
-    from .config import format_size
+    from tensorwire.serve.daemon.config import format_size
 
     with _open_client(args) as c:
         stats = c.stats()
@@ -268,14 +268,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    from .snapshot import write_safetensors
+    from tensorwire.serve.daemon.snapshot import write_safetensors
 
     with _open_client(args) as c:
         st = c.stat(args.name)
         start = c.bytes_moved()
         with Progress(f"get {args.name}", st.nbytes, lambda: c.bytes_moved() - start, enabled=_progress_enabled(args, st.nbytes)):
             t = c.get(args.name)
-        from ..buffers import as_bytes
+        from tensorwire.buffers import as_bytes
 
         spec = st.spec if tuple(t.shape) == st.spec.shape else st.spec.__class__(args.name, tuple(t.shape), t.dtype)
         write_safetensors(args.output, [(spec, as_bytes(t))])
@@ -286,8 +286,8 @@ def cmd_get(args: argparse.Namespace) -> int:
 def cmd_put(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
-    from ..errors import ConfigError, NotFoundError
-    from .snapshot import read_safetensors_specs
+    from tensorwire.errors import ConfigError, NotFoundError
+    from tensorwire.serve.daemon.snapshot import read_safetensors_specs
 
     try:
         specs, _ = read_safetensors_specs(args.file)
@@ -313,7 +313,7 @@ def cmd_put(args: argparse.Namespace) -> int:
 
 def main(argv: Any = None) -> int:
     """``python -m tensorwire.serve [serve flags]``: the daemon without the rest of the CLI."""
-    from .. import errors
+    from tensorwire import errors
 
     parser = argparse.ArgumentParser(prog="python -m tensorwire.serve", description="Run the tensorwire daemon.\n\n" + ENV_NOTE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

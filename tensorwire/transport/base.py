@@ -254,7 +254,7 @@ def get_factory(kind: str) -> Callable[..., Listener]:
     """
     import importlib
 
-    from ..errors import ConfigError
+    from tensorwire.errors import ConfigError
 
     try:
         module, cls = _REGISTRY[kind]

@@ -13,8 +13,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Deque
 
-from ..errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout
-from .base import Received, Transport
+from tensorwire.errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout
+from tensorwire.transport.base import Received, Transport
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

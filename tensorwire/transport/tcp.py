@@ -52,7 +52,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Deque
 
-from ..errors import (
+from tensorwire.errors import (
     AuthError,
     ClosedError,
     ConnectTimeout,
@@ -63,8 +63,8 @@ from ..errors import (
     TransportError,
     VersionMismatchError,
 )
-from .base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
-from .base import remaining as _remaining
+from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
+from tensorwire.transport.base import remaining as _remaining
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Iterable
 
-from ...errors import ConfigError
+from tensorwire.errors import ConfigError
 
 __all__ = ["BACKENDS", "ALIASES", "resolve", "load", "default_backends", "is_tensorwire", "GRPC"]
 

@@ -24,12 +24,12 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import BenchConfig, Steps
+from tensorwire.benchmark.config import BenchConfig, Steps
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from ..worker import Sink
+    from tensorwire.benchmark.worker import Sink
 
 __all__ = ["PairContext", "Sender", "Receiver", "BackendUnavailable", "store_wait_get"]
 

@@ -20,16 +20,16 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator
 
-from .base import PairContext, Prepare
-from .base import Receiver as _Receiver
-from .base import Sender as _Sender
+from tensorwire.benchmark.backends.base import PairContext, Prepare
+from tensorwire.benchmark.backends.base import Receiver as _Receiver
+from tensorwire.benchmark.backends.base import Sender as _Sender
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
     import torch
 
-    from ...config import Steps
-    from ...worker import Sink
+    from tensorwire.config import Steps
+    from tensorwire.worker import Sink
 
 _OPTIONS = [
     ("grpc.max_send_message_length", -1),

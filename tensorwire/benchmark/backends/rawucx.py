@@ -27,9 +27,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .base import BackendUnavailable, PairContext, Prepare
-from .base import Receiver as _Receiver
-from .base import Sender as _Sender
+from tensorwire.benchmark.backends.base import BackendUnavailable, PairContext, Prepare
+from tensorwire.benchmark.backends.base import Receiver as _Receiver
+from tensorwire.benchmark.backends.base import Sender as _Sender
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

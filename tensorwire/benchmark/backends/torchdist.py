@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import BackendUnavailable, PairContext
-from .base import Receiver as _Receiver
-from .base import Sender as _Sender
+from tensorwire.benchmark.backends.base import BackendUnavailable, PairContext
+from tensorwire.benchmark.backends.base import Receiver as _Receiver
+from tensorwire.benchmark.backends.base import Sender as _Sender
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

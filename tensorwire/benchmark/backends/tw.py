@@ -18,18 +18,20 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from .base import PairContext, Prepare
-from .base import Receiver as _Receiver
-from .base import Sender as _Sender
+from tensorwire.benchmark.backends.base import PairContext, Prepare
+from tensorwire.benchmark.backends.base import Receiver as _Receiver
+from tensorwire.benchmark.backends.base import Sender as _Sender
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from ...node import Link, Node
+    from tensorwire.p2p.link import Link
+
+    from tensorwire.p2p.node import Node
 
 
 def _node(ctx: PairContext, transport: str) -> "Node":
-    from ...node import Node
+    from tensorwire.p2p.node import Node
 
     return Node(rank=ctx.rank, world_size=2, store=ctx.store, host=ctx.cfg.host, transport=transport,  # type: ignore[arg-type]
                 timeout=ctx.timeout, prefix=ctx.key("tw/"),
@@ -37,7 +39,7 @@ def _node(ctx: PairContext, transport: str) -> "Node":
 
 
 def _specs(size: int, ctx: PairContext):
-    from ...spec import TensorSpec
+    from tensorwire.spec import TensorSpec
 
     return (TensorSpec("data", (size,), "uint8", ctx.device.type), TensorSpec("ack", (1,), "uint8", "cpu"))
 

@@ -1,0 +1,343 @@
+"""CUDA bindings of the data path: allocator check, IPC-safe CUDA slots, stream ordering.
+
+The chunked staging engines built on them live in :mod:`tensorwire.p2p.staging`.
+
+**expandable_segments.** With ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+(or ``PYTORCH_ALLOC_CONF``) PyTorch's caching allocator maps device memory
+with the CUDA virtual-memory API (``cuMemCreate``/``cuMemMap``). Legacy CUDA
+IPC handles (``cuIpcGetMemHandle``), which UCX's ``cuda_ipc`` transport uses
+between processes on one host, cannot be made for such memory: UCX then
+silently falls back to a slower path (staging through host memory), and
+GPU->GPU over NVLink loses an order of magnitude. :func:`expandable_segments`
+detects the setting; :func:`check_allocator` warns once; :func:`alloc_cuda`
+allocates slot memory with plain ``cudaMalloc`` (outside the caching
+allocator, so no allocator setting can change how it is mapped).
+
+**Stream semantics** (what :meth:`tensorwire.Link.send` / ``recv`` promise):
+
+- a send of a CUDA tensor is ordered after the work already queued on the
+  *current* stream of the tensor's device (an event recorded there is waited
+  on by the copy stream, or synchronized: it waits only for the writes queued
+  on that stream, not for the whole device);
+- a received CUDA slot is safe to use on the receiver's current stream: UCX
+  completes a receive only after its copies into device memory finished, and
+  the TCP-staged path makes the current stream wait on the event that ends its
+  host->device copies.
+
+Nothing here initializes CUDA at import.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "expandable_segments",
+    "check_allocator",
+    "AllocatorReport",
+    "alloc_cuda",
+    "CudaBuffer",
+    "sync_current_stream",
+]
+
+log = logging.getLogger(__name__)
+
+_ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def _parse_alloc_conf(text: str) -> dict[str, str]:
+    out = {}
+    for item in text.replace(";", ",").split(","):
+        if ":" in item:
+            k, v = item.split(":", 1)
+            out[k.strip().lower()] = v.strip()
+    return out
+
+
+class AllocatorReport:
+    """What the caching allocator is configured with, and where that came from."""
+
+    __slots__ = ("expandable", "source", "backend")
+
+    def __init__(self, expandable: bool, source: str, backend: str | None) -> None:
+        self.expandable = expandable
+        self.source = source
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"AllocatorReport(expandable={self.expandable}, source={self.source!r}, backend={self.backend!r})"
+
+
+def expandable_segments(env: Mapping[str, str] | None = None, *, runtime: bool = True) -> AllocatorReport:
+    """Whether PyTorch's CUDA allocator uses expandable segments.
+
+    Looks at the allocator environment variables, then (``runtime=True`` and
+    torch already imported) at the settings the running allocator reports,
+    which also catch ``torch.cuda.memory._set_allocator_settings`` calls.
+    """
+    env = os.environ if env is None else env
+    for name in _ALLOC_ENV:
+        conf = _parse_alloc_conf(env.get(name, ""))
+        if conf.get("expandable_segments", "").lower() in ("true", "1"):
+            return AllocatorReport(True, f"{name}={env[name]}", conf.get("backend"))
+    if runtime and "torch" in __import__("sys").modules:
+        import torch
+
+        try:
+            settings = torch._C._accelerator_getAllocatorSettings()  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):
+            settings = ""
+        conf = _parse_alloc_conf(settings or "")
+        if conf.get("expandable_segments", "").lower() in ("true", "1"):
+            return AllocatorReport(True, f"allocator settings: {settings}", conf.get("backend"))
+    return AllocatorReport(False, "", None)
+
+
+_warned = False
+_warn_lock = threading.Lock()
+
+
+def check_allocator(*, env: Mapping[str, str] | None = None, warn: bool = True) -> AllocatorReport:
+    """Warn (once per process) when expandable segments would defeat CUDA IPC for caching-allocator memory."""
+    global _warned
+    rep = expandable_segments(env)
+    if rep.expandable and warn:
+        with _warn_lock:
+            if not _warned:
+                _warned = True
+                log.warning(
+                    "tensorwire: %s: PyTorch maps CUDA memory with expandable segments, for which CUDA IPC "
+                    "handles cannot be made; UCX cuda_ipc would silently fall back to staging through host "
+                    "memory. tensorwire allocates its CUDA slots with cudaMalloc (tensorwire.cuda.alloc_cuda), "
+                    "but tensors you send from the caching allocator cross over the slower path "
+                    "(unset expandable_segments to avoid that)", rep.source)
+    return rep
+
+
+# -- IPC-safe device memory ------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _cudart() -> Any:
+    """The CUDA runtime library torch itself loaded (or any libcudart found)."""
+    import torch
+
+    candidates = []
+    base = os.path.dirname(torch.__file__)
+    for pat in (os.path.join(base, "lib", "libcudart.so*"),
+                os.path.join(os.path.dirname(base), "nvidia", "cuda_runtime", "lib", "libcudart.so*"),
+                os.path.join(os.path.dirname(base), "nvidia", "cu*", "lib", "libcudart.so*")):
+        candidates.extend(sorted(glob.glob(pat), reverse=True))
+    found = ctypes.util.find_library("cudart")
+    if found:
+        candidates.append(found)
+    candidates += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    for cand in candidates:
+        try:
+            lib = ctypes.CDLL(cand)
+        except OSError:
+            continue
+        lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.cudaMalloc.restype = ctypes.c_int
+        lib.cudaFree.argtypes = [ctypes.c_void_p]
+        lib.cudaFree.restype = ctypes.c_int
+        lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cudaGetLastError.restype = ctypes.c_int
+        return lib
+    raise OSError("libcudart not found")
+
+
+@functools.lru_cache(maxsize=None)
+def memcpy_async() -> Any:
+    """``f(dst_ptr, src_ptr, nbytes, stream) -> bool``: ``cudaMemcpyAsync(..., cudaMemcpyDefault, raw stream)``
+    with ``stream``'s device current; False when it failed (the error is cleared: the caller takes torch's way).
+    None when the runtime or torch lacks what this needs."""
+    try:
+        lib = _cudart()
+        fn = lib.cudaMemcpyAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        getdev, setdev = lib.cudaGetDevice, lib.cudaSetDevice
+    except (OSError, AttributeError):
+        return None
+
+    def call(dst: int, src: int, nbytes: int, stream: Any) -> bool:
+        idx = stream.device.index
+        cur = ctypes.c_int(-1)
+        if getdev(ctypes.byref(cur)) != 0:
+            lib.cudaGetLastError()
+            return False
+        if cur.value != idx and setdev(idx) != 0:
+            lib.cudaGetLastError()
+            return False
+        try:
+            err = fn(dst, src, nbytes, 4, stream.cuda_stream)  # 4: cudaMemcpyDefault (unified addressing)
+        finally:
+            if cur.value != idx:
+                setdev(cur.value)
+        if err != 0:
+            lib.cudaGetLastError()
+            return False
+        return True
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def _on_current_stream(fn_name: str, expected: tuple[int, ...]) -> Any:
+    """``f(device) -> int | None``: the CUDA runtime's ``fn_name(cudaStream_t)`` on ``device``'s current stream.
+
+    ``torch.cuda.current_stream(device)`` builds a Stream object each time:
+    measured 8.1 us per ``synchronize()`` on an H200 host (5.5 of them to get
+    the stream), where a link sending a 16 MiB tensor spends ~60 us moving it.
+    This asks torch for the raw ``cudaStream_t`` of the current stream and calls
+    the runtime torch itself loaded (the same call torch makes) -- only when
+    ``device`` is the current device (the legacy default stream, handle 0,
+    means "the current device's"). ``f`` returns the call's result code when it
+    is one of ``expected``; None when the caller must take torch's way: the
+    device is not current, torch or the runtime lacks what this needs, or the
+    call failed (the error is cleared first, so torch raises its own for the
+    same stream).
+    """
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    getdev = getattr(torch._C, "_cuda_getDevice", None)
+    try:
+        lib = _cudart()
+        fn = getattr(lib, fn_name)
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        fn = None
+    if fn is None or raw is None or getdev is None:
+        return lambda device: None
+
+    def call(device: "torch.device") -> int | None:
+        idx = device.index
+        if idx is None or idx != getdev():
+            return None
+        err = fn(raw(idx))
+        if err in expected:
+            return err
+        lib.cudaGetLastError()
+        return None
+
+    return call
+
+
+_CUDA_ERROR_NOT_READY = 600
+
+
+def current_stream_idle(device: "torch.device") -> bool:
+    """Whether the work queued so far on ``device``'s current stream is all done (does not wait)."""
+    err = _on_current_stream("cudaStreamQuery", (0, _CUDA_ERROR_NOT_READY))(device)
+    if err is None:
+        import torch
+
+        return bool(torch.cuda.current_stream(device).query())
+    return err == 0
+
+
+def sync_current_stream(device: "torch.device") -> None:
+    """Block until the work queued so far on ``device``'s current stream is done (see :func:`_on_current_stream`)."""
+    if _on_current_stream("cudaStreamSynchronize", (0,))(device) is None:
+        import torch
+
+        torch.cuda.current_stream(device).synchronize()
+
+
+class CudaBuffer:
+    """Owner of one ``cudaMalloc`` allocation, exposed through ``__cuda_array_interface__`` (uint8, flat)."""
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        lib = _cudart()
+        self.nbytes = nbytes
+        self.device = device
+        self._lib = lib
+        self.ptr = 0
+        prev = ctypes.c_int()
+        lib.cudaGetDevice(ctypes.byref(prev))
+        lib.cudaSetDevice(device)
+        try:
+            p = ctypes.c_void_p()
+            err = lib.cudaMalloc(ctypes.byref(p), max(1, nbytes))
+            if err != 0:
+                lib.cudaGetLastError()  # the runtime keeps the error as "last error": torch would raise it later
+                raise MemoryError(f"cudaMalloc({nbytes}) on cuda:{device} failed with error {err}")
+            self.ptr = int(p.value or 0)
+        finally:
+            lib.cudaSetDevice(prev.value)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
+
+    def __del__(self) -> None:
+        if self.ptr:
+            try:
+                self._lib.cudaFree(ctypes.c_void_p(self.ptr))
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+            self.ptr = 0
+
+
+def alloc_cuda(nbytes: int, device: "torch.device | int | None" = None, *, align: int = 256) -> "torch.Tensor":
+    """A flat uint8 CUDA tensor of ``nbytes`` from plain ``cudaMalloc`` (CUDA-IPC-able whatever the allocator conf).
+
+    The tensor keeps its :class:`CudaBuffer` alive (freed with the last tensor
+    viewing it). Its data pointer is a multiple of ``align`` (a power of two;
+    ``cudaMalloc`` itself guarantees 256 bytes, a larger ``align`` over-allocates
+    by ``align`` bytes and starts the tensor at the first aligned address — an
+    interior pointer, which CUDA IPC and UCX handle through the allocation's
+    base). Falls back to CuPy, then to ``torch.empty`` with a warning if the
+    CUDA runtime cannot be loaded.
+    """
+    import torch
+
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    extra = align if align > 256 else 0
+    if isinstance(device, int):
+        index = device
+    else:
+        dev = torch.device(device) if device is not None else None
+        index = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+    total = nbytes + extra
+    try:
+        owner: Any = CudaBuffer(total, index)
+    except OSError:
+        try:
+            import cupy  # type: ignore[import-not-found]
+
+            with cupy.cuda.Device(index):
+                mem = cupy.cuda.Memory(max(1, total))
+                owner = cupy.ndarray((total,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        except ImportError:
+            log.warning("tensorwire: neither libcudart nor CuPy available: CUDA slot from the caching allocator")
+            check_allocator()
+            t = torch.empty(total, dtype=torch.uint8, device=torch.device("cuda", index))
+            return _aligned(t, nbytes, align)
+    t = torch.as_tensor(owner, device=torch.device("cuda", index))
+    if t.data_ptr() != int(owner.__cuda_array_interface__["data"][0]) and total:
+        raise RuntimeError("torch copied the cudaMalloc buffer instead of wrapping it")
+    return _aligned(t, nbytes, align)
+
+
+def _aligned(t: "torch.Tensor", nbytes: int, align: int) -> "torch.Tensor":
+    """The ``nbytes`` of flat ``t`` starting at its first ``align``-aligned address."""
+    off = (-t.data_ptr()) % align if nbytes else 0
+    if off + nbytes > t.numel():
+        raise RuntimeError(f"allocation at {t.data_ptr():#x} leaves no {align}-aligned room for {nbytes} bytes")
+    return t[off : off + nbytes] if (off or t.numel() != nbytes) else t

@@ -1,0 +1,200 @@
+"""gRPC control plane between peers: negotiate a link, exchange data-plane addresses.
+
+Each :class:`~tensorwire.Node` runs one small gRPC server (``tensorwire.v1.Control``
+plus ``grpc.health.v1``). To set up a link, both sides *declare* their side
+locally (:meth:`ControlServer.declare`) and call the peer's ``Negotiate``,
+which blocks until the peer has declared the same link and returns that
+declaration. Each side then checks both directions with the same symmetric
+rule, so a mismatch fails on **both** sides with the same
+:class:`~tensorwire.ShapeMismatchError`.
+
+Protobuf only — no pickle; a protocol version in every offer; tensor bytes
+never travel here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import TYPE_CHECKING
+
+from tensorwire.errors import ConnectTimeout, ProtocolError, TransportError, VersionMismatchError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import grpc
+
+    from tensorwire.v1 import control_pb2
+
+__all__ = ["PROTOCOL_VERSION", "ControlServer", "negotiate"]
+
+log = logging.getLogger(__name__)
+
+#: Version of the control protocol; a peer with another version is refused.
+PROTOCOL_VERSION = 1
+#: Control messages are small; anything larger is refused by gRPC itself.
+MAX_CONTROL_MESSAGE = 4 << 20
+
+_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_CONTROL_MESSAGE),
+    ("grpc.max_send_message_length", MAX_CONTROL_MESSAGE),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class ControlServer:
+    """The per-node gRPC server: the Control servicer and health checking.
+
+    Args:
+        host: address to bind (the address peers reach this node on).
+        port: 0 for an ephemeral port (the bound port is ``self.port``).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, max_workers: int = 16) -> None:
+        import grpc
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        from tensorwire.v1 import control_pb2_grpc
+
+        self._cond = threading.Condition()
+        self._declared: dict[tuple[int, str], "control_pb2.LinkOffer"] = {}
+        self._closed = False
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tw-control"),
+                                   options=_OPTIONS)
+        control_pb2_grpc.add_ControlServicer_to_server(_Servicer(self), self._server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.port = self._server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            raise TransportError(f"cannot bind control server to {bind}: {exc}") from exc
+        if not self.port:
+            raise TransportError(f"cannot bind control server to {bind}")
+        self.host = host
+        self._server.start()
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._health.set("tensorwire.v1.Control", health_pb2.HealthCheckResponse.SERVING)
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def declare(self, offer: "control_pb2.LinkOffer") -> None:
+        """Publish this side's declaration of the link to ``offer.to_rank`` (answered once)."""
+        with self._cond:
+            self._declared[(offer.to_rank, offer.link_name)] = offer
+            self._cond.notify_all()
+
+    def wait_served(self, peer: int, link_name: str, timeout: float) -> bool:
+        """Wait until the peer has been handed our declaration (True) or ``timeout`` (False)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (peer, link_name) in self._declared and not self._closed:
+                rem = deadline - time.monotonic()
+                if rem <= 0:
+                    return False
+                self._cond.wait(min(rem, 0.2))
+            return True
+
+    def _wait_declared(self, peer: int, link_name: str, timeout: float) -> "control_pb2.LinkOffer | None":
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                # One answer per declaration: a later negotiation of the same (peer, name)
+                # must wait for the next declaration, never get this one's old nonce.
+                offer = self._declared.pop((peer, link_name), None)
+                if offer is not None:
+                    self._cond.notify_all()  # wake wait_served
+                    return offer
+                if self._closed:
+                    return None
+                rem = deadline - time.monotonic()
+                if rem <= 0:
+                    return None
+                self._cond.wait(min(rem, 0.5))
+
+    def close(self, grace: float = 0.5) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        from grpc_health.v1 import health_pb2
+
+        self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server.stop(grace).wait(grace + 1)
+
+
+class _Servicer:
+    """Thin servicer: validates the request and answers with the local declaration."""
+
+    def __init__(self, owner: ControlServer) -> None:
+        self._owner = owner
+
+    def Negotiate(self, request: "control_pb2.NegotiateRequest", context: "grpc.ServicerContext") -> "control_pb2.NegotiateResponse":
+        import grpc
+
+        from tensorwire.v1 import control_pb2
+
+        offer = request.offer
+        if offer.protocol_version != PROTOCOL_VERSION:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"protocol version {offer.protocol_version} not supported; this node speaks {PROTOCOL_VERSION}")
+        remaining = context.time_remaining()
+        timeout = 60.0 if remaining is None else max(0.0, remaining - 0.05)
+        mine = self._owner._wait_declared(offer.from_rank, offer.link_name, timeout)
+        if mine is None:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"rank {offer.to_rank} did not declare link {offer.link_name!r} to rank {offer.from_rank} in time")
+        return control_pb2.NegotiateResponse(offer=mine)
+
+
+def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float) -> "control_pb2.LinkOffer":
+    """Send our declaration to the peer's control server; return the peer's.
+
+    Retries while the peer's server is not up yet, until ``timeout``.
+
+    Raises:
+        ConnectTimeout: the peer did not answer or declare in time.
+        VersionMismatchError: the peer speaks another protocol version.
+        ProtocolError: the peer answered with something malformed.
+    """
+    import grpc
+
+    from tensorwire.v1 import control_pb2, control_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    with grpc.insecure_channel(address, options=_OPTIONS) as channel:
+        stub = control_pb2_grpc.ControlStub(channel)
+        while True:
+            rem = deadline - time.monotonic()
+            if rem <= 0:
+                raise ConnectTimeout(f"control plane of peer at {address} did not answer within {timeout:.1f}s")
+            try:
+                reply = stub.Negotiate(control_pb2.NegotiateRequest(offer=offer), timeout=rem, wait_for_ready=True)
+                break
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise VersionMismatchError(f"peer at {address}: {exc.details()}") from exc
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise ConnectTimeout(
+                        f"peer at {address} did not declare link {offer.link_name!r} within {timeout:.1f}s: {exc.details()}"
+                    ) from exc
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise TransportError(f"negotiation with {address} failed: {code.name}: {exc.details()}") from exc
+    peer = reply.offer
+    if peer.protocol_version != PROTOCOL_VERSION:
+        raise VersionMismatchError(f"peer at {address} speaks protocol {peer.protocol_version}, this is {PROTOCOL_VERSION}")
+    if peer.from_rank != offer.to_rank or peer.to_rank != offer.from_rank or peer.link_name != offer.link_name:
+        raise ProtocolError(
+            f"peer at {address} answered for link {peer.from_rank}->{peer.to_rank} {peer.link_name!r}, "
+            f"expected {offer.to_rank}->{offer.from_rank} {offer.link_name!r}"
+        )
+    return peer

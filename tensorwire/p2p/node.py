@@ -1,0 +1,343 @@
+"""``Node`` (one per process) and ``Link`` (a negotiated channel to one peer).
+
+A :class:`Node` owns the process's control server, its data-plane listeners
+and its handle on the bootstrap store. :meth:`Node.link` negotiates a
+:class:`Link` with a peer rank: both sides declare what they send and what they
+expect to receive, the declarations are checked against each other (a
+difference fails on both sides with :class:`~tensorwire.ShapeMismatchError`),
+a transport is chosen, the data connection is made, and every slot is
+allocated — once.
+
+On the hot path (:meth:`Link.send` / :meth:`Link.recv`) nothing is allocated
+(beyond small Python objects), nothing is serialized, and no gRPC call is made.
+
+Receive slots are double-buffered: :meth:`Link.recv` returns the slot tensor,
+valid until the next ``recv`` of that name, while the other buffer is already
+posted for the next message. So a peer can send message *k+1* while this side
+still holds message *k*, and two ranks that each ``send`` then ``recv`` every
+step never deadlock. ``Node.link(..., depth=)`` gives a name more slots: with
+``depth`` *d* a received slot stays valid until *d - 1* more ``recv`` calls of
+that name (a GPipe stage keeps every microbatch's activation in its own slot
+through the backward pass, with no copy), and the slots are re-posted in the
+order they were received in.
+
+Transport choice (both sides compute the same answer from both offers):
+
+- ``tcp`` or ``ucx`` asked on either side wins (asked on both and different: error);
+- ``auto``: UCX when both sides have it **and** it beats a socket: the peer
+  shares this machine and IPC namespace (:func:`host_id`: UCX then uses shared
+  memory for small messages and cma / cuda_ipc single-copy rendezvous for large
+  ones), the link has CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect),
+  or there is an RDMA network device; TCP otherwise -- between hosts without
+  RDMA, UCX runs over TCP too and a plain socket was measured faster (see
+  ``bench/results/``). ``TENSORWIRE_AUTO_PREFER=ucx`` / ``=tcp`` puts that
+  transport first under auto.
+  If UCX is chosen but cannot connect, the link falls back to TCP with a WARNING.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from tensorwire.buffers import cuda_available
+from tensorwire.errors import (
+    ClosedError,
+    ConfigError,
+    ConnectTimeout,
+    PeerLostError,
+    ProtocolError,
+    ShapeMismatchError,
+    TensorWireError,
+    TransportError,
+)
+from tensorwire.spec import TensorSpec, check_same_specs
+from tensorwire.p2p.link import Link, slot_depths
+from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
+from tensorwire.transport.select import TransportChoice, check_choice, choose_transport, host_id
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from tensorwire.v1 import control_pb2
+
+__all__ = ["Node", "DEFAULT_TIMEOUT", "DEFAULT_PEER_TIMEOUT"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_PEER_TIMEOUT = 30.0
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be > 0")
+    return value
+
+
+class Node:
+    """One per process: control server, data listeners, bootstrap store.
+
+    Args:
+        rank, world_size: this process's rank and the number of ranks.
+        store: a ``torch.distributed.Store`` (e.g. ``TCPStore``) shared by all
+            ranks, used to publish and look up control addresses. ``None``:
+            built from MASTER_ADDR/MASTER_PORT: a client of torchrun's agent store
+            when TORCHELASTIC_USE_AGENT_STORE=True, else hosted by rank 0 on
+            MASTER_PORT (multi-tenant, shared with torch.distributed).
+        host: address to bind listeners to and to advertise to peers.
+        transport: ``"auto"`` (default; env ``TENSORWIRE_TRANSPORT``), ``"ucx"`` or ``"tcp"``.
+        timeout: default timeout (s) for negotiation and transfers (env ``TENSORWIRE_TIMEOUT``).
+        peer_timeout: how long an unresponsive peer may stay silent before it
+            is declared lost (env ``TENSORWIRE_PEER_TIMEOUT``).
+        prefix: store key prefix (``tw.init`` keys it by run id and restart count).
+        device: CUDA device for CUDA slots (default: the current device).
+
+    Raises:
+        ConfigError: bad arguments or environment.
+        TransportError: a listener or the control server could not bind.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, store: Any = None, host: str = "127.0.0.1",
+                 transport: TransportChoice | None = None, timeout: float | None = None,
+                 peer_timeout: float | None = None, prefix: str = "tensorwire/default/0/",
+                 device: "torch.device | str | None" = None) -> None:
+        if not isinstance(rank, int) or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+        env_t = os.environ.get("TENSORWIRE_TRANSPORT")
+        if transport is None:
+            transport = check_choice(env_t or "auto", source="TENSORWIRE_TRANSPORT")
+        self.transport = check_choice(transport, source="Node(transport=...)")
+        self.rank = rank
+        self.world_size = world_size
+        self.host = host
+        self.timeout = float(timeout) if timeout is not None else _env_float("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT)
+        self.peer_timeout = (float(peer_timeout) if peer_timeout is not None
+                             else _env_float("TENSORWIRE_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT))
+        self.prefix = prefix
+        self.device = device
+        self._closed = False
+        self._links: list[Link] = []
+        self._owns_store = False
+        if store is None:
+            store = self._store_from_env()
+        self.store = store
+        from tensorwire.p2p.control import ControlServer
+
+        self._control = ControlServer(host)
+        self._listeners: dict[str, Listener] = {}
+        try:
+            self._open_listeners()
+            self.store.set(self._key(f"ctrl/{rank}"), self._control.address)
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensorwire node rank %d/%d: control %s, data %s", rank, world_size, self._control.address,
+                 ", ".join(f"{k}://{h}:{p}" for k, (h, p) in ((k, v.address) for k, v in self._listeners.items())))
+
+    def _key(self, suffix: str) -> str:
+        return self.prefix + suffix
+
+    def _store_from_env(self) -> Any:
+        from tensorwire.p2p.torchrun import bootstrap_store
+
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise ConfigError("Node(store=None) needs MASTER_ADDR and MASTER_PORT in the environment, or pass store=")
+        try:
+            port_n = int(port)
+        except ValueError:
+            raise ConfigError(f"MASTER_PORT={port!r} is not a port number") from None
+        self._owns_store = True
+        return bootstrap_store(master_addr=addr, master_port=port_n, rank=self.rank, world_size=self.world_size,
+                               use_agent_store=None, timeout=self.timeout)
+
+    def _open_listeners(self) -> None:
+        kinds = ["tcp"] if self.transport == "tcp" else (["ucx"] if self.transport == "ucx" else ["ucx", "tcp"])
+        for kind in kinds:
+            try:
+                factory = get_factory(kind)
+                self._listeners[kind] = factory(self.host, port=0, peer_timeout=self.peer_timeout)
+            except ImportError as exc:
+                if self.transport == kind:
+                    raise ConfigError(f"transport {kind!r} requested but unavailable: {exc}") from exc
+                log.warning("tensorwire: %s transport unavailable (%s); links from rank %d will use TCP",
+                            kind, exc, self.rank)
+            except TensorWireError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a dependency failing to start
+                if self.transport == kind:
+                    raise TransportError(f"cannot start the {kind} listener: {exc}") from exc
+                log.warning("tensorwire: %s listener failed to start (%s); falling back to TCP", kind, exc)
+
+    @property
+    def control_address(self) -> str:
+        return self._control.address
+
+    def link(self, peer: int, *, send: Iterable[TensorSpec] = (), recv: Iterable[TensorSpec] = (),
+             timeout: float | None = None, name: str = "default",
+             depth: "int | Mapping[str, int] | None" = None) -> Link:
+        """Negotiate a link with ``peer``; both ranks must call this with mirrored specs.
+
+        Args:
+            peer: the other rank.
+            send: specs this side will send (the peer must list them in its ``recv``).
+            recv: specs this side expects (the peer must list them in its ``send``).
+            timeout: for negotiation and connection (default: the node's).
+            name: distinguishes several links between the same two ranks.
+            depth: receive slots per received name (an int for all, or ``{name: n}``; default 2,
+                at least 2, at most 64): a slot returned by ``recv`` stays valid until ``depth - 1``
+                more ``recv`` calls of its name. Local to this side (the peer's credits follow the
+                slots posted); costs ``depth`` x the tensor's bytes. See :meth:`Link.depth`.
+
+        Raises:
+            ShapeMismatchError: the declarations differ (raised on both sides;
+                names the tensor and both specs).
+            ConnectTimeout: the peer did not show up in time.
+            ConfigError: bad arguments or incompatible transport requests.
+        """
+        if self._closed:
+            raise ClosedError("node is closed")
+        if not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
+            raise ConfigError(f"peer must be another rank in [0, {self.world_size}), got {peer!r}")
+        send_l, recv_l = list(send), list(recv)
+        for s in send_l + recv_l:
+            if not isinstance(s, TensorSpec):
+                raise ConfigError(f"send/recv take TensorSpec objects, got {type(s).__name__}")
+        for label, specs in (("send", send_l), ("recv", recv_l)):
+            names = [s.name for s in specs]
+            if len(set(names)) != len(names):
+                raise ConfigError(f"duplicate names in {label}: {sorted(n for n in names if names.count(n) > 1)}")
+        depths = slot_depths(depth, [s.name for s in recv_l])
+        if any(s.device == "cuda" for s in send_l + recv_l) and not cuda_available():
+            raise ConfigError("CUDA specs given but CUDA is not available in this process")
+        timeout = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        from tensorwire.p2p import control
+        from tensorwire.v1 import control_pb2, types_pb2
+
+        nonce = new_nonce()
+        mine = control_pb2.LinkOffer(
+            protocol_version=control.PROTOCOL_VERSION, run_id=self.prefix, from_rank=self.rank, to_rank=peer,
+            link_name=name, send=[s.to_proto() for s in send_l], recv=[s.to_proto() for s in recv_l],
+            data=[types_pb2.TransportAddress(kind=k, host=lst.address[0], port=lst.address[1])
+                  for k, lst in self._listeners.items()],
+            transport=self.transport, nonce=nonce, has_cuda=cuda_available(), host_id=host_id(),
+        )
+        for lst in self._listeners.values():
+            lst.expect(nonce)
+        self._control.declare(mine)
+        try:
+            peer_addr = self._lookup(peer, deadline)
+            theirs = control.negotiate(peer_addr, mine, timeout=max(0.1, deadline - time.monotonic()))
+            if theirs.run_id != mine.run_id:
+                raise ProtocolError(f"rank {peer} belongs to run {theirs.run_id!r}, this rank to {mine.run_id!r}")
+            peer_send = [TensorSpec.from_proto(m) for m in theirs.send]
+            peer_recv = [TensorSpec.from_proto(m) for m in theirs.recv]
+            errors = []
+            for a, b, what in ((send_l, peer_recv, f"rank {self.rank} sends -> rank {peer} receives"),
+                               (peer_send, recv_l, f"rank {peer} sends -> rank {self.rank} receives")):
+                try:
+                    check_same_specs(a, b, what=what)
+                except ShapeMismatchError as exc:
+                    errors.append(str(exc))
+            if errors:
+                # The peer must see the same mismatch: let it fetch our declaration before we go.
+                self._control.wait_served(peer, name, max(0.0, min(10.0, deadline - time.monotonic())))
+                raise ShapeMismatchError("; ".join(errors))
+            needs_cuda = any(s.device == "cuda" for s in send_l + recv_l)
+            order = choose_transport(mine, theirs, needs_cuda=needs_cuda)
+            if not order:
+                raise ConfigError(f"no transport in common with rank {peer}")
+            transport = self._connect(order, mine, theirs, deadline)
+        finally:
+            for lst in self._listeners.values():
+                lst.forget(nonce)
+        try:
+            link = Link(node_rank=self.rank, peer=peer, name=name, transport=transport, send=send_l, recv=recv_l,
+                        timeout=self.timeout, device=self.device, depth=depths)
+        except BaseException:
+            transport.abort()
+            raise
+        self._links.append(link)
+        log.info("tensorwire: link rank %d <-> %d (%s) over %s: %d send, %d recv slots", self.rank, peer, name,
+                 transport.describe(), len(send_l), len(recv_l))
+        return link
+
+    def _lookup(self, peer: int, deadline: float) -> str:
+        from datetime import timedelta
+
+        key = self._key(f"ctrl/{peer}")
+        try:
+            self.store.wait([key], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            return self.store.get(key).decode()
+        except (RuntimeError, TimeoutError) as exc:  # torch raises DistStoreError (a RuntimeError)
+            raise ConnectTimeout(f"rank {peer} did not publish its control address in time: {exc}") from exc
+
+    def _connect(self, order: list[str], mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer",
+                 deadline: float) -> Transport:
+        """Lower rank dials, higher rank accepts; under auto, UCX failure falls back to TCP loudly."""
+        dial = self.rank < theirs.from_rank
+        last: BaseException | None = None
+        if not dial:
+            # Accept whichever transport the dialer manages to connect on.
+            kinds = [k for k in order if k in self._listeners]
+            while time.monotonic() < deadline:
+                for kind in kinds:
+                    try:
+                        t = self._listeners[kind].accept(mine.nonce, timeout=0.05)
+                    except ConnectTimeout:
+                        continue
+                    if kind != order[0]:
+                        log.warning("tensorwire: link with rank %d fell back to %s (peer could not connect over %s)",
+                                    theirs.from_rank, kind, order[0])
+                    return t
+            raise ConnectTimeout(f"rank {theirs.from_rank} did not connect a data channel in time")
+        addrs = {d.kind: d for d in theirs.data}
+        for i, kind in enumerate(order):
+            addr = addrs[kind]
+            try:
+                factory = get_factory(kind)
+                per_try = max(0.1, deadline - time.monotonic()) if i == len(order) - 1 else min(
+                    10.0, max(0.1, deadline - time.monotonic()))
+                return factory.connect(addr.host, addr.port, theirs.nonce, timeout=per_try,
+                                       peer_timeout=self.peer_timeout)
+            except (TensorWireError, ImportError, OSError) as exc:
+                last = exc
+                if i + 1 < len(order):
+                    log.warning("tensorwire: %s connection to rank %d at %s:%d failed (%s); falling back to %s",
+                                kind, theirs.from_rank, addr.host, addr.port, exc, order[i + 1])
+        assert last is not None
+        if isinstance(last, TensorWireError):
+            raise last
+        raise PeerLostError(f"cannot connect to rank {theirs.from_rank}: {last}") from last
+
+    def close(self) -> None:
+        """Close every link, the listeners and the control server. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links:
+            link.close()
+        for lst in self._listeners.values():
+            lst.close()
+        if hasattr(self, "_control"):
+            self._control.close()
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Node(rank={self.rank}, world_size={self.world_size}, transport={self.transport!r})"

@@ -1,0 +1,1 @@
+"""The ``tensorwire serve`` daemon: config -> server -> service, its store, sessions and snapshots."""

@@ -1,0 +1,114 @@
+"""Which transport a link (or a serve session) uses: the rule of ``auto``, shared by both ends.
+
+Transport choice (both sides compute the same answer from both offers):
+
+- ``tcp`` or ``ucx`` asked on either side wins (asked on both and different: error);
+- ``auto``: UCX when both sides have it **and** it beats a socket: the peer
+  shares this machine and IPC namespace (:func:`host_id`: UCX then uses shared
+  memory for small messages and cma / cuda_ipc single-copy rendezvous for large
+  ones), the link has CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect),
+  or there is an RDMA network device; TCP otherwise -- between hosts without
+  RDMA, UCX runs over TCP too and a plain socket was measured faster.
+  ``TENSORWIRE_AUTO_PREFER=ucx`` / ``=tcp`` puts that transport first under auto.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from typing import TYPE_CHECKING, Literal, Mapping
+
+from tensorwire.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tensorwire.v1 import control_pb2
+
+__all__ = ["TransportChoice", "CHOICES", "check_choice", "ucx_has_rdma", "host_id", "auto_preference",
+           "same_host", "choose_transport"]
+
+TransportChoice = Literal["auto", "ucx", "tcp"]
+CHOICES = ("auto", "ucx", "tcp")
+
+
+def check_choice(transport: str, *, source: str) -> TransportChoice:
+    if transport not in CHOICES:
+        raise ConfigError(f"{source}: transport must be one of {', '.join(CHOICES)}, got {transport!r}")
+    return transport  # type: ignore[return-value]
+
+
+def ucx_has_rdma() -> bool:
+    """Whether UCX here sees an RDMA device (InfiniBand/RoCE). Cheap check of /sys."""
+    try:
+        return any(os.scandir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def host_id() -> str:
+    """Who can share memory with whom: a hash of the kernel boot id and this process's IPC namespace.
+
+    Two processes with the same value run on one machine in one IPC namespace,
+    where UCX reaches the peer through shared memory, cma (one copy between
+    address spaces) and cuda_ipc -- faster than any socket. Network namespaces
+    (and containers started with ``--ipc=host``) share it; separate pods do not.
+    """
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/ipc").st_ino))
+    except OSError:
+        parts.append("")
+    if not any(parts):
+        return ""  # unknown: never claims to share a host
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def auto_preference(env: "Mapping[str, str] | None" = None) -> str:
+    """``TENSORWIRE_AUTO_PREFER``: "" (follow the rule), "ucx" or "tcp" (that transport first under auto).
+
+    Raises:
+        ConfigError: any other value.
+    """
+    raw = (os.environ if env is None else env).get("TENSORWIRE_AUTO_PREFER", "")
+    pref = raw.strip().lower()
+    if pref not in ("", "ucx", "tcp"):
+        raise ConfigError(f"TENSORWIRE_AUTO_PREFER={raw!r}: must be 'ucx', 'tcp' or unset")
+    return pref
+
+
+def same_host(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer") -> bool:
+    return bool(mine.host_id) and mine.host_id == theirs.host_id
+
+
+def choose_transport(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer", *, needs_cuda: bool) -> list[str]:
+    """Transports to try, in order, for a link between two offers (symmetric).
+
+    Raises:
+        ConfigError: the two sides insist on different transports, or one
+            insists on a transport the other cannot use.
+    """
+    kinds_a = [d.kind for d in mine.data]
+    kinds_b = [d.kind for d in theirs.data]
+    common = [k for k in kinds_a if k in kinds_b]
+    asked = {mine.transport, theirs.transport} - {"auto"}
+    if len(asked) > 1:
+        raise ConfigError(f"the two sides ask for different transports: {mine.transport!r} and {theirs.transport!r}")
+    if asked:
+        kind = asked.pop()
+        if kind not in common:
+            who = "this side" if kind not in kinds_a else "the peer"
+            raise ConfigError(f"transport {kind!r} was asked for but {who} cannot use it (available: {common})")
+        return [kind]
+    pref = auto_preference()
+    prefer_ucx = "ucx" in common and pref != "tcp" and (
+        needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host(mine, theirs)
+    )
+    order = ["ucx", "tcp"] if prefer_ucx else ["tcp"]
+    return [k for k in order if k in common]

@@ -1,0 +1,90 @@
+"""The transport rule of ``auto`` (tensorwire.transport.select.choose_transport) and the host identity it uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tensorwire.errors import ConfigError
+from tensorwire.transport.select import choose_transport, host_id
+from tensorwire.v1 import control_pb2, types_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _offer(transport: str = "auto", kinds=("ucx", "tcp"), hid: str = "h1") -> control_pb2.LinkOffer:
+    return control_pb2.LinkOffer(
+        transport=transport, host_id=hid,
+        data=[types_pb2.TransportAddress(kind=k, host="127.0.0.1", port=1) for k in kinds])
+
+
+@pytest.fixture(autouse=True)
+def _no_rdma(monkeypatch):
+    monkeypatch.setattr("tensorwire.transport.select.ucx_has_rdma", lambda: False)
+    monkeypatch.delenv("TENSORWIRE_AUTO_PREFER", raising=False)
+
+
+def test_same_host_prefers_ucx_other_hosts_prefer_tcp():
+    assert choose_transport(_offer(), _offer(), needs_cuda=False) == ["ucx", "tcp"]
+    assert choose_transport(_offer(hid="h1"), _offer(hid="h2"), needs_cuda=False) == ["tcp"]
+    # an unknown identity never counts as "same host"
+    assert choose_transport(_offer(hid=""), _offer(hid=""), needs_cuda=False) == ["tcp"]
+
+
+def test_cuda_specs_or_rdma_prefer_ucx_between_hosts(monkeypatch):
+    assert choose_transport(_offer(hid="a"), _offer(hid="b"), needs_cuda=True) == ["ucx", "tcp"]
+    monkeypatch.setattr("tensorwire.transport.select.ucx_has_rdma", lambda: True)
+    assert choose_transport(_offer(hid="a"), _offer(hid="b"), needs_cuda=False) == ["ucx", "tcp"]
+
+
+def test_auto_prefer_env_overrides(monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_AUTO_PREFER", "tcp")
+    assert choose_transport(_offer(), _offer(), needs_cuda=False) == ["tcp"]
+    monkeypatch.setenv("TENSORWIRE_AUTO_PREFER", "ucx")
+    assert choose_transport(_offer(hid="a"), _offer(hid="b"), needs_cuda=False) == ["ucx", "tcp"]
+
+
+def test_explicit_choice_wins_and_conflicts_are_errors():
+    assert choose_transport(_offer("tcp"), _offer(), needs_cuda=True) == ["tcp"]
+    assert choose_transport(_offer(), _offer("ucx", hid="x"), needs_cuda=False) == ["ucx"]
+    with pytest.raises(ConfigError, match="different transports"):
+        choose_transport(_offer("tcp"), _offer("ucx"), needs_cuda=False)
+    with pytest.raises(ConfigError, match="cannot use it"):
+        choose_transport(_offer("ucx"), _offer(kinds=("tcp",)), needs_cuda=False)
+    # UCX missing on one side: auto uses what both have
+    assert choose_transport(_offer(), _offer(kinds=("tcp",)), needs_cuda=False) == ["tcp"]
+
+
+def test_host_id_is_stable_and_shared_by_processes_of_this_host_but_not_other_ipc_namespaces():
+    me = host_id()
+    assert me and me == host_id()
+    code = "from tensorwire.transport.select import host_id; print(host_id())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert other.stdout.strip() == me
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"):
+        return
+    # A new IPC namespace (a separate container/pod) cannot share memory with us: another identity.
+    r = subprocess.run(["unshare", "--ipc", sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if r.returncode == 0:
+        assert r.stdout.strip() and r.stdout.strip() != me
+
+
+def test_a_bad_auto_preference_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_AUTO_PREFER", "fastest")
+    with pytest.raises(ConfigError, match="TENSORWIRE_AUTO_PREFER='fastest'"):
+        choose_transport(_offer(), _offer(), needs_cuda=False)
+    from tensorwire.transport.select import auto_preference
+
+    assert auto_preference({"TENSORWIRE_AUTO_PREFER": " TCP "}) == "tcp"
+    assert auto_preference({}) == ""
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "nan"])
+def test_bad_ucx_spin_settings_are_clear_errors_at_import(value):
+    code = "import tensorwire.transport.ucx"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TENSORWIRE_UCX_CUDA_SPIN_US": value})
+    assert r.returncode != 0 and "ConfigError" in r.stderr and "TENSORWIRE_UCX_CUDA_SPIN_US" in r.stderr, r.stderr
