@@ -46,7 +46,7 @@ from .signatures import Signature, decode, signature_of
 from .work import Completer, Work
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..node import Link
+    from ..p2p.link import Link
     from ..transport.base import Received, Transport
 
 __all__ = ["Peer", "SendWork", "RecvWork", "MAX_TAG"]

@@ -86,7 +86,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._pool = SlotPool()
         self._completer = Completer(str(rank))
         self._peers: dict[int, Peer] = {}
-        from ..node import Node
+        from ..p2p.node import Node
 
         self._node = Node(rank=rank, world_size=size, store=store, host=host or _host(),
                           transport=transport, timeout=self._timeout, prefix=self._prefix)  # type: ignore[arg-type]
@@ -306,8 +306,8 @@ def _host() -> str:
     if explicit:
         return explicit
     if os.environ.get("MASTER_ADDR") and os.environ.get("RANK") is not None:
-        from ..bootstrap import reachable_address
-        from ..torchrun import TorchrunEnv
+        from ..p2p.bootstrap import reachable_address
+        from ..p2p.torchrun import TorchrunEnv
 
         try:
             tr = TorchrunEnv.from_environ()

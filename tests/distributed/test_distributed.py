@@ -136,8 +136,8 @@ def test_real_torchrun_init_process_group_tensorwire(tmp_path, transport, nproc,
     from pathlib import Path
 
     script = tmp_path / "worker.py"
-    script.write_text(_TORCHRUN_WORKER.format(tests=str(Path(__file__).parent), transport=transport,
-                                              schedule=schedule))
+    support = Path(__file__).resolve().parent.parent / "support"
+    script.write_text(_TORCHRUN_WORKER.format(tests=str(support), transport=transport, schedule=schedule))
     port = free_port()
     cmd = [*TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", str(script)]
@@ -181,7 +181,7 @@ def test_two_network_namespace_nodes_torchrun_nnodes_2_pipelining(tmp_path):
     reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
-    example = Path(__file__).resolve().parent.parent / "examples" / "pipelining.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "pipelining.py"
     with NetnsPair() as net:
         procs = []
         try:
