@@ -55,7 +55,7 @@ def main() -> None:
 
     device = torch.device("cpu")
     if args.backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()

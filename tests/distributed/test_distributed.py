@@ -56,6 +56,7 @@ def test_p2p_every_dtype_and_shape_both_ways_tags_in_flight_futures_collectives(
     res = run_ranks(W.p2p_suite, 2, timeout=150, transport=transport)
     assert res[0]["transports"] == {1: transport} and res[1]["transports"] == {0: transport}
     assert res[0]["threads_left"] == [] and res[1]["threads_left"] == [], res
+    assert 0.25 <= res[1]["timeout_after_s"] < 5, res[1]
 
 
 @pytest.mark.timeout(180)

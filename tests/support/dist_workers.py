@@ -108,6 +108,26 @@ def p2p_suite(rank: int, world: int, store: Any, transport: str) -> dict:
         work = dist.irecv(y, 0)
         got = work.get_future().wait()
         assert got[0].eq(5).all() and work.is_completed() and work.is_success() and work.exception() is None
+    # a wait that times out raises WorkTimeout (a DistBackendError) and the receive goes on
+    from tensorwire.distributed.errors import WorkTimeout
+
+    if rank == 1:
+        late = torch.zeros(8)
+        w = dist.irecv(late, 0, tag=7)
+        t0 = time.monotonic()
+        try:
+            w.wait(timedelta(seconds=0.3))
+        except WorkTimeout as exc:
+            assert isinstance(exc, dist.DistBackendError) and isinstance(exc, tensorwire.TransferTimeout)
+            report["timeout_after_s"] = time.monotonic() - t0
+        else:
+            raise AssertionError("wait on a message nobody sent returned")
+        dist.barrier()
+        w.wait()
+        assert late.eq(3.0).all()
+    else:
+        dist.barrier()
+        dist.send(torch.full((8,), 3.0), 1, tag=7)
     # receive from any source: a clear error naming the alternative
     try:
         dist.recv(torch.zeros(1))
