@@ -32,10 +32,11 @@ _lock = threading.Lock()
 _registered = False
 
 
-def _create(store: Any, rank: int, size: int, timeout: Any) -> Any:
+def _create(opts: Any, pg_options: Any = None) -> Any:
+    """torch's extended creator API: ``opts`` has the store, group rank and size, timeout and group name."""
     from .process_group import create
 
-    return create(store, rank, size, timeout)
+    return create(opts.store, opts.group_rank, opts.group_size, opts.timeout, group_id=str(opts.group_id))
 
 
 def register() -> bool:
@@ -54,7 +55,7 @@ def register() -> bool:
         if not dist.is_available():
             return False
         if BACKEND_NAME.upper() not in dist.Backend._plugins:
-            dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+            dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
         _registered = True
         return True
 

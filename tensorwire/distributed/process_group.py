@@ -7,9 +7,9 @@ timeout torch hands it. At creation the group:
 1. starts a :class:`tensorwire.Node` (control server and data listeners) whose
    store keys live under the group's own prefix -- torch's per-group store
    prefix, then ``tensorwire/<run id>/<restart>/<n>/`` where ``n`` counts the
-   groups of that name this process made (all ranks make them in the same
-   order), so elastic restarts, re-initialisation and several groups never
-   read each other's addresses;
+   groups of that name this process made (the same count on every member),
+   so elastic restarts, re-initialisation and several groups never read each
+   other's addresses;
 2. connects to every other rank of the group, one spec-less link per pair, in
    the same global order on every rank (no cycle can wait on itself); the
    transport follows ``TENSORWIRE_TRANSPORT`` and the usual ``auto`` rule.
@@ -61,6 +61,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         store: the store torch hands the backend creator (already prefixed per group by torch).
         rank, size: this rank in the group and the group's size.
         timeout: the group's timeout: connection set-up, and every ``Work.wait()`` without its own.
+        group_id: torch's name of the group (keys the count of re-made groups of one name).
         transport: ``"auto"``, ``"ucx"`` or ``"tcp"`` (default: ``TENSORWIRE_TRANSPORT``, else auto).
         host: address to listen on and advertise (default: ``TENSORWIRE_HOST``, else ``MASTER_ADDR``
             when it is an address of this machine's interfaces, else 127.0.0.1 -- see :func:`_host`).
@@ -70,8 +71,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         ConfigError: bad transport choice or environment.
     """
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, *, transport: str | None = None,
-                 host: str | None = None) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, *, group_id: str = "",
+                 transport: str | None = None, host: str | None = None) -> None:
         super().__init__(rank, size)
         self._store = store
         self._rank = rank
@@ -79,7 +80,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"tensorwire/{run}/{restart}/{_generation(f'{run}/{restart}/{id(type(store))}')}/"
+        # torch prefixes the store by group name already; the count of groups of that name made by this
+        # process (the same on every member) keeps a re-made group off the keys of an earlier one
+        self._prefix = f"tensorwire/{run}/{restart}/{_generation(f'{run}/{restart}/{group_id}')}/"
         self._closed = False
         self._lock = threading.Lock()
         self._inner: dict[str, Any] = {}
@@ -317,10 +320,10 @@ def _host() -> str:
     return "127.0.0.1"
 
 
-def create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroupTensorwire:
+def create(store: Any, rank: int, size: int, timeout: timedelta, *, group_id: str = "") -> ProcessGroupTensorwire:
     """The creator torch calls for ``backend="tensorwire"``."""
     try:
-        return ProcessGroupTensorwire(store, rank, size, timeout)
+        return ProcessGroupTensorwire(store, rank, size, timeout, group_id=group_id)
     except Exception as exc:
         raise translate(exc, f"creating the tensorwire process group (rank {rank} of {size})") from exc
 

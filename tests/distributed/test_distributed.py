@@ -73,6 +73,12 @@ def test_four_ranks_ring_of_isends(transport):
     assert all(r["ok"] for r in res.values())
 
 
+@pytest.mark.timeout(180)
+def test_overlapping_new_groups_under_a_gloo_default_group():
+    res = run_ranks(W.overlapping_groups, 3, timeout=150, transport="tcp")
+    assert res == {0: {}, 1: {1: 1.0}, 2: {2: 2.0}}, res
+
+
 # -- errors -----------------------------------------------------------------------------------------------------------
 
 

@@ -389,3 +389,24 @@ def cuda_p2p(rank: int, world: int, store: Any, transport: str) -> dict:
             assert torch.all(z == 2.0 * (step + 1)).item(), f"step {step}: stale or partial bytes"
     dist.destroy_process_group()
     return results
+
+
+def overlapping_groups(rank: int, world: int, store: Any, transport: str) -> dict:
+    """new_group([0, 1]) and new_group([0, 2]), both "tensorwire", under a gloo default group: rank 0 is in both,
+    ranks 1 and 2 in one each (so the groups a process makes differ between ranks), and each works."""
+    _init(rank, world, store, transport, backend="gloo")
+    a = dist.new_group([0, 1], backend="tensorwire")
+    b = dist.new_group([0, 2], backend="tensorwire")
+    got = {}
+    for g, other in ((a, 1), (b, 2)):
+        if rank == 0:
+            dist.send(torch.full((5,), float(other)), other, group=g)
+        elif rank == other:
+            y = torch.zeros(5)
+            dist.recv(y, 0, group=g)
+            got[other] = y[0].item()
+    dist.barrier()
+    dist.destroy_process_group(a) if rank in (0, 1) else None
+    dist.destroy_process_group(b) if rank in (0, 2) else None
+    dist.destroy_process_group()
+    return got
