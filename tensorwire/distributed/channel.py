@@ -112,7 +112,10 @@ class SendWork(Work):
     def _drive(self, deadline: float) -> None:
         op = self._op
         if op is None:
-            if self._chan is not None:
+            if self._chan is not None and deadline - time.monotonic() >= self._peer.timeout * 0.99:
+                # A wait as long as the group's timeout sends queued messages itself; a shorter
+                # wait(timeout) only waits (its timeout must not cut a send short: over TCP that
+                # would break the connection once the first byte is out).
                 self._chan.help(self, deadline)
             return super()._drive(deadline)
         try:
