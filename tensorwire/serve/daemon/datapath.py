@@ -647,6 +647,7 @@ class DataRequests:
 
         p = plan_rows(self.store, req.name, self._index_of(req, buf), "request")
         e, spec, nbytes, rb, n = p.entry, p.spec, p.nbytes, p.row_bytes, p.n
+        s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is pinned
         t = s.transport
         # Two threads gather big requests (when torch's own intra-op pool is one thread: the daemon's setting);
         # on a transport that posts sends without waiting (UCX), mid-sized ones go in chunks, each sent
@@ -791,6 +792,7 @@ class DataRequests:
                 vals = _typed(region.tensor[:nbytes], spec.torch_dtype, p.shape)
                 return self._shm_write(s, req, t0, kind, spec, region, nbytes, deadline,
                                        lambda: commit_rows(p, vals, add, timeout), lambda: None)
+        s.reserve_scratch(nbytes)  # charged against --max-bytes before the client is told to send
 
         def body(t: "Transport", job: Job) -> BaseException | None:
             into = s.scratch(nbytes)
