@@ -46,6 +46,12 @@ _DTYPE_TABLE: dict[str, tuple[int, int]] = {
     "int64": (8, 8),
     "uint8": (1, 9),
     "bool": (1, 10),
+    # bytes to the data plane like any other; kept for torch.distributed users (backend "tensorwire")
+    "complex64": (8, 11),
+    "float8_e4m3fn": (1, 12),
+    "float8_e5m2": (1, 13),
+    "float8_e4m3fnuz": (1, 14),
+    "float8_e5m2fnuz": (1, 15),
 }
 #: The dtypes tensorwire moves, by name.
 DTYPES: tuple[str, ...] = tuple(_DTYPE_TABLE)

@@ -271,6 +271,12 @@ class Link:
             raise ShapeMismatchError(f"{name!r} is not received on this link (declared: {sorted(self._recv)})")
         return 2 if st.staged else len(st.slots)
 
+    @property
+    def connection(self) -> Transport:
+        """The link's data connection. Tags no spec of this link uses are free for a layer that frames its
+        own messages on it (``tensorwire.distributed`` makes spec-less links and uses every tag)."""
+        return self._t
+
     def slots(self) -> list[Slot]:
         """Every preallocated slot of this link (for inspection and tests)."""
         out = [st.slot for st in self._send.values()]

@@ -187,6 +187,14 @@ class Transport(abc.ABC):
             PeerLostError, ClosedError.
         """
 
+    def has_credit(self, tag: int) -> bool:
+        """Whether a send on ``tag`` would find a posted buffer of the peer right now (never blocks).
+
+        A hint for callers that send in their own thread only when that cannot wait
+        (``tensorwire.distributed``); default False: unknown, treat as "would wait".
+        """
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close the connection. Idempotent; wakes other threads with ClosedError."""

@@ -254,6 +254,9 @@ class TcpTransport(Transport):
             with _PENDING_LOCK:
                 _PENDING.add(self)
 
+    def has_credit(self, tag: int) -> bool:
+        return self._credits.get(tag, 0) > 0 and self._error is None
+
     def forget_buffer(self, buf: Any) -> None:
         cached = self._views.get(id(buf))
         if cached is not None and cached[0] is buf:

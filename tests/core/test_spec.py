@@ -41,7 +41,7 @@ def test_spec_is_immutable_and_hashable():
         ({"name": "x", "shape": (-1, 2)}, "negative"),
         ({"name": "x", "shape": "ab"}, "sequence of ints"),
         ({"name": "x", "shape": (1 << 30, 1 << 30)}, "per-tensor limit"),
-        ({"name": "x", "shape": (2,), "dtype": torch.complex64}, "not supported"),
+        ({"name": "x", "shape": (2,), "dtype": torch.complex128}, "not supported"),
         ({"name": "x", "shape": (2,), "dtype": "uint32"}, "not supported"),
         ({"name": "x", "shape": (2,), "device": "meta"}, "use 'cpu' or 'cuda'"),
         ({"name": "x", "shape": (2,), "dynamic": [3]}, "out of range"),
