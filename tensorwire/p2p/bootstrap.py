@@ -37,6 +37,7 @@ from tensorwire.errors import ConfigError
 from tensorwire.p2p.node import DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT, Node
 from tensorwire.transport.select import TransportChoice, check_choice
 from tensorwire.p2p.torchrun import TorchrunEnv, bootstrap_store, store_prefix
+from tensorwire.buffers import cuda_available
 
 __all__ = ["init", "reachable_address", "published_addresses"]
 
@@ -145,8 +146,6 @@ def _join(host: str, port: int) -> str:
 
 def _pick_device(tr: TorchrunEnv) -> Any:
     """``cuda:LOCAL_RANK`` (made current) when CUDA is present, else ``None``."""
-    from tensorwire.buffers import cuda_available
-
     if not cuda_available():
         return None
     import torch

@@ -57,11 +57,12 @@ from tensorwire.spec import TensorSpec, check_same_specs
 from tensorwire.p2p.link import Link, slot_depths
 from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
 from tensorwire.transport.select import TransportChoice, check_choice, choose_transport, host_id
+from tensorwire.p2p.torchrun import bootstrap_store
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from tensorwire.v1 import control_pb2
+    from tensorwire.p2p.control import LinkOffer
 
 __all__ = ["Node", "DEFAULT_TIMEOUT", "DEFAULT_PEER_TIMEOUT"]
 
@@ -148,8 +149,6 @@ class Node:
         return self.prefix + suffix
 
     def _store_from_env(self) -> Any:
-        from tensorwire.p2p.torchrun import bootstrap_store
-
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             raise ConfigError("Node(store=None) needs MASTER_ADDR and MASTER_PORT in the environment, or pass store=")
@@ -223,14 +222,11 @@ class Node:
         timeout = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         from tensorwire.p2p import control
-        from tensorwire.v1 import control_pb2, types_pb2
 
         nonce = new_nonce()
-        mine = control_pb2.LinkOffer(
-            protocol_version=control.PROTOCOL_VERSION, run_id=self.prefix, from_rank=self.rank, to_rank=peer,
-            link_name=name, send=[s.to_proto() for s in send_l], recv=[s.to_proto() for s in recv_l],
-            data=[types_pb2.TransportAddress(kind=k, host=lst.address[0], port=lst.address[1])
-                  for k, lst in self._listeners.items()],
+        mine = control.make_offer(
+            run_id=self.prefix, from_rank=self.rank, to_rank=peer, link_name=name, send=send_l, recv=recv_l,
+            data={k: lst.address for k, lst in self._listeners.items()},
             transport=self.transport, nonce=nonce, has_cuda=cuda_available(), host_id=host_id(),
         )
         for lst in self._listeners.values():
@@ -241,8 +237,7 @@ class Node:
             theirs = control.negotiate(peer_addr, mine, timeout=max(0.1, deadline - time.monotonic()))
             if theirs.run_id != mine.run_id:
                 raise ProtocolError(f"rank {peer} belongs to run {theirs.run_id!r}, this rank to {mine.run_id!r}")
-            peer_send = [TensorSpec.from_proto(m) for m in theirs.send]
-            peer_recv = [TensorSpec.from_proto(m) for m in theirs.recv]
+            peer_send, peer_recv = control.offer_specs(theirs)
             errors = []
             for a, b, what in ((send_l, peer_recv, f"rank {self.rank} sends -> rank {peer} receives"),
                                (peer_send, recv_l, f"rank {peer} sends -> rank {self.rank} receives")):
@@ -283,7 +278,7 @@ class Node:
         except (RuntimeError, TimeoutError) as exc:  # torch raises DistStoreError (a RuntimeError)
             raise ConnectTimeout(f"rank {peer} did not publish its control address in time: {exc}") from exc
 
-    def _connect(self, order: list[str], mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer",
+    def _connect(self, order: list[str], mine: "LinkOffer", theirs: "LinkOffer",
                  deadline: float) -> Transport:
         """Lower rank dials, higher rank accepts; under auto, UCX failure falls back to TCP loudly."""
         dial = self.rank < theirs.from_rank

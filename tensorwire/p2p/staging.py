@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from tensorwire.cuda import memcpy_async
 from tensorwire.transport.base import remaining
+from tensorwire.errors import ConfigError, ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -106,8 +107,6 @@ def staging_chunk(env: Mapping[str, str] | None = None) -> int:
     Raises:
         ConfigError: not a size (``4194304``, ``4M``, ``512KiB``, ``0``).
     """
-    from tensorwire.errors import ConfigError
-
     env = os.environ if env is None else env
     raw = env.get(STAGING_CHUNK_ENV, "").strip()
     if not raw:
@@ -314,8 +313,6 @@ class StagedReceiver:
             got = transport.wait_recv(tag, timeout=left if left is None else max(0.0, left))
             n = self.plan[i][1]
             if got.nbytes != n:
-                from tensorwire.errors import ProtocolError
-
                 msg = (f"staged receive on tag {tag}: chunk {i} of {len(self.plan)} carried {got.nbytes} bytes, "
                        f"expected {n} (is {STAGING_CHUNK_ENV} the same on both sides?)")
                 _break(transport, msg)

@@ -40,6 +40,8 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Callable, ClassVar, Literal
 
+from tensorwire.errors import ConfigError
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -245,8 +247,6 @@ def get_factory(kind: str) -> Callable[..., Listener]:
         ImportError: the kind's dependency is missing (caller decides whether to fall back).
     """
     import importlib
-
-    from tensorwire.errors import ConfigError
 
     try:
         module, cls = _REGISTRY[kind]

@@ -179,7 +179,7 @@ from tensorwire.errors import (
 )
 from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
 from tensorwire.transport.base import remaining as _remaining
-from tensorwire.transport.tcp import dial, tune_socket
+from tensorwire.transport._socket import dial, tune_socket
 
 
 def _import_ucxx() -> tuple[Any, Any, dict[str, str]]:

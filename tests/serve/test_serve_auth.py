@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.serve.client.client import Client
+from tensorwire._proto import spec_to_proto
+from tensorwire.serve.client.client import Client, TLSConfig
 from tensorwire.v1 import store_pb2, store_pb2_grpc
 
 from serve_common import Daemon, in_process, make_pki
@@ -41,7 +42,7 @@ def test_every_control_call_needs_the_token_and_nothing_is_served(token_server):
             (stub.List, store_pb2.ListRequest()),
             (stub.Stat, store_pb2.StatRequest(name="secret")),
             (stub.Delete, store_pb2.DeleteRequest(name="secret")),
-            (stub.Declare, store_pb2.DeclareRequest(spec=tw.TensorSpec("x", (1 << 20,)).to_proto())),
+            (stub.Declare, store_pb2.DeclareRequest(spec=spec_to_proto(tw.TensorSpec("x", (1 << 20,))))),
             (stub.OpenSession, store_pb2.OpenSessionRequest()),
             (stub.Snapshot, store_pb2.SnapshotRequest()),
         ]
@@ -94,7 +95,7 @@ def test_tls_right_ca_works_wrong_ca_or_plaintext_is_auth_error(pki):
 @pytest.mark.timeout(60)
 def test_mtls_requires_a_client_certificate_from_the_ca(pki):
     with in_process(tls_cert=pki["server.pem"], tls_key=pki["server.key"], tls_ca=pki["ca1.pem"]) as s:
-        tls = tw.client.TLSConfig(ca=pki["ca1.pem"], cert=pki["client.pem"], key=pki["client.key"])
+        tls = TLSConfig(ca=pki["ca1.pem"], cert=pki["client.pem"], key=pki["client.key"])
         with Client(s.address, tls=tls, transport="tcp") as c:
             c.put("m", torch.zeros(2))
         with pytest.raises(tw.AuthError):

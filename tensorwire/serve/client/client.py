@@ -84,9 +84,10 @@ from tensorwire.errors import (
     TransportError,
 )
 from tensorwire.serve.protocol import wire
-from tensorwire.serve.daemon.config import DEFAULT_PORT, TLSConfig
+from tensorwire.serve.protocol.tls import TLSConfig
 from tensorwire.serve.protocol.common import (
     AUTH_KEY,
+    DEFAULT_PORT,
     DATA_REQUESTS_VERSION,
     ERROR_CLASSES,
     MAX_INDEX_ROWS,
@@ -103,7 +104,13 @@ from tensorwire.serve.protocol.common import (
     error_name,
     rpc_error,
 )
-from tensorwire.spec import TensorSpec
+from tensorwire._proto import spec_from_proto, spec_to_proto
+from tensorwire.spec import TensorSpec, check_name
+from tensorwire.serve.protocol.shm import LEASE_MACHINES, LEASE_VERSION, SHM_VERSION
+from tensorwire.buffers import as_bytes, allocate_host
+from tensorwire.transport.base import get_factory
+from tensorwire.serve.protocol import shm
+from tensorwire.transport.select import host_id
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -156,7 +163,7 @@ class SnapshotInfo:
 
 
 def _stat(info: Any) -> TensorStat:
-    return TensorStat(TensorSpec.from_proto(info.spec), int(info.version), int(info.nbytes))
+    return TensorStat(spec_from_proto(info.spec), int(info.version), int(info.nbytes))
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -208,8 +215,6 @@ class _Pool:
         self.allocations = 0
 
     def acquire(self, nbytes: int) -> "torch.Tensor":
-        from tensorwire.buffers import allocate_host
-
         for i, (raw, base) in enumerate(self._bufs):
             if raw.numel() >= nbytes and base is not None and _use_count(raw) == base:
                 return raw[:nbytes]
@@ -269,7 +274,6 @@ def _ahead_wanted() -> bool:
 def _leases_wanted() -> bool:
     import platform
 
-    from tensorwire.serve.protocol.shm import LEASE_MACHINES
 
     if _env_off(LEASES_ENV):
         return False
@@ -291,8 +295,6 @@ def _reply_spec(name: str, rep: "wire.Reply") -> TensorSpec:
 
 
 def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
-    from tensorwire.buffers import as_bytes
-
     return as_bytes(t)
 
 
@@ -432,10 +434,8 @@ class Client:
             raise err from exc
 
     def _open_session(self) -> None:
-        from tensorwire.transport.base import get_factory
         from tensorwire.v1 import store_pb2
 
-        from tensorwire.serve.protocol.shm import LEASE_VERSION, SHM_VERSION
 
         kinds: list[str]
         if self._want == "tcp":
@@ -451,8 +451,6 @@ class Client:
                 kinds = ["tcp"]
         last: BaseException | None = None
         for kind in kinds:
-            from tensorwire.transport.select import host_id
-
             offer_shm = self._want in ("auto", "shm") and self._want_dp and not self._shm_broken
             req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name,
                                                host_id=host_id(),
@@ -514,8 +512,6 @@ class Client:
     def _shm_hello(self, t: "Transport", hello: str, version: int) -> None:
         """Prove to the daemon that this process maps its memory: read the hello region's nonce, echo it.
         ``version``: the shared-memory protocol version the session negotiated."""
-        from tensorwire.serve.protocol import shm
-
         try:
             nonce = shm.read_hello(hello)
         except shm.ShmError as exc:
@@ -564,8 +560,6 @@ class Client:
 
     def _shm_view(self, pr: "_Progress", rep: "wire.Reply", name: str) -> "torch.Tensor":
         """The bytes an SHM reply names (a uint8 view of the daemon's region, mapped on first use)."""
-        from tensorwire.serve.protocol import shm
-
         if self._maps is None:
             self._maps = shm.ClientMaps()
             self._copier = shm.Copier()
@@ -622,8 +616,6 @@ class Client:
         caller asks the daemon). Errors ``use`` raises (a wrong ``out``, a row out of range) are the
         caller's, as they would be on the pinned path.
         """
-        from tensorwire.serve.protocol import shm
-
         with self._lock:
             self._check_open()
             lease = self._leases.get(name)
@@ -725,8 +717,6 @@ class Client:
         """A put into the slot of the session's write-ahead grant: one copy, one COMMIT. None: not this put
         (another name or spec: the daemon's answer to the ordinary request is what the caller gets), or the
         grant has ended (nothing was written that anyone will see); put the ordinary way."""
-        from tensorwire.serve.protocol import shm
-
         grant, self._ahead = self._ahead, None
         page, name, nbytes = self._page, spec.name, spec.nbytes
         if (grant is None or page is None or grant[0] != name
@@ -822,9 +812,7 @@ class Client:
         nb = self._names.get(name) if isinstance(name, str) else None
         if nb is not None:
             return nb
-        from tensorwire.spec import _check_name
-
-        name = _check_name(name)  # SpecError, as the daemon would answer
+        name = check_name(name)  # SpecError, as the daemon would answer
         try:
             nb = name.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -1074,7 +1062,7 @@ class Client:
             raise SpecError("declare needs a TensorSpec")
         with self._lock:
             self._check_open()
-            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec.to_proto()))
+            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec_to_proto(spec)))
         st = _stat(resp.info)
         self._specs[st.name] = st.spec
         return st
@@ -1096,7 +1084,7 @@ class Client:
 
         def op(sid: str, t: "Transport") -> TensorStat:
             src = self._source(name, tensor)
-            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec.to_proto(), timeout_ms=self._timeout_ms())
+            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec_to_proto(spec), timeout_ms=self._timeout_ms())
             resp = self._rpc("BeginPut", req, timeout=self._timeout + 10, data_op=True)
             return self._send_commit(sid, t, resp.transfer, src)
 
@@ -1164,7 +1152,7 @@ class Client:
 
         def op(sid: str, t: "Transport") -> "torch.Tensor":
             resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms()), data_op=True)
-            spec = TensorSpec.from_proto(resp.info.spec)
+            spec = spec_from_proto(resp.info.spec)
             self._specs[name] = spec
             tr = resp.transfer
             direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
@@ -1314,7 +1302,7 @@ class Client:
                 )
                 resp = self._rpc("GetRows", req, data_op=True)
                 tr = resp.transfer
-                got = TensorSpec.from_proto(resp.info.spec)
+                got = spec_from_proto(resp.info.spec)
                 if first:
                     self._specs[name] = got
                     first = False
@@ -1415,7 +1403,7 @@ class Client:
                     session_id=sid,
                     name=name,
                     index=encode_index(part),
-                    values=vspec.to_proto(),
+                    values=spec_to_proto(vspec),
                     add=add,
                     timeout_ms=self._timeout_ms(),
                 )

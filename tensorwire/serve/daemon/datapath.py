@@ -82,6 +82,12 @@ from typing import TYPE_CHECKING, Any, Callable
 from tensorwire import errors
 from tensorwire.spec import TensorSpec
 from tensorwire.serve.protocol.common import ERROR_CLASSES, TAG_DOWN, TAG_REPLY, TAG_UP, check_index
+from tensorwire.serve.daemon.ops import Draining, commit_rows, plan_row_update, plan_rows, status_of
+from tensorwire.serve.daemon.ops import check_tensor_name as _name
+from tensorwire.serve.daemon.ops import recv_posted as _recv_posted
+from tensorwire.serve.daemon.ops import send as _send
+from tensorwire.serve.daemon.ops import timeout_of as _timeout
+from tensorwire.serve.daemon.ops import typed_view as _typed
 from tensorwire.serve.daemon.session import Job
 from tensorwire.serve.protocol.shm import LEASE_VERSION
 from tensorwire.serve.daemon.store import region_of
@@ -107,6 +113,9 @@ from tensorwire.serve.protocol.wire import (
     pack_reply,
     parse_request,
 )
+from tensorwire.serve.daemon.session import PendingWrite
+from tensorwire.serve.daemon.store import normalise_spec
+from tensorwire.serve.protocol.shm import ShmError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -140,8 +149,6 @@ PARALLEL_MIN_BYTES = 8 << 20
 
 def error_class(exc: BaseException) -> str:
     """The name under which a client re-raises ``exc`` (its nearest class in ERROR_CLASSES; '' if none)."""
-    from tensorwire.serve.daemon.service import Draining
-
     if isinstance(exc, Draining):
         return "PeerLostError"
     for cls in type(exc).__mro__:
@@ -270,8 +277,6 @@ class DataRequests:
         Raises:
             MalformedRequest: the request does not follow the format (the session is closed).
         """
-        from tensorwire.serve.daemon.service import Draining
-
         t0 = time.monotonic()
         req = parse_request(memoryview(buf.numpy())[:nbytes])
         if req.op == OP_RELEASE:
@@ -313,8 +318,6 @@ class DataRequests:
 
     # -- helpers ------------------------------------------------------------------------------------
     def _timeout(self, req: Request) -> float:
-        from tensorwire.serve.daemon.service import _timeout
-
         return _timeout(req.timeout_ms, self.service.default_timeout)
 
     def _record(self, op: str, status: str, t0: float) -> None:
@@ -354,8 +357,6 @@ class DataRequests:
         holder: list[Job] = []
 
         def run(t: "Transport", step: int) -> None:
-            from tensorwire.serve.daemon.service import status_of
-
             try:
                 refused = body(t, holder[0])
             except BaseException as exc:
@@ -369,8 +370,6 @@ class DataRequests:
         return job
 
     def _error_job(self, s: "Session", req: Request, exc: BaseException, t0: float) -> Job:
-        from tensorwire.serve.daemon.service import status_of
-
         name = error_class(exc)
         op = OPS[req.op]
         message = str(exc) if name else "internal error (see the daemon's log)"
@@ -457,8 +456,6 @@ class DataRequests:
 
     def _get_rows_shm(self, s: "Session", req: Request, t0: float) -> Job:
         """A get_rows the client gathers itself from the pinned version (FALLBACK if it is not in shared memory)."""
-        from tensorwire.serve.daemon.service import _name
-
         e = self.store.get(_name(req.name))
         spec = e.spec
         if not spec.shape:
@@ -493,9 +490,6 @@ class DataRequests:
         Until the reply is out the job owns the reservation (``abort`` on failure); from then on the
         session's pending write does (COMMIT, or ``abort`` when the session closes).
         """
-        from tensorwire.serve.daemon.service import status_of
-        from tensorwire.serve.daemon.session import PendingWrite
-
         op = OPS[req.op]
         handed = [False]
 
@@ -549,8 +543,6 @@ class DataRequests:
                     abort: Callable[[], None], entry: Any) -> Job:
         """The job answering a COMMIT: ``commit()`` (its error is the reply), else OK with the version and, for a
         put (``entry``), maybe the next write-ahead grant; ``abort()`` if the session closes before it runs."""
-        from tensorwire.serve.daemon.service import status_of
-
         deadline = time.monotonic() + self._timeout(req)
         tried = [False]
 
@@ -613,8 +605,6 @@ class DataRequests:
 
     # -- reads ----------------------------------------------------------------------------------------
     def _get(self, s: "Session", req: Request, t0: float) -> Job:
-        from tensorwire.serve.daemon.service import _name, _send
-
         e = self.store.get(_name(req.name))
         deadline = time.monotonic() + self._timeout(req)
         idx, version, lease = e.acquire_read_leased(deadline)
@@ -642,8 +632,6 @@ class DataRequests:
 
     def _get_rows(self, s: "Session", req: Request, buf: "torch.Tensor", t0: float) -> Job:
         import torch
-
-        from tensorwire.serve.daemon.service import _send, plan_rows
 
         p = plan_rows(self.store, req.name, self._index_of(req, buf), "request")
         e, spec, nbytes, rb, n = p.entry, p.spec, p.nbytes, p.row_bytes, p.n
@@ -716,8 +704,6 @@ class DataRequests:
     def _receive(self, s: "Session", t: "Transport", job: Job, req: Request, spec: TensorSpec, into: "torch.Tensor",
                  nbytes: int, deadline: float, what: str) -> None:
         """Post ``into`` on tag 2, say GO, wait for the client's bytes; a failure closes the session first."""
-        from tensorwire.serve.daemon.service import _recv_posted
-
         posted = False
         try:
             if nbytes:
@@ -733,8 +719,6 @@ class DataRequests:
             raise
 
     def _put(self, s: "Session", req: Request, t0: float) -> Job:
-        from tensorwire.serve.daemon.store import normalise_spec
-
         spec = normalise_spec(TensorSpec(req.name, req.shape, dtype_name(req.dtype)))
         timeout = self._timeout(req)
         deadline = time.monotonic() + timeout
@@ -772,8 +756,6 @@ class DataRequests:
             raise
 
     def _put_rows(self, s: "Session", req: Request, buf: "torch.Tensor", t0: float, *, add: bool) -> Job:
-        from tensorwire.serve.daemon.service import _typed, commit_rows, plan_row_update
-
         values = TensorSpec(req.name, req.shape, dtype_name(req.dtype))
         p = plan_row_update(self.store, req.name, self._index_of(req, buf, copy=req.shm), values, add)
         timeout = self._timeout(req)
@@ -781,8 +763,6 @@ class DataRequests:
         nbytes, spec = p.nbytes, p.spec
         kind = "add_rows" if add else "put_rows"
         if req.shm and nbytes and self.store.shm is not None:
-            from tensorwire.serve.protocol.shm import ShmError
-
             try:
                 region = s.shm_scratch(nbytes, self.store)
             except (errors.ResourceExhaustedError, ShmError) as exc:

@@ -25,6 +25,13 @@ from typing import TYPE_CHECKING, Any
 from tensorwire.errors import ConfigError, TensorWireError
 from tensorwire.serve.daemon.config import ServeConfig, format_size
 from tensorwire.serve.protocol.common import MAX_MESSAGE_BYTES, SERVICE
+from tensorwire.transport.base import new_nonce, get_factory
+from tensorwire.transport.select import auto_preference, ucx_has_rdma
+from tensorwire.transport.tcp import TcpListener
+from tensorwire.serve.daemon.metrics import Metrics
+from tensorwire.serve.daemon.snapshot import restore_snapshot
+from tensorwire.serve.daemon.store import Store
+from tensorwire.serve.protocol.shm import Registry, ShmError, unlink_all
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
@@ -45,8 +52,6 @@ def _hostport(host: str, port: int) -> str:
 
 def _self_test(factory: Any, listener: "Listener", host: str, timeout: float = 5.0) -> None:
     """Connect to ``listener`` over loopback and accept: proves the transport works here."""
-    from tensorwire.transport.base import new_nonce
-
     nonce = new_nonce()
     listener.expect(nonce)
     lhost, port = listener.address
@@ -82,8 +87,6 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
     — the same rule as links (tensorwire.transport.select.choose_transport).
     ``ucx``: UCX or a ConfigError. ``tcp``: TCP only.
     """
-    from tensorwire.transport.base import get_factory
-
     listeners: dict[str, "Listener"] = {}
     if config.transport in ("auto", "ucx"):
         listener = None
@@ -102,8 +105,6 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
                 raise ConfigError(f"--transport ucx: UCX is not usable here: {exc}") from exc
             log.warning("transport auto: UCX is not usable here (%s: %s); using TCP", type(exc).__name__, exc)
     if config.transport != "ucx":
-        from tensorwire.transport.tcp import TcpListener
-
         port = config.data_port
         if listeners and port:
             port += 1  # the UCX listener took data_port
@@ -124,8 +125,6 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
 
 def _ucx_first() -> bool:
     """Under auto, UCX is the default only where it beats a socket: an RDMA device, or when asked."""
-    from tensorwire.transport.select import auto_preference, ucx_has_rdma
-
     pref = auto_preference()
     return pref == "ucx" or (pref != "tcp" and ucx_has_rdma())
 
@@ -161,10 +160,7 @@ class Server:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         from tensorwire.v1 import store_pb2_grpc
-        from tensorwire.serve.daemon.metrics import Metrics
         from tensorwire.serve.daemon.service import StoreService, TokenAuthInterceptor
-        from tensorwire.serve.daemon.snapshot import restore_snapshot
-        from tensorwire.serve.daemon.store import Store
 
         import torch
 
@@ -186,8 +182,6 @@ class Server:
         self._metrics = metrics = Metrics()
         shm = None
         if cfg.shm:
-            from tensorwire.serve.protocol.shm import Registry, ShmError
-
             try:
                 shm = Registry(on_change=metrics.shm_changed)
             except ShmError as exc:
@@ -405,7 +399,6 @@ class Server:
                 stop.set()
             else:
                 log.error("%s again: exiting now", signal.Signals(signum).name)
-                from tensorwire.serve.protocol.shm import unlink_all
 
                 unlink_all()  # os._exit skips atexit: leave nothing in /dev/shm
                 os._exit(130)

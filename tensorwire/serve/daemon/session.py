@@ -47,6 +47,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire.errors import ClosedError, PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from tensorwire.serve.protocol.common import MAX_ROWS_BYTES, TAG_REQUEST, TAG_WATCH
+from tensorwire.serve.protocol.shm import usable_cpus, new_hello, page_counts, AHEAD_VERSION, PageLock, page_ahead, round_page
+from tensorwire.buffers import allocate_host
+from tensorwire.serve.daemon.store import AheadGrant, region_of
+from tensorwire.errors import ResourceExhaustedError
+from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES, MalformedRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -70,8 +75,6 @@ SHM_SPIN_MAX_BYTES = 16 << 20
 
 
 def _spin_slots() -> int:
-    from tensorwire.serve.protocol.shm import usable_cpus
-
     return max(0, usable_cpus() - 1)
 
 
@@ -292,8 +295,6 @@ class Session:
 
     def scratch(self, nbytes: int) -> "torch.Tensor":
         """A per-session host buffer of at least ``nbytes`` (grown, never shrunk; worker only)."""
-        from tensorwire.buffers import allocate_host
-
         if nbytes > MAX_ROWS_BYTES:
             raise ProtocolError(f"{nbytes} bytes of rows exceeds the per-request limit of {MAX_ROWS_BYTES}")
         if self._scratch is None or self._scratch.numel() < nbytes:
@@ -304,8 +305,6 @@ class Session:
     # -- shared memory ------------------------------------------------------------------
     def offer_shm(self, registry: Any) -> str:
         """Create the hello region (the client proves it maps it); returns its name."""
-        from tensorwire.serve.protocol.shm import new_hello
-
         region, nonce = new_hello(registry)
         with self._lock:
             closed = self.closed
@@ -332,8 +331,6 @@ class Session:
         The client counts them in its page (get ops, get bytes, get_rows ops, get_rows bytes); only
         growth is counted, so a client writing nonsense can at worst inflate its own counters.
         """
-        from tensorwire.serve.protocol.shm import page_counts
-
         with self._lock:
             page, m, seen = self.shm_page, self._metrics, self._page_seen
             if page is None or m is None or page.closed:
@@ -351,9 +348,6 @@ class Session:
     def grant_ahead(self, entry: Any) -> Any:
         """After this session committed a put of ``entry``: reserve its staging slot for the next one
         (shm version >= 3). Returns the grant (its slot's region and ticket go in the COMMIT's reply) or None."""
-        from tensorwire.serve.protocol.shm import AHEAD_VERSION, PageLock, page_ahead
-        from tensorwire.serve.daemon.store import AheadGrant, region_of
-
         with self._lock:
             page = self.shm_page
             if self.closed or page is None or page.closed or self.shm_version < AHEAD_VERSION or self.ahead is not None:
@@ -420,15 +414,12 @@ class Session:
             ResourceExhaustedError: over ``--max-bytes`` or the per-request limit.
             ShmError: no region could be made.
         """
-        from tensorwire.errors import ResourceExhaustedError
-        from tensorwire.serve.protocol.shm import _round_page
-
         r = self._shm_scratch
         if r is not None and not r.closed and r.size >= nbytes:
             return r
         if nbytes > MAX_ROWS_BYTES:
             raise ResourceExhaustedError(f"{nbytes} bytes of rows exceeds the per-request limit of {MAX_ROWS_BYTES}")
-        size = _round_page(min(max(1 << 20, 1 << max(0, (nbytes - 1).bit_length())), MAX_ROWS_BYTES))
+        size = round_page(min(max(1 << 20, 1 << max(0, (nbytes - 1).bit_length())), MAX_ROWS_BYTES))
         self._drop_scratch()
         store.charge(size, "a session's shared-memory scratch")
         try:
@@ -526,8 +517,6 @@ class Session:
     def _request_loop(self) -> None:
         """Receive data-plane requests on tag 4; each becomes a job (see the module docstring)."""
         import torch
-
-        from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES, MalformedRequest
 
         t = self.transport
         handler = self._handler
