@@ -53,6 +53,7 @@ from tensorwire.errors import (
     TensorWireError,
     TransportError,
 )
+from tensorwire.settings import Settings, setting
 from tensorwire.spec import TensorSpec, check_same_specs
 from tensorwire.p2p.link import Link, slot_depths
 from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
@@ -68,21 +69,8 @@ __all__ = ["Node", "DEFAULT_TIMEOUT", "DEFAULT_PEER_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = 60.0
-DEFAULT_PEER_TIMEOUT = 30.0
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be > 0")
-    return value
+DEFAULT_TIMEOUT: float = Settings.timeout
+DEFAULT_PEER_TIMEOUT: float = Settings.peer_timeout
 
 
 class Node:
@@ -114,16 +102,15 @@ class Node:
                  device: "torch.device | str | None" = None) -> None:
         if not isinstance(rank, int) or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
-        env_t = os.environ.get("TENSORWIRE_TRANSPORT")
         if transport is None:
-            transport = check_choice(env_t or "auto", source="TENSORWIRE_TRANSPORT")
+            transport = setting("transport")
         self.transport = check_choice(transport, source="Node(transport=...)")
         self.rank = rank
         self.world_size = world_size
         self.host = host
-        self.timeout = float(timeout) if timeout is not None else _env_float("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT)
+        self.timeout = float(timeout) if timeout is not None else setting("timeout")
         self.peer_timeout = (float(peer_timeout) if peer_timeout is not None
-                             else _env_float("TENSORWIRE_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT))
+                             else setting("peer_timeout"))
         self.prefix = prefix
         self.device = device
         self._closed = False

@@ -20,6 +20,7 @@ import os
 from typing import Literal, Mapping, Protocol, Sequence
 
 from tensorwire.errors import ConfigError
+from tensorwire.settings import setting
 
 __all__ = ["TransportChoice", "CHOICES", "check_choice", "ucx_has_rdma", "host_id", "auto_preference",
            "same_host", "choose_transport"]
@@ -89,10 +90,7 @@ def auto_preference(env: "Mapping[str, str] | None" = None) -> str:
     Raises:
         ConfigError: any other value.
     """
-    raw = (os.environ if env is None else env).get("TENSORWIRE_AUTO_PREFER", "")
-    pref = raw.strip().lower()
-    if pref not in ("", "ucx", "tcp"):
-        raise ConfigError(f"TENSORWIRE_AUTO_PREFER={raw!r}: must be 'ucx', 'tcp' or unset")
+    pref: str = setting("auto_prefer", env)
     return pref
 
 

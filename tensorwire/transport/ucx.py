@@ -180,6 +180,7 @@ from tensorwire.errors import (
 from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
 from tensorwire.transport.base import remaining as _remaining
 from tensorwire.transport._socket import dial, tune_socket
+from tensorwire.settings import setting
 
 
 def _import_ucxx() -> tuple[Any, Any, dict[str, str]]:
@@ -233,12 +234,12 @@ def _env_us(name: str, default: float) -> float:
     return value
 
 
-SPIN_US = _env_us("TENSORWIRE_UCX_SPIN_US", 100)
+SPIN_US = setting("ucx_spin_us")
 #: The same for a wait on a transfer of CUDA memory. cuda_ipc copies are issued and
 #: completed from worker progress and do not wake a sleeping worker promptly: measured on
 #: 2 x H200 (bench/results/gpu_h200x2_nvlink.md), a 256 MiB send + ack took 1,281 us
 #: with 100 us of spinning and 781 us with 2 ms (raw ucxx, always polling: 712 us).
-CUDA_SPIN_US = _env_us("TENSORWIRE_UCX_CUDA_SPIN_US", 2000)
+CUDA_SPIN_US = setting("ucx_cuda_spin_us")
 #: UCX endpoint keepalive interval (seconds) unless UCX_KEEPALIVE_INTERVAL is set.
 KEEPALIVE_S = 2.0
 #: close(): how long it waits for this side's sends (and then its goodbye) to complete.
@@ -282,7 +283,7 @@ def _error_handling() -> bool:
     4 KiB round trip; bench/results/ucx_progress_mode.md). Peer loss is then
     detected by the liveness socket every connection has (module docstring).
     """
-    mode = os.environ.get("TENSORWIRE_UCX_ERROR_HANDLING", "none").strip().lower()
+    mode = setting("ucx_error_handling")
     if mode not in ("none", "peer"):
         raise ConfigError(f"TENSORWIRE_UCX_ERROR_HANDLING must be 'none' or 'peer', got {mode!r}")
     return mode == "peer"

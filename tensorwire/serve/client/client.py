@@ -105,6 +105,7 @@ from tensorwire.serve.protocol.common import (
     rpc_error,
 )
 from tensorwire._proto import spec_from_proto, spec_to_proto
+from tensorwire.settings import setting
 from tensorwire.spec import TensorSpec, check_name
 from tensorwire.serve.protocol.shm import LEASE_MACHINES, LEASE_VERSION, SHM_VERSION
 from tensorwire.buffers import as_bytes, allocate_host
@@ -260,22 +261,14 @@ LEASES_ENV = "TENSORWIRE_SHM_LEASES"
 AHEAD_ENV = "TENSORWIRE_SHM_AHEAD"
 
 
-def _env_off(name: str) -> bool:
-    """Whether environment variable ``name`` turns its feature off ("0", "false", "no", "off"; unset: on)."""
-    import os
-
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def _ahead_wanted() -> bool:
-    return not _env_off(AHEAD_ENV)
+    return bool(setting("shm_ahead"))
 
 
 def _leases_wanted() -> bool:
     import platform
 
-
-    if _env_off(LEASES_ENV):
+    if not setting("shm_leases"):
         return False
     return platform.machine().lower() in LEASE_MACHINES
 
