@@ -7,6 +7,8 @@ generated code (and so no protobuf).
 
 from __future__ import annotations
 
+from typing import cast
+
 from tensorwire.errors import SpecError
 from tensorwire.spec import DEVICE_BY_CODE, DEVICE_CODES, DTYPE_BY_CODE, DTYPE_CODES, TensorSpec
 from tensorwire.v1 import types_pb2
@@ -19,8 +21,8 @@ def spec_to_proto(spec: TensorSpec) -> types_pb2.TensorSpec:
     return types_pb2.TensorSpec(
         name=spec.name,
         shape=list(spec.shape),
-        dtype=DTYPE_CODES[spec.dtype],
-        device=DEVICE_CODES[spec.device],
+        dtype=cast("types_pb2.DType", DTYPE_CODES[spec.dtype]),
+        device=cast("types_pb2.DeviceKind", DEVICE_CODES[spec.device]),
         dynamic=list(spec.dynamic),
     )
 

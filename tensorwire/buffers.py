@@ -118,7 +118,7 @@ class Slot:
             self.raw.zero_()
             self.pinned = bool(self.raw.is_pinned()) if nbytes else False
         self.tensor = _typed_view(self.raw, spec.torch_dtype, spec.shape)
-        self._np = None
+        self._np: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -126,11 +126,11 @@ class Slot:
 
     @property
     def is_cuda(self) -> bool:
-        return self.raw.is_cuda
+        return bool(self.raw.is_cuda)
 
     @property
     def data_ptr(self) -> int:
-        return self.raw.data_ptr()
+        return int(self.raw.data_ptr())
 
     def host_array(self) -> "np.ndarray":
         """Zero-copy NumPy uint8 view of a host slot (cached: no allocation per step)."""

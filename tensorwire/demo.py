@@ -53,7 +53,6 @@ def _tensor(shape: tuple[int, ...], dtype: str, step: int, salt: int, out: Any =
 
 def _worker(rank: int, port: int, steps: int, transport: str, q: Any) -> None:
     try:
-        import torch
         from torch.distributed import TCPStore
 
         import tensorwire as tw

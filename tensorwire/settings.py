@@ -164,7 +164,7 @@ class Settings:
             except ValueError as exc:
                 raise ConfigError(f"{f.name}={value!r}: {exc}") from None
             if not isinstance(value, bool) and isinstance(value, (int, float)):
-                parsed = type(f.default)(value) if f.default is not None else value
+                parsed = float(value) if isinstance(f.default, float) else int(value)
             object.__setattr__(self, f.name, parsed)
 
     @classmethod

@@ -268,7 +268,7 @@ def entry(backend: str, rank: int, cfg_dict: dict[str, Any], store_host: str, st
                 sink.prepare(size)
                 orig_open(size)
 
-            rx.open = open_and_prepare  # type: ignore[method-assign]
+            rx.open = open_and_prepare
             try:
                 rx.serve(steps, cfg.patterns, sink)
             finally:

@@ -163,7 +163,7 @@ def _check_host(host: str, tr: TorchrunEnv, *, source: str) -> str:
         ip = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         try:  # a host name: resolve it once so peers get an address that does not depend on their resolver
-            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+            host = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
         except OSError as exc:
             raise ConfigError(f"{source}={host!r} does not resolve: {exc}") from exc
         ip = ipaddress.ip_address(host.split("%", 1)[0])
@@ -194,7 +194,7 @@ def reachable_address(tr: TorchrunEnv) -> str:
     # Prefer IPv4 (what the agent's TCPStore listens on in practice), keep resolver order otherwise.
     infos.sort(key=lambda i: 0 if i[0] == socket.AF_INET else 1)
     family, _, _, _, sockaddr = infos[0]
-    if _is_loopback(sockaddr[0]):
+    if _is_loopback(str(sockaddr[0])):
         if tr.multi_node:
             raise ConfigError(
                 f"MASTER_ADDR={tr.master_addr!r} resolves to loopback ({sockaddr[0]}) but the job spans several "

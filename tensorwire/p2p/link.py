@@ -55,7 +55,7 @@ class SendHandle:
 
     __slots__ = ("_future", "_name", "_op", "_t")
 
-    def __init__(self, future: "concurrent.futures.Future[None] | None", name: str, *, op: Any = None,
+    def __init__(self, future: "concurrent.futures.Future[Any] | None", name: str, *, op: Any = None,
                  transport: Transport | None = None) -> None:
         self._future = future
         self._name = name

@@ -160,7 +160,7 @@ class Node:
                             kind, exc, self.rank)
             except TensorWireError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a dependency failing to start
+            except Exception as exc:
                 if self.transport == kind:
                     raise TransportError(f"cannot start the {kind} listener: {exc}") from exc
                 log.warning("tensorwire: %s listener failed to start (%s); falling back to TCP", kind, exc)

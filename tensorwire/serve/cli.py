@@ -294,7 +294,7 @@ def cmd_put(args: argparse.Namespace) -> int:
         specs, _ = read_safetensors_specs(args.file)
     except OSError as exc:
         raise ConfigError(f"{args.file}: {exc.strerror or exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - the library's own parse errors
+    except Exception as exc:
         raise ConfigError(f"{args.file} is not a readable safetensors file: {exc}") from exc
     keys = [k for _, k in specs]
     key = args.key or (args.name if args.name in keys else (keys[0] if len(keys) == 1 else None))

@@ -50,7 +50,7 @@ import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Deque
+from typing import Any, Deque
 
 from tensorwire.errors import (
     AuthError,
@@ -66,9 +66,6 @@ from tensorwire.errors import (
 from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
 from tensorwire.transport.base import remaining as _remaining
 from tensorwire.transport._socket import dial, tune_socket
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
 __all__ = ["TcpTransport", "TcpListener", "FRAME", "HELLO"]
 

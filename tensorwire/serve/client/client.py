@@ -150,7 +150,7 @@ class TensorStat:
         return self.spec.name
 
     @property
-    def bytes(self) -> int:  # noqa: A003 - the word the API speaks
+    def bytes(self) -> int:
         """Alias of :attr:`nbytes`."""
         return self.nbytes
 
@@ -216,7 +216,7 @@ class _Pool:
         self.allocations = 0
 
     def acquire(self, nbytes: int) -> "torch.Tensor":
-        for i, (raw, base) in enumerate(self._bufs):
+        for raw, base in self._bufs:
             if raw.numel() >= nbytes and base is not None and _use_count(raw) == base:
                 return raw[:nbytes]
         cap = nbytes
@@ -667,7 +667,7 @@ class Client:
                     except TensorWireError as exc:
                         log.debug("releasing a shared-memory read failed (%s); the session is dropped", exc)
                         self._drop_session()
-            except Exception:  # noqa: BLE001 - the helper must not die
+            except Exception:
                 log.exception("releasing a shared-memory read failed")
             finally:
                 self._lock.release()
@@ -1156,8 +1156,8 @@ class Client:
                     self._drain(t, tr)
                     raise
             if direct:
-                self._recv(t, tr, _as_bytes(out))  # type: ignore[arg-type]
-                return out  # type: ignore[return-value]
+                self._recv(t, tr, _as_bytes(out))
+                return out
             raw = self._pool(name, "get").acquire(tr.nbytes)
             self._recv(t, tr, raw)
             result = _typed(raw, spec.torch_dtype, spec.shape)

@@ -112,7 +112,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(h, None)
     except OSError:
         return False
-    addrs = {info[4][0] for info in infos}
+    addrs = {str(info[4][0]) for info in infos}
     return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
 
 

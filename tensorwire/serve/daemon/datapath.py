@@ -312,7 +312,7 @@ class DataRequests:
             return self._put_rows(s, req, buf, t0, add=req.op == OP_ADD_ROWS)
         except errors.TensorWireError as exc:
             return self._error_job(s, req, exc, t0)
-        except Exception as exc:  # noqa: BLE001 - a bug: answer, keep serving
+        except Exception as exc:
             log.exception("%s request: internal error", OPS[req.op])
             return self._error_job(s, req, exc, t0)
 
@@ -590,7 +590,7 @@ class DataRequests:
         named = g is not None and g.ticket == req.ahead and g.entry.spec.name == req.name
         if g is not None and not named:
             s.give_back_ahead(g)  # not the grant this COMMIT names: the session's next request ends it
-        if not named or not g.claim():  # type: ignore[union-attr]
+        if not named or not g.claim():
             deadline = time.monotonic() + self._timeout(req)
 
             def fallback(t: "Transport", job: Job) -> BaseException | None:

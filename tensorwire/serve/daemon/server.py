@@ -95,7 +95,7 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
             listener = factory(config.host, port=config.data_port)
             _self_test(factory, listener, config.host)
             listeners["ucx"] = listener
-        except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
+        except Exception as exc:
             if listener is not None:
                 try:
                     listener.close()
@@ -310,7 +310,7 @@ class Server:
             if svc is not None:
                 try:
                     svc.reap(self.config.session_idle_timeout)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("session reaper failed")
             for lst in self._listeners.values():
                 rejected = getattr(lst, "rejected", None)

@@ -91,7 +91,7 @@ def _rpc(op: str, *, new_work: bool = False) -> Callable:
                 log.debug("%s failed: %s: %s", op, name, exc)
                 context.set_trailing_metadata(((ERROR_KEY, name),))
                 context.abort(code, str(exc))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 status = "INTERNAL"
                 if self.metrics is not None:
                     self.metrics.errors.labels("internal").inc()
@@ -288,7 +288,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
     # -- writes ------------------------------------------------------------------------------
     def _start_write(
-        self, s: Session, kind: str, nbytes: int, deadline: float, recv_into: Callable[["Transport"], Any],
+        self, s: Session, kind: str, nbytes: int, deadline: float, recv_into: Callable[["Transport", int], Any],
         commit: Callable[[Any], Info], abort: Callable[[], None],
     ) -> store_pb2.Transfer:
         op_id = s.next_op_id()

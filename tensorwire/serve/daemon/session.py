@@ -149,7 +149,7 @@ class Job:
         if self._cleanup is not None:
             try:
                 self._cleanup()
-            except Exception:  # noqa: BLE001 - never let cleanup mask the outcome
+            except Exception:
                 log.exception("cleanup of a %s transfer failed", self.kind)
 
     def wait(self, timeout: float) -> Any:
@@ -570,7 +570,7 @@ class Session:
             self.close(f"malformed data-plane request: {exc}")
         except (PeerLostError, ProtocolError, TensorWireError) as exc:
             self.close(f"data connection lost: {exc}")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("session %s: request thread failed", self.id[:8])
             self.close(f"request thread failed: {exc}")
 
@@ -637,7 +637,7 @@ class Session:
             pass
         except (PeerLostError, ProtocolError, TensorWireError) as exc:
             self.close(f"data connection lost: {exc}")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("session %s: watch failed", self.id[:8])
             self.close(f"watch failed: {exc}")
 
@@ -662,7 +662,7 @@ class Session:
             pending.job.fail(ClosedError(f"session closed: {reason}"))
             try:
                 pending.abort()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("releasing a pending write failed")
         try:
             self.release_pin()
@@ -679,7 +679,7 @@ class Session:
                 lock[0].close()
             if page is not None:
                 page.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("releasing the session's shared memory failed")
         self._jobs.put(None)
         g = self.gatherer

@@ -189,7 +189,7 @@ def restore_snapshot(store: "Store", directory: str) -> int:
         versions = json.loads(meta.get(_VERSIONS_KEY, "{}"))
         if not isinstance(versions, dict):
             versions = {}
-    except Exception as exc:  # noqa: BLE001 - any parse failure of an untrusted file
+    except Exception as exc:
         raise ConfigError(f"cannot read snapshot {path}: {exc}") from exc
     need = sum(2 * s.nbytes for s, _ in specs)
     if need > store.max_bytes - store.reserved:

@@ -760,7 +760,7 @@ class SessionPage:
         c[i + 1] += nbytes
 
     def close(self) -> None:
-        self.counts = self.ahead = None  # type: ignore[assignment]
+        self.counts = self.ahead = None
         self.lock.close()
         try:
             self._mm.close()
