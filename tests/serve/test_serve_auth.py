@@ -8,7 +8,8 @@ import torch
 
 import tensorwire as tw
 from tensorwire._proto import spec_to_proto
-from tensorwire.serve.client.client import Client, TLSConfig
+from tensorwire.serve import TLSConfig
+from tensorwire.serve.client.client import Client
 from tensorwire.v1 import store_pb2, store_pb2_grpc
 
 from serve_common import Daemon, in_process, make_pki

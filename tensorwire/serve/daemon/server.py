@@ -27,11 +27,13 @@ from tensorwire.serve.daemon.config import ServeConfig, format_size
 from tensorwire.serve.protocol.common import MAX_MESSAGE_BYTES, SERVICE
 from tensorwire.transport.base import new_nonce, get_factory
 from tensorwire.transport.select import auto_preference, ucx_has_rdma
+from tensorwire.transport.admission import AdmissionLimits
 from tensorwire.transport.tcp import TcpListener
 from tensorwire.serve.daemon.metrics import Metrics
 from tensorwire.serve.daemon.snapshot import restore_snapshot
 from tensorwire.serve.daemon.store import Store
 from tensorwire.serve.protocol.shm import Registry, ShmError, unlink_all
+from tensorwire.serve.daemon.limits import raise_nofile
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
@@ -111,7 +113,9 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
         elif listeners:
             port = 0
         try:
-            listeners["tcp"] = TcpListener(config.host, port=port)
+            limits = AdmissionLimits(hello_timeout=config.hello_timeout, total=config.max_pending_connections,
+                                     per_peer=config.max_pending_per_peer)
+            listeners["tcp"] = TcpListener(config.host, port=port, limits=limits)
         except OSError as exc:
             for lst in listeners.values():
                 lst.close()
@@ -169,6 +173,9 @@ class Server:
             raise ConfigError("server already started")
         self._started = True
         torch.empty(1).zero_()  # load torch now: "ready" means the first request is not slow
+
+        nofile = raise_nofile()  # floods meet the listeners' caps, which answer, before the kernel's
+        log.debug("file descriptor limit: %d", nofile)
         token = cfg.load_token()
         if cfg.token_file:
             mode = os.stat(cfg.token_file).st_mode
