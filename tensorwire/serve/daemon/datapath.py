@@ -675,8 +675,8 @@ class DataRequests:
                         a, b = i * chunk_rows, min(n, (i + 1) * chunk_rows)
                         _gather_rows(table, p.index, out, a, b, rb)
                         # chunk i is copied out (by the client, on UCX) while chunk i + 1 is gathered
-                        ops.append(t.start_send(TAG_DOWN, out[a * rb : b * rb], step=job.down_step + i,  # type: ignore[attr-defined]
-                                                timeout=left()))
+                        start_send = t.start_send  # type: ignore[attr-defined]
+                        ops.append(start_send(TAG_DOWN, out[a * rb : b * rb], step=job.down_step + i, timeout=left()))
                     release()
                     for op in ops:
                         t.wait_send(op, timeout=left())  # type: ignore[attr-defined]
