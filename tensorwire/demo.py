@@ -278,7 +278,7 @@ class _GrpcReceiver:
             dst = self.arrays[row][first]
             dst[:] = np.frombuffer(request, dtype=np.uint8)
             self.done.put(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+        except BaseException as exc:
             self.done.put(exc)
             raise
         return _ACK
@@ -299,7 +299,7 @@ class _GrpcReceiver:
             if off:
                 raise ValueError(f"a gRPC stream ended inside message {msg}")
             self.done.put(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+        except BaseException as exc:
             self.done.put(exc)
             raise
         return _ACK
@@ -384,8 +384,8 @@ def _sender(plan: _Plan, store: Any, q: Any) -> None:
                             stamps.append(perf())
                         if rnd >= warm:
                             row_times[plan.paths()[p]] += [b - a for a, b in zip(stamps, stamps[1:])]
-                for p in row_times:
-                    times[f"{i}/{p}"] = row_times[p]
+                for kind in row_times:
+                    times[f"{i}/{kind}"] = row_times[kind]
                 q.put(("row", 0, (i, row_times)))
         finally:
             if plan.grpc:
@@ -445,8 +445,8 @@ def _receiver(plan: _Plan, store: Any, q: Any) -> None:
                         checked += row.size * len(got)
                         if plan.check_pause:
                             time.sleep(plan.check_pause)  # tests: a slow check must stay off both clocks
-                for p in names:
-                    times[f"{i}/{p}"] = row_times[p]
+                for kind in names:
+                    times[f"{i}/{kind}"] = row_times[kind]
             # wait for the sender to hang up before tearing the gRPC server and the link down
             ctrl.settimeout(plan.timeout)
             ctrl.recv(1)

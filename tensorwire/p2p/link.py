@@ -34,6 +34,7 @@ from tensorwire.errors import (
 )
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.base import Transport
+from tensorwire.p2p.staging import CudaOps, staging_chunk, StagedSender, chunk_plan, StagedReceiver
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -54,7 +55,7 @@ class SendHandle:
 
     __slots__ = ("_future", "_name", "_op", "_t")
 
-    def __init__(self, future: "concurrent.futures.Future[None] | None", name: str, *, op: Any = None,
+    def __init__(self, future: "concurrent.futures.Future[Any] | None", name: str, *, op: Any = None,
                  transport: Transport | None = None) -> None:
         self._future = future
         self._name = name
@@ -214,8 +215,6 @@ class Link:
         self._copy_streams: dict[tuple[str, int | None], Any] = {}
         chunk: int | None = None
         if host_only and any(s.device == "cuda" and not s.is_dynamic for s in (*send, *recv)):
-            from tensorwire.p2p.staging import CudaOps, staging_chunk
-
             self._ops = CudaOps()
             chunk = staging_chunk()
         self._send: dict[str, _SendState] = {}
@@ -225,8 +224,6 @@ class Link:
             slot = Slot(s, device=device, host=staging_on_host)
             stager = None
             if staging_on_host and not s.is_dynamic:
-                from tensorwire.p2p.staging import StagedSender, chunk_plan
-
                 assert chunk is not None
                 stager = StagedSender(slot.raw, chunk_plan(s.nbytes, chunk), ops=self._ops)
             self._send[spec] = _SendState(s, tag, slot, stager)
@@ -240,8 +237,6 @@ class Link:
             device_slot = Slot(s, device=device) if staged else None
             rx = None
             if staged and not s.is_dynamic:
-                from tensorwire.p2p.staging import StagedReceiver, chunk_plan
-
                 assert chunk is not None and device_slot is not None
                 rx = StagedReceiver([sl.raw for sl in slots], device_slot.raw, chunk_plan(s.nbytes, chunk),
                                     ops=self._ops)

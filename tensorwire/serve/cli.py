@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from tensorwire.settings import Settings, setting
+
 __all__ = ["register", "main"]
 
 ENV_NOTE = (
@@ -166,7 +168,7 @@ def _one_intra_op_thread() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """The daemon: configures logging (INFO unless told otherwise), runs until signalled."""
     config = config_from_args(args)
-    if getattr(args, "log_level", None) is None and not os.environ.get("TENSORWIRE_LOG_LEVEL"):
+    if getattr(args, "log_level", None) is None and not setting("log_level"):
         logging.getLogger("tensorwire").setLevel(logging.INFO)
     _one_intra_op_thread()
     from tensorwire.serve.daemon.server import Server
@@ -194,9 +196,10 @@ def _open_client(args: argparse.Namespace) -> Any:
     from tensorwire.serve.client.client import Client
     from tensorwire.errors import ConfigError
 
-    env = os.environ
+    env = Settings.from_env(token_file=args.token_file, client_tls_ca=args.tls_ca, client_tls_cert=args.tls_cert,
+                            client_tls_key=args.tls_key, client_transport=args.transport)
     token = None
-    token_file = args.token_file or env.get("TENSORWIRE_TOKEN_FILE")
+    token_file = env.token_file
     if token_file:
         try:
             with open(os.path.expanduser(token_file), encoding="utf-8") as f:
@@ -206,14 +209,12 @@ def _open_client(args: argparse.Namespace) -> Any:
         if not token:
             raise ConfigError(f"token file {token_file!r} is empty")
     tls: Any = None
-    ca = args.tls_ca or env.get("TENSORWIRE_CLIENT_TLS_CA")
-    cert = args.tls_cert or env.get("TENSORWIRE_CLIENT_TLS_CERT")
-    key = args.tls_key or env.get("TENSORWIRE_CLIENT_TLS_KEY")
+    ca, cert, key = env.client_tls_ca, env.client_tls_cert, env.client_tls_key
     if ca or cert or key:
         tls = {"ca": ca, "cert": cert, "key": key}
     elif args.tls:
         tls = True
-    transport = args.transport or env.get("TENSORWIRE_CLIENT_TRANSPORT") or "auto"
+    transport = env.client_transport
     return Client(args.address, token=token, tls=tls, transport=transport, timeout=args.timeout, name="tensorwire-cli")
 
 
@@ -312,7 +313,7 @@ def cmd_put(args: argparse.Namespace) -> int:
         specs, _ = read_safetensors_specs(args.file)
     except OSError as exc:
         raise ConfigError(f"{args.file}: {exc.strerror or exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - the library's own parse errors
+    except Exception as exc:
         raise ConfigError(f"{args.file} is not a readable safetensors file: {exc}") from exc
     keys = [k for _, k in specs]
     key = args.key or (args.name if args.name in keys else (keys[0] if len(keys) == 1 else None))
@@ -339,7 +340,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR; env TENSORWIRE_LOG_LEVEL")
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
-    level = (args.log_level or os.environ.get("TENSORWIRE_LOG_LEVEL") or "WARNING").upper()
+    level = (args.log_level or setting("log_level") or "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return cmd_serve(args)

@@ -40,7 +40,9 @@ import hmac
 import os
 import secrets
 import time
-from typing import TYPE_CHECKING, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from tensorwire.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -235,6 +237,23 @@ class Listener(abc.ABC):
 
     kind: ClassVar[str]
 
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0) -> None:
+        """Bind ``host:port`` (0: any free port; :attr:`address` has the real one) and start accepting.
+        ``peer_timeout``: seconds without a sign of life before a connection's peer is declared lost."""
+
+    @classmethod
+    def connect(cls, host: str, port: int, nonce: bytes, *, timeout: float | None,
+                peer_timeout: float = 30.0) -> Transport:
+        """Dial a listener of this kind at ``host:port`` and present ``nonce`` (learned over the control plane).
+
+        Raises:
+            ConnectTimeout: no connection/answer within ``timeout``.
+            AuthError: the listener refused the credential.
+            PeerLostError: the connection was refused or reset.
+            NotImplementedError: this kind cannot dial out (an in-process transport).
+        """
+        raise NotImplementedError(f"{cls.__name__} cannot dial out")
+
     @property
     @abc.abstractmethod
     def address(self) -> tuple[str, int]:
@@ -273,7 +292,7 @@ def register(kind: str, module: str, listener_class: str) -> None:
     _REGISTRY[kind] = (module, listener_class)
 
 
-def get_factory(kind: str) -> Callable[..., Listener]:
+def get_factory(kind: str) -> type[Listener]:
     """The listener class of a transport kind (its ``connect`` classmethod dials out).
 
     Raises:
@@ -282,13 +301,12 @@ def get_factory(kind: str) -> Callable[..., Listener]:
     """
     import importlib
 
-    from tensorwire.errors import ConfigError
-
     try:
         module, cls = _REGISTRY[kind]
     except KeyError:
         raise ConfigError(f"unknown transport {kind!r}; known: {', '.join(sorted(_REGISTRY))}") from None
-    return getattr(importlib.import_module(module), cls)
+    factory: type[Listener] = getattr(importlib.import_module(module), cls)
+    return factory
 
 
 def available_kinds() -> list[str]:

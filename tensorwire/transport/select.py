@@ -17,17 +17,31 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from typing import TYPE_CHECKING, Literal, Mapping
+from typing import Literal, Mapping, Protocol, Sequence
 
 from tensorwire.errors import ConfigError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tensorwire.v1 import control_pb2
+from tensorwire.settings import setting
 
 __all__ = ["TransportChoice", "CHOICES", "check_choice", "ucx_has_rdma", "host_id", "auto_preference",
            "same_host", "choose_transport"]
 
 TransportChoice = Literal["auto", "ucx", "tcp"]
+
+
+class _Address(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+
+class Offer(Protocol):
+    """What the choice reads of a side's offer (the control plane's ``LinkOffer`` or the serve session's)."""
+
+    @property
+    def transport(self) -> str: ...
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def data(self) -> Sequence[_Address]: ...
 CHOICES = ("auto", "ucx", "tcp")
 
 
@@ -76,18 +90,15 @@ def auto_preference(env: "Mapping[str, str] | None" = None) -> str:
     Raises:
         ConfigError: any other value.
     """
-    raw = (os.environ if env is None else env).get("TENSORWIRE_AUTO_PREFER", "")
-    pref = raw.strip().lower()
-    if pref not in ("", "ucx", "tcp"):
-        raise ConfigError(f"TENSORWIRE_AUTO_PREFER={raw!r}: must be 'ucx', 'tcp' or unset")
+    pref: str = setting("auto_prefer", env)
     return pref
 
 
-def same_host(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer") -> bool:
+def same_host(mine: Offer, theirs: Offer) -> bool:
     return bool(mine.host_id) and mine.host_id == theirs.host_id
 
 
-def choose_transport(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer", *, needs_cuda: bool) -> list[str]:
+def choose_transport(mine: Offer, theirs: Offer, *, needs_cuda: bool) -> list[str]:
     """Transports to try, in order, for a link between two offers (symmetric).
 
     Raises:

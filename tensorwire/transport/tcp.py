@@ -53,7 +53,7 @@ import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Deque
+from typing import Any, Deque
 
 from tensorwire.errors import (
     AuthError,
@@ -70,9 +70,7 @@ from tensorwire.errors import (
 from tensorwire.transport.admission import AdmissionLimits, PendingTable
 from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
 from tensorwire.transport.base import remaining as _remaining
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
+from tensorwire.transport._socket import dial, tune_socket
 
 __all__ = ["TcpTransport", "TcpListener", "FRAME", "HELLO"]
 
@@ -98,48 +96,6 @@ def _poll_ms(deadline: float | None, cap: float = 0.5) -> int:
     if deadline is None:
         return int(cap * 1000)
     return max(0, min(int((deadline - time.monotonic()) * 1000) + 1, int(cap * 1000)))
-
-
-def dial(host: str, port: int, deadline: float | None, *, retry: tuple[type[OSError], ...] = (ConnectionRefusedError,),
-         timeout_without_deadline: float | None = None, what: str = "connection to") -> socket.socket:
-    """Connect to ``host:port``, retrying the ``retry`` errors (a listener not up yet) with
-    backoff (50 ms doubling to 1 s) until ``deadline``. Each attempt waits at most what is left
-    of the deadline (``timeout_without_deadline`` when there is none).
-
-    Raises:
-        ConnectTimeout: retries ran out at the deadline, or an attempt timed out.
-        PeerLostError: the name does not resolve, or another socket error.
-    """
-    delay = 0.05
-    while True:
-        rem = _remaining(deadline)
-        try:
-            return socket.create_connection((host, port), timeout=timeout_without_deadline if rem is None
-                                            else max(0.01, rem))
-        except socket.gaierror as exc:
-            raise PeerLostError(f"cannot resolve {host}: {exc}") from exc
-        except retry as exc:
-            rem = _remaining(deadline)
-            if rem is not None and rem <= delay:
-                raise ConnectTimeout(f"{what} {host}:{port} refused or unreachable until the timeout: {exc}") from exc
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        except (socket.timeout, TimeoutError) as exc:
-            raise ConnectTimeout(f"{what} {host}:{port} timed out") from exc
-        except OSError as exc:
-            raise PeerLostError(f"cannot connect to {host}:{port}: {exc}") from exc
-
-
-def tune_socket(sock: socket.socket, *, peer_timeout: float) -> None:
-    """TCP_NODELAY, keepalive and TCP_USER_TIMEOUT so a dead peer is detected in ~peer_timeout."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle = max(1, int(peer_timeout / 3))
-    for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 2)), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, opt):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(peer_timeout * 1000))
 
 
 class _Posted:

@@ -200,7 +200,8 @@ from tensorwire.errors import (
 from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, PROOF_BYTES, Listener, Received, Transport
 from tensorwire.transport.base import link_proof, proof_matches
 from tensorwire.transport.base import remaining as _remaining
-from tensorwire.transport.tcp import dial, tune_socket
+from tensorwire.transport._socket import dial, tune_socket
+from tensorwire.settings import setting
 
 
 def _import_ucxx() -> tuple[Any, Any, dict[str, str]]:
@@ -254,12 +255,12 @@ def _env_us(name: str, default: float) -> float:
     return value
 
 
-SPIN_US = _env_us("TENSORWIRE_UCX_SPIN_US", 100)
+SPIN_US = setting("ucx_spin_us")
 #: The same for a wait on a transfer of CUDA memory. cuda_ipc copies are issued and
 #: completed from worker progress and do not wake a sleeping worker promptly: measured on
 #: 2 x H200 (bench/results/gpu_h200x2_2026-11-22-2.md), a 256 MiB send + ack took 1,281 us
 #: with 100 us of spinning and 781 us with 2 ms (raw ucxx, always polling: 712 us).
-CUDA_SPIN_US = _env_us("TENSORWIRE_UCX_CUDA_SPIN_US", 2000)
+CUDA_SPIN_US = setting("ucx_cuda_spin_us")
 #: UCX endpoint keepalive interval (seconds) unless UCX_KEEPALIVE_INTERVAL is set.
 KEEPALIVE_S = 2.0
 #: close(): how long it waits for this side's sends (and then its goodbye) to complete.
@@ -308,7 +309,7 @@ def _error_handling() -> bool:
     the peer dies during a transfer; ``peer`` never aborts but UCX leaves cma
     and the shared-memory transports out of such endpoints.
     """
-    mode = os.environ.get("TENSORWIRE_UCX_ERROR_HANDLING", "peer").strip().lower()
+    mode = setting("ucx_error_handling")
     if mode not in ("none", "peer"):
         raise ConfigError(f"TENSORWIRE_UCX_ERROR_HANDLING must be 'none' or 'peer', got {mode!r}")
     return mode == "peer"
@@ -553,7 +554,7 @@ class _Engine:
             if h is not None:
                 try:
                     h(ev)
-                except Exception:  # noqa: BLE001 - a handler must not break every waiter
+                except Exception:
                     log.exception("ucx: handler of fd %d failed", fd)
 
     # -- waiting -------------------------------------------------------------------
@@ -665,7 +666,7 @@ def _tick(ref: "weakref.ref[_Engine]") -> None:
                 eng.service()
             if did:
                 eng.notify()
-        except Exception:  # noqa: BLE001 - never let the ticker die
+        except Exception:
             log.exception("ucx progress tick failed")
         finally:
             eng.lock.release()

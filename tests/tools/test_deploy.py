@@ -586,7 +586,7 @@ def test_no_manifest_enables_expandable_segments():
         text = json.dumps(doc).lower()
         assert "expandable_segments:true" not in text, name
     for path in (SERVE_ENV, DOCKERFILE):
-        active = [l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")]
+        active = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
         assert "expandable_segments:true" not in "\n".join(active).lower(), path
 
 
@@ -629,7 +629,7 @@ def _verify(path: Path) -> list[str]:
         ["systemd-analyze", "verify", "--man=no", str(path)],
         capture_output=True, text=True, timeout=60,
     )
-    problems = [l for l in (proc.stdout + proc.stderr).splitlines() if path.name in l]
+    problems = [ln for ln in (proc.stdout + proc.stderr).splitlines() if path.name in ln]
     if proc.returncode != 0:
         problems.append(f"exit {proc.returncode}: {proc.stderr.strip()}")
     return problems
@@ -663,7 +663,7 @@ def test_serve_env_example():
         if not commented:
             seen.add(name)
     assert {"TENSORWIRE_TRANSPORT", "UCX_TLS", "UCX_NET_DEVICES"} <= seen
-    assert not any(l.startswith("export ") for l in SERVE_ENV.read_text().splitlines())
+    assert not any(ln.startswith("export ") for ln in SERVE_ENV.read_text().splitlines())
 
 
 # --------------------------------------------------------------------------- Dockerfile
@@ -715,7 +715,7 @@ def test_dockerfile_extra_exists_in_pyproject():
 
 
 def test_dockerfile_documents_the_run_flags():
-    comments = "\n".join(l for l in DOCKERFILE.read_text().splitlines() if l.lstrip().startswith("#"))
+    comments = "\n".join(ln for ln in DOCKERFILE.read_text().splitlines() if ln.lstrip().startswith("#"))
     for flag in ("--ipc=host", "--ulimit memlock=-1", "--device /dev/infiniband", "--cap-add IPC_LOCK",
                  "--network host", "--shm-size"):
         assert flag in comments, flag

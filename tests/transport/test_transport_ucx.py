@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("ucxx")
 
-from tensorwire.errors import ClosedError, ConnectTimeout, PeerLostError, TransferTimeout  # noqa: E402
-from tensorwire.testing import CHECKS  # noqa: E402
-from tensorwire.transport.base import new_nonce  # noqa: E402
-from tensorwire.transport.ucx import UcxListener, UcxTransport  # noqa: E402
+from tensorwire.errors import ClosedError, ConnectTimeout, PeerLostError, TransferTimeout
+from tensorwire.testing import CHECKS
+from tensorwire.transport.base import new_nonce
+from tensorwire.transport.ucx import UcxListener, UcxTransport
 
 _SPAWN = mp.get_context("spawn")
 
@@ -440,7 +440,6 @@ def test_listener_close_wakes_accept() -> None:
 
 def _burst_main(q_out, q_in, nonce: bytes) -> None:
     """Child: send one large message, then (when told) small ones, close and exit at once."""
-    import torch
 
     from tensorwire.transport.ucx import UcxListener
 

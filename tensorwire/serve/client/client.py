@@ -91,10 +91,11 @@ from tensorwire.errors import (
     TransportError,
 )
 from tensorwire.serve.protocol import wire
-from tensorwire.serve.daemon.config import DEFAULT_PORT, TLSConfig
+from tensorwire.serve.protocol.tls import TLSConfig
 from tensorwire.serve.protocol.layout import ShardLayout
 from tensorwire.serve.protocol.common import (
     AUTH_KEY,
+    DEFAULT_PORT,
     DATA_REQUESTS_VERSION,
     ERROR_CLASSES,
     MAX_INDEX_ROWS,
@@ -112,7 +113,14 @@ from tensorwire.serve.protocol.common import (
     error_name,
     rpc_error,
 )
-from tensorwire.spec import TensorSpec
+from tensorwire._proto import spec_from_proto, spec_to_proto
+from tensorwire.settings import setting
+from tensorwire.spec import TensorSpec, check_name
+from tensorwire.serve.protocol.shm import LEASE_MACHINES, LEASE_VERSION, SHM_VERSION
+from tensorwire.buffers import as_bytes, allocate_host
+from tensorwire.transport.base import get_factory
+from tensorwire.serve.protocol import shm
+from tensorwire.transport.select import host_id
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -153,7 +161,7 @@ class TensorStat:
         return self.spec.name
 
     @property
-    def bytes(self) -> int:  # noqa: A003 - the word the API speaks
+    def bytes(self) -> int:
         """Alias of :attr:`nbytes`."""
         return self.nbytes
 
@@ -167,7 +175,7 @@ class SnapshotInfo:
 
 
 def _stat(info: Any) -> TensorStat:
-    return TensorStat(TensorSpec.from_proto(info.spec), int(info.version), int(info.nbytes),
+    return TensorStat(spec_from_proto(info.spec), int(info.version), int(info.nbytes),
                       ShardLayout.from_field(info))
 
 
@@ -220,9 +228,7 @@ class _Pool:
         self.allocations = 0
 
     def acquire(self, nbytes: int) -> "torch.Tensor":
-        from tensorwire.buffers import allocate_host
-
-        for i, (raw, base) in enumerate(self._bufs):
+        for raw, base in self._bufs:
             if raw.numel() >= nbytes and base is not None and _use_count(raw) == base:
                 return raw[:nbytes]
         cap = nbytes
@@ -267,23 +273,14 @@ LEASES_ENV = "TENSORWIRE_SHM_LEASES"
 AHEAD_ENV = "TENSORWIRE_SHM_AHEAD"
 
 
-def _env_off(name: str) -> bool:
-    """Whether environment variable ``name`` turns its feature off ("0", "false", "no", "off"; unset: on)."""
-    import os
-
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def _ahead_wanted() -> bool:
-    return not _env_off(AHEAD_ENV)
+    return bool(setting("shm_ahead"))
 
 
 def _leases_wanted() -> bool:
     import platform
 
-    from tensorwire.serve.protocol.shm import LEASE_MACHINES
-
-    if _env_off(LEASES_ENV):
+    if not setting("shm_leases"):
         return False
     return platform.machine().lower() in LEASE_MACHINES
 
@@ -314,8 +311,6 @@ def _reply_spec(name: str, rep: "wire.Reply") -> TensorSpec:
 
 
 def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
-    from tensorwire.buffers import as_bytes
-
     return as_bytes(t)
 
 
@@ -488,10 +483,8 @@ class Client:
                 raise err from exc
 
     def _open_session(self) -> None:
-        from tensorwire.transport.base import get_factory
         from tensorwire.v1 import store_pb2
 
-        from tensorwire.serve.protocol.shm import LEASE_VERSION, SHM_VERSION
 
         kinds: list[str]
         if self._want == "tcp":
@@ -507,8 +500,6 @@ class Client:
                 kinds = ["tcp"]
         last: BaseException | None = None
         for kind in kinds:
-            from tensorwire.transport.select import host_id
-
             offer_shm = self._want in ("auto", "shm") and self._want_dp and not self._shm_broken
             req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name,
                                                host_id=host_id(),
@@ -571,8 +562,6 @@ class Client:
     def _shm_hello(self, t: "Transport", hello: str, version: int) -> None:
         """Prove to the daemon that this process maps its memory: read the hello region's nonce, echo it.
         ``version``: the shared-memory protocol version the session negotiated."""
-        from tensorwire.serve.protocol import shm
-
         try:
             nonce = shm.read_hello(hello)
         except shm.ShmError as exc:
@@ -621,8 +610,6 @@ class Client:
 
     def _shm_view(self, pr: "_Progress", rep: "wire.Reply", name: str) -> "torch.Tensor":
         """The bytes an SHM reply names (a uint8 view of the daemon's region, mapped on first use)."""
-        from tensorwire.serve.protocol import shm
-
         if self._maps is None:
             self._maps = shm.ClientMaps()
             self._copier = shm.Copier()
@@ -679,8 +666,6 @@ class Client:
         caller asks the daemon). Errors ``use`` raises (a wrong ``out``, a row out of range) are the
         caller's, as they would be on the pinned path.
         """
-        from tensorwire.serve.protocol import shm
-
         with self._lock:
             self._check_open()
             lease = self._leases.get(name)
@@ -739,7 +724,7 @@ class Client:
                     except TensorWireError as exc:
                         log.debug("releasing a shared-memory read failed (%s); the session is dropped", exc)
                         self._drop_session()
-            except Exception:  # noqa: BLE001 - the helper must not die
+            except Exception:
                 log.exception("releasing a shared-memory read failed")
             finally:
                 self._lock.release()
@@ -782,8 +767,6 @@ class Client:
         """A put into the slot of the session's write-ahead grant: one copy, one COMMIT. None: not this put
         (another name or spec: the daemon's answer to the ordinary request is what the caller gets), or the
         grant has ended (nothing was written that anyone will see); put the ordinary way."""
-        from tensorwire.serve.protocol import shm
-
         grant, self._ahead = self._ahead, None
         page, name, nbytes = self._page, spec.name, spec.nbytes
         if (grant is None or page is None or grant[0] != name
@@ -879,9 +862,7 @@ class Client:
         nb = self._names.get(name) if isinstance(name, str) else None
         if nb is not None:
             return nb
-        from tensorwire.spec import _check_name
-
-        name = _check_name(name)  # SpecError, as the daemon would answer
+        name = check_name(name)  # SpecError, as the daemon would answer
         try:
             nb = name.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -1166,7 +1147,7 @@ class Client:
             raise SpecError("declare needs a TensorSpec")
         with self._lock:
             self._check_open()
-            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec.to_proto(),
+            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec_to_proto(spec),
                                                                   layout=self._expect_pb.get(spec.name)))
         st = _stat(resp.info)
         self._specs[st.name] = st.spec
@@ -1189,7 +1170,7 @@ class Client:
 
         def op(sid: str, t: "Transport") -> TensorStat:
             src = self._source(name, tensor)
-            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec.to_proto(), timeout_ms=self._timeout_ms(),
+            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec_to_proto(spec), timeout_ms=self._timeout_ms(),
                                             layout=self._expect_pb.get(name))
             resp = self._rpc("BeginPut", req, timeout=self._timeout + 10, data_op=True)
             return self._send_commit(sid, t, resp.transfer, src)
@@ -1259,7 +1240,7 @@ class Client:
         def op(sid: str, t: "Transport") -> "torch.Tensor":
             resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms(),
                                                          layout=self._expect_pb.get(name)), data_op=True)
-            spec = TensorSpec.from_proto(resp.info.spec)
+            spec = spec_from_proto(resp.info.spec)
             self._specs[name] = spec
             tr = resp.transfer
             direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
@@ -1270,8 +1251,8 @@ class Client:
                     self._drain(t, tr)
                     raise
             if direct:
-                self._recv(t, tr, _as_bytes(out))  # type: ignore[arg-type]
-                return out  # type: ignore[return-value]
+                self._recv(t, tr, _as_bytes(out))
+                return out
             raw = self._pool(name, "get").acquire(tr.nbytes)
             self._recv(t, tr, raw)
             result = _typed(raw, spec.torch_dtype, spec.shape)
@@ -1410,7 +1391,7 @@ class Client:
                 )
                 resp = self._rpc("GetRows", req, data_op=True)
                 tr = resp.transfer
-                got = TensorSpec.from_proto(resp.info.spec)
+                got = spec_from_proto(resp.info.spec)
                 if first:
                     self._specs[name] = got
                     first = False
@@ -1511,7 +1492,7 @@ class Client:
                     session_id=sid,
                     name=name,
                     index=encode_index(part),
-                    values=vspec.to_proto(),
+                    values=spec_to_proto(vspec),
                     add=add,
                     timeout_ms=self._timeout_ms(),
                     layout=self._expect_pb.get(name),

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tensorwire.errors import ConfigError
+from tensorwire.serve.protocol.common import DEFAULT_PORT
+from tensorwire.serve.protocol.tls import TLSConfig
+from tensorwire.serve.protocol.tls import check_file as _check_file
 
 __all__ = [
     "ServeConfig",
@@ -34,7 +37,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "TENSORWIRE_"
-DEFAULT_PORT = 7100
 TRANSPORTS = ("auto", "ucx", "tcp")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
@@ -110,70 +112,8 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(h, None)
     except OSError:
         return False
-    addrs = {info[4][0] for info in infos}
+    addrs = {str(info[4][0]) for info in infos}
     return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
-
-
-def _check_file(what: str, path: str | None) -> str | None:
-    if path is None:
-        return None
-    path = os.path.expanduser(str(path))
-    if not os.path.isfile(path):
-        raise ConfigError(f"{what}: {path!r} is not a file")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{what}: {path!r} is not readable")
-    return path
-
-
-@dataclass(frozen=True)
-class TLSConfig:
-    """TLS material for a client (or a server) as file paths.
-
-    Client: ``ca`` (the CA that signed the server's certificate; default: the
-    system roots), and for mTLS ``cert`` + ``key`` (the client's own).
-    ``server_name`` overrides the name checked against the server's
-    certificate (default: the host of the address).
-
-    Accepts a dict with the same keys through :meth:`coerce`.
-    """
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert is None) != (self.key is None):
-            raise ConfigError("TLS: cert and key go together (both or neither)")
-        for what in ("ca", "cert", "key"):
-            object.__setattr__(self, what, _check_file(f"TLS {what}", getattr(self, what)))
-
-    @classmethod
-    def coerce(cls, value: "TLSConfig | Mapping[str, Any] | bool | None") -> "TLSConfig | None":
-        """``None``/``False`` -> no TLS; ``True`` -> TLS with system roots; a dict -> its keys."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            unknown = set(value) - {"ca", "cert", "key", "server_name"}
-            if unknown:
-                raise ConfigError(f"TLS: unknown keys {sorted(unknown)}; use ca, cert, key, server_name")
-            return cls(**{k: (str(v) if v is not None else None) for k, v in value.items()})
-        raise ConfigError(f"tls must be a TLSConfig, a dict or None, got {type(value).__name__}")
-
-    def read(self) -> tuple[bytes | None, bytes | None, bytes | None]:
-        """(ca, key, cert) file contents (None where unset)."""
-
-        def rd(p: str | None) -> bytes | None:
-            if p is None:
-                return None
-            with open(p, "rb") as f:
-                return f.read()
-
-        return rd(self.ca), rd(self.key), rd(self.cert)
 
 
 def _default_max_bytes() -> int:

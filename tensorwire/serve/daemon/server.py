@@ -33,6 +33,15 @@ from typing import TYPE_CHECKING, Any
 from tensorwire.errors import ConfigError, SnapshotError
 from tensorwire.serve.daemon.config import ServeConfig, format_size
 from tensorwire.serve.protocol.common import MAX_MESSAGE_BYTES, SERVICE
+from tensorwire.transport.base import new_nonce, get_factory
+from tensorwire.transport.select import auto_preference, ucx_has_rdma
+from tensorwire.transport.admission import AdmissionLimits
+from tensorwire.transport.tcp import TcpListener
+from tensorwire.serve.daemon.metrics import Metrics
+from tensorwire.serve.daemon.snapshot import restore_snapshot
+from tensorwire.serve.daemon.store import Store
+from tensorwire.serve.protocol.shm import Registry, ShmError, unlink_all
+from tensorwire.serve.daemon.limits import raise_nofile
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
@@ -60,8 +69,6 @@ def _hostport(host: str, port: int) -> str:
 
 def _self_test(factory: Any, listener: "Listener", host: str, timeout: float = 5.0) -> None:
     """Connect to ``listener`` over loopback and accept: proves the transport works here."""
-    from tensorwire.transport.base import new_nonce
-
     nonce = new_nonce()
     listener.expect(nonce)
     lhost, port = listener.address
@@ -97,8 +104,6 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
     — the same rule as links (tensorwire.transport.select.choose_transport).
     ``ucx``: UCX or a ConfigError. ``tcp``: TCP only.
     """
-    from tensorwire.transport.base import get_factory
-
     listeners: dict[str, "Listener"] = {}
     if config.transport in ("auto", "ucx"):
         listener = None
@@ -109,7 +114,7 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
             listener = factory(config.host, port=config.data_port, untrusted=True)
             _self_test(factory, listener, config.host)
             listeners["ucx"] = listener
-        except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
+        except Exception as exc:
             if listener is not None:
                 try:
                     listener.close()
@@ -119,9 +124,6 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
                 raise ConfigError(f"--transport ucx: UCX is not usable here: {exc}") from exc
             log.warning("transport auto: UCX is not usable here (%s: %s); using TCP", type(exc).__name__, exc)
     if config.transport != "ucx":
-        from tensorwire.transport.admission import AdmissionLimits
-        from tensorwire.transport.tcp import TcpListener
-
         port = config.data_port
         if listeners and port:
             port += 1  # the UCX listener took data_port
@@ -144,8 +146,6 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
 
 def _ucx_first() -> bool:
     """Under auto, UCX is the default only where it beats a socket: an RDMA device, or when asked."""
-    from tensorwire.transport.select import auto_preference, ucx_has_rdma
-
     pref = auto_preference()
     return pref == "ucx" or (pref != "tcp" and ucx_has_rdma())
 
@@ -181,10 +181,7 @@ class Server:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         from tensorwire.v1 import store_pb2_grpc
-        from tensorwire.serve.daemon.metrics import Metrics
         from tensorwire.serve.daemon.service import StoreService, TokenAuthInterceptor
-        from tensorwire.serve.daemon.snapshot import restore_snapshot
-        from tensorwire.serve.daemon.store import Store
 
         import torch
 
@@ -193,7 +190,6 @@ class Server:
             raise ConfigError("server already started")
         self._started = True
         torch.empty(1).zero_()  # load torch now: "ready" means the first request is not slow
-        from tensorwire.serve.daemon.limits import raise_nofile
 
         nofile = raise_nofile()  # floods meet the listeners' caps, which answer, before the kernel's
         log.debug("file descriptor limit: %d", nofile)
@@ -210,8 +206,6 @@ class Server:
         self._metrics = metrics = Metrics()
         shm = None
         if cfg.shm:
-            from tensorwire.serve.protocol.shm import Registry, ShmError
-
             try:
                 shm = Registry(on_change=metrics.shm_changed)
             except ShmError as exc:
@@ -341,7 +335,7 @@ class Server:
             if svc is not None:
                 try:
                     svc.reap(self.config.session_idle_timeout)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("session reaper failed")
             for lst in self._listeners.values():
                 rejected = getattr(lst, "rejected", None)
@@ -442,7 +436,6 @@ class Server:
                 stop.set()
             else:
                 log.error("%s again: exiting now", signal.Signals(signum).name)
-                from tensorwire.serve.protocol.shm import unlink_all
 
                 unlink_all()  # os._exit skips atexit: leave nothing in /dev/shm
                 os._exit(130)

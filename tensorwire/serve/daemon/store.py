@@ -46,6 +46,7 @@ from tensorwire.serve.daemon.config import format_size
 from tensorwire.serve.daemon.snapshot import check_storable_name
 from tensorwire.serve.protocol.common import MAX_TENSORS
 from tensorwire.serve.protocol.layout import ShardLayout, check_layout
+from tensorwire.serve.protocol.shm import ShmError, Leases
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -402,8 +403,6 @@ class Store:
         """The read-lease table (made on first use; None: no shared memory, or it could not be made)."""
         with self._leases_lock:
             if self.leases is None and not self._leases_failed and self.shm is not None:
-                from tensorwire.serve.protocol.shm import Leases, ShmError
-
                 try:
                     self.leases = Leases(self.shm)
                 except ShmError as exc:
@@ -420,8 +419,6 @@ class Store:
         """A slot for ``spec``: a shared-memory region when the store has them, else ordinary memory."""
         reg = self.shm
         if reg is not None and spec.nbytes:
-            from tensorwire.serve.protocol.shm import ShmError
-
             try:
                 return StoreSlot(spec, reg.create(spec.nbytes))
             except ShmError as exc:

@@ -145,7 +145,7 @@ import struct
 from dataclasses import dataclass
 
 from tensorwire import errors
-from tensorwire.spec import _DTYPE_BY_PROTO, _DTYPE_TABLE
+from tensorwire.spec import DTYPE_BY_CODE, DTYPE_CODES
 from tensorwire.serve.protocol.common import DATA_REQUESTS_VERSION, MAX_INDEX_ROWS
 from tensorwire.serve.protocol.layout import LAYOUT_BYTES, ShardLayout
 
@@ -224,7 +224,7 @@ class MalformedRequest(ValueError):
 
 def dtype_code(dtype: str) -> int:
     """The tensorwire.v1.DType number of a spec's dtype name."""
-    return _DTYPE_TABLE[dtype][1]
+    return DTYPE_CODES[dtype]
 
 
 def dtype_name(code: int) -> str:
@@ -234,7 +234,7 @@ def dtype_name(code: int) -> str:
         SpecError: not a dtype tensorwire moves.
     """
     try:
-        return _DTYPE_BY_PROTO[code]
+        return DTYPE_BY_CODE[code]
     except KeyError:
         raise errors.SpecError(f"unknown dtype code {code}") from None
 
