@@ -35,6 +35,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..p2p.bootstrap import reachable_address
+from ..p2p.node import Node
+from ..p2p.torchrun import TorchrunEnv
 from .channel import Peer, SlotPool, check_tag
 from .errors import GroupClosed, translate
 from .work import Completer, Work
@@ -89,8 +92,6 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._pool = SlotPool()
         self._completer = Completer(str(rank))
         self._peers: dict[int, Peer] = {}
-        from ..p2p.node import Node
-
         self._node = Node(rank=rank, world_size=size, store=store, host=host or _host(),
                           transport=transport, timeout=self._timeout, prefix=self._prefix)  # type: ignore[arg-type]
         try:
@@ -309,9 +310,6 @@ def _host() -> str:
     if explicit:
         return explicit
     if os.environ.get("MASTER_ADDR") and os.environ.get("RANK") is not None:
-        from ..p2p.bootstrap import reachable_address
-        from ..p2p.torchrun import TorchrunEnv
-
         try:
             tr = TorchrunEnv.from_environ()
         except ConfigError:

@@ -4,9 +4,11 @@ Transport choice (both sides compute the same answer from both offers):
 
 - ``tcp`` or ``ucx`` asked on either side wins (asked on both and different: error);
 - ``auto``: UCX when both sides have it **and** it beats a socket: the peer
-  shares this machine and IPC namespace (:func:`host_id`: UCX then uses shared
-  memory for small messages and cma / cuda_ipc single-copy rendezvous for large
-  ones), the link has CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect),
+  shares this machine and IPC namespace (:func:`host_id`) and UCX runs without
+  peer error handling (``TENSORWIRE_UCX_ERROR_HANDLING=none``: it then uses shared
+  memory for small messages and cma single-copy rendezvous for large ones; with
+  the default ``peer`` it may not, and host memory is faster over the socket
+  transport), the link has CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect),
   or there is an RDMA network device; TCP otherwise -- between hosts without
   RDMA, UCX runs over TCP too and a plain socket was measured faster.
   ``TENSORWIRE_AUTO_PREFER=ucx`` / ``=tcp`` puts that transport first under auto.
@@ -118,8 +120,12 @@ def choose_transport(mine: Offer, theirs: Offer, *, needs_cuda: bool) -> list[st
             raise ConfigError(f"transport {kind!r} was asked for but {who} cannot use it (available: {common})")
         return [kind]
     pref = auto_preference()
+    # On one host UCX beats a socket through shared memory and cma, which it uses only without peer error
+    # handling (TENSORWIRE_UCX_ERROR_HANDLING=none); with it (the default, so that a peer's death never aborts
+    # this process) host memory goes over UCX's own tcp, slower than this package's socket transport.
+    same_host_fast = same_host(mine, theirs) and setting("ucx_error_handling") == "none"
     prefer_ucx = "ucx" in common and pref != "tcp" and (
-        needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host(mine, theirs)
+        needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host_fast
     )
     order = ["ucx", "tcp"] if prefer_ucx else ["tcp"]
     return [k for k in order if k in common]

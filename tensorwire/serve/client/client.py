@@ -76,7 +76,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from tensorwire.errors import (
@@ -95,7 +94,6 @@ from tensorwire.serve.protocol.tls import TLSConfig
 from tensorwire.serve.protocol.layout import ShardLayout
 from tensorwire.serve.protocol.common import (
     AUTH_KEY,
-    DEFAULT_PORT,
     DATA_REQUESTS_VERSION,
     ERROR_CLASSES,
     MAX_INDEX_ROWS,
@@ -114,6 +112,8 @@ from tensorwire.serve.protocol.common import (
     rpc_error,
 )
 from tensorwire._proto import spec_from_proto, spec_to_proto
+from tensorwire.serve.client.common import SnapshotInfo, TensorStat, parse_address
+from tensorwire.serve.client.sharded_client import ShardedClient
 from tensorwire.settings import setting
 from tensorwire.spec import TensorSpec, check_name
 from tensorwire.serve.protocol.shm import LEASE_MACHINES, LEASE_VERSION, SHM_VERSION
@@ -144,68 +144,9 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
     log.warning(msg, *args)
 
 
-@dataclass(frozen=True)
-class TensorStat:
-    """What the store holds under a name."""
-
-    spec: TensorSpec
-    #: Incremented by every put and row update; 0 = declared, no data yet.
-    version: int
-    #: Bytes of one version.
-    nbytes: int
-    #: Set when the tensor is one shard of a table sharded by rows (see tensorwire.serve.protocol.layout).
-    layout: ShardLayout | None = None
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def bytes(self) -> int:
-        """Alias of :attr:`nbytes`."""
-        return self.nbytes
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    path: str
-    tensors: int
-    nbytes: int
-    seconds: float
-
-
 def _stat(info: Any) -> TensorStat:
     return TensorStat(spec_from_proto(info.spec), int(info.version), int(info.nbytes),
                       ShardLayout.from_field(info))
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``host:port``, ``[v6]:port``, ``host`` (port 7100), optionally ``grpc://``-prefixed."""
-    if not isinstance(address, str) or not address.strip():
-        raise ConfigError(f"address must be 'host:port', got {address!r}")
-    a = address.strip()
-    for scheme in ("grpc://", "tensorwire://", "tw://"):
-        if a.startswith(scheme):
-            a = a[len(scheme) :]
-    if a.startswith("["):
-        host, _, rest = a[1:].partition("]")
-        port_s = rest[1:] if rest.startswith(":") else ""
-    elif a.count(":") == 1:
-        host, port_s = a.split(":")
-    else:
-        host, port_s = a, ""
-    if not host:
-        raise ConfigError(f"address {address!r} has no host")
-    try:
-        port = int(port_s) if port_s else DEFAULT_PORT
-    except ValueError:
-        raise ConfigError(f"address {address!r}: port must be a number") from None
-    if not 0 < port < 65536:
-        raise ConfigError(f"address {address!r}: port out of range")
-    return host, port
-
-
-# -- receive buffers ------------------------------------------------------------------------------
 
 
 def _use_count(t: "torch.Tensor") -> int | None:
@@ -348,9 +289,7 @@ class Client:
 
     def __new__(cls, address: Any = None, **kwargs: Any) -> Any:
         if cls is Client and _many(address):
-            from tensorwire.serve.client.sharded_client import ShardedClient  # the client over many daemons builds on this class
-
-            return ShardedClient(address, **kwargs)
+            return ShardedClient(address, single=cls, **kwargs)
         return super().__new__(cls)
 
     def __init__(

@@ -60,15 +60,17 @@ from tensorwire.errors import (
     TransportError,
     VersionMismatchError,
 )
-from tensorwire.serve.client.client import Client, SnapshotInfo, TensorStat
+from tensorwire.serve.client.common import SnapshotInfo, TensorStat
 from tensorwire.serve.client.sharding import RowSplit, owner, resolve_daemons
-from tensorwire.serve.daemon.config import TLSConfig
+from tensorwire.serve.protocol.tls import TLSConfig
 from tensorwire.serve.protocol.common import as_index
 from tensorwire.serve.protocol.layout import ShardLayout, check_layout, fingerprint
 from tensorwire.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from tensorwire.serve.client.client import Client
 
 __all__ = ["ShardedClient", "ShardedStat", "ShardStat"]
 
@@ -201,9 +203,14 @@ class ShardedClient:
         data_requests: bool = True,
         reverse_dns: bool = True,
         parallel: bool | None = None,
+        single: "type[Client] | None" = None,
     ) -> None:
         if not timeout or timeout <= 0:
             raise ConfigError("timeout must be positive")
+        if single is None:
+            raise ConfigError("make a sharded client with tw.Client([address, ...]) (it passes the one-daemon "
+                              "client class as single=)")
+        self._single = single
         #: The ordered daemon list (normalised ``host:port``).
         self.addresses: list[str] = resolve_daemons(daemons, reverse=reverse_dns)
         self.address = ",".join(self.addresses)
@@ -244,7 +251,7 @@ class ShardedClient:
                 if self._closed:
                     raise ClosedError("client is closed")
                 try:
-                    c = Client(self.addresses[k], **self._kw)
+                    c = self._single(self.addresses[k], **self._kw)
                 except TransportError as exc:
                     raise self._lost(k, exc) from exc
                 if not c.layout_checks:

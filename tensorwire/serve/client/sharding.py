@@ -22,8 +22,8 @@ import socket
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tensorwire.errors import ConfigError, SpecError
-from tensorwire.serve.client.client import parse_address
-from tensorwire.serve.daemon.config import DEFAULT_PORT
+from tensorwire.serve.client.common import parse_address
+from tensorwire.serve.protocol.common import DEFAULT_PORT
 from tensorwire.serve.protocol.layout import row_ranges
 
 if TYPE_CHECKING:  # pragma: no cover

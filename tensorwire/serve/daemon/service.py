@@ -51,6 +51,7 @@ from tensorwire.serve.daemon.ops import recv as _recv
 from tensorwire.serve.daemon.ops import send as _send
 from tensorwire.serve.daemon.ops import timeout_of as _timeout
 from tensorwire.serve.daemon.ops import typed_view as _typed
+from tensorwire.serve.daemon.peers import client_key
 from tensorwire.serve.daemon.session import Job, PendingWrite, Session
 from tensorwire.serve.daemon.store import Entry, Info, Store, normalise_spec
 from tensorwire.serve.protocol.shm import SHM_VERSION, ShmError
@@ -174,8 +175,6 @@ class StoreService(store_pb2_grpc.StoreServicer):
         return s
 
     def _client_key(self, context: grpc.ServicerContext) -> str:
-        from tensorwire.serve.daemon.peers import client_key
-
         return client_key(context, server_port=self.port)
 
     def _forget(self, s: Session) -> None:
