@@ -31,6 +31,7 @@ stream: the bytes are read only after the work queued there before ``isend``.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import struct
 import threading
@@ -62,6 +63,32 @@ INLINE_MAX = 256 * 1024
 SLICE = 0.05
 NOTICE = struct.Struct("<I")
 _NOTICE_SLOTS = 2
+#: flat byte views of host memory by (address, size), for transports that take bytes (TCP)
+_VIEWS: dict[tuple[int, int], memoryview] = {}
+_VIEWS_MAX = 4096
+
+
+def _wire(t: "Transport", tensor: torch.Tensor) -> Any:
+    """What the transport gets for a contiguous tensor: the tensor itself (any-dtype transports) or its bytes.
+
+    The byte view is built from the address alone and reused by (address, size), as the UCX transport
+    does for its descriptors: a loop's tensors come back at the same addresses, and making a flat uint8
+    view through torch costs tens of microseconds per message. The view references no tensor (the cache
+    keeps no memory alive); the work keeps the tensor alive while the transport uses it. Reusing the same
+    view object also lets the TCP transport reuse its cached view of a posted buffer.
+    """
+    if t.any_dtype:
+        return tensor
+    n = tensor.nbytes
+    if n == 0 or tensor.is_cuda:
+        return as_bytes(tensor)
+    key = (tensor.data_ptr(), n)
+    mv = _VIEWS.get(key)
+    if mv is None:
+        if len(_VIEWS) >= _VIEWS_MAX:
+            _VIEWS.clear()
+        mv = _VIEWS[key] = memoryview((ctypes.c_char * n).from_address(key[0])).cast("B")
+    return mv
 
 
 class SlotPool:
@@ -194,7 +221,7 @@ class _RecvChannel:
         t = self.peer.transport
         with self.post_lock:
             self.peer.check()
-            t.post_recv(self.tag, buf if t.any_dtype else as_bytes(buf), header=True)
+            t.post_recv(self.tag, _wire(t, buf), header=True)
             self.fifo.append(work)
 
     def drive(self, work: RecvWork, deadline: float | None) -> None:
@@ -238,8 +265,10 @@ class _SendChannel:
     it is queued. Whoever gets there first sends the queued messages, oldest
     first: the caller when it waits on one of them (``dist.send`` is ``isend``
     + ``wait``: no thread hand-off), or the tag's sender thread, which takes a
-    queued message once it has waited ``DEFER`` seconds for a caller to do it
-    (so an ``isend`` nobody waits on still goes out).
+    queued message once it has stayed at the head of the queue for ``DEFER``
+    seconds (so an ``isend`` nobody waits on still goes out). The thread is
+    woken only when it is parked (nothing queued): it never polls, and it never
+    contends for ``send_lock`` with a caller that is sending.
     """
 
     DEFER = 0.0005
@@ -251,6 +280,7 @@ class _SendChannel:
         self.pending: collections.deque[tuple[Any, ...]] = collections.deque()
         self.send_lock = threading.Lock()  # held by whoever is sending a message of this tag
         self.thread: threading.Thread | None = None
+        self.parked = False  # the thread sleeps until notified (nothing was queued)
         self.closed = False
 
     def submit(self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...]) -> None:
@@ -266,7 +296,7 @@ class _SendChannel:
         if not tensor.is_cuda and not self.pending and self.send_lock.acquire(blocking=False):
             try:
                 if not self.pending:
-                    data = tensor if t.any_dtype else as_bytes(tensor)
+                    data = _wire(t, tensor)
                     try:
                         if t.async_send:
                             work._keep = tensor
@@ -294,7 +324,8 @@ class _SendChannel:
                 self.thread = threading.Thread(target=self._run, daemon=True,
                                                name=f"tw-dist-send-{peer.peer}-{self.tag - 1}")
                 self.thread.start()
-            self.cond.notify()
+            elif self.parked:
+                self.cond.notify()
 
     def help(self, work: SendWork, deadline: float) -> None:
         """(caller waiting on ``work``) Send queued messages up to and including ``work``'s."""
@@ -335,7 +366,7 @@ class _SendChannel:
                     slot.copy_(tensor)
                     torch.cuda.current_stream(tensor.device).synchronize()
                     tensor = slot
-            t.send(self.tag, tensor if t.any_dtype else as_bytes(tensor), shape=hdr, timeout=peer.timeout)
+            t.send(self.tag, _wire(t, tensor), shape=hdr, timeout=peer.timeout)
         except TransferTimeout as exc_:  # no credit within the group's timeout: nothing sent, the pair lives on
             exc = translate(exc_, work._what)
         except BaseException as exc_:  # noqa: BLE001
@@ -346,10 +377,18 @@ class _SendChannel:
         while True:
             with self.cond:
                 while not self.pending and not self.closed:
+                    self.parked = True
                     self.cond.wait()
+                    self.parked = False
                 if self.closed:
                     return
-            time.sleep(self.DEFER)  # a caller waiting on it sends it itself, without a hand-off
+                head = self.pending[0]
+                # A caller waiting on it sends it itself, without a hand-off: give it DEFER to do so.
+                self.cond.wait(self.DEFER)
+                if self.closed:
+                    return
+                if not self.pending or self.pending[0] is not head:
+                    continue  # taken (by a caller): look at what is queued now
             with self.send_lock:
                 with self.cond:
                     item = self.pending.popleft() if self.pending else None
@@ -395,8 +434,8 @@ class Peer:
     # -- operations ------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, tag: int) -> SendWork:
         sig, hdr = signature_of(tensor)
-        what = f"isend of {sig.describe()} to rank {self.peer} (tag {tag})"
-        work = SendWork(self, what=what, timeout=self.timeout, tensors=[tensor], completer=self.completer)
+        peer = self.peer
+        work = SendWork(self, what=lambda: f"isend of {sig.describe()} to rank {peer} (tag {tag})", timeout=self.timeout, tensors=[tensor], completer=self.completer)
         if self.error is not None:
             work._finish(self.error)
             return work
@@ -423,8 +462,9 @@ class Peer:
         if tensor.is_cuda:
             # The buffer may be written as soon as it is posted: work queued on it must be done.
             torch.cuda.current_stream(tensor.device).synchronize()
-        what = f"irecv of {sig.describe()} from rank {self.peer} (tag {tag})"
-        work = RecvWork(self, chan, tensor, sig, staging, what=what, timeout=self.timeout, tensors=[tensor],
+        peer = self.peer
+        work = RecvWork(self, chan, tensor, sig, staging,
+                        what=lambda: f"irecv of {sig.describe()} from rank {peer} (tag {tag})", timeout=self.timeout, tensors=[tensor],
                         source=self.peer, completer=self.completer)
         if self.error is not None:
             work._finish(self.error)
@@ -432,7 +472,7 @@ class Peer:
         try:
             chan.post(work, buf)
         except BaseException as exc:  # noqa: BLE001
-            work._finish(self.fail(exc, what))
+            work._finish(self.fail(exc, work._what))
         return work
 
     # -- failures ----------------------------------------------------------------------

@@ -37,14 +37,17 @@ class Work(dist._Work):
     deadline) and may override :meth:`_poll` (non-blocking progress).
     """
 
-    def __init__(self, *, what: str, timeout: float, tensors: list[torch.Tensor], source: int = -1,
-                 completer: "Completer | None" = None) -> None:
+    def __init__(self, *, what: "str | Callable[[], str]", timeout: float, tensors: list[torch.Tensor],
+                 source: int = -1, completer: "Completer | None" = None) -> None:
         super().__init__()
-        self._done = threading.Event()
+        # Completion is a flag; an Event is made only for a thread that has to sleep on it (most
+        # works complete in the thread that waits on them: no Event, no wake-up).
+        self._is_done = False
+        self._event: threading.Event | None = None
         self._exc: BaseException | None = None
         self._fut: torch.futures.Future | None = None
         self._state_lock = threading.Lock()
-        self._what = what
+        self._what_src = what  # the description, or a callable making it (built only for an error)
         self._timeout = timeout
         self._tensors = tensors
         self._source = source
@@ -54,11 +57,14 @@ class Work(dist._Work):
     # -- completion (called by the layers below) ------------------------------------
     def _finish(self, exc: BaseException | None = None) -> None:
         with self._state_lock:
-            if self._done.is_set():
+            if self._is_done:
                 return
             self._exc = exc
-            self._done.set()
+            self._is_done = True
+            ev = self._event
             fut = self._fut
+        if ev is not None:
+            ev.set()
         if fut is not None:
             self._settle(fut)
 
@@ -72,12 +78,29 @@ class Work(dist._Work):
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._is_done
+
+    @property
+    def _what(self) -> str:
+        what = self._what_src
+        if not isinstance(what, str):
+            what = self._what_src = what()
+        return what
+
+    def _sleep_until_done(self, timeout: float) -> bool:
+        """Sleep until another thread finishes this work (True) or ``timeout`` passes (False)."""
+        with self._state_lock:
+            if self._is_done:
+                return True
+            ev = self._event
+            if ev is None:
+                ev = self._event = threading.Event()
+        return ev.wait(timeout)
 
     # -- progress (subclasses) ---------------------------------------------------------
     def _drive(self, deadline: float) -> None:
         """Make progress until done; raise WorkTimeout at ``deadline`` (the operation goes on)."""
-        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+        if not self._sleep_until_done(max(0.0, deadline - time.monotonic())):
             raise WorkTimeout(f"{self._what} not complete within {self._wait_seconds:.3g} s")
 
     def _poll(self) -> None:
@@ -88,7 +111,7 @@ class Work(dist._Work):
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
         if seconds <= 0:
             seconds = self._timeout
-        if not self._done.is_set():
+        if not self._is_done:
             self._wait_seconds = seconds
             self._drive(time.monotonic() + seconds)
         if self._exc is not None:
@@ -99,15 +122,15 @@ class Work(dist._Work):
         self.wait()
 
     def is_completed(self) -> bool:
-        if not self._done.is_set():
+        if not self._is_done:
             try:
                 self._poll()
             except Exception:  # noqa: BLE001 - an error is reported by wait()/exception(), not here
                 pass
-        return self._done.is_set()
+        return self._is_done
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._exc is None
+        return self._is_done and self._exc is None
 
     def exception(self) -> BaseException | None:  # type: ignore[override]
         return self._exc
@@ -126,7 +149,7 @@ class Work(dist._Work):
             fut = self._fut
             if fut is None:
                 fut = self._fut = torch.futures.Future()
-            done = self._done.is_set()
+            done = self._is_done
         if done:
             self._settle(fut)
         elif self._completer is not None:
