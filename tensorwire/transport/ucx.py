@@ -673,7 +673,11 @@ def _tick(ref: "weakref.ref[_Engine]") -> None:
         del eng
 
 
-_ENGINE: _Engine | None = None
+#: The process's engines: one for trusted peers (links between the ranks of a job, clients of a daemon) and,
+#: made only by a listener for untrusted peers (the serve daemon), one whose context has no shared-memory, cma or
+#: cuda_ipc transport. UCX settings are per context, so the two never share one; a process that holds both (a
+#: daemon and a client of another daemon, or a test) runs two contexts, each with its own progress.
+_ENGINES: dict[bool, _Engine] = {}
 #: (request, buffers) UCX may still use after their connection was torn down without a
 #: clean close: kept referenced so their memory is never reused under UCX.
 _GRAVEYARD: Deque[tuple[Any, Any]] = collections.deque()
@@ -681,38 +685,34 @@ _ENGINE_LOCK = threading.Lock()
 
 
 def _engine(peer_timeout: float = 30.0, *, untrusted: bool | None = None) -> _Engine:
-    """The process's engine, created on first use (and again in a forked child).
+    """The process's engine for ``untrusted`` peers, created on first use (and again in a forked child).
 
     ``untrusted``: True for a listener whose peers are not trusted (serve
-    clients): the engine's UCX context then has no shared-memory, cma or
-    cuda_ipc transport. UCX settings are per context, so the first listener
-    decides; asking the other way afterwards is a ConfigError. None: any.
+    clients): that engine's UCX context has no shared-memory, cma or cuda_ipc
+    transport. False: the trusted engine. None (an outgoing connection): the
+    trusted engine, made if this process has none.
     """
-    global _ENGINE
-    eng = _ENGINE
+    want = bool(untrusted)
+    eng = _ENGINES.get(want)
     if eng is None or eng.pid != os.getpid():
         with _ENGINE_LOCK:
-            if _ENGINE is None or _ENGINE.pid != os.getpid():
-                _ENGINE = _Engine(peer_timeout, untrusted=bool(untrusted))
-            eng = _ENGINE
-    if untrusted is not None and eng.untrusted != untrusted:
-        raise ConfigError(
-            "this process's UCX context was made for " + ("untrusted" if eng.untrusted else "trusted")
-            + " peers; a listener for " + ("untrusted" if untrusted else "trusted") + " peers cannot share it")
+            eng = _ENGINES.get(want)
+            if eng is None or eng.pid != os.getpid():
+                eng = _ENGINES[want] = _Engine(peer_timeout, untrusted=want)
     return eng
 
 
 @atexit.register
 def _shutdown() -> None:
-    eng = _ENGINE
-    if eng is None or eng.pid != os.getpid():
-        return
-    eng.stopped = True
-    for obj in list(eng.objects):
-        try:
-            obj.close()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
+    for eng in list(_ENGINES.values()):
+        if eng.pid != os.getpid():
+            continue
+        eng.stopped = True
+        for obj in list(eng.objects):
+            try:
+                obj.close()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
 
 
 # -- endpoint state shared by the handshake and the transport --------------------------
@@ -1643,7 +1643,6 @@ class UcxListener(Listener):
                 in constant time before anything else is done for it; None: none asked.
 
         Raises:
-            ConfigError: ``untrusted`` differs from an earlier listener of this process.
             TransportError: cannot listen.
         """
         self._eng = eng = _engine(peer_timeout, untrusted=untrusted)
