@@ -242,12 +242,13 @@ class HostSend(SendPath):
         super().__init__(*args)
         self._whole = self._t.any_dtype  # the transport takes the tensor as it is
         self._empty = self.slot.raw if not self.nbytes else None
+        self._fast = bool(self.shape)  # a 0-d tensor takes the general path
 
     def send(self, tensor: "torch.Tensor", timeout: float, stream: Any = None) -> None:
-        if tensor.dtype is self.dtype and tensor.shape == self.shape and not tensor.is_cuda:
+        if self._fast and tensor.dtype is self.dtype and not tensor.is_cuda and tensor.shape == self.shape:
             if tensor.requires_grad:
                 tensor = tensor.detach()
-            if tensor.is_contiguous() and tensor.dim():
+            if tensor.is_contiguous():
                 if self._empty is not None:
                     data = self._empty
                 else:
