@@ -4,7 +4,7 @@
 ::
 
     python bench/bench_pipeline.py                        # launches torchrun itself, writes the results file
-    python bench/bench_pipeline.py --out bench/results/pipeline_cpu.md --rounds 3
+    python bench/bench_pipeline.py --out bench/results/pipeline_cpu2_$(date +%F).md --rounds 3
 
 One run = one ``torchrun --standalone --nproc-per-node 2`` job (this script
 re-launches itself as the workers). Both ranks build the model of
@@ -52,7 +52,8 @@ from typing import Any, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "pipeline_parallel.py"
-DEFAULT_OUT = REPO / "bench" / "results" / "pipeline_cpu.md"
+# bench/results/<benchmark>_<machine kind>_<date>.md; the kind defaults to cpu<cores> (rename for a GPU host)
+DEFAULT_OUT = REPO / "bench" / "results" / f"pipeline_cpu{os.cpu_count()}_{_dt.date.today():%Y-%m-%d}.md"
 GRPC_LIMIT = 1 << 30
 GRPC_OPTIONS = [("grpc.max_send_message_length", GRPC_LIMIT), ("grpc.max_receive_message_length", GRPC_LIMIT)]
 

@@ -19,10 +19,10 @@ server with raw-bytes methods (identity serializers, i.e. no protobuf cost at
 all: the most favourable case for gRPC), tensors held in preallocated torch
 tensors like the daemon's slots, run in its own process like the daemon.
 
-Prints a table with ratios and writes ``bench/results/serve_cpu.md`` (table,
+Prints a table with ratios and writes ``bench/results/serve_cpu<cores>_<date>.md`` (table,
 machine info, the exact command). Usage::
 
-    python bench/bench_serve.py [--quick] [--out bench/results/serve_cpu.md]
+    python bench/bench_serve.py [--quick] [--out bench/results/serve_<machine kind>_<date>.md]
 """
 
 from __future__ import annotations
@@ -562,7 +562,8 @@ def main() -> int:
     p.add_argument("--transport", default="auto", choices=("auto", "tcp", "ucx"),
                    help="the daemon's --transport (auto offers UCX, when usable, and TCP: both are measured)")
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "serve_cpu.md"))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+                                            f"serve_cpu{os.cpu_count()}_{time.strftime('%Y-%m-%d')}.md"))
     args = p.parse_args()
     if args.baseline_server:
         serve_baseline()

@@ -27,7 +27,7 @@ For each size (default 16, 64, 256 MiB) this script measures, on this machine:
 The socket and both tensorwire rows run in one process pair, in turns (a tenth of each
 row's messages, then the next row's, ten times per size), so a drift in the machine's
 speed during the run weighs on the bound and on tensorwire alike; ``--separate`` measures
-them one after the other in a process pair each (the method before session 5).
+them one after the other in a process pair each (the method before 2026-11-23).
 
 Every figure is ``size / median(time per message)``; each message of the socket and
 tensorwire rows is timed from the start of the send to the arrival of its ack (the

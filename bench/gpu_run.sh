@@ -6,12 +6,12 @@
 #   Download the wheels into .whl/ (a host with network):   bash bench/gpu_run.sh --fetch-wheels
 #
 # Steps (each bounded by `timeout`, so the whole run ends inside 10 minutes; a failing step does not stop
-# the next): 1. install .whl/*.whl into /tmp/site; 2. preflight + `tensorwire doctor` (text and JSON);
+# the next): 1. install .whl/*.whl into a site directory under $TMPDIR; 2. preflight + `tensorwire doctor` (text and JSON);
 # 3. `tensorwire bench --device cuda` GPU0 -> GPU1 with tensorwire-ucx, NCCL, raw ucxx (by worker address and
 # through a listener), gRPC (unary, stream; capped at $GRPC_MAX, they take seconds per message) and
 # tensorwire-tcp (staged through pinned memory);
 # 4. `pytest -m gpu tests/p2p/test_gpu.py`.
-# Files written to $OUT (7, within what the device tool brings back): doctor.txt doctor.json bench.log
+# Files written to $OUT: doctor.txt doctor.json bench.log
 # gpu_nvlink.md gpu_nvlink.json gpu_nvlink.png gpu_tests.log
 # Knobs (environment): STEPS=bench,tests,staged,pipeline (a subset picks steps), BACKENDS, MIN_SIZE, MAX_SIZE,
 # GRPC_MAX, SCALE (iterations), T_BENCH / T_TESTS (timeouts in s), OUT.
@@ -28,7 +28,7 @@ esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
 if [ "$MODE" = fetch ]; then
-  # The ucxx stack (as /work/shared/tools/device-wheels.sh) plus what tensorwire needs newer than the GPU image has.
+  # The ucxx stack (UCX, ucxx, RMM for CUDA 13) plus what tensorwire needs newer than a GPU image may have.
   mkdir -p .whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -41,9 +41,10 @@ fi
 
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+SITE=${TMPDIR:-/tmp}/tensorwire-site
+if ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
     .whl/*.whl; then
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=$SITE:$PWD
 else
   [ -d .whl ] && echo "WARNING: no usable wheels in .whl/ (wrong Python/platform?); using what is installed" >&2
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

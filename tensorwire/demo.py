@@ -1,187 +1,590 @@
-"""``tensorwire demo``: the main job on an embedded default, no cluster needed.
+"""``tensorwire demo``: the same bytes through tensorwire, a raw socket and gRPC, on this machine.
 
-Starts two worker processes on this machine (loopback), negotiates a link
-between them from a default pipeline-stage layout (activations forward,
-gradients back, plus a weight broadcast), runs a number of steps moving those
-tensors through tensorwire, checks every received byte, and then moves the
-same bytes through gRPC (unary calls, limits raised) for comparison. Prints
-progress, a per-tensor table and the speed-up.
+Two worker processes on loopback (no cluster needed). Rank 0 sends, rank 1
+receives; rank 1 also hosts the gRPC server, so the server runs in its own
+process, not in the client's. Three rows, each measured for the three paths in
+turns (round by round, so a load change on the machine weighs on all of them
+alike):
+
+- **4 KiB round trip**: one 4 KiB message and a 1-byte acknowledgement back;
+- **1 MiB stream** and **64 MiB stream**: a round of messages sent back to back,
+  then one acknowledgement.
+
+What is timed, on both sides, is the exchange only: rank 1 says "go" on a
+control socket when it is ready; rank 0 starts its clock when the go arrives
+and stops it when the acknowledgement is in; rank 1 starts its clock when it
+has said go and stops it once its acknowledgement is out. Filling the sent
+tensors (rank 0) and checking every received byte against the expected
+pattern (rank 1) happen outside both clocks, before the next go. The
+receiver keeps every message of a round in its own buffer until it has checked
+it (tensorwire: ``Node.link(..., depth=messages + 1)``, so no copy).
+
+The paths:
+
+- *tensorwire*: a ``Link`` (``send``/``recv`` into preallocated slots), the
+  transport ``auto`` picks (UCX on one host), or ``--transport``;
+- *raw socket*: one TCP socket, ``sendall`` out of the tensor, ``recv_into``
+  the receiver's buffer (no framing): the floor a socket gives;
+- *gRPC*: raw bytes (no protobuf wrapper, message limits raised); a unary
+  call for the round trip, one client-streaming call per round in 1 MiB chunks
+  for the streams (the fastest way gRPC has of moving bulk bytes). The server
+  copies each message into its preallocated buffer, as receiving a tensor needs.
+
+The table shows medians over the timed rounds by rank 0's clock; the receiver's
+clock gives the headline ratio a second time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import os
 import queue
+import socket
+import statistics
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Sequence, TextIO
 
-__all__ = ["register", "run_demo"]
+__all__ = ["register", "run_demo", "measure", "format_table", "DemoResult", "Row", "DEFAULT_ROWS", "PATHS"]
 
-#: name -> (shape, dtype, direction) ; "fwd" goes 0 -> 1, "bwd" goes 1 -> 0.
-DEFAULT_LAYOUT: dict[str, tuple[tuple[int, ...], str, str]] = {
-    "output.0": ((64, 1024), "float32", "fwd"),  # activations of a 1024-wide stage, batch 64 (256 KiB)
-    "grad.output.0": ((64, 1024), "float32", "bwd"),
-    "param.weight": ((2048, 2048), "float32", "fwd"),  # 16 MiB weight broadcast
-}
+KIB = 1024
+MIB = 1024 * KIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of the table: ``messages`` messages of ``size`` bytes per timed round, then one ack."""
+
+    label: str
+    size: int
+    messages: int
+    #: timed rounds per unit of ``--rounds``
+    scale: int
+
+    @property
+    def round_trip(self) -> bool:
+        return self.messages == 1
+
+
+DEFAULT_ROWS: tuple[Row, ...] = (
+    Row("4 KiB round trip", 4 * KIB, 1, 40),
+    Row("1 MiB stream", 1 * MIB, 8, 4),
+    Row("64 MiB stream", 64 * MIB, 2, 1),
+)
+PATHS: tuple[str, ...] = ("tensorwire", "raw socket", "gRPC")
+_GRPC_CHUNK = 1 * MIB
+_GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_GRPC_SERVICE = "twdemo.Exchange"
+_ACK = b"k"
+_GO = b"g"
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="run a two-process exchange on this machine (no cluster) and compare with gRPC")
-    p.add_argument("--steps", type=int, default=50, help="steps to run (default 50)")
+    p = sub.add_parser("demo", help="the same bytes through tensorwire, a raw socket and gRPC on this machine")
+    p.add_argument("--rounds", "--steps", dest="rounds", type=int, default=5,
+                   help="timed rounds per stream row (default 5; the round trip runs 40 times as many)")
     p.add_argument("--transport", default="auto", choices=("auto", "ucx", "tcp"))
-    p.add_argument("--no-grpc", action="store_true", help="skip the gRPC comparison")
+    p.add_argument("--no-grpc", action="store_true", help="skip gRPC")
     p.add_argument("--timeout", type=float, default=120.0, help="overall timeout in seconds")
-    p.set_defaults(func=lambda a: run_demo(steps=a.steps, transport=a.transport, grpc=not a.no_grpc,
+    p.set_defaults(func=lambda a: run_demo(rounds=a.rounds, transport=a.transport, grpc=not a.no_grpc,
                                            timeout=a.timeout))
 
 
-def _salt(name: str) -> int:
-    import zlib
-
-    return zlib.crc32(name.encode()) % 97  # stable across processes, unlike hash()
+# -- what is sent and checked -------------------------------------------------------------------------
 
 
-def _tensor(shape: tuple[int, ...], dtype: str, step: int, salt: int, out: Any = None) -> Any:
+def _ramp(size: int) -> Any:
+    """The byte pattern 0, 1, ..., 255, 0, 1, ... of ``size`` bytes (``size`` a multiple of 256)."""
     import torch
 
-    t = torch.empty(shape, dtype=getattr(torch, dtype)) if out is None else out
-    t.fill_(float(step * 7 + salt))
-    return t
+    return torch.arange(256, dtype=torch.uint8).repeat(size // 256)
 
 
-def _worker(rank: int, port: int, steps: int, transport: str, q: Any) -> None:
+def _value(row: int, path: int, rnd: int, msg: int, messages: int) -> int:
+    """What message ``msg`` of round ``rnd`` adds to the ramp: differs from the previous rounds' messages."""
+    return (row * 17 + path * 5 + rnd * messages + msg + 1) % 251
+
+
+def _fill(out: Any, ramp: Any, value: int) -> None:
+    import torch
+
+    torch.add(ramp, value, out=out)  # uint8 arithmetic wraps around
+
+
+def count_bad(received: Sequence[Any], ramp: Any, values: Sequence[int], scratch: Any) -> int:
+    """How many of ``received`` differ anywhere from ``ramp + value`` (every byte compared)."""
+    import torch
+
+    bad = 0
+    for buf, value in zip(received, values):
+        _fill(scratch, ramp, value)
+        if buf.shape != scratch.shape or not torch.equal(buf, scratch):
+            bad += 1
+    return bad
+
+
+# -- the three paths, one class per side --------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+
+
+def _nodelay(sock: socket.socket, timeout: float) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(timeout)
+    return sock
+
+
+class _TwSender:
+    def __init__(self, link: Any) -> None:
+        self.link = link
+
+    def exchange(self, row: int, srcs: Sequence[Any]) -> None:
+        name = f"row{row}"
+        for t in srcs:
+            self.link.send(name, t)
+        self.link.recv("ack")
+
+
+class _TwReceiver:
+    def __init__(self, link: Any, ack: Any) -> None:
+        self.link = link
+        self.ack = ack
+
+    def exchange(self, row: int, n: int) -> list[Any]:
+        name = f"row{row}"
+        got = [self.link.recv(name) for _ in range(n)]  # depth n + 1: all n stay valid until checked
+        self.link.send("ack", self.ack)
+        return got
+
+
+class _SocketSender:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.ack = memoryview(bytearray(1))
+
+    def exchange(self, row: int, srcs: Sequence[Any]) -> None:
+        for t in srcs:
+            self.sock.sendall(memoryview(t.numpy()))
+        _recv_exact(self.sock, self.ack)
+
+
+class _SocketReceiver:
+    def __init__(self, sock: socket.socket, buffers: list[list[Any]]) -> None:
+        self.sock = sock
+        self.views = [[memoryview(b.numpy()) for b in bufs] for bufs in buffers]
+        self.buffers = buffers
+
+    def exchange(self, row: int, n: int) -> list[Any]:
+        for view in self.views[row][:n]:
+            _recv_exact(self.sock, view)
+        self.sock.sendall(_ACK)
+        return self.buffers[row][:n]
+
+
+class _GrpcSender:
+    def __init__(self, address: str, timeout: float) -> None:
+        import grpc
+
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        self.unary = self.channel.unary_unary(f"/{_GRPC_SERVICE}/Put")
+        self.stream = self.channel.stream_unary(f"/{_GRPC_SERVICE}/Stream")
+        hello = self.channel.unary_unary(f"/{_GRPC_SERVICE}/Hello")
+        self.server_pid = int(hello(b"", timeout=timeout))
+
+    def exchange(self, row: int, srcs: Sequence[Any]) -> None:
+        meta = (("tw-row", str(row)),)
+        if len(srcs) == 1:
+            reply = self.unary(srcs[0].numpy().tobytes(), timeout=self.timeout, metadata=meta)
+        else:
+            def chunks() -> Any:
+                for t in srcs:
+                    a = t.numpy()
+                    for off in range(0, len(a), _GRPC_CHUNK):
+                        yield a[off: off + _GRPC_CHUNK].tobytes()
+
+            reply = self.stream(chunks(), timeout=self.timeout, metadata=meta)
+        if reply != _ACK:
+            raise ConnectionError(f"unexpected gRPC reply {reply[:16]!r}")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class _GrpcReceiver:
+    """A gRPC server in this process (rank 1's); its handlers hand each finished round to :meth:`exchange`."""
+
+    def __init__(self, buffers: list[list[Any]], timeout: float) -> None:
+        import grpc
+        from concurrent import futures
+
+        self.buffers = buffers
+        self.arrays = [[b.numpy() for b in bufs] for bufs in buffers]
+        self.timeout = timeout
+        self.done: queue.Queue[BaseException | None] = queue.Queue()
+        handlers = grpc.method_handlers_generic_handler(_GRPC_SERVICE, {
+            "Hello": grpc.unary_unary_rpc_method_handler(lambda req, ctx: str(os.getpid()).encode()),
+            "Put": grpc.unary_unary_rpc_method_handler(self._put),
+            "Stream": grpc.stream_unary_rpc_method_handler(self._stream),
+        })
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
+        self.server.add_generic_rpc_handlers((handlers,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @staticmethod
+    def _row(context: Any) -> int:
+        return int(dict(context.invocation_metadata())["tw-row"])
+
+    def _put(self, request: bytes, context: Any) -> bytes:
+        import numpy as np
+
+        try:
+            dst = self.arrays[self._row(context)][0]
+            dst[:] = np.frombuffer(request, dtype=np.uint8)
+            self.done.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self.done.put(exc)
+            raise
+        return _ACK
+
+    def _stream(self, chunks: Any, context: Any) -> bytes:
+        import numpy as np
+
+        try:
+            arrays = self.arrays[self._row(context)]
+            msg, off = 0, 0
+            for chunk in chunks:
+                dst = arrays[msg]
+                dst[off: off + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                off += len(chunk)
+                if off == len(dst):
+                    msg, off = msg + 1, 0
+            if off:
+                raise ValueError(f"a gRPC stream ended inside message {msg}")
+            self.done.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self.done.put(exc)
+            raise
+        return _ACK
+
+    def exchange(self, row: int, n: int) -> list[Any]:
+        err = self.done.get(timeout=self.timeout)
+        if err is not None:
+            raise err
+        return self.buffers[row][:n]
+
+    def close(self) -> None:
+        self.server.stop(grace=1.0).wait(3.0)
+
+
+# -- the two worker processes -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    rows: tuple[Row, ...]
+    rounds: int
+    transport: str
+    grpc: bool
+    timeout: float
+    check_pause: float
+
+    def paths(self) -> tuple[str, ...]:
+        return PATHS if self.grpc else PATHS[:2]
+
+    def timed(self, row: Row) -> int:
+        return max(1, self.rounds * row.scale)
+
+    def warmup(self, row: Row) -> int:
+        return max(1, self.timed(row) // 10)
+
+
+def _specs(plan: _Plan) -> tuple[list[Any], Any, dict[str, int]]:
+    import tensorwire as tw
+
+    rows = [tw.TensorSpec(f"row{i}", (r.size,), "uint8") for i, r in enumerate(plan.rows)]
+    depth = {s.name: r.messages + 1 for s, r in zip(rows, plan.rows)}
+    return rows, tw.TensorSpec("ack", (1,), "uint8"), depth
+
+
+def _sender(plan: _Plan, store: Any, q: Any) -> None:
+    import torch
+
+    import tensorwire as tw
+
+    rows, ack, _ = _specs(plan)
+    with tw.Node(rank=0, world_size=2, store=store, transport=plan.transport, timeout=plan.timeout) as node:
+        link = node.link(1, send=rows, recv=[ack])
+        ports = [int(p) for p in store.get("demo/ports").decode().split(",")]
+        ctrl = _nodelay(socket.create_connection(("127.0.0.1", ports[0]), timeout=plan.timeout), plan.timeout)
+        data = _nodelay(socket.create_connection(("127.0.0.1", ports[1]), timeout=plan.timeout), plan.timeout)
+        paths: list[Any] = [_TwSender(link), _SocketSender(data)]
+        grpc_pid = None
+        if plan.grpc:
+            paths.append(_GrpcSender(f"127.0.0.1:{ports[2]}", plan.timeout))
+            grpc_pid = paths[2].server_pid
+        q.put(("ready", 0, {"transport": link.transport, "pid": os.getpid(), "grpc_server_pid": grpc_pid}))
+        go = memoryview(bytearray(1))
+        times: dict[str, list[float]] = {}
+        try:
+            for i, row in enumerate(plan.rows):
+                ramp = _ramp(row.size)
+                srcs = [torch.empty(row.size, dtype=torch.uint8) for _ in range(row.messages)]
+                row_times: dict[str, list[float]] = {p: [] for p in plan.paths()}
+                warm = plan.warmup(row)
+                for rnd in range(warm + plan.timed(row)):
+                    for p, path in enumerate(paths):
+                        for m, t in enumerate(srcs):  # the "model" writes its outputs: not timed
+                            _fill(t, ramp, _value(i, p, rnd, m, row.messages))
+                        _recv_exact(ctrl, go)  # the receiver has checked the last round and is ready
+                        t0 = time.perf_counter()
+                        path.exchange(i, srcs)
+                        dt = time.perf_counter() - t0
+                        if rnd >= warm:
+                            row_times[plan.paths()[p]].append(dt)
+                for p in row_times:
+                    times[f"{i}/{p}"] = row_times[p]
+                q.put(("row", 0, (i, row_times)))
+        finally:
+            if plan.grpc:
+                paths[2].close()
+            ctrl.close()
+            data.close()
+    q.put(("done", 0, {"times": times}))
+
+
+def _receiver(plan: _Plan, store: Any, q: Any) -> None:
+    import torch
+
+    import tensorwire as tw
+
+    rows, ack, depth = _specs(plan)
+    ctrl_l = socket.create_server(("127.0.0.1", 0))
+    data_l = socket.create_server(("127.0.0.1", 0))
+
+    def buffers() -> list[list[Any]]:
+        return [[torch.empty(r.size, dtype=torch.uint8) for _ in range(r.messages)] for r in plan.rows]
+
+    grpc_rx = _GrpcReceiver(buffers(), plan.timeout) if plan.grpc else None
+    store.set("demo/ports", f"{ctrl_l.getsockname()[1]},{data_l.getsockname()[1]},{grpc_rx.port if grpc_rx else 0}")
     try:
-        import torch
+        with tw.Node(rank=1, world_size=2, store=store, transport=plan.transport, timeout=plan.timeout) as node:
+            link = node.link(0, send=[ack], recv=rows, depth=depth)
+            ctrl_l.settimeout(plan.timeout)
+            data_l.settimeout(plan.timeout)
+            ctrl = _nodelay(ctrl_l.accept()[0], plan.timeout)
+            data = _nodelay(data_l.accept()[0], plan.timeout)
+            paths: list[Any] = [_TwReceiver(link, torch.ones(1, dtype=torch.uint8)), _SocketReceiver(data, buffers())]
+            if grpc_rx is not None:
+                paths.append(grpc_rx)
+            names = plan.paths()
+            times: dict[str, list[float]] = {}
+            bad = {p: 0 for p in names}
+            checked = 0
+            for i, row in enumerate(plan.rows):
+                ramp = _ramp(row.size)
+                scratch = torch.empty(row.size, dtype=torch.uint8)
+                warm = plan.warmup(row)
+                row_times: dict[str, list[float]] = {p: [] for p in names}
+                for rnd in range(warm + plan.timed(row)):
+                    for p, path in enumerate(paths):
+                        ctrl.sendall(_GO)
+                        t0 = time.perf_counter()
+                        got = path.exchange(i, row.messages)
+                        dt = time.perf_counter() - t0
+                        if rnd >= warm:
+                            row_times[names[p]].append(dt)
+                        values = [_value(i, p, rnd, m, row.messages) for m in range(row.messages)]
+                        bad[names[p]] += count_bad(got, ramp, values, scratch)  # every byte: not timed
+                        checked += row.size * row.messages
+                        if plan.check_pause:
+                            time.sleep(plan.check_pause)  # tests: a slow check must stay off both clocks
+                for p in names:
+                    times[f"{i}/{p}"] = row_times[p]
+            # wait for the sender to hang up before tearing the gRPC server and the link down
+            ctrl.settimeout(plan.timeout)
+            ctrl.recv(1)
+            ctrl.close()
+            data.close()
+    finally:
+        if grpc_rx is not None:
+            grpc_rx.close()
+        ctrl_l.close()
+        data_l.close()
+    q.put(("done", 1, {"times": times, "bad": bad, "checked_bytes": checked, "pid": os.getpid()}))
+
+
+def _worker(rank: int, port: int, plan: _Plan, q: Any) -> None:
+    try:
         from torch.distributed import TCPStore
 
-        import tensorwire as tw
-
-        store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=60))
-        specs = {n: tw.TensorSpec(n, s, d) for n, (s, d, _) in DEFAULT_LAYOUT.items()}
-        fwd = [specs[n] for n, v in DEFAULT_LAYOUT.items() if v[2] == "fwd"]
-        bwd = [specs[n] for n, v in DEFAULT_LAYOUT.items() if v[2] == "bwd"]
-        with tw.Node(rank=rank, world_size=2, store=store, transport=transport) as node:
-            link = node.link(1 - rank, send=fwd if rank == 0 else bwd, recv=bwd if rank == 0 else fwd)
-            mine = fwd if rank == 0 else bwd
-            theirs = bwd if rank == 0 else fwd
-            bad = 0
-            moved = 0
-            t_busy = 0.0
-            src = {s.name: _tensor(s.shape, s.dtype, 0, 0) for s in mine}
-            for step in range(steps):
-                for s in mine:  # the "model" writes its outputs (not timed)
-                    _tensor(s.shape, s.dtype, step, _salt(s.name), out=src[s.name])
-                t0 = time.perf_counter()
-                for s in mine:
-                    link.send(s.name, src[s.name])
-                got = {s.name: link.recv(s.name) for s in theirs}
-                t_busy += time.perf_counter() - t0
-                for s in theirs:  # check every byte (not timed)
-                    if not bool((got[s.name] == float(step * 7 + _salt(s.name))).all()):
-                        bad += 1
-                moved += sum(s.nbytes for s in mine + theirs)
-                if rank == 0:
-                    q.put(("progress", step + 1, None))
-            q.put(("done", rank, {"transport": link.transport, "bad": bad, "seconds": t_busy, "bytes": moved}))
+        store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=plan.timeout))
+        (_sender if rank == 0 else _receiver)(plan, store, q)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
 
 
-def _grpc_baseline(steps: int) -> float:
-    """Seconds to move the same bytes as the demo through gRPC unary calls (server in a child)."""
-    from concurrent import futures
-
-    import grpc
-    import numpy as np
-
-    opts = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-
-    def echo_small(req: bytes, ctx: Any) -> bytes:
-        # the receiver materialises a tensor from the bytes, as a real gRPC tensor service would
-        np.frombuffer(req, dtype=np.uint8).copy()
-        return reply
-
-    sizes = {n: _nbytes(s, d) for n, (s, d, _) in DEFAULT_LAYOUT.items()}
-    bwd = sum(v for n, v in sizes.items() if DEFAULT_LAYOUT[n][2] == "bwd")
-    reply = b"\0" * bwd
-    server = grpc.server(futures.ThreadPoolExecutor(2), options=opts)
-    handler = grpc.method_handlers_generic_handler("demo.Exchange", {"Step": grpc.unary_unary_rpc_method_handler(echo_small)})
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
-            call = ch.unary_unary("/demo.Exchange/Step")
-            fwd_tensors = [_tensor(s, d, 0, 1).numpy() for n, (s, d, w) in DEFAULT_LAYOUT.items() if w == "fwd"]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                payload = b"".join(a.tobytes() for a in fwd_tensors)
-                out = call(payload, timeout=60)
-                np.frombuffer(out, dtype=np.uint8).copy()
-            return time.perf_counter() - t0
-    finally:
-        server.stop(0)
+# -- the parent: run, collect, print ------------------------------------------------------------------
 
 
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    import math
+@dataclasses.dataclass
+class DemoResult:
+    """What a demo run measured. ``sender[row][path]`` / ``receiver[...]``: seconds per timed round."""
 
-    return math.prod(shape) * {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)
+    rows: tuple[Row, ...]
+    paths: tuple[str, ...]
+    transport: str
+    sender: list[dict[str, list[float]]]
+    receiver: list[dict[str, list[float]]]
+    bad: dict[str, int]
+    checked_bytes: int
+    pids: dict[str, int | None]
+
+    def figure(self, row: int, path: str, *, clock: str = "sender") -> float:
+        """Median per round: seconds for a round trip row, bytes/s for a stream row."""
+        secs = statistics.median((self.sender if clock == "sender" else self.receiver)[row][path])
+        r = self.rows[row]
+        return secs if r.round_trip else r.size * r.messages / secs
+
+    def speedup(self, row: int, other: str, *, clock: str = "sender") -> float:
+        """How many times faster tensorwire is than ``other`` on ``row``."""
+        tw_, o = self.figure(row, "tensorwire", clock=clock), self.figure(row, other, clock=clock)
+        return o / tw_ if self.rows[row].round_trip else tw_ / o
 
 
-def run_demo(*, steps: int = 50, transport: str = "auto", grpc: bool = True, timeout: float = 120.0) -> int:
+def measure(*, rows: Sequence[Row] = DEFAULT_ROWS, rounds: int = 5, transport: str = "auto", grpc: bool = True,
+            timeout: float = 120.0, progress: Callable[[str], None] | None = None,
+            check_pause: float = 0.0) -> DemoResult:
+    """Run the two workers and return what they measured.
+
+    Raises:
+        TimeoutError: the run did not finish within ``timeout``.
+        RuntimeError: a worker failed or died (its error in the message).
+    """
     from torch.distributed import TCPStore
 
-    if steps < 1:
-        print("tensorwire demo: --steps must be >= 1", file=sys.stderr)
-        return 2
-    out = sys.stdout
-    print(f"tensorwire demo: 2 workers on loopback, transport={transport}, {steps} steps", file=out)
-    for n, (s, d, w) in DEFAULT_LAYOUT.items():
-        print(f"  {n:<16} {d}{list(s)}  {'rank 0 -> 1' if w == 'fwd' else 'rank 1 -> 0'}", file=out)
-    store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=60), wait_for_workers=False)
+    plan = _Plan(tuple(rows), rounds, transport, grpc, timeout, check_pause)
+    say = progress or (lambda line: None)
+    store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=timeout), wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, steps, transport, q), daemon=True) for r in (0, 1)]
+    procs = [ctx.Process(target=_worker, args=(r, store.port, plan, q), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
-    results: dict[int, dict] = {}
+    got: dict[int, dict[str, Any]] = {}
+    ready: dict[str, Any] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < 2:
+        while len(got) < 2:
             try:
-                kind, who, payload = q.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+                kind, rank, payload = q.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    print("tensorwire demo: timed out", file=sys.stderr)
-                    return 1
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    print("tensorwire demo: a worker died", file=sys.stderr)
-                    return 1
+                    raise TimeoutError(f"the demo did not finish within {timeout:g} s") from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                if dead:
+                    raise RuntimeError(f"worker {dead[0]} died (exit code {procs[dead[0]].exitcode})") from None
                 continue
-            if kind == "progress":
-                if who == steps or who % max(1, steps // 10) == 0:
-                    print(f"  step {who}/{steps}", file=sys.stderr, flush=True)
-            elif kind == "error":
-                print(f"\ntensorwire demo: rank {who} failed: {payload}", file=sys.stderr)
-                return 1
+            if kind == "error":
+                raise RuntimeError(f"worker {rank} failed: {payload}")
+            if kind == "ready":
+                ready = payload
+                say(f"  workers connected: tensorwire over {payload['transport']}, gRPC server in process "
+                    f"{payload['grpc_server_pid']} (client: {payload['pid']})" if grpc else
+                    f"  workers connected: tensorwire over {payload['transport']}")
+            elif kind == "row":
+                i, row_times = payload
+                say("  " + _row_line(plan.rows[i], row_times))
             else:
-                results[who] = payload
+                got[rank] = payload
     finally:
         for p in procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
-    r0 = results[0]
-    gbps = r0["bytes"] / r0["seconds"] / 1e9
-    bad = r0["bad"] + results[1]["bad"]
-    print(f"tensorwire ({r0['transport']}): {r0['bytes'] / 1e6:.1f} MB in {r0['seconds']:.3f} s "
-          f"= {gbps:.2f} GB/s, {r0['seconds'] / steps * 1e3:.2f} ms/step, corrupted messages: {bad}", file=out)
-    if grpc:
-        secs = _grpc_baseline(steps)
-        print(f"gRPC (unary bytes): {secs:.3f} s = {r0['bytes'] / secs / 1e9:.2f} GB/s, {secs / steps * 1e3:.2f} ms/step",
-              file=out)
-        print(f"speed-up of tensorwire over gRPC: {secs / r0['seconds']:.1f}x", file=out)
+                p.join(5)
+    n = len(plan.rows)
+    paths = plan.paths()
+    return DemoResult(
+        rows=plan.rows, paths=paths, transport=ready.get("transport", "?"),
+        sender=[{p: got[0]["times"][f"{i}/{p}"] for p in paths} for i in range(n)],
+        receiver=[{p: got[1]["times"][f"{i}/{p}"] for p in paths} for i in range(n)],
+        bad=got[1]["bad"], checked_bytes=got[1]["checked_bytes"],
+        pids={"sender": ready.get("pid"), "receiver": got[1]["pid"], "grpc_server": ready.get("grpc_server_pid"),
+              "parent": os.getpid()},
+    )
+
+
+def _fmt(row: Row, value: float) -> str:
+    if row.round_trip:
+        return f"{value * 1e6:.1f} µs" if value < 1e-3 else f"{value * 1e3:.2f} ms"
+    return f"{value / 1e9:.2f} GB/s"
+
+
+def _row_line(row: Row, row_times: dict[str, list[float]]) -> str:
+    cells = []
+    for path, secs in row_times.items():
+        s = statistics.median(secs)
+        cells.append(f"{path} {_fmt(row, s if row.round_trip else row.size * row.messages / s)}")
+    return f"{row.label}: " + ", ".join(cells)
+
+
+def format_table(res: DemoResult) -> list[str]:
+    """The table and its headline, as lines."""
+    heads = [f"tensorwire ({res.transport})" if p == "tensorwire" else p for p in res.paths]
+    w0 = max(len(r.label) for r in res.rows) + 2
+    widths = [max(len(h), 10) + 2 for h in heads]
+    lines = ["".ljust(w0) + "".join(h.rjust(w) for h, w in zip(heads, widths))]
+    for i, row in enumerate(res.rows):
+        cells = [_fmt(row, res.figure(i, p)) for p in res.paths]
+        lines.append(row.label.ljust(w0) + "".join(c.rjust(w) for c, w in zip(cells, widths)))
+    other = "gRPC" if "gRPC" in res.paths else "raw socket"
+    ratios = [f"{res.speedup(i, other):.1f}x" for i in range(len(res.rows))]
+    ratios_rx = [f"{res.speedup(i, other, clock='receiver'):.1f}x" for i in range(len(res.rows))]
+    labels = " / ".join(r.label for r in res.rows)
+    lines.append("")
+    lines.append(f"tensorwire vs {other}: {' / '.join(ratios)}  ({labels}; receiver's clock: {' / '.join(ratios_rx)})")
+    if other == "gRPC":
+        sock = [f"{res.speedup(i, 'raw socket'):.2f}x" for i in range(len(res.rows))]
+        lines.append(f"tensorwire vs raw socket: {' / '.join(sock)}")
+    return lines
+
+
+def run_demo(*, rounds: int = 5, transport: str = "auto", grpc: bool = True, timeout: float = 120.0,
+             out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """``tensorwire demo``: measure, print the table; exit code 0, or 1 if any message arrived corrupted."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if rounds < 1:
+        print("tensorwire demo: --rounds must be >= 1", file=err)
+        return 2
+    print(f"tensorwire demo: two processes on this machine (loopback), rank 0 -> rank 1; "
+          f"paths in turns, {rounds} timed rounds per stream row; every byte checked, outside the clocks", file=out,
+          flush=True)
+    t0 = time.monotonic()
+    try:
+        res = measure(rounds=rounds, transport=transport, grpc=grpc, timeout=timeout,
+                      progress=lambda line: print(line, file=err, flush=True))
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"tensorwire demo: {exc}", file=err)
+        return 1
+    print("", file=out)
+    for line in format_table(res):
+        print(line, file=out)
+    bad = sum(res.bad.values())
+    print(f"checked {res.checked_bytes / 1e9:.2f} GB received, corrupted messages: {bad} "
+          f"({time.monotonic() - t0:.0f} s; medians by the sender's clock; round trip = 4 KiB there, 1 byte back)",
+          file=out)
     return 0 if bad == 0 else 1

@@ -53,7 +53,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Chunk of the overlapped device->host staging (large enough to keep PCIe/NVLink busy, small enough to overlap).
-#: 2 MiB: the sweep on 2 x H200 (bench/results/staged_chunks_h200x2.md) put it first at 16 MiB (0.91x the
+#: 2 MiB: the sweep on 2 x H200 (bench/results/staged-chunks_h200x2_2026-11-23.md) put it first at 16 MiB (0.91x the
 #: bound, vs 0.69-0.81x for 1, 4, 8 and 16 MiB chunks) and at 1.06x at 64 MiB.
 DEFAULT_CHUNK = 2 << 20
 #: Most chunks one staged message is cut into: bigger tensors get bigger chunks (bounds per-chunk Python work

@@ -107,6 +107,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-dir", default=None, metavar="DIR", help=_h("snapshot the store here (safetensors) on shutdown and on demand; restored on start", E + "SNAPSHOT_DIR"))
     p.add_argument("--ready-file", default=None, metavar="F", help=_h("write the ready line (JSON with the bound ports) to F", E + "READY_FILE"))
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S", help=_h("seconds in-flight transfers get on shutdown", E + "DRAIN_TIMEOUT", 10))
+    p.add_argument("--hello-timeout", type=float, default=None, metavar="S",
+                   help=_h("seconds a data connection may take to present its credential", E + "HELLO_TIMEOUT", 3))
+    p.add_argument("--max-pending-connections", type=int, default=None, metavar="N",
+                   help=_h("data connections without a credential yet, at most (the oldest is evicted)",
+                           E + "MAX_PENDING_CONNECTIONS", 512))
+    p.add_argument("--max-pending-per-peer", type=int, default=None, metavar="N",
+                   help=_h("the same, from one peer address", E + "MAX_PENDING_PER_PEER", 64))
+    p.add_argument("--max-waiting-calls", type=int, default=None, metavar="N",
+                   help=_h("control-plane threads that may wait for other clients' transfers (0 = workers/4)",
+                           E + "MAX_WAITING_CALLS", 0))
     p.add_argument(
         "--shm",
         action=argparse.BooleanOptionalAction,
@@ -119,6 +129,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 _SERVE_FLAGS = (
     "host", "port", "data_port", "transport", "max_bytes", "token_file", "tls_cert", "tls_key", "tls_ca",
     "insecure", "metrics_port", "snapshot_dir", "ready_file", "drain_timeout", "shm",
+    "hello_timeout", "max_pending_connections", "max_pending_per_peer", "max_waiting_calls",
 )
 
 

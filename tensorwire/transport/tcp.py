@@ -32,9 +32,11 @@ whose write would block also pumps reads when no one else does. This keeps the
 small-message path free of thread hand-offs (see bench/ for the figures).
 
 Connection set-up: the connecting side sends a hello (magic, protocol version,
-16-byte nonce learned over the control plane); the listener answers OK or
-drops the connection. Garbage, truncated or slow hellos are dropped without
-disturbing other connections.
+16-byte nonce learned over the control plane); the listener answers OK, NO
+(unknown credential or version) or BUSY (evicted to make room under a flood of
+connections that send no hello: the client dials again with backoff), each 8
+bytes. Garbage, truncated or slow hellos are dropped without disturbing other
+connections; see :mod:`tensorwire.transport.admission` for the bounds.
 
 Liveness: TCP keepalive and ``TCP_USER_TIMEOUT`` bounded by ``peer_timeout``,
 so a cut network surfaces as :class:`~tensorwire.PeerLostError` rather than a hang.
@@ -46,6 +48,7 @@ import collections
 import errno
 import logging
 import select
+import selectors
 import socket
 import struct
 import threading
@@ -58,11 +61,13 @@ from tensorwire.errors import (
     ConnectTimeout,
     PeerLostError,
     ProtocolError,
+    ResourceExhaustedError,
     TransferTimeout,
     TensorWireError,
     TransportError,
     VersionMismatchError,
 )
+from tensorwire.transport.admission import AdmissionLimits, PendingTable
 from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
 from tensorwire.transport.base import remaining as _remaining
 
@@ -663,35 +668,80 @@ class TcpTransport(Transport):
 # -- connection set-up -----------------------------------------------------------
 
 
+class _Hello:
+    """A connection whose hello has not arrived yet (the accept thread's only)."""
+
+    __slots__ = ("conn", "addr", "buf", "got")
+
+    def __init__(self, conn: socket.socket, addr: Any) -> None:
+        self.conn = conn
+        self.addr = addr
+        self.buf = bytearray(HELLO.size)
+        self.got = 0
+
+
 class TcpListener(Listener):
-    """Accepts framed TCP data connections; routes each to the link whose nonce it presents."""
+    """Accepts framed TCP data connections; routes each to the link whose nonce it presents.
+
+    One thread accepts connections and reads their hellos (non-blocking, one
+    selector): a connection costs no thread before it is authenticated, and
+    the check of a nonce and the parking of its connection happen in that one
+    thread, so one nonce is never accepted twice. Connections that have not
+    sent their hello yet are bounded by :class:`~tensorwire.transport.admission.AdmissionLimits`
+    (a deadline each, caps per peer address and in total, the oldest of the
+    heaviest address evicted with a BUSY answer); see that module for why this
+    never starves real clients.
+    """
 
     kind = "tcp"
-    HELLO_TIMEOUT = 5.0
-    MAX_HANDSHAKES = 64
+    #: Seconds a connection may take to send its hello (an instance may change it before connections arrive).
+    HELLO_TIMEOUT = AdmissionLimits.hello_timeout
+    #: Connections accepted per wake-up before pending hellos are read again.
+    ACCEPT_BATCH = 256
+    #: Seconds between two WARNINGs about dropped connections (the others are counted and summed up).
+    LOG_EVERY = 10.0
 
-    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0, backlog: int = 128) -> None:
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0, backlog: int = 1024,
+                 limits: AdmissionLimits | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self._sock.listen(backlog)
-        self._sock.settimeout(0.2)
+        self._sock.setblocking(False)
         self._host = host
         self._port = self._sock.getsockname()[1]
         self._peer_timeout = peer_timeout
+        self.limits = limits or AdmissionLimits()
+        self.HELLO_TIMEOUT = self.limits.hello_timeout
         self._cond = threading.Condition()
         self._expected: set[bytes] = set()
         self._parked: dict[bytes, TcpTransport] = {}
         self._closed = False
-        self._handshakes = threading.BoundedSemaphore(self.MAX_HANDSHAKES)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, None)
+        self._hellos: dict[int, _Hello] = {}
+        self._pending: PendingTable[int] = PendingTable(self.limits)
+        #: Connections dropped (bad or no hello, evicted for load), since creation.
         self.rejected = 0
+        self._quiet = 0  # drops not logged since the last WARNING
+        self._logged_at = -1e9
         self._thread = threading.Thread(target=self._accept_loop, name=f"tensorwire-tcp-accept:{self._port}", daemon=True)
         self._thread.start()
 
     @property
     def address(self) -> tuple[str, int]:
         return (self._host, self._port)
+
+    @property
+    def pending(self) -> int:
+        """Connections accepted whose hello has not arrived yet."""
+        return len(self._pending)
+
+    @property
+    def evicted(self) -> int:
+        """Pending connections evicted (answered BUSY) to make room for newer ones."""
+        return self._pending.evicted
 
     def expect(self, nonce: bytes) -> None:
         with self._cond:
@@ -728,45 +778,109 @@ class TcpListener(Listener):
         for t in parked:
             t.abort()
         self._thread.join(timeout=2)
+        for h in list(self._hellos.values()):
+            h.conn.close()
+        self._hellos.clear()
+        self._sel.close()
         self._sock.close()
 
+    # -- the accept thread ----------------------------------------------------------------
     def _accept_loop(self) -> None:
         while not self._closed:
+            nxt = self._pending.next_deadline()
+            wait = 0.2 if nxt is None else max(0.0, min(0.2, nxt - time.monotonic()))
             try:
-                conn, addr = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
+                events = self._sel.select(wait)
+            except OSError:  # pragma: no cover - closed under us
                 if self._closed:
                     return
                 time.sleep(0.05)
                 continue
-            if not self._handshakes.acquire(blocking=False):
-                log.warning("tcp data listener: too many pending handshakes; dropping %s", addr)
-                conn.close()
-                continue
-            threading.Thread(target=self._handshake, args=(conn, addr), daemon=True, name="tensorwire-tcp-hello").start()
+            for key, _ in events:
+                if key.fileobj is self._sock:
+                    self._accept_some()
+                else:
+                    self._read_hello(key.fd)
+            for fd in self._pending.expired_keys(time.monotonic()):
+                self._drop(fd, f"no hello within {self.HELLO_TIMEOUT:g}s", pending=False)
 
-    def _handshake(self, conn: socket.socket, addr: Any) -> None:
+    def _accept_some(self) -> None:
+        for _ in range(self.ACCEPT_BATCH):
+            try:
+                conn, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if self._closed:
+                    return
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and len(self._pending):
+                    # Out of descriptors: the oldest idle hello gives its up (a real client retries on BUSY).
+                    oldest = next(self._pending.keys())
+                    self._pending.remove(oldest)
+                    self._pending.evicted += 1
+                    self._drop(oldest, f"out of file descriptors ({exc})", reply=_BUSY, pending=False)
+                    continue
+                self._log_drop(None, f"accept failed: {exc}")
+                time.sleep(0.05)
+                return
+            if self._closed:
+                conn.close()
+                return
+            conn.setblocking(False)
+            fd = conn.fileno()
+            for old in self._pending.add(fd, str(addr[0]), time.monotonic(), timeout=self.HELLO_TIMEOUT):
+                if self._read_hello(old, pending=False):
+                    self._pending.evicted -= 1  # its hello was there already: admitted, not evicted
+                    continue
+                self._drop(old, "evicted for load: too many connections without a hello", reply=_BUSY, pending=False)
+            self._hellos[fd] = _Hello(conn, addr)
+            self._sel.register(conn, selectors.EVENT_READ, None)
+
+    def _read_hello(self, fd: int, *, pending: bool = True) -> bool:
+        """Read what arrived of ``fd``'s hello; True once it is whole (then it is admitted or refused).
+        ``pending``: ``fd`` is still in the table (False: about to be evicted; an incomplete one stays)."""
+        h = self._hellos.get(fd)
+        if h is None:
+            return False
         try:
-            conn.settimeout(self.HELLO_TIMEOUT)
-            buf = bytearray(HELLO.size)
-            view = memoryview(buf)
-            got = 0
-            while got < HELLO.size:
-                n = conn.recv_into(view[got:], HELLO.size - got)
-                if n == 0:
-                    raise ProtocolError("connection closed during hello")
-                got += n
+            n = h.conn.recv_into(memoryview(h.buf)[h.got :], HELLO.size - h.got)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            if pending:
+                self._drop(fd, f"hello failed: {exc}")
+            return False
+        if n == 0:
+            if pending:
+                self._drop(fd, "closed during hello")
+            return False
+        h.got += n
+        if h.got < HELLO.size:
+            return False
+        if pending:
+            self._pending.remove(fd)
+        self._sel.unregister(h.conn)
+        del self._hellos[fd]
+        self._admit(h.conn, h.addr, h.buf)
+        return True
+
+    def _admit(self, conn: socket.socket, addr: Any, buf: bytearray) -> None:
+        """A whole hello arrived: check it, answer, park the connection for its nonce."""
+        try:
             magic, version, nonce = HELLO.unpack(buf)
             if magic != HELLO_MAGIC:
                 raise ProtocolError(f"bad hello magic {bytes(magic)[:8]!r}")
             if version != PROTOCOL_VERSION:
+                conn.send(_NO)
                 raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
             with self._cond:
+                # this thread reads every hello: nothing can park this nonce between the check and the park
                 ok = nonce in self._expected and nonce not in self._parked and not self._closed
             if not ok:
+                conn.send(_NO)
                 raise AuthError("unknown data-plane credential")
+            conn.setblocking(True)
+            conn.settimeout(self.HELLO_TIMEOUT)
             conn.sendall(HELLO_OK + struct.pack("<I", PROTOCOL_VERSION))
             tune_socket(conn, peer_timeout=self._peer_timeout)
             transport = TcpTransport(conn, peer=f"{addr[0]}:{addr[1]}", peer_timeout=self._peer_timeout)
@@ -778,13 +892,42 @@ class TcpListener(Listener):
                 self._cond.notify_all()
         except (OSError, ProtocolError, AuthError) as exc:
             self.rejected += 1
-            log.warning("tcp data listener: dropped connection from %s: %s", addr, exc)
+            self._log_drop(addr, str(exc))
             try:
                 conn.close()
             except OSError:
                 pass
-        finally:
-            self._handshakes.release()
+
+    def _drop(self, fd: int, why: str, *, reply: bytes | None = None, pending: bool = True) -> None:
+        """Close a connection whose hello has not arrived (``pending``: it is still in the table)."""
+        if pending:
+            self._pending.remove(fd)
+        h = self._hellos.pop(fd, None)
+        if h is None:
+            return
+        try:
+            self._sel.unregister(h.conn)
+        except (KeyError, ValueError):
+            pass
+        if reply is not None:
+            try:
+                h.conn.send(reply, socket.MSG_DONTWAIT)  # 8 bytes into a fresh connection's buffer
+            except OSError:
+                pass
+        h.conn.close()
+        self.rejected += 1
+        self._log_drop(h.addr, why)
+
+    def _log_drop(self, addr: Any, why: str) -> None:
+        """A WARNING per dropped connection, at most one per LOG_EVERY seconds (a flood must not flood the log)."""
+        now = time.monotonic()
+        if now - self._logged_at < self.LOG_EVERY:
+            self._quiet += 1
+            return
+        more = f" (and {self._quiet} more since the last report)" if self._quiet else ""
+        self._quiet = 0
+        self._logged_at = now
+        log.warning("tcp data listener: dropped connection from %s: %s%s", addr, why, more)
 
     @classmethod
     def connect(
@@ -792,12 +935,36 @@ class TcpListener(Listener):
     ) -> TcpTransport:
         """Dial a listener and present ``nonce``.
 
+        A listener that answers BUSY (it evicted this connection to make room
+        under a flood of connections), or that drops the connection without an
+        answer, is dialled again with backoff until ``timeout``.
+
         Raises:
             ConnectTimeout: no connection/answer within ``timeout``.
+            ResourceExhaustedError: the listener was too busy for the whole ``timeout``.
             AuthError: the listener refused the credential.
-            PeerLostError: the connection was refused or reset.
+            VersionMismatchError: the listener speaks another data protocol version.
+            PeerLostError: the connection was refused or reset until the timeout.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            try:
+                return cls._connect_once(host, port, nonce, deadline, peer_timeout)
+            except (_Busy, _NoAnswer) as exc:
+                rem = _remaining(deadline)
+                if rem is not None and rem <= delay:
+                    if isinstance(exc, _Busy):
+                        raise ResourceExhaustedError(
+                            f"data listener {host}:{port} was too busy to take the connection within {timeout}s "
+                            f"(too many connections without a hello; retry later): {exc}") from None
+                    raise PeerLostError(f"data listener {host}:{port}: {exc}") from None
+                wait = max(delay, getattr(exc, "retry_after", 0.0))
+                time.sleep(wait if rem is None else max(0.0, min(wait, rem - 0.01)))
+                delay = min(delay * 2, 0.5)
+
+    @staticmethod
+    def _connect_once(host: str, port: int, nonce: bytes, deadline: float | None, peer_timeout: float) -> TcpTransport:
         sock = dial(host, port, deadline)
         try:
             sock.settimeout(_remaining(deadline))
@@ -806,9 +973,17 @@ class TcpListener(Listener):
             while len(reply) < 8:
                 chunk = sock.recv(8 - len(reply))
                 if not chunk:
-                    raise AuthError(f"data listener {host}:{port} refused the connection (bad credential or version)")
+                    raise _NoAnswer("closed the connection during the handshake without an answer")
                 reply += chunk
-            if reply[:4] != HELLO_OK:
+            word, value = reply[:4], struct.unpack("<I", reply[4:8])[0]
+            if word == _BUSY[:4]:
+                raise _Busy("BUSY", retry_after=min(value, 5000) / 1000.0)
+            if word == _NO[:4]:
+                if value != PROTOCOL_VERSION:
+                    raise VersionMismatchError(f"data listener {host}:{port} speaks data protocol v{value}, "
+                                               f"this is v{PROTOCOL_VERSION}")
+                raise AuthError(f"data listener {host}:{port} refused the credential")
+            if word != HELLO_OK:
                 raise ProtocolError(f"unexpected hello reply {reply!r} from {host}:{port}")
             tune_socket(sock, peer_timeout=peer_timeout)
         except (socket.timeout, TimeoutError) as exc:
@@ -816,8 +991,24 @@ class TcpListener(Listener):
             raise ConnectTimeout(f"hello to {host}:{port} timed out") from exc
         except ConnectionError as exc:
             sock.close()
-            raise AuthError(f"data listener {host}:{port} dropped the connection: {exc}") from exc
+            raise _NoAnswer(f"reset the connection during the handshake: {exc}") from exc
         except BaseException:
             sock.close()
             raise
         return TcpTransport(sock, peer=f"{host}:{port}", peer_timeout=peer_timeout)
+
+
+class _Busy(Exception):
+    def __init__(self, msg: str, *, retry_after: float) -> None:
+        super().__init__(msg)
+        self.retry_after = retry_after
+
+
+class _NoAnswer(Exception):
+    pass
+
+
+#: Answers to a hello besides HELLO_OK (4 bytes + a little-endian u32): refused (u32: the listener's version),
+#: and BUSY (u32: milliseconds to wait before dialling again).
+_NO = b"TWNO" + struct.pack("<I", PROTOCOL_VERSION)
+_BUSY = b"TWBZ" + struct.pack("<I", 50)

@@ -38,7 +38,7 @@ contract and like the TCP transport, and it also carries what the sender must
 know: whether the receiver wants a header, and the capacity, so a message that
 does not fit is refused on the sender (:class:`~tensorwire.ProtocolError`,
 nothing sent, the credit kept) instead of breaking the receive. Measured cost
-(bench/results/ucx_progress_mode.md, raw ucxx with the same progress loop):
+(bench/results/ucx-progress_cpu2_2026-11-22.md, raw ucxx with the same progress loop):
 a 4 KiB round trip goes from ~42 to ~76 µs on this 2-core machine -- one more
 small message each way, which costs CPU on both sides even when the credit
 is off the critical path (it is sent when the buffer is posted, normally well
@@ -55,7 +55,7 @@ those tags a message must fill the posted buffer exactly (fixed specs always
 do); the sender enforces it from the credit's capacity.
 
 Progress model ("caller progresses: spin, then sleep"), chosen by measurement
-(bench/ucx_progress_probe.py; table in bench/results/ucx_progress_mode.md).
+(a probe kept in the history of bench/; table in bench/results/ucx-progress_cpu2_2026-11-22.md).
 There is one UCX context and one worker per process, created lazily and
 shared by every listener and connection, and one process-wide lock around
 every UCX call. A thread that waits (for a receive, a credit, a send to
@@ -104,7 +104,7 @@ the same on every process -- UCX refuses asymmetric endpoints): UCX leaves every
 transport that cannot report a failed peer -- shared memory, cma, cuda_ipc --
 out of endpoints with error handling (tensorwire's first UCX transport had it
 on, through UCX's sockaddr connection manager). Measured on the 2-core machine
-(bench/results/cpu_loopback.md): with it, a 1 MiB message went over tcp/lo at
+(bench/results/transports_cpu2_2026-11-22.md): with it, a 1 MiB message went over tcp/lo at
 0.8 GB/s; without it, small messages go through shared memory (sysv) and large
 ones are one ``process_vm_readv`` copy (cma): 9 GB/s, and a 4 KiB round trip
 drops from ~29 to ~10 us in raw ucxx. On a GPU host the same applies to
@@ -236,7 +236,7 @@ def _env_us(name: str, default: float) -> float:
 SPIN_US = _env_us("TENSORWIRE_UCX_SPIN_US", 100)
 #: The same for a wait on a transfer of CUDA memory. cuda_ipc copies are issued and
 #: completed from worker progress and do not wake a sleeping worker promptly: measured on
-#: 2 x H200 (bench/results/gpu_h200x2_nvlink.md), a 256 MiB send + ack took 1,281 us
+#: 2 x H200 (bench/results/gpu_h200x2_2026-11-22-2.md), a 256 MiB send + ack took 1,281 us
 #: with 100 us of spinning and 781 us with 2 ms (raw ucxx, always polling: 712 us).
 CUDA_SPIN_US = _env_us("TENSORWIRE_UCX_CUDA_SPIN_US", 2000)
 #: UCX endpoint keepalive interval (seconds) unless UCX_KEEPALIVE_INTERVAL is set.
@@ -279,7 +279,7 @@ def _error_handling() -> bool:
     Default ``none``: UCX may then use shared memory, cma and cuda_ipc, which
     cannot report a failed peer and which UCX leaves out of endpoints with error
     handling (measured on one host: 10.9 vs 0.78 GB/s at 1 MiB, 12 vs 29 us per
-    4 KiB round trip; bench/results/ucx_progress_mode.md). Peer loss is then
+    4 KiB round trip; bench/results/ucx-progress_cpu2_2026-11-22.md). Peer loss is then
     detected by the liveness socket every connection has (module docstring).
     """
     mode = os.environ.get("TENSORWIRE_UCX_ERROR_HANDLING", "none").strip().lower()
@@ -880,7 +880,7 @@ class UcxTransport(Transport):
         # message the peer announced, whose rendezvous (the cuda_ipc copy) then overlaps the
         # post instead of following it -- or when the message is complete, or at the timeout.
         # It cannot be needed earlier: the peer spends this credit on the message after the
-        # one awaited here. Measured on 2 x H200 (bench/gpu_ucx_probe.py, tw-trace): posting
+        # one awaited here. Measured on 2 x H200 (a probe in bench/'s history, tw-trace): posting
         # first put the post on the critical path of every message of a stream.
         _check_tag(tag)
         keep, arr, cap = _as_array(buf, writable=True)

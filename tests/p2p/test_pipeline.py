@@ -135,7 +135,7 @@ def test_gpu_pipeline_bench_dry_run_on_cpu(tmp_path):
     and all of them end at the same loss (the same bytes arrive whichever way they travel)."""
     from netns import TORCHRUN
 
-    bench = EXAMPLE.parents[2] / "bench" / "bench_pipeline_gpu.py"
+    bench = EXAMPLE.parents[1] / "bench" / "bench_pipeline_gpu.py"
     out = tmp_path / "pipe.json"
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.2", str(bench),
            "--hidden", "64", "--batch", "32", "--steps", "2", "--warmup", "1",

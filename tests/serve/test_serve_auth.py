@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire.serve import TLSConfig
 from tensorwire.serve.client.client import Client
 from tensorwire.v1 import store_pb2, store_pb2_grpc
 
@@ -94,7 +95,7 @@ def test_tls_right_ca_works_wrong_ca_or_plaintext_is_auth_error(pki):
 @pytest.mark.timeout(60)
 def test_mtls_requires_a_client_certificate_from_the_ca(pki):
     with in_process(tls_cert=pki["server.pem"], tls_key=pki["server.key"], tls_ca=pki["ca1.pem"]) as s:
-        tls = tw.client.TLSConfig(ca=pki["ca1.pem"], cert=pki["client.pem"], key=pki["client.key"])
+        tls = TLSConfig(ca=pki["ca1.pem"], cert=pki["client.pem"], key=pki["client.key"])
         with Client(s.address, tls=tls, transport="tcp") as c:
             c.put("m", torch.zeros(2))
         with pytest.raises(tw.AuthError):

@@ -97,6 +97,7 @@ from tensorwire.serve.protocol.common import (
     TAG_REPLY,
     TAG_REQUEST,
     TAG_UP,
+    Busy,
     SessionLost,
     as_index,
     encode_index,
@@ -421,15 +422,25 @@ class Client:
     def _rpc(self, method: str, request: Any, *, timeout: float | None = None, data_op: bool = False) -> Any:
         import grpc
 
-        try:
-            return getattr(self._stub, method)(request, timeout=timeout or self._timeout, metadata=self._md)
-        except grpc.RpcError as exc:
-            err = rpc_error(exc, method, tls=self._tls is not None, connecting=method == "OpenSession")
-            if data_op and error_name(exc) is None:
-                # Outcome unknown (deadline, connection lost): the server may have
-                # scheduled a transfer this client will never match. Start afresh.
-                self._drop_session()
-            raise err from exc
+        timeout = timeout or self._timeout
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=max(0.01, deadline - time.monotonic()),
+                                                   metadata=self._md)
+            except grpc.RpcError as exc:
+                err = rpc_error(exc, method, tls=self._tls is not None, connecting=method == "OpenSession")
+                if isinstance(err, Busy) and deadline - time.monotonic() > delay:
+                    # The server did nothing rather than wait for other clients in a control-plane thread.
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.2)
+                    continue
+                if data_op and error_name(exc) is None:
+                    # Outcome unknown (deadline, connection lost): the server may have
+                    # scheduled a transfer this client will never match. Start afresh.
+                    self._drop_session()
+                raise err from exc
 
     def _open_session(self) -> None:
         from tensorwire.transport.base import get_factory
@@ -1025,12 +1036,23 @@ class Client:
             self._drop_session()
             raise
         try:
-            resp = fut.result()
+            try:
+                resp = fut.result()
+            except grpc.RpcError as exc:
+                if not isinstance(rpc_error(exc, "CommitPut"), Busy):
+                    raise
+                # the bytes are still arriving: ask again (with backoff) until they are in
+                resp = self._rpc("CommitPut", store_pb2.CommitPutRequest(session_id=sid, op_id=tr.op_id),
+                                 timeout=self._timeout + 10)
         except grpc.RpcError as exc:
             err = rpc_error(exc, "CommitPut", tls=self._tls is not None)
             if not isinstance(err, (NotFoundError, SessionLost)):
                 self._drop_session()
             raise err from exc
+        except TensorWireError as err:
+            if not isinstance(err, (NotFoundError, SessionLost)):
+                self._drop_session()
+            raise
         return _stat(resp.info)
 
     def _source(self, key: str, tensor: "torch.Tensor") -> "torch.Tensor":

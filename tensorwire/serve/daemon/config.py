@@ -213,6 +213,12 @@ class ServeConfig:
         session_idle_timeout: sessions idle this long are closed.
         max_sessions: concurrent client sessions.
         workers: gRPC handler threads.
+        hello_timeout: seconds a data connection may take to present its hello.
+        max_pending_connections: data connections without a hello, at most (the oldest of the
+            address holding the most is evicted with BUSY to admit a new one).
+        max_pending_per_peer: the same, from one peer address.
+        max_waiting_calls: gRPC handler threads that may wait for other clients' transfers at
+            once, each for at most half a second (0 = workers // 4); the others answer at once.
         shm: keep slots in shared memory under ``/dev/shm`` so that clients on
             this host (same ``/dev/shm``, same uid) move bytes with one memcpy
             instead of the socket; clients elsewhere use the data connection.
@@ -236,6 +242,10 @@ class ServeConfig:
     session_idle_timeout: float = 3600.0
     max_sessions: int = 256
     workers: int = 32
+    hello_timeout: float = 3.0
+    max_pending_connections: int = 512
+    max_pending_per_peer: int = 64
+    max_waiting_calls: int = 0
     shm: bool = True
 
     def __post_init__(self) -> None:
@@ -270,15 +280,18 @@ class ServeConfig:
             if not os.path.isdir(os.path.dirname(d) or "/"):
                 raise ConfigError(f"snapshot dir {d!r}: its parent does not exist")
             set_("snapshot_dir", d)
-        for name in ("drain_timeout", "session_idle_timeout"):
+        for name in ("drain_timeout", "session_idle_timeout", "hello_timeout"):
             v = float(getattr(self, name))
             if not v > 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
             set_(name, v)
-        for name in ("max_sessions", "workers"):
+        for name in ("max_sessions", "workers", "max_pending_connections", "max_pending_per_peer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        v = self.max_waiting_calls
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"max_waiting_calls must be a non-negative integer, got {v!r}")
         set_("insecure", bool(self.insecure))
         set_("shm", bool(self.shm))
         if not is_loopback(self.host) and not (self.token_file or self.tls_cert or self.insecure):
@@ -344,8 +357,9 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "workers"}
-_FLOAT_FIELDS = {"drain_timeout", "session_idle_timeout"}
+_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "workers", "max_pending_connections",
+               "max_pending_per_peer", "max_waiting_calls"}
+_FLOAT_FIELDS = {"drain_timeout", "session_idle_timeout", "hello_timeout"}
 _BOOL_FIELDS = {"insecure", "shm"}
 
 

@@ -23,7 +23,7 @@ receives while the rows are gathered), lets the transport progress once
 carries thousands of row numbers, may complete only then), gathers the rows
 into the session's scratch buffer and sends them. How was chosen by measurement
 on the 2-core VM (figures with the constants below; the end-to-end result is in
-bench/results/serve_cpu.md):
+bench/results/archive/serve_cpu2_2026-11-22.md):
 
 - on UCX, in chunks of ``ROWS_CHUNK_BYTES``, each posted (``start_send``) as
   soon as it is gathered: the client's process copies chunk i out of this
@@ -647,6 +647,7 @@ class DataRequests:
 
         p = plan_rows(self.store, req.name, self._index_of(req, buf), "request")
         e, spec, nbytes, rb, n = p.entry, p.spec, p.nbytes, p.row_bytes, p.n
+        s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is pinned
         t = s.transport
         # Two threads gather big requests (when torch's own intra-op pool is one thread: the daemon's setting);
         # on a transport that posts sends without waiting (UCX), mid-sized ones go in chunks, each sent
@@ -791,6 +792,7 @@ class DataRequests:
                 vals = _typed(region.tensor[:nbytes], spec.torch_dtype, p.shape)
                 return self._shm_write(s, req, t0, kind, spec, region, nbytes, deadline,
                                        lambda: commit_rows(p, vals, add, timeout), lambda: None)
+        s.reserve_scratch(nbytes)  # charged against --max-bytes before the client is told to send
 
         def body(t: "Transport", job: Job) -> BaseException | None:
             into = s.scratch(nbytes)

@@ -11,7 +11,8 @@ Names (all ``tensorwire_*``):
 - ``tensorwire_errors_total{kind}``: failures by tensorwire error class.
 - ``tensorwire_tensors``, ``tensorwire_slots``: names held, slots allocated.
 - ``tensorwire_memory_bytes`` (allocated), ``tensorwire_reserved_bytes``
-  (charged against the limit), ``tensorwire_max_bytes``.
+  (charged against the limit), ``tensorwire_max_bytes``; ``tensorwire_session_buffer_bytes``: the part of
+  the reserved bytes that sessions' row and request buffers hold (freed when a session closes).
 - ``tensorwire_shm_regions``, ``tensorwire_shm_bytes``: shared-memory regions
   under ``/dev/shm`` (slots, session scratch and hello regions) and their bytes.
   Bytes clients copied through them count in ``tensorwire_bytes_total`` with
@@ -81,6 +82,9 @@ class Metrics:
         self.memory = Gauge("tensorwire_memory_bytes", "Bytes of slots allocated", registry=r)
         self.reserved = Gauge("tensorwire_reserved_bytes", "Bytes reserved against --max-bytes", registry=r)
         self.max_bytes = Gauge("tensorwire_max_bytes", "The --max-bytes limit", registry=r)
+        self.session_buffers = Gauge("tensorwire_session_buffer_bytes",
+                                     "Bytes of sessions' row and request buffers (part of the reserved bytes)",
+                                     registry=r)
         self.sessions = Gauge("tensorwire_sessions", "Open client sessions", registry=r)
         self.inflight = Gauge("tensorwire_inflight_transfers", "Transfers scheduled or running", registry=r)
         self.rejected = Counter(

@@ -102,6 +102,7 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
                 raise ConfigError(f"--transport ucx: UCX is not usable here: {exc}") from exc
             log.warning("transport auto: UCX is not usable here (%s: %s); using TCP", type(exc).__name__, exc)
     if config.transport != "ucx":
+        from tensorwire.transport.admission import AdmissionLimits
         from tensorwire.transport.tcp import TcpListener
 
         port = config.data_port
@@ -110,7 +111,9 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
         elif listeners:
             port = 0
         try:
-            listeners["tcp"] = TcpListener(config.host, port=port)
+            limits = AdmissionLimits(hello_timeout=config.hello_timeout, total=config.max_pending_connections,
+                                     per_peer=config.max_pending_per_peer)
+            listeners["tcp"] = TcpListener(config.host, port=port, limits=limits)
         except OSError as exc:
             for lst in listeners.values():
                 lst.close()
@@ -173,6 +176,10 @@ class Server:
             raise ConfigError("server already started")
         self._started = True
         torch.empty(1).zero_()  # load torch now: "ready" means the first request is not slow
+        from tensorwire.serve.daemon.limits import raise_nofile
+
+        nofile = raise_nofile()  # floods meet the listeners' caps, which answer, before the kernel's
+        log.debug("file descriptor limit: %d", nofile)
         token = cfg.load_token()
         if cfg.token_file:
             mode = os.stat(cfg.token_file).st_mode

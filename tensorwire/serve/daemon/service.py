@@ -276,6 +276,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
         self.shm_version = SHM_VERSION
         self._data_handler: Any = None
+        from tensorwire.serve.daemon.limits import WaitGate
+
+        #: Bounds waits in gRPC handler threads (see tensorwire.serve.daemon.limits).
+        self.waits = WaitGate(config.max_waiting_calls or max(1, config.workers // 4))
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
@@ -358,6 +362,19 @@ class StoreService(store_pb2_grpc.StoreServicer):
         # Shared memory rides on data-plane requests; offered when this daemon keeps its slots there.
         shm_version = min(request.shm, self.shm_version) if data_requests and self.store.shm is not None else 0
         handler = None
+        charged = 0
+        if data_requests:
+            # the request thread's buffers (two, a third with shared memory) count against --max-bytes; where
+            # they do not fit the session goes without data-plane requests (the gRPC calls, no buffers of its own)
+            from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES
+
+            need = (3 if shm_version else 2) * MAX_REQUEST_BYTES
+            try:
+                self.store.charge(need, "a session's request buffers", buffers=True)
+                charged = need
+            except errors.ResourceExhaustedError as exc:
+                log.info("session without data-plane requests: %s", exc)
+                data_requests = shm_version = 0
         if data_requests:
             if self._data_handler is None:
                 from tensorwire.serve.daemon.datapath import DataRequests
@@ -366,6 +383,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
             handler = self._data_handler
         with self._lock:
             if len(self._sessions) >= self.config.max_sessions:
+                if charged:
+                    self.store.uncharge(charged, buffers=True)
                 raise errors.ResourceExhaustedError(f"the server holds the maximum of {self.config.max_sessions} sessions")
             sid = secrets.token_hex(SESSION_ID_LEN // 2)
             nonce = new_nonce()
@@ -378,6 +397,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 on_close=self._forget,
                 client=client,
                 handler=handler,
+                store=self.store,
+                charged=charged,
             )
             self._sessions[sid] = s
             n = len(self._sessions)
@@ -458,7 +479,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
         e, created = self.store.declare(spec)
-        idx = e.begin_put(deadline)
+        idx = self.waits.run(e.begin_put, deadline, f"BeginPut {spec.name}")
         raw = e.slot(idx).raw
         nbytes = e.nbytes
 
@@ -480,6 +501,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         p = plan_row_update(self.store, request.name, lambda rows: decode_index(request.index, rows),
                             TensorSpec.from_proto(request.values), add)
         nbytes = p.nbytes
+        s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is scheduled
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
         dtype = p.spec.torch_dtype
@@ -506,8 +528,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def CommitPut(self, request: store_pb2.CommitPutRequest, context: grpc.ServicerContext) -> Any:
         s = self._session(request.session_id)
         p = self._claim(s, request.op_id)
-        # The job is bounded by its own deadline; it fails (and closes the session) past it.
-        p.job.wait(max(0.0, p.job.deadline - time.monotonic()) + 5.0)
+        # The job is bounded by its own deadline; it fails (and closes the session) past it. Until then
+        # this handler waits for the bytes a slice at a time (Busy: the client calls CommitPut again).
+        self.waits.run(lambda until: p.job.wait(max(0.0, until - time.monotonic())), p.job.deadline + 5.0, "CommitPut")
         with s._lock:
             if p.finished:
                 raise errors.ClosedError(f"session closed: {s.close_reason}")
@@ -545,7 +568,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         e = self.store.get(_name(request.name))
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
-        idx, version = e.acquire_read(deadline)
+        idx, version = self.waits.run(e.acquire_read, deadline, f"Get {e.spec.name}")
         try:
             raw = e.slot(idx).raw
             job = Job(
@@ -572,9 +595,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self._no_pending(s)
         p = plan_rows(self.store, request.name, lambda rows: decode_index(request.index, rows), "request")
         e, spec, index, shape, nbytes = p.entry, p.spec, p.index, p.shape, p.nbytes
+        s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is pinned or scheduled
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
-        idx, version = e.acquire_read(deadline)
+        idx, version = self.waits.run(e.acquire_read, deadline, f"GetRows {spec.name}")
         released = threading.Event()
 
         def release() -> None:

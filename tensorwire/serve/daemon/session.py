@@ -58,6 +58,16 @@ __all__ = ["Session", "Job", "SHM_SPIN_S"]
 
 log = logging.getLogger(__name__)
 
+
+def _free(t: "torch.Tensor | None") -> None:
+    """Give ``t``'s memory back now, whoever still holds a view of it (they must not touch it again)."""
+    if t is None:
+        return
+    try:
+        t.untyped_storage().resize_(0)
+    except RuntimeError:  # pragma: no cover - a storage that cannot be resized (pinned): dropped by reference
+        pass
+
 #: After answering a request of a shared-memory session, its request thread polls for the next one this
 #: long before it blocks: the client is copying meanwhile (no bytes cross the connection), and a thread
 #: that has gone to sleep took ~0.2 ms longer to answer on the 2-core VM (measured: a 16 MiB put's two
@@ -189,6 +199,8 @@ class Session:
         on_close: Callable[["Session"], None],
         client: str = "",
         handler: "Callable[[Session, torch.Tensor, int], Job | None] | None" = None,
+        store: Any = None,
+        charged: int = 0,
     ) -> None:
         self.id = sid
         self.nonce = nonce
@@ -211,6 +223,14 @@ class Session:
         self.last_used = time.monotonic()
         self.active = 0  # scheduled + running jobs
         self._scratch: "torch.Tensor | None" = None
+        # --max-bytes accounting of this session's own buffers (see _release_buffers): the store they are
+        # charged to, what was charged at open (the request buffers), and the row buffer's charged capacity
+        self._store = store
+        self._fixed_charge = charged
+        self._scratch_charge_cap = 0
+        self._released = False
+        self._req_bufs: "list[torch.Tensor]" = []
+        self._holders = 1  # threads that use the charged buffers: the worker, and the request thread once started
         self._handler = handler
         self._exec = threading.Lock()  # held while a job runs (worker or request thread): one at a time
         self.gatherer: Any = None  # the request path's helper thread (tensorwire.serve.daemon.datapath), made on first use
@@ -290,16 +310,82 @@ class Session:
             self._op_ids += 1
             return self._op_ids
 
-    def scratch(self, nbytes: int) -> "torch.Tensor":
-        """A per-session host buffer of at least ``nbytes`` (grown, never shrunk; worker only)."""
-        from tensorwire.buffers import allocate_host
+    @staticmethod
+    def _scratch_cap(nbytes: int) -> int:
+        return min(1 << max(16, (nbytes - 1).bit_length()), MAX_ROWS_BYTES)
 
+    def reserve_scratch(self, nbytes: int) -> None:
+        """Charge the row buffer's growth to ``nbytes`` against ``--max-bytes`` now (a handler, before it
+        schedules the job that uses it): a request that does not fit is refused before anything is done.
+
+        Raises:
+            ResourceExhaustedError: it does not fit (what is charged already stays).
+            ClosedError: the session is closed.
+        """
         if nbytes > MAX_ROWS_BYTES:
             raise ProtocolError(f"{nbytes} bytes of rows exceeds the per-request limit of {MAX_ROWS_BYTES}")
+        store = self._store
+        if store is None or nbytes == 0:
+            return
+        with self._lock:
+            cap = self._scratch_cap(nbytes)
+            if self._released:
+                raise ClosedError(f"session closed: {self.close_reason}")
+            grow = cap - self._scratch_charge_cap
+            if grow <= 0:
+                return
+            store.charge(grow, f"a {nbytes}-byte row buffer for this session", buffers=True)
+            self._scratch_charge_cap = cap
+
+    def scratch(self, nbytes: int) -> "torch.Tensor":
+        """A per-session host buffer of at least ``nbytes`` (grown, never shrunk; the thread running a job only).
+
+        Its capacity is charged against ``--max-bytes`` (by :meth:`reserve_scratch`, or here) and the
+        memory is freed when the session ends (:meth:`_release_buffers`).
+        """
+        from tensorwire.buffers import allocate_host
+
         if self._scratch is None or self._scratch.numel() < nbytes:
-            cap = 1 << max(16, (nbytes - 1).bit_length())
-            self._scratch = allocate_host(min(cap, MAX_ROWS_BYTES))
+            self.reserve_scratch(nbytes)
+            old, self._scratch = self._scratch, None
+            _free(old)  # before the bigger one: the two never coexist
+            self._scratch = allocate_host(self._scratch_cap(nbytes))
         return self._scratch[:nbytes]
+
+    def request_buffer(self, nbytes: int) -> "torch.Tensor":
+        """A request buffer of the request thread (charged at open; freed when the session ends)."""
+        import torch
+
+        b = torch.empty(nbytes, dtype=torch.uint8)
+        self._req_bufs.append(b)
+        return b
+
+    def _release_buffers(self) -> None:
+        """The worker, once the session is closed: free the jobs' buffers now (not at the next garbage
+        collection: views of them may sit in reference cycles) and give their charge back."""
+        with self._exec:  # the job running now, if any, finishes first; no other starts on a closed session
+            with self._lock:
+                if self._released:
+                    return
+                self._released = True
+                charge, self._scratch_charge_cap = self._scratch_charge_cap, 0
+                bufs = [self._scratch, self.reply_buf]
+                self._scratch = self.reply_buf = None
+            for b in bufs:
+                _free(b)
+        if charge and self._store is not None:
+            self._store.uncharge(charge, buffers=True)
+        self._drop_holder()
+
+    def _drop_holder(self) -> None:
+        """A thread that used the request buffers' charge is done; the last one gives it back."""
+        with self._lock:
+            self._holders -= 1
+            charge = self._fixed_charge if self._holders == 0 else 0
+            if charge:
+                self._fixed_charge = 0
+        if charge and self._store is not None:
+            self._store.uncharge(charge, buffers=True)
 
     # -- shared memory ------------------------------------------------------------------
     def offer_shm(self, registry: Any) -> str:
@@ -458,6 +544,12 @@ class Session:
     # -- worker --------------------------------------------------------------------
     def _work(self) -> None:
         try:
+            self._work_loop()
+        finally:
+            self._release_buffers()
+
+    def _work_loop(self) -> None:
+        try:
             t = self._listener.accept(self.nonce, timeout=self._connect_timeout)
         except TensorWireError as exc:
             self._listener.forget(self.nonce)
@@ -472,7 +564,9 @@ class Session:
             self.transport = t
         log.info("session %s: data connection up (%s)", self.id[:8], t.describe())
         if self._handler is not None:
-            self._watch = threading.Thread(target=self._request_loop, name=f"tensorwire-requests-{self.id[:8]}",
+            with self._lock:
+                self._holders += 1
+            self._watch = threading.Thread(target=self._request_thread, name=f"tensorwire-requests-{self.id[:8]}",
                                            daemon=True)
         else:
             self._watch = threading.Thread(target=self._watch_loop, name=f"tensorwire-watch-{self.id[:8]}",
@@ -523,6 +617,16 @@ class Session:
                 job.fail(ClosedError(f"session closed: {self.close_reason}"))
                 self._job_done()
 
+    def _request_thread(self) -> None:
+        try:
+            self._request_loop()
+        finally:
+            # this thread's own buffers: nothing else reads them, and it is done with them now
+            bufs, self._req_bufs = self._req_bufs, []
+            for b in bufs:
+                _free(b)
+            self._drop_holder()
+
     def _request_loop(self) -> None:
         """Receive data-plane requests on tag 4; each becomes a job (see the module docstring)."""
         import torch
@@ -544,7 +648,7 @@ class Session:
         try:
             t.post_recv(TAG_WATCH, self._probe_buf)  # for nudge(); the client never sends on it
             for _ in range(2):
-                b = torch.empty(MAX_REQUEST_BYTES, dtype=torch.uint8)
+                b = self.request_buffer(MAX_REQUEST_BYTES)
                 t.post_recv(TAG_REQUEST, b, header=True)
                 posted.append(b)
             spin_until = 0.0
@@ -568,7 +672,7 @@ class Session:
                 t.post_recv(TAG_REQUEST, buf, header=True)
                 posted.append(buf)
                 if self.shm and len(posted) < 3:
-                    b = torch.empty(MAX_REQUEST_BYTES, dtype=torch.uint8)
+                    b = self.request_buffer(MAX_REQUEST_BYTES)
                     t.post_recv(TAG_REQUEST, b, header=True)
                     posted.append(b)
                 spin = self.shm and SHM_SPIN_S > 0 and _CAN_SPIN and (job is None or job.client_copy <= SHM_SPIN_MAX_BYTES)

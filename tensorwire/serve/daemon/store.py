@@ -382,6 +382,7 @@ class Store:
         self._entries: dict[str, Entry] = {}
         self._reserved = 0
         self._allocated = 0
+        self._buffers = 0  # of _reserved: sessions' row and request buffers
         self._nslots = 0
         #: Read leases of tensors in shared memory (made with the first such tensor; None: none).
         self.leases: "Leases | None" = None
@@ -422,8 +423,9 @@ class Store:
         return Slot(spec)
 
     # -- shared-memory scratch (charged like tensors) ----------------------------------------
-    def charge(self, nbytes: int, what: str) -> None:
-        """Reserve ``nbytes`` of ``max_bytes`` for something other than a tensor (a session's scratch region).
+    def charge(self, nbytes: int, what: str, *, buffers: bool = False) -> None:
+        """Reserve ``nbytes`` of ``max_bytes`` for something other than a tensor (a session's scratch region;
+        ``buffers``: a session's row or request buffers in ordinary memory, counted apart as well).
 
         Raises:
             ResourceExhaustedError: it does not fit; nothing changed.
@@ -433,12 +435,16 @@ class Store:
                 raise ResourceExhaustedError(f"{what} needs {format_size(nbytes)} but only {self._free_text()}")
             self._reserved += nbytes
             self._allocated += nbytes
+            if buffers:
+                self._buffers += nbytes
             self._update_gauges()
 
-    def uncharge(self, nbytes: int) -> None:
+    def uncharge(self, nbytes: int, *, buffers: bool = False) -> None:
         with self._lock:
             self._reserved -= nbytes
             self._allocated -= nbytes
+            if buffers:
+                self._buffers -= nbytes
             self._update_gauges()
 
     def close(self) -> None:
@@ -470,6 +476,7 @@ class Store:
             m.slots.set(self._nslots)
             m.memory.set(self._allocated)
             m.reserved.set(self._reserved)
+            m.session_buffers.set(self._buffers)
 
     def _allocate_staging(self, spec: TensorSpec) -> "Slot | StoreSlot":
         slot = self._new_slot(spec)  # already reserved at declare

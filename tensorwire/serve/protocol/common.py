@@ -74,6 +74,18 @@ class SessionLost(errors.PeerLostError):
 
 
 ERROR_CLASSES[SESSION_LOST] = SessionLost
+#: Marker for "the server would have to wait for other clients; nothing was done: call again".
+BUSY = "Busy"
+
+
+class Busy(errors.ResourceExhaustedError):
+    """The server did not wait for other clients' transfers in a control-plane thread; nothing was done: retry.
+
+    Clients of this package retry such calls with backoff until their own timeout.
+    """
+
+
+ERROR_CLASSES[BUSY] = Busy
 
 _I64 = struct.Struct("<q")
 

@@ -900,7 +900,7 @@ class Copier:
     one client, but 16 clients at once got less in all with helpers than
     without (8.5 vs 9.9 GB/s); on a 16-core host one helper left a 4,096-row
     gather at 0.42 ms where torch's own threads index in 0.15 ms
-    (bench/results/serve_h100_session6.md). Not re-entrant (a client runs one
+    (bench/results/serve_h100_2026-11-23-2.md). Not re-entrant (a client runs one
     operation at a time).
     """
 

@@ -1,0 +1,108 @@
+"""``tensorwire demo``: its table, its byte check, where the gRPC server runs, and what its clocks time."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tensorwire import demo
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PAUSE = 0.2  # seconds the receiver sleeps after each check in the small run
+SMALL = (demo.Row("4 KiB round trip", 4096, 1, 6), demo.Row("64 KiB stream", 64 * 1024, 4, 2))
+
+
+@pytest.fixture(scope="module")
+def small_run() -> demo.DemoResult:
+    return demo.measure(rows=SMALL, rounds=1, transport="tcp", timeout=90, check_pause=PAUSE)
+
+
+def test_count_bad_flags_one_changed_byte_and_a_stale_message():
+    import torch
+
+    ramp = demo._ramp(4096)
+    scratch = torch.empty(4096, dtype=torch.uint8)
+    msgs = [torch.empty(4096, dtype=torch.uint8) for _ in range(3)]
+    for v, m in zip((5, 6, 7), msgs):
+        demo._fill(m, ramp, v)
+    assert demo.count_bad(msgs, ramp, [5, 6, 7], scratch) == 0
+    msgs[1][4095] ^= 1
+    assert demo.count_bad(msgs, ramp, [5, 6, 7], scratch) == 1
+    assert demo.count_bad(msgs, ramp, [4, 6, 7], scratch) == 2  # the first one is a previous round's message
+
+
+def test_consecutive_rounds_expect_different_bytes():
+    for row in range(3):
+        for path in range(3):
+            seen = [demo._value(row, path, rnd, m, 8) for rnd in range(20) for m in range(8)]
+            assert len(set(seen)) == len(seen)
+
+
+@pytest.mark.timeout(180)
+def test_grpc_server_runs_in_the_receivers_process_not_the_clients(small_run):
+    pids = small_run.pids
+    assert pids["grpc_server"] == pids["receiver"]
+    assert len({pids["grpc_server"], pids["sender"], pids["parent"]}) == 3, pids
+    assert pids["parent"] == os.getpid()
+
+
+@pytest.mark.timeout(180)
+def test_every_message_is_checked_and_none_is_corrupted(small_run):
+    plan = demo._Plan(SMALL, 1, "tcp", True, 90, PAUSE)
+    expect = sum((plan.warmup(r) + plan.timed(r)) * r.messages * r.size for r in SMALL) * len(demo.PATHS)
+    assert small_run.checked_bytes == expect
+    assert small_run.bad == {p: 0 for p in demo.PATHS}
+    for i, row in enumerate(SMALL):
+        for p in demo.PATHS:
+            assert len(small_run.sender[i][p]) == plan.timed(row) == len(small_run.receiver[i][p])
+
+
+@pytest.mark.timeout(180)
+def test_the_receivers_check_is_on_neither_clock(small_run):
+    # The receiver sleeps PAUSE after checking each round; a sender clock that ran while the receiver
+    # checked (the demo's earlier flaw) would read more than PAUSE for every round.
+    for i in range(len(SMALL)):
+        for p in demo.PATHS:
+            for clock in (small_run.sender, small_run.receiver):
+                assert min(clock[i][p]) < PAUSE / 2, (SMALL[i].label, p, clock[i][p])
+
+
+def test_table_has_one_row_per_size_and_a_column_per_path():
+    res = demo.DemoResult(
+        rows=demo.DEFAULT_ROWS, paths=demo.PATHS, transport="ucx",
+        sender=[{"tensorwire": [1e-5], "raw socket": [2e-5], "gRPC": [4e-4]},
+                {"tensorwire": [8 * 2**20 / 4e9], "raw socket": [8 * 2**20 / 2e9], "gRPC": [8 * 2**20 / 0.5e9]},
+                {"tensorwire": [2 * 2**26 / 8e9], "raw socket": [2 * 2**26 / 4e9], "gRPC": [2 * 2**26 / 1e9]}],
+        receiver=[{"tensorwire": [1e-5], "raw socket": [2e-5], "gRPC": [5e-4]},
+                  {"tensorwire": [1e-3], "raw socket": [2e-3], "gRPC": [8e-3]},
+                  {"tensorwire": [1e-2], "raw socket": [2e-2], "gRPC": [8e-2]}],
+        bad={p: 0 for p in demo.PATHS}, checked_bytes=1, pids={})
+    lines = demo.format_table(res)
+    assert re.search(r"tensorwire \(ucx\)\s+raw socket\s+gRPC", lines[0])
+    assert re.search(r"^4 KiB round trip\s+10\.0 µs\s+20\.0 µs\s+400\.0 µs$", lines[1])
+    assert re.search(r"^1 MiB stream\s+4\.00 GB/s\s+2\.00 GB/s\s+0\.50 GB/s$", lines[2])
+    assert re.search(r"^64 MiB stream\s+8\.00 GB/s\s+4\.00 GB/s\s+1\.00 GB/s$", lines[3])
+    assert "tensorwire vs gRPC: 40.0x / 8.0x / 8.0x" in lines[5]
+    assert "receiver's clock: 50.0x / 8.0x / 8.0x" in lines[5]
+    assert "tensorwire vs raw socket: 2.00x / 2.00x / 2.00x" in lines[6]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_demo_prints_progress_and_the_table():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-m", "tensorwire", "demo", "--rounds", "1", "--timeout", "200"],
+                         capture_output=True, text=True, timeout=230, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    num = r"\d+\.\d+ (?:µs|ms|GB/s)"
+    for label in ("4 KiB round trip", "1 MiB stream", "64 MiB stream"):
+        assert re.search(rf"^{label}\s+{num}\s+{num}\s+{num}$", out.stdout, re.M), out.stdout
+        assert re.search(rf"^  {label}: tensorwire ", out.stderr, re.M), out.stderr  # progress, row by row
+    assert re.search(r"^tensorwire vs gRPC: \d+\.\dx / \d+\.\dx / \d+\.\dx", out.stdout, re.M)
+    assert "corrupted messages: 0" in out.stdout
+    assert "gRPC server in process" in out.stderr
