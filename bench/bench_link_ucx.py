@@ -13,6 +13,13 @@ Usage::
 
     python3 bench/bench_link_ucx.py --rounds 5 --sizes 4K,1M,16M,64M
     python3 bench/bench_link_ucx.py --device cuda --sizes 64K,1M,16M   # targets 2x / 0.8x
+    python3 bench/bench_link_ucx.py --cpu                              # CPU per round trip, one thread
+
+``--cpu`` measures what a Link round trip costs the CPU, free of scheduling:
+two Links over one in-process UCX connection, driven by one thread (send,
+recv, send the ack, recv it), ``thread_time`` per round trip, 7 x 4,000.
+UCX's ``self`` transport then carries the messages (more expensive than
+shared memory), so compare versions of the code with it, not with raw ucxx.
 
 Machines with few cores and other load are noisy: read the spread, not only the median.
 """
@@ -23,6 +30,8 @@ import argparse
 import statistics
 import sys
 import time
+
+from typing import Any
 
 from tensorwire.benchmark.config import BenchConfig, parse_size
 from tensorwire.benchmark.runner import run_pair
@@ -51,6 +60,84 @@ def _spread(xs: list[float], fmt: str) -> str:
     return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}..{max(xs):{fmt}})"
 
 
+def cpu_per_round_trip(size: int, n: int = 4000, reps: int = 7) -> list[float]:
+    """Microseconds of CPU per round trip (both ends in this thread), ``reps`` times."""
+    import threading
+
+    import torch
+
+    from tensorwire.p2p.link import Link
+    from tensorwire.spec import TensorSpec
+    from tensorwire.transport.base import new_nonce
+    from tensorwire.transport.ucx import UcxListener
+
+    lst = UcxListener()
+    nonce = new_nonce()
+    lst.expect(nonce)
+    box: list = []
+    th = threading.Thread(target=lambda: box.append(UcxListener.connect("127.0.0.1", lst.address[1], nonce,
+                                                                           timeout=10)), daemon=True)
+    th.start()
+    tb = lst.accept(nonce, timeout=10)
+    th.join(10)
+    data, ack = TensorSpec("data", (size,), "uint8", "cpu"), TensorSpec("ack", (1,), "uint8", "cpu")
+    a = Link(node_rank=0, peer=1, name="cpu", transport=box[0], send=[data], recv=[ack], timeout=30.0, device=None)
+    b = Link(node_rank=1, peer=0, name="cpu", transport=tb, send=[ack], recv=[data], timeout=30.0, device=None)
+    src, one = torch.ones(size, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
+    out = []
+    try:
+        for rep in range(reps + 1):
+            t0 = time.thread_time_ns()
+            for _ in range(n if rep else n // 8):  # the first pass warms up
+                a.send("data", src)
+                b.recv("data")
+                b.send("ack", one)
+                a.recv("ack")
+            if rep:
+                out.append((time.thread_time_ns() - t0) / n / 1e3)
+    finally:
+        a.close()
+        b.close()
+        lst.close()
+    return out
+
+
+def raw_cpu_per_round_trip(size: int, n: int = 4000, reps: int = 7) -> list[float]:
+    """The same with raw ucxx (its own context, an endpoint to its own worker): tag receive posted,
+    tag send, progress until both complete -- for the data, then for the 1-byte ack."""
+    import numpy as np
+    import ucxx._lib.libucxx as u
+    from ucxx._lib.arr import Array
+
+    ctx = u.UCXContext(feature_flags=(u.Feature.TAG,))
+    worker = u.UCXWorker(ctx)
+    ep = u.UCXEndpoint.create_from_worker_address(worker, u.UCXAddress.create_from_buffer(worker.address.tobytes()),
+                                                  False)
+    src, dst = Array(np.ones(size, np.uint8)), Array(np.zeros(size, np.uint8))
+    one, got = Array(np.ones(1, np.uint8)), Array(np.zeros(1, np.uint8))
+    t_data, t_ack = u.UCXXTag(1), u.UCXXTag(2)
+    progress = worker.progress
+
+    def wait(*reqs: Any) -> None:
+        for r in reqs:
+            while not r.completed:
+                progress()
+            r.check_error()
+
+    out = []
+    for rep in range(reps + 1):
+        t0 = time.thread_time_ns()
+        for _ in range(n if rep else n // 8):
+            r = ep.tag_recv(dst, tag=t_data)
+            wait(ep.tag_send(src, tag=t_data), r)
+            r = ep.tag_recv(got, tag=t_ack)
+            wait(ep.tag_send(one, tag=t_ack), r)
+        if rep:
+            out.append((time.thread_time_ns() - t0) / n / 1e3)
+    ep.close_blocking()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -60,7 +147,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="the reference first, then the ones compared with it")
     ap.add_argument("--iters-scale", type=float, default=1.0)
     ap.add_argument("--markdown", help="also write the table here")
+    ap.add_argument("--cpu", action="store_true", help="only the one-thread CPU per round trip (first size)")
     args = ap.parse_args(argv)
+    if args.cpu:
+        size = parse_size(args.sizes.split(",")[0])
+        tw: list[float] = []
+        raw: list[float] = []
+        for _ in range(args.rounds):  # in turns
+            tw.append(statistics.median(cpu_per_round_trip(size)))
+            raw.append(statistics.median(raw_cpu_per_round_trip(size)))
+        ratios = [a / b for a, b in zip(tw, raw)]
+        print(f"CPU per {size}-byte round trip, both ends in one thread, {args.rounds} rounds in turns: "
+              f"tensorwire {_spread(tw, '.2f')} us, raw ucxx {_spread(raw, '.2f')} us, "
+              f"ratio {_spread(ratios, '.2f')}")
+        return 0
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
     sizes = tuple(parse_size(s) for s in args.sizes.split(","))
     cfg = BenchConfig(backends=tuple(names), sizes=sizes, device=args.device, iters_scale=args.iters_scale,
