@@ -30,7 +30,6 @@ import argparse
 import statistics
 import sys
 import time
-
 from typing import Any
 
 from tensorwire.benchmark.config import BenchConfig, parse_size

@@ -28,7 +28,8 @@ import collections
 import concurrent.futures
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tensorwire.buffers import Slot, as_bytes
 from tensorwire.cuda import current_stream_idle, sync_current_stream
@@ -39,11 +40,11 @@ from tensorwire.transport.base import Transport
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["SendHandle", "IsendQueue", "SendPath", "HostSend", "CudaSend", "StagedSend", "SlotRecv",
-           "WholeStagedRecv", "StagedRecv", "RecvPath", "send_path", "recv_path"]
+__all__ = ["CudaSend", "HostSend", "IsendQueue", "RecvPath", "SendHandle", "SendPath", "SlotRecv", "StagedRecv",
+           "StagedSend", "WholeStagedRecv", "recv_path", "send_path"]
 
 
-def _uint8() -> "torch.dtype":
+def _uint8() -> torch.dtype:
     import torch
 
     return torch.uint8
@@ -54,7 +55,7 @@ class SendHandle:
 
     __slots__ = ("_future", "_name", "_op", "_t")
 
-    def __init__(self, future: "concurrent.futures.Future[None] | None", name: str, *, op: Any = None,
+    def __init__(self, future: concurrent.futures.Future[None] | None, name: str, *, op: Any = None,
                  transport: Transport | None = None) -> None:
         self._future = future
         self._name = name
@@ -109,7 +110,7 @@ class IsendQueue:
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tw-isend-{self._peer}")
@@ -152,11 +153,11 @@ class SendPath:
         # takes any contiguous tensor and posts asynchronously
         self._postable = bool(transport.async_send and transport.any_dtype and not spec.is_dynamic and spec.nbytes)
 
-    def send(self, tensor: "torch.Tensor", timeout: float, stream: Any = None) -> None:
+    def send(self, tensor: torch.Tensor, timeout: float, stream: Any = None) -> None:
         """``Link.send``; ``stream``: the stream a CUDA send orders after (None: the current one)."""
         self._send_general(tensor, timeout, stream)
 
-    def _send_general(self, tensor: "torch.Tensor", timeout: float, stream: Any) -> None:
+    def _send_general(self, tensor: torch.Tensor, timeout: float, stream: Any) -> None:
         spec = self.spec
         spec.check_tensor(tensor)
         tensor = tensor.detach()
@@ -184,14 +185,14 @@ class SendPath:
                        shape=shape if spec.is_dynamic else None, timeout=timeout)
         self.sent += nbytes
 
-    def _stage(self, tensor: "torch.Tensor", shape: tuple[int, ...]) -> "torch.Tensor":
+    def _stage(self, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """Copy into the preallocated send slot (no allocation); returns its bytes."""
         view = self.slot.view(shape)
         view.copy_(tensor, non_blocking=view.is_pinned() if not view.is_cuda else True)
         return self.slot.raw
 
     # -- isend -----------------------------------------------------------------------
-    def isend(self, tensor: "torch.Tensor", timeout: float) -> SendHandle:
+    def isend(self, tensor: torch.Tensor, timeout: float) -> SendHandle:
         """``Link.isend`` (after the link's checks); see its docstring."""
         self.spec.check_tensor(tensor)
         if self._postable and tensor.is_contiguous():
@@ -200,7 +201,7 @@ class SendPath:
                 return handle
         return self._isend_queued(tensor, timeout)
 
-    def _isend_posted(self, tensor: "torch.Tensor", timeout: float) -> SendHandle | None:
+    def _isend_posted(self, tensor: torch.Tensor, timeout: float) -> SendHandle | None:
         """Post in the caller's thread when nothing is queued before it (None: not postable here)."""
         if tensor.is_cuda:
             return None
@@ -209,7 +210,7 @@ class SendPath:
         data = tensor.detach() if tensor.requires_grad else tensor
         return SendHandle(None, self.name, op=self._post(data, timeout), transport=self._t)
 
-    def _isend_queued(self, tensor: "torch.Tensor", timeout: float) -> SendHandle:
+    def _isend_queued(self, tensor: torch.Tensor, timeout: float) -> SendHandle:
         # A send on the executor thread, whose current stream is not the caller's: capture the caller's
         # now, so the copies order after the work that writes ``tensor``.
         stream = None
@@ -219,17 +220,17 @@ class SendPath:
             stream = torch.cuda.current_stream(tensor.device)
         return SendHandle(self._q.submit(self._send_queued, tensor, timeout, stream), self.name)
 
-    def _send_queued(self, tensor: "torch.Tensor", timeout: float, stream: Any) -> None:
+    def _send_queued(self, tensor: torch.Tensor, timeout: float, stream: Any) -> None:
         self._q.check_open()
         self.send(tensor, timeout, stream)
 
-    def _post(self, data: "torch.Tensor", timeout: float) -> Any:
+    def _post(self, data: torch.Tensor, timeout: float) -> Any:
         """Post ``data`` as the next message (waiting only for a credit); returns the send op."""
         op = self._t.start_send(self.tag, data, timeout=timeout)  # type: ignore[attr-defined]
         self.sent += self.nbytes
         return op
 
-    def _post_after_event(self, data: "torch.Tensor", ev: Any, timeout: float) -> Any:
+    def _post_after_event(self, data: torch.Tensor, ev: Any, timeout: float) -> Any:
         """(sender thread) Wait for the caller's work on ``data`` (``ev``), then post it; returns the send op."""
         ev.synchronize()  # releases the GIL
         return self._post(data, timeout)
@@ -244,7 +245,7 @@ class HostSend(SendPath):
         self._empty = self.slot.raw if not self.nbytes else None
         self._fast = bool(self.shape)  # a 0-d tensor takes the general path
 
-    def send(self, tensor: "torch.Tensor", timeout: float, stream: Any = None) -> None:
+    def send(self, tensor: torch.Tensor, timeout: float, stream: Any = None) -> None:
         if self._fast and tensor.dtype is self.dtype and not tensor.is_cuda and tensor.shape == self.shape:
             if tensor.requires_grad:
                 tensor = tensor.detach()
@@ -266,7 +267,7 @@ class CudaSend(SendPath):
         super().__init__(*args)
         self._whole = self._t.any_dtype
 
-    def send(self, tensor: "torch.Tensor", timeout: float, stream: Any = None) -> None:
+    def send(self, tensor: torch.Tensor, timeout: float, stream: Any = None) -> None:
         if (tensor.dtype is self.dtype and tensor.shape == self.shape and tensor.is_cuda and self.nbytes
                 and tensor.is_contiguous()):
             # The caller's stream (isend passes the one current in the calling thread) is synchronized
@@ -282,7 +283,7 @@ class CudaSend(SendPath):
             return
         self._send_general(tensor, timeout, stream)
 
-    def _isend_posted(self, tensor: "torch.Tensor", timeout: float) -> SendHandle | None:
+    def _isend_posted(self, tensor: torch.Tensor, timeout: float) -> SendHandle | None:
         data = tensor.detach() if tensor.requires_grad else tensor
         if not tensor.is_cuda:
             return super()._isend_posted(tensor, timeout)
@@ -303,7 +304,7 @@ class CudaSend(SendPath):
 class StagedSend(SendPath):
     """A static CUDA spec over a host-only transport: chunked device->host->socket (see ``Link``)."""
 
-    def __init__(self, *args: Any, stager: Any, ops: Any, side: Callable[["torch.device"], Any]) -> None:
+    def __init__(self, *args: Any, stager: Any, ops: Any, side: Callable[[torch.device], Any]) -> None:
         super().__init__(*args)
         self.stager = stager
         self._ops = ops
@@ -311,7 +312,7 @@ class StagedSend(SendPath):
         self._step = 0  # the stager numbers its chunks (the transport checks them)
         self._postable = False
 
-    def send(self, tensor: "torch.Tensor", timeout: float, stream: Any = None) -> None:
+    def send(self, tensor: torch.Tensor, timeout: float, stream: Any = None) -> None:
         self.spec.check_tensor(tensor)
         tensor = tensor.detach()
         if not tensor.is_cuda:  # pragma: no cover - check_tensor requires a CUDA tensor here
@@ -334,7 +335,7 @@ class StagedSend(SendPath):
 
 def send_path(spec: TensorSpec, tag: int, transport: Transport, queue: IsendQueue, *, device: Any,
               staging: Callable[[], tuple[Any, int]],
-              side: Callable[["torch.device"], Any]) -> SendPath:
+              side: Callable[[torch.device], Any]) -> SendPath:
     """The send path of ``spec`` over ``transport`` (its slot allocated here).
 
     ``staging()`` gives (CudaOps, chunk) for chunk-staged specs; ``side(device)`` the link's d2h copy stream.
@@ -405,7 +406,7 @@ class SlotRecv:
     def close(self) -> None:
         """Before the transport closes (nothing to finish here)."""
 
-    def recv(self, out: "torch.Tensor | None", timeout: float) -> "torch.Tensor":
+    def recv(self, out: torch.Tensor | None, timeout: float) -> torch.Tensor:
         held = self.held
         tag = self.tag
         if held:
@@ -460,8 +461,8 @@ class SlotRecv:
         self.received += got.nbytes
         return self._deliver(idx, view, shape, out)
 
-    def _deliver(self, idx: int, view: "torch.Tensor", shape: tuple[int, ...],
-                 out: "torch.Tensor | None") -> "torch.Tensor":
+    def _deliver(self, idx: int, view: torch.Tensor, shape: tuple[int, ...],
+                 out: torch.Tensor | None) -> torch.Tensor:
         if out is None:
             self.held.append((idx, None))
             return view
@@ -492,7 +493,7 @@ class SlotRecv:
             self._post(self.tag, self._raws[idx], header=self._header)
 
 
-def _out_mismatch(name: str, out: "torch.Tensor", view: "torch.Tensor") -> ShapeMismatchError:
+def _out_mismatch(name: str, out: torch.Tensor, view: torch.Tensor) -> ShapeMismatchError:
     return ShapeMismatchError(f"out= for {name!r} is {out.dtype}{list(out.shape)}, received "
                               f"{view.dtype}{list(view.shape)}")
 
@@ -508,8 +509,8 @@ class WholeStagedRecv(SlotRecv):
     def all_slots(self) -> list[Slot]:
         return [*self.slots, self.device_slot]
 
-    def _deliver(self, idx: int, view: "torch.Tensor", shape: tuple[int, ...],
-                 out: "torch.Tensor | None") -> "torch.Tensor":
+    def _deliver(self, idx: int, view: torch.Tensor, shape: tuple[int, ...],
+                 out: torch.Tensor | None) -> torch.Tensor:
         import torch
 
         dev_view = self.device_slot.view(shape)
@@ -530,7 +531,7 @@ class StagedRecv:
     depth = 2  # what recv returns is the one device slot, valid until the next recv
 
     def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], transport: Transport, device_slot: Slot, *,
-                 stager: Any, ops: Any, side: Callable[["torch.device"], Any]) -> None:
+                 stager: Any, ops: Any, side: Callable[[torch.device], Any]) -> None:
         self.spec = spec
         self.name = spec.name
         self.tag = tag
@@ -557,7 +558,7 @@ class StagedRecv:
             except Exception:  # noqa: BLE001 - closing must not fail on a broken device
                 pass
 
-    def recv(self, out: "torch.Tensor | None", timeout: float) -> "torch.Tensor":
+    def recv(self, out: torch.Tensor | None, timeout: float) -> torch.Tensor:
         device = self._device
         self.received += self.stager.recv(self._t, self.tag, timeout=timeout, current=self._ops.current_stream(device),
                                           side=self._side(device))
@@ -574,7 +575,7 @@ RecvPath = SlotRecv | StagedRecv
 
 
 def recv_path(spec: TensorSpec, tag: int, transport: Transport, *, device: Any, depth: int,
-              staging: Callable[[], tuple[Any, int]], side: Callable[["torch.device"], Any]) -> RecvPath:
+              staging: Callable[[], tuple[Any, int]], side: Callable[[torch.device], Any]) -> RecvPath:
     """The receive path of ``spec`` over ``transport``: its slots allocated and posted here.
 
     ``depth``: slots when the transport fills them directly (2 when staged through host memory).

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from tensorwire.p2p.link import Link
-from tensorwire.p2p.paths import HostSend, IsendQueue, SendPath, SlotRecv, recv_path, send_path
+from tensorwire.p2p.paths import (
+    HostSend,
+    IsendQueue,
+    SendPath,
+    SlotRecv,
+    recv_path,
+    send_path,
+)
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.base import new_nonce
 from tensorwire.transport.memory import memory_pair
@@ -66,7 +73,7 @@ def test_fast_and_general_sends_of_one_name_arrive_in_order(kind: str) -> None:
     ta, tb, lst = _pair(kind)
     static = TensorSpec("w", (4, 6), "float32", "cpu")
     dynamic = TensorSpec("d", (8, 6), "float32", "cpu", dynamic=(True, False))
-    kw = dict(name="p", timeout=20.0, device=None)
+    kw = {"name": "p", "timeout": 20.0, "device": None}
     sender = Link(node_rank=0, peer=1, transport=ta, send=[static, dynamic], recv=[], **kw)
     receiver = Link(node_rank=1, peer=0, transport=tb, send=[], recv=[static, dynamic], **kw)
     try:
