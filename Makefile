@@ -1,7 +1,7 @@
 # Developer entry points. The README's first lines are the canonical commands.
 PY ?= python3
 
-.PHONY: install demo test test-fast proto bench bench-serve bench-pipeline doctor clean
+.PHONY: install demo test test-fast check lint typecheck docs-config proto bench bench-serve bench-pipeline doctor clean
 
 install:
 	$(PY) -m pip install "torch==2.13.0" -e ".[test]"
@@ -14,6 +14,22 @@ test:
 
 test-fast:
 	$(PY) -m pytest -m "not slow and not netns"
+
+# Static checks (CI runs them before the tests): lint, formatting, types. Configured in pyproject.toml.
+CHECKED = tensorwire tests examples
+
+check: lint typecheck
+
+lint:
+	$(PY) -m ruff check $(CHECKED)
+	$(PY) -m ruff format --check $(CHECKED)
+
+typecheck:
+	$(PY) -m mypy
+
+# Regenerate docs/configuration.md from tensorwire.settings (tests/core/test_settings.py checks it).
+docs-config:
+	$(PY) -m tensorwire.configdoc > docs/configuration.md
 
 # Regenerate the committed protobuf/gRPC stubs from proto/ (tests check they match).
 proto:
@@ -32,4 +48,4 @@ doctor:
 	$(PY) -m tensorwire doctor
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

@@ -53,6 +53,7 @@ def load_main(address: str, data_port: int, flood_n: int, hog_n: int, waiters_n:
     import tensorwire as tw
     from flood import Flood, raise_nofile
     from tensorwire.serve.protocol.common import PROTOCOL_VERSION
+    from tensorwire._proto import spec_to_proto
     from tensorwire.v1 import store_pb2, store_pb2_grpc
 
     raise_nofile(16384)
@@ -72,7 +73,7 @@ def load_main(address: str, data_port: int, flood_n: int, hog_n: int, waiters_n:
         holder = tw.Client(address, transport="tcp", data_requests=False, name="holder")
         holder.put("hot", torch.zeros(1024))
         sid, _ = holder._session()
-        spec = tw.TensorSpec("hot", (1024,), "float32").to_proto()
+        spec = spec_to_proto(tw.TensorSpec("hot", (1024,), "float32"))
         holder._stub.BeginPut(store_pb2.BeginPutRequest(session_id=sid, spec=spec, timeout_ms=3_600_000), timeout=10)
         ch = grpc.insecure_channel(address)
         stub = store_pb2_grpc.StoreStub(ch)

@@ -15,11 +15,14 @@ from tensorwire.errors import (
     ClosedError,
     ConfigError,
     ConnectTimeout,
+    LayoutMismatchError,
     NotFoundError,
     PeerLostError,
     ProtocolError,
     ResourceExhaustedError,
     ShapeMismatchError,
+    ShardLostError,
+    SnapshotError,
     SpecError,
     TensorWireError,
     TransferTimeout,
@@ -44,13 +47,16 @@ __all__ = [
     "ConfigError",
     "SpecError",
     "ShapeMismatchError",
+    "LayoutMismatchError",
     "AuthError",
     "ResourceExhaustedError",
     "NotFoundError",
+    "SnapshotError",
     "ProtocolError",
     "VersionMismatchError",
     "TransportError",
     "PeerLostError",
+    "ShardLostError",
     "ConnectTimeout",
     "TransferTimeout",
     "ClosedError",
@@ -85,3 +91,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+# backend="tensorwire" for torch.distributed: registered once torch.distributed is importable, without
+# importing torch here (a one-shot import hook when torch is not imported yet; see tensorwire.distributed).
+from .distributed import install as _install_dist_backend  # noqa: E402
+
+_install_dist_backend()

@@ -34,6 +34,7 @@ import mmap
 from typing import TYPE_CHECKING
 
 from tensorwire.spec import TensorSpec
+from tensorwire.cuda import expandable_segments, alloc_cuda, check_allocator
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
@@ -75,8 +76,6 @@ def cuda_slot_source() -> str:
     Checked per slot (cheap: environment and the allocator's own settings), so
     a process that switches its allocator settings before linking is honoured.
     """
-    from tensorwire.cuda import expandable_segments
-
     return "cudaMalloc" if expandable_segments().expandable else "caching-allocator"
 
 
@@ -85,8 +84,6 @@ def allocate_cuda(nbytes: int, device: "torch.device") -> "torch.Tensor":
     import torch
 
     if cuda_slot_source() == "cudaMalloc":
-        from tensorwire.cuda import alloc_cuda, check_allocator
-
         check_allocator()  # warns once: tensors the user sends from the caching allocator are still affected
         return alloc_cuda(nbytes, device, align=PAGE)
     # Unchanged from before cudaMalloc slots existed: a caching-allocator block (>= 512-byte aligned).
@@ -121,7 +118,7 @@ class Slot:
             self.raw.zero_()
             self.pinned = bool(self.raw.is_pinned()) if nbytes else False
         self.tensor = _typed_view(self.raw, spec.torch_dtype, spec.shape)
-        self._np = None
+        self._np: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -129,11 +126,11 @@ class Slot:
 
     @property
     def is_cuda(self) -> bool:
-        return self.raw.is_cuda
+        return bool(self.raw.is_cuda)
 
     @property
     def data_ptr(self) -> int:
-        return self.raw.data_ptr()
+        return int(self.raw.data_ptr())
 
     def host_array(self) -> "np.ndarray":
         """Zero-copy NumPy uint8 view of a host slot (cached: no allocation per step)."""

@@ -16,6 +16,7 @@ import sys
 from typing import Sequence
 
 from tensorwire import __version__
+from tensorwire.settings import setting
 
 COMMAND_MODULES = (
     "tensorwire.serve.cli",  # serve, ls, get, put
@@ -50,9 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configure_logging(level: str | None) -> None:
-    import os
-
-    level = (level or os.environ.get("TENSORWIRE_LOG_LEVEL") or "WARNING").upper()
+    level = (level or setting("log_level") or "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 

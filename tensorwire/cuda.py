@@ -94,7 +94,7 @@ def expandable_segments(env: Mapping[str, str] | None = None, *, runtime: bool =
         import torch
 
         try:
-            settings = torch._C._accelerator_getAllocatorSettings()  # type: ignore[attr-defined]
+            settings = torch._C._accelerator_getAllocatorSettings()
         except (AttributeError, RuntimeError):
             settings = ""
         conf = _parse_alloc_conf(settings or "")
@@ -228,7 +228,7 @@ def _on_current_stream(fn_name: str, expected: tuple[int, ...]) -> Any:
         idx = device.index
         if idx is None or idx != getdev():
             return None
-        err = fn(raw(idx))
+        err = int(fn(raw(idx)))
         if err in expected:
             return err
         lib.cudaGetLastError()
@@ -247,7 +247,7 @@ def current_stream_idle(device: "torch.device") -> bool:
         import torch
 
         return bool(torch.cuda.current_stream(device).query())
-    return err == 0
+    return bool(err == 0)
 
 
 def sync_current_stream(device: "torch.device") -> None:
@@ -319,7 +319,7 @@ def alloc_cuda(nbytes: int, device: "torch.device | int | None" = None, *, align
         owner: Any = CudaBuffer(total, index)
     except OSError:
         try:
-            import cupy  # type: ignore[import-not-found]
+            import cupy
 
             with cupy.cuda.Device(index):
                 mem = cupy.cuda.Memory(max(1, total))

@@ -6,18 +6,24 @@ process, not in the client's. Three rows, each measured for the three paths in
 turns (round by round, so a load change on the machine weighs on all of them
 alike):
 
-- **4 KiB round trip**: one 4 KiB message and a 1-byte acknowledgement back;
-- **1 MiB stream** and **64 MiB stream**: a round of messages sent back to back,
-  then one acknowledgement.
+- **4 KiB round trip**: one 4 KiB message and a 1-byte acknowledgement back,
+  50 of them back to back per round, each timed;
+- **1 MiB stream** (32 messages) and **64 MiB stream** (2 messages): the
+  round's messages sent back to back, then one acknowledgement; the round is timed.
 
-What is timed, on both sides, is the exchange only: rank 1 says "go" on a
-control socket when it is ready; rank 0 starts its clock when the go arrives
-and stops it when the acknowledgement is in; rank 1 starts its clock when it
-has said go and stops it once its acknowledgement is out. Filling the sent
-tensors (rank 0) and checking every received byte against the expected
-pattern (rank 1) happen outside both clocks, before the next go. The
-receiver keeps every message of a round in its own buffer until it has checked
-it (tensorwire: ``Node.link(..., depth=messages + 1)``, so no copy).
+Real training exchanges tensors back to back, so that is what is timed: the
+steady state, not the first exchange after an idle pause (a thread waiting on
+UCX spins 100 µs, then sleeps, and the exchange that wakes it pays for that;
+a socket's reader pays a wake-up too). A round starts when rank 1 says "go"
+on a control socket; rank 0 starts its clock when the go arrives, rank 1 when
+it has said it; each side reads its clock again after every exchange of the
+round (rank 0 once the acknowledgement is in, rank 1 once it is out). Filling
+the sent tensors (rank 0) and checking every received byte against the
+expected pattern (rank 1) happen outside both clocks, between rounds: the
+receiver keeps every message of a round in its own buffer until it has
+checked it (tensorwire: ``Node.link(..., depth=messages per round + 1)``, so no
+copy; the socket and gRPC receive into as many buffers). Each row starts with
+warm-up rounds that are checked but not counted.
 
 The paths:
 
@@ -30,8 +36,8 @@ The paths:
   for the streams (the fastest way gRPC has of moving bulk bytes). The server
   copies each message into its preallocated buffer, as receiving a tensor needs.
 
-The table shows medians over the timed rounds by rank 0's clock; the receiver's
-clock gives the headline ratio a second time.
+The table shows medians by rank 0's clock (over every timed round trip, over the
+timed rounds of a stream); the receiver's clock gives the headline ratio a second time.
 """
 
 from __future__ import annotations
@@ -55,23 +61,31 @@ MIB = 1024 * KIB
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One row of the table: ``messages`` messages of ``size`` bytes per timed round, then one ack."""
+    """One row of the table: ``exchanges`` exchanges back to back per round, each ``messages`` messages
+    of ``size`` bytes then one ack; every exchange is timed (a stream row: one exchange per round)."""
 
     label: str
     size: int
     messages: int
     #: timed rounds per unit of ``--rounds``
     scale: int
+    #: exchanges per round, back to back (each timed)
+    exchanges: int = 1
 
     @property
     def round_trip(self) -> bool:
         return self.messages == 1
 
+    @property
+    def per_round(self) -> int:
+        """Messages per round: all stay in their own receive buffers until the round is checked."""
+        return self.messages * self.exchanges
+
 
 DEFAULT_ROWS: tuple[Row, ...] = (
-    Row("4 KiB round trip", 4 * KIB, 1, 40),
-    Row("1 MiB stream", 1 * MIB, 8, 4),
-    Row("64 MiB stream", 64 * MIB, 2, 1),
+    Row("4 KiB round trip", 4 * KIB, 1, 4, exchanges=50),  # 20 rounds of 50: 1,000 timed round trips
+    Row("1 MiB stream", 1 * MIB, 32, 2),  # 10 rounds of 32 MiB
+    Row("64 MiB stream", 64 * MIB, 2, 1),  # 5 rounds of 128 MiB
 )
 PATHS: tuple[str, ...] = ("tensorwire", "raw socket", "gRPC")
 _GRPC_CHUNK = 1 * MIB
@@ -84,7 +98,8 @@ _GO = b"g"
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="the same bytes through tensorwire, a raw socket and gRPC on this machine")
     p.add_argument("--rounds", "--steps", dest="rounds", type=int, default=5,
-                   help="timed rounds per stream row (default 5; the round trip runs 40 times as many)")
+                   help="timed rounds per 64 MiB row (default 5; the 1 MiB row runs twice as many, "
+                        "the round trip row 4 times as many rounds of 50 round trips)")
     p.add_argument("--transport", default="auto", choices=("auto", "ucx", "tcp"))
     p.add_argument("--no-grpc", action="store_true", help="skip gRPC")
     p.add_argument("--timeout", type=float, default=120.0, help="overall timeout in seconds")
@@ -103,7 +118,11 @@ def _ramp(size: int) -> Any:
 
 
 def _value(row: int, path: int, rnd: int, msg: int, messages: int) -> int:
-    """What message ``msg`` of round ``rnd`` adds to the ramp: differs from the previous rounds' messages."""
+    """What message ``msg`` of round ``rnd`` (``messages`` per round) adds to the ramp.
+
+    Any 251 consecutive messages of a path differ, so a slot still holding an earlier round's message
+    is caught (a slot is reused one round later).
+    """
     return (row * 17 + path * 5 + rnd * messages + msg + 1) % 251
 
 
@@ -148,7 +167,7 @@ class _TwSender:
     def __init__(self, link: Any) -> None:
         self.link = link
 
-    def exchange(self, row: int, srcs: Sequence[Any]) -> None:
+    def exchange(self, row: int, srcs: Sequence[Any], first: int) -> None:
         name = f"row{row}"
         for t in srcs:
             self.link.send(name, t)
@@ -160,9 +179,9 @@ class _TwReceiver:
         self.link = link
         self.ack = ack
 
-    def exchange(self, row: int, n: int) -> list[Any]:
+    def exchange(self, row: int, first: int, n: int) -> list[Any]:
         name = f"row{row}"
-        got = [self.link.recv(name) for _ in range(n)]  # depth n + 1: all n stay valid until checked
+        got = [self.link.recv(name) for _ in range(n)]  # depth per round + 1: all stay valid until checked
         self.link.send("ack", self.ack)
         return got
 
@@ -172,7 +191,7 @@ class _SocketSender:
         self.sock = sock
         self.ack = memoryview(bytearray(1))
 
-    def exchange(self, row: int, srcs: Sequence[Any]) -> None:
+    def exchange(self, row: int, srcs: Sequence[Any], first: int) -> None:
         for t in srcs:
             self.sock.sendall(memoryview(t.numpy()))
         _recv_exact(self.sock, self.ack)
@@ -184,11 +203,11 @@ class _SocketReceiver:
         self.views = [[memoryview(b.numpy()) for b in bufs] for bufs in buffers]
         self.buffers = buffers
 
-    def exchange(self, row: int, n: int) -> list[Any]:
-        for view in self.views[row][:n]:
+    def exchange(self, row: int, first: int, n: int) -> list[Any]:
+        for view in self.views[row][first: first + n]:
             _recv_exact(self.sock, view)
         self.sock.sendall(_ACK)
-        return self.buffers[row][:n]
+        return self.buffers[row][first: first + n]
 
 
 class _GrpcSender:
@@ -202,9 +221,12 @@ class _GrpcSender:
         self.stream = self.channel.stream_unary(f"/{_GRPC_SERVICE}/Stream")
         hello = self.channel.unary_unary(f"/{_GRPC_SERVICE}/Hello")
         self.server_pid = int(hello(b"", timeout=timeout))
+        self.meta: dict[tuple[int, int], tuple[tuple[str, str], ...]] = {}
 
-    def exchange(self, row: int, srcs: Sequence[Any]) -> None:
-        meta = (("tw-row", str(row)),)
+    def exchange(self, row: int, srcs: Sequence[Any], first: int) -> None:
+        meta = self.meta.get((row, first))
+        if meta is None:  # where the server puts the messages: its first buffer of the round
+            meta = self.meta[(row, first)] = (("tw-row", str(row)), ("tw-first", str(first)))
         if len(srcs) == 1:
             reply = self.unary(srcs[0].numpy().tobytes(), timeout=self.timeout, metadata=meta)
         else:
@@ -244,17 +266,19 @@ class _GrpcReceiver:
         self.server.start()
 
     @staticmethod
-    def _row(context: Any) -> int:
-        return int(dict(context.invocation_metadata())["tw-row"])
+    def _where(context: Any) -> tuple[int, int]:
+        meta = dict(context.invocation_metadata())
+        return int(meta["tw-row"]), int(meta["tw-first"])
 
     def _put(self, request: bytes, context: Any) -> bytes:
         import numpy as np
 
         try:
-            dst = self.arrays[self._row(context)][0]
+            row, first = self._where(context)
+            dst = self.arrays[row][first]
             dst[:] = np.frombuffer(request, dtype=np.uint8)
             self.done.put(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+        except BaseException as exc:
             self.done.put(exc)
             raise
         return _ACK
@@ -263,8 +287,9 @@ class _GrpcReceiver:
         import numpy as np
 
         try:
-            arrays = self.arrays[self._row(context)]
-            msg, off = 0, 0
+            row, first = self._where(context)
+            arrays = self.arrays[row]
+            msg, off = first, 0
             for chunk in chunks:
                 dst = arrays[msg]
                 dst[off: off + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
@@ -274,16 +299,16 @@ class _GrpcReceiver:
             if off:
                 raise ValueError(f"a gRPC stream ended inside message {msg}")
             self.done.put(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+        except BaseException as exc:
             self.done.put(exc)
             raise
         return _ACK
 
-    def exchange(self, row: int, n: int) -> list[Any]:
+    def exchange(self, row: int, first: int, n: int) -> list[Any]:
         err = self.done.get(timeout=self.timeout)
         if err is not None:
             raise err
-        return self.buffers[row][:n]
+        return self.buffers[row][first: first + n]
 
     def close(self) -> None:
         self.server.stop(grace=1.0).wait(3.0)
@@ -315,7 +340,7 @@ def _specs(plan: _Plan) -> tuple[list[Any], Any, dict[str, int]]:
     import tensorwire as tw
 
     rows = [tw.TensorSpec(f"row{i}", (r.size,), "uint8") for i, r in enumerate(plan.rows)]
-    depth = {s.name: r.messages + 1 for s, r in zip(rows, plan.rows)}
+    depth = {s.name: r.per_round + 1 for s, r in zip(rows, plan.rows)}
     return rows, tw.TensorSpec("ack", (1,), "uint8"), depth
 
 
@@ -339,23 +364,28 @@ def _sender(plan: _Plan, store: Any, q: Any) -> None:
         go = memoryview(bytearray(1))
         times: dict[str, list[float]] = {}
         try:
+            perf = time.perf_counter
             for i, row in enumerate(plan.rows):
+                q.put(("start", 0, i))
                 ramp = _ramp(row.size)
-                srcs = [torch.empty(row.size, dtype=torch.uint8) for _ in range(row.messages)]
+                n, m = row.per_round, row.messages
+                srcs = [torch.empty(row.size, dtype=torch.uint8) for _ in range(n)]
+                parts = [(srcs[e * m: (e + 1) * m], e * m) for e in range(row.exchanges)]
                 row_times: dict[str, list[float]] = {p: [] for p in plan.paths()}
                 warm = plan.warmup(row)
                 for rnd in range(warm + plan.timed(row)):
                     for p, path in enumerate(paths):
-                        for m, t in enumerate(srcs):  # the "model" writes its outputs: not timed
-                            _fill(t, ramp, _value(i, p, rnd, m, row.messages))
+                        for k, t in enumerate(srcs):  # the "model" writes its outputs: not timed
+                            _fill(t, ramp, _value(i, p, rnd, k, n))
                         _recv_exact(ctrl, go)  # the receiver has checked the last round and is ready
-                        t0 = time.perf_counter()
-                        path.exchange(i, srcs)
-                        dt = time.perf_counter() - t0
+                        stamps = [perf()]
+                        for part, first in parts:  # back to back, as training steps are
+                            path.exchange(i, part, first)
+                            stamps.append(perf())
                         if rnd >= warm:
-                            row_times[plan.paths()[p]].append(dt)
-                for p in row_times:
-                    times[f"{i}/{p}"] = row_times[p]
+                            row_times[plan.paths()[p]] += [b - a for a, b in zip(stamps, stamps[1:])]
+                for kind in row_times:
+                    times[f"{i}/{kind}"] = row_times[kind]
                 q.put(("row", 0, (i, row_times)))
         finally:
             if plan.grpc:
@@ -375,7 +405,7 @@ def _receiver(plan: _Plan, store: Any, q: Any) -> None:
     data_l = socket.create_server(("127.0.0.1", 0))
 
     def buffers() -> list[list[Any]]:
-        return [[torch.empty(r.size, dtype=torch.uint8) for _ in range(r.messages)] for r in plan.rows]
+        return [[torch.empty(r.size, dtype=torch.uint8) for _ in range(r.per_round)] for r in plan.rows]
 
     grpc_rx = _GrpcReceiver(buffers(), plan.timeout) if plan.grpc else None
     store.set("demo/ports", f"{ctrl_l.getsockname()[1]},{data_l.getsockname()[1]},{grpc_rx.port if grpc_rx else 0}")
@@ -393,26 +423,30 @@ def _receiver(plan: _Plan, store: Any, q: Any) -> None:
             times: dict[str, list[float]] = {}
             bad = {p: 0 for p in names}
             checked = 0
+            perf = time.perf_counter
             for i, row in enumerate(plan.rows):
                 ramp = _ramp(row.size)
                 scratch = torch.empty(row.size, dtype=torch.uint8)
                 warm = plan.warmup(row)
                 row_times: dict[str, list[float]] = {p: [] for p in names}
+                n, m = row.per_round, row.messages
                 for rnd in range(warm + plan.timed(row)):
                     for p, path in enumerate(paths):
+                        got: list[Any] = []
                         ctrl.sendall(_GO)
-                        t0 = time.perf_counter()
-                        got = path.exchange(i, row.messages)
-                        dt = time.perf_counter() - t0
+                        stamps = [perf()]
+                        for first in range(0, n, m):  # back to back, as training steps are
+                            got += path.exchange(i, first, m)
+                            stamps.append(perf())
                         if rnd >= warm:
-                            row_times[names[p]].append(dt)
-                        values = [_value(i, p, rnd, m, row.messages) for m in range(row.messages)]
+                            row_times[names[p]] += [b - a for a, b in zip(stamps, stamps[1:])]
+                        values = [_value(i, p, rnd, k, n) for k in range(n)]
                         bad[names[p]] += count_bad(got, ramp, values, scratch)  # every byte: not timed
-                        checked += row.size * row.messages
+                        checked += row.size * len(got)
                         if plan.check_pause:
                             time.sleep(plan.check_pause)  # tests: a slow check must stay off both clocks
-                for p in names:
-                    times[f"{i}/{p}"] = row_times[p]
+                for kind in names:
+                    times[f"{i}/{kind}"] = row_times[kind]
             # wait for the sender to hang up before tearing the gRPC server and the link down
             ctrl.settimeout(plan.timeout)
             ctrl.recv(1)
@@ -428,8 +462,10 @@ def _receiver(plan: _Plan, store: Any, q: Any) -> None:
 
 def _worker(rank: int, port: int, plan: _Plan, q: Any) -> None:
     try:
+        import torch
         from torch.distributed import TCPStore
 
+        torch.set_num_threads(1)  # two processes share the cores: no intra-op pool fighting the exchange
         store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=plan.timeout))
         (_sender if rank == 0 else _receiver)(plan, store, q)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -441,7 +477,8 @@ def _worker(rank: int, port: int, plan: _Plan, q: Any) -> None:
 
 @dataclasses.dataclass
 class DemoResult:
-    """What a demo run measured. ``sender[row][path]`` / ``receiver[...]``: seconds per timed round."""
+    """What a demo run measured. ``sender[row][path]`` / ``receiver[...]``: seconds per timed exchange
+    (``rounds * exchanges`` of them; a round's exchanges are consecutive)."""
 
     rows: tuple[Row, ...]
     paths: tuple[str, ...]
@@ -453,7 +490,7 @@ class DemoResult:
     pids: dict[str, int | None]
 
     def figure(self, row: int, path: str, *, clock: str = "sender") -> float:
-        """Median per round: seconds for a round trip row, bytes/s for a stream row."""
+        """Median per exchange: seconds for a round trip row, bytes/s for a stream row."""
         secs = statistics.median((self.sender if clock == "sender" else self.receiver)[row][path])
         r = self.rows[row]
         return secs if r.round_trip else r.size * r.messages / secs
@@ -485,6 +522,7 @@ def measure(*, rows: Sequence[Row] = DEFAULT_ROWS, rounds: int = 5, transport: s
         p.start()
     got: dict[int, dict[str, Any]] = {}
     ready: dict[str, Any] = {}
+    t_row = time.monotonic()
     deadline = time.monotonic() + timeout
     try:
         while len(got) < 2:
@@ -504,9 +542,15 @@ def measure(*, rows: Sequence[Row] = DEFAULT_ROWS, rounds: int = 5, transport: s
                 say(f"  workers connected: tensorwire over {payload['transport']}, gRPC server in process "
                     f"{payload['grpc_server_pid']} (client: {payload['pid']})" if grpc else
                     f"  workers connected: tensorwire over {payload['transport']}")
+            elif kind == "start":
+                row = plan.rows[payload]
+                t_row = time.monotonic()
+                say(f"  {row.label} ...  {plan.warmup(row)} warm-up + {plan.timed(row)} timed rounds of "
+                    + (f"{row.exchanges} round trips" if row.round_trip else
+                       f"{row.messages} messages then an ack") + f", {len(plan.paths())} paths in turns")
             elif kind == "row":
                 i, row_times = payload
-                say("  " + _row_line(plan.rows[i], row_times))
+                say("  " + _row_line(plan.rows[i], row_times) + f"  ({time.monotonic() - t_row:.1f} s)")
             else:
                 got[rank] = payload
     finally:
@@ -570,9 +614,8 @@ def run_demo(*, rounds: int = 5, transport: str = "auto", grpc: bool = True, tim
     if rounds < 1:
         print("tensorwire demo: --rounds must be >= 1", file=err)
         return 2
-    print(f"tensorwire demo: two processes on this machine (loopback), rank 0 -> rank 1; "
-          f"paths in turns, {rounds} timed rounds per stream row; every byte checked, outside the clocks", file=out,
-          flush=True)
+    print(f"tensorwire demo: two processes on this machine (loopback), rank 0 -> rank 1; paths in turns, "
+          f"exchanges back to back (steady state); every byte checked, outside the clocks", file=out, flush=True)
     t0 = time.monotonic()
     try:
         res = measure(rounds=rounds, transport=transport, grpc=grpc, timeout=timeout,

@@ -150,6 +150,11 @@ class Plan:
     """
 
     __slots__ = ("_groups", "_all", "method", "attempts", "notes")
+    _groups: dict[str, tuple[TensorSpec, ...]]
+    _all: dict[str, TensorSpec]
+    method: str
+    attempts: tuple[tuple[str, str], ...]
+    notes: tuple[str, ...]
 
     def __init__(
         self,
@@ -322,7 +327,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     if n < 1024:
         return f"{n} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):
@@ -642,7 +647,7 @@ def _trace_outputs(
             return outs, method, attempts
         except TensorWireError:
             raise
-        except Exception as exc:  # a tracer that cannot follow this module: try the next one
+        except Exception as exc:  # noqa: BLE001 - a tracer that cannot follow this module: try the next one
             attempts.append((method, _reason(exc)))
             last = exc
     detail = "; ".join(f"{m}: {r}" for m, r in attempts)
@@ -741,7 +746,7 @@ def _outputs_export(module: Any, args: _Args, kwargs: _Kwargs, dyn: _Dyn) -> lis
             return _export_symbolic(module, args, kwargs, dyn)
         except TensorWireError:
             raise
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure falls back to exporting statically
             pass  # e.g. the module specialises a dynamic dim: export statically at two sizes
     return _two_sizes(lambda a, k: _export_symbolic(module, a, k, {}), args, kwargs, dyn)
 

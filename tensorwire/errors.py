@@ -11,13 +11,16 @@ visible in the traceback.
     ├── ConfigError            bad configuration or arguments (also a ValueError)
     ├── SpecError              an invalid TensorSpec (also a ValueError)
     │   └── ShapeMismatchError a tensor or spec differs from the negotiated one
+    │       └── LayoutMismatchError  a shard's layout differs from the one a request expects
     ├── AuthError              missing/wrong token, TLS mismatch, bad session credential
     ├── ResourceExhaustedError over a configured memory or size limit
     ├── NotFoundError          no tensor of that name (serve)
+    ├── SnapshotError          a snapshot could not be written, or one on disk is corrupt (serve)
     ├── ProtocolError          the peer broke the wire protocol
     │   └── VersionMismatchError  the peer speaks another protocol version
     ├── TransportError         the data plane or control plane failed
     │   ├── PeerLostError      the peer went away (killed, link cut, reset)
+    │   │   └── ShardLostError a daemon of a sharded client is unreachable (names it)
     │   ├── ConnectTimeout     could not connect or negotiate in time (also TimeoutError)
     │   └── TransferTimeout    a send/recv did not complete in time (also TimeoutError)
     └── ClosedError            you used a Link/Node/Client after closing it
@@ -34,13 +37,16 @@ __all__ = [
     "ConfigError",
     "SpecError",
     "ShapeMismatchError",
+    "LayoutMismatchError",
     "AuthError",
     "ResourceExhaustedError",
     "NotFoundError",
+    "SnapshotError",
     "ProtocolError",
     "VersionMismatchError",
     "TransportError",
     "PeerLostError",
+    "ShardLostError",
     "ConnectTimeout",
     "TransferTimeout",
     "ClosedError",
@@ -66,6 +72,16 @@ class ShapeMismatchError(SpecError):
     """
 
 
+class LayoutMismatchError(ShapeMismatchError):
+    """A tensor is stored with another shard layout than the request expects (``tensorwire serve``).
+
+    Raised by a daemon (and by the sharded client before it asks one) when a
+    client over another daemon list -- other members or another order -- or a
+    client over no list at all addresses a shard, or a sharded client
+    addresses a whole tensor. Nothing was read or written.
+    """
+
+
 class AuthError(TensorWireError):
     """Authentication or authorization failed (token, TLS, data-plane credential)."""
 
@@ -79,6 +95,10 @@ class NotFoundError(TensorWireError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want plain text
         return str(self.args[0]) if self.args else ""
+
+
+class SnapshotError(TensorWireError):
+    """A snapshot could not be written (the previous one is kept), or one on disk is unreadable or corrupt."""
 
 
 class ProtocolError(TensorWireError):
@@ -95,6 +115,18 @@ class TransportError(TensorWireError):
 
 class PeerLostError(TransportError, ConnectionError):
     """The peer is gone: killed, connection reset, or the network cut."""
+
+
+class ShardLostError(PeerLostError):
+    """A daemon of a sharded client is unreachable (down, restarting, cut off).
+
+    ``address`` names it. Operations on the other daemons go on; the client
+    reconnects by itself on a later call once the daemon is back.
+    """
+
+    def __init__(self, message: str, *, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address
 
 
 class ConnectTimeout(TransportError, TimeoutError):

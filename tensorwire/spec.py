@@ -10,8 +10,11 @@ A spec is immutable and validated when it is built:
 - ``dynamic``: per dim, whether the dim is a maximum (the actual size travels
   with each message).
 
-Specs convert to and from their protobuf message (``tensorwire.v1.TensorSpec``)
-and compare by value. torch is imported lazily.
+Specs compare by value. Each dtype and device kind has a wire code
+(:data:`DTYPE_CODES`, :data:`DEVICE_CODES`), the enum values of the protobuf
+message ``tensorwire.v1.TensorSpec``; the conversion to and from that message
+lives with the gRPC code that sends it (``tensorwire._proto``), so this leaf
+imports no generated code. torch is imported lazily.
 """
 
 from __future__ import annotations
@@ -25,9 +28,8 @@ from tensorwire.errors import ShapeMismatchError, SpecError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from tensorwire.v1 import types_pb2
-
-__all__ = ["TensorSpec", "DTYPES", "MAX_RANK", "MAX_NAME_LEN", "MAX_TENSOR_BYTES", "check_same_specs"]
+__all__ = ["TensorSpec", "DTYPES", "DTYPE_CODES", "DTYPE_BY_CODE", "DEVICE_CODES", "DEVICE_BY_CODE", "MAX_RANK",
+           "MAX_NAME_LEN", "MAX_TENSOR_BYTES", "check_name", "check_same_specs"]
 
 MAX_RANK = 8
 MAX_NAME_LEN = 256
@@ -46,6 +48,12 @@ _DTYPE_TABLE: dict[str, tuple[int, int]] = {
     "int64": (8, 8),
     "uint8": (1, 9),
     "bool": (1, 10),
+    # bytes to the data plane like any other; kept for torch.distributed users (backend "tensorwire")
+    "complex64": (8, 11),
+    "float8_e4m3fn": (1, 12),
+    "float8_e5m2": (1, 13),
+    "float8_e4m3fnuz": (1, 14),
+    "float8_e5m2fnuz": (1, 15),
 }
 #: The dtypes tensorwire moves, by name.
 DTYPES: tuple[str, ...] = tuple(_DTYPE_TABLE)
@@ -55,6 +63,13 @@ _DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "l
 DeviceKind = Literal["cpu", "cuda"]
 _DEVICE_TO_PROTO = {"cpu": 1, "cuda": 2}
 _DEVICE_BY_PROTO = {v: k for k, v in _DEVICE_TO_PROTO.items()}
+
+#: dtype name -> its wire code (the ``tensorwire.v1.DType`` enum value), and back.
+DTYPE_CODES: Mapping[str, int] = {name: code for name, (_, code) in _DTYPE_TABLE.items()}
+DTYPE_BY_CODE: Mapping[int, str] = _DTYPE_BY_PROTO
+#: device kind -> its wire code (the ``tensorwire.v1.DeviceKind`` enum value), and back.
+DEVICE_CODES: Mapping[str, int] = _DEVICE_TO_PROTO
+DEVICE_BY_CODE: Mapping[int, str] = _DEVICE_BY_PROTO
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -76,7 +91,12 @@ def _device_kind(device: Any) -> DeviceKind:
     return kind  # type: ignore[return-value]
 
 
-def _check_name(name: Any) -> str:
+def check_name(name: Any) -> str:
+    """Return ``name`` if it is a valid tensor name.
+
+    Raises:
+        SpecError: not a str, empty, longer than :data:`MAX_NAME_LEN`, or not printable.
+    """
     if not isinstance(name, str):
         raise SpecError(f"tensor name must be a str, got {type(name).__name__}")
     if not 1 <= len(name) <= MAX_NAME_LEN:
@@ -117,7 +137,7 @@ class TensorSpec:
         *,
         dynamic: Iterable[int] | Iterable[bool] | None = None,
     ) -> None:
-        name = _check_name(name)
+        name = check_name(name)
         try:
             dims = tuple(int(d) for d in shape)
         except (TypeError, ValueError) as exc:
@@ -213,37 +233,6 @@ class TensorSpec:
 
     def __str__(self) -> str:
         return f"{self.name}: {self.describe()}"
-
-    # -- protobuf -------------------------------------------------------------
-    def to_proto(self) -> "types_pb2.TensorSpec":
-        from tensorwire.v1 import types_pb2
-
-        return types_pb2.TensorSpec(
-            name=self.name,
-            shape=list(self.shape),
-            dtype=_DTYPE_TABLE[self.dtype][1],
-            device=_DEVICE_TO_PROTO[self.device],
-            dynamic=list(self.dynamic),
-        )
-
-    @classmethod
-    def from_proto(cls, msg: "types_pb2.TensorSpec") -> "TensorSpec":
-        """Build a spec from its message, validating every field.
-
-        Raises:
-            SpecError: unknown dtype/device or any invalid field.
-        """
-        if msg.dtype not in _DTYPE_BY_PROTO:
-            raise SpecError(f"{msg.name!r}: unknown dtype code {msg.dtype}")
-        if msg.device not in _DEVICE_BY_PROTO:
-            raise SpecError(f"{msg.name!r}: unknown device code {msg.device}")
-        return cls(
-            msg.name,
-            tuple(msg.shape),
-            _DTYPE_BY_PROTO[msg.dtype],
-            _DEVICE_BY_PROTO[msg.device],
-            dynamic=tuple(msg.dynamic) or None,
-        )
 
 
 def _normalise_dynamic(name: str, dynamic: Any, rank: int) -> tuple[bool, ...]:

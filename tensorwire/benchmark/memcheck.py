@@ -23,9 +23,9 @@ import gc
 import os
 import traceback
 import tracemalloc
-from typing import Any
+from typing import Any, Callable
 
-from tensorwire.benchmark.worker import _device, _finish
+from tensorwire.benchmark.worker import finish, pick_device
 
 __all__ = ["entry", "RSS_TOLERANCE", "TRACED_TOLERANCE"]
 
@@ -61,7 +61,7 @@ def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store
 
         torch.set_num_threads(1)
         cfg = BenchConfig.from_dict(cfg_dict)
-        device = _device(cfg, rank)
+        device = pick_device(cfg, rank)
         transport = name.split("-", 1)[1]
         store = TCPStore(store_host, store_port, 2, False, timedelta(seconds=cfg.op_timeout))
         node = Node(rank=rank, world_size=2, store=store, host=cfg.host, transport=transport,  # type: ignore[arg-type]
@@ -136,15 +136,14 @@ def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store
     except BaseException as exc:  # noqa: BLE001 - reported to the runner
         item = ("error", rank, type(exc).__name__, str(exc) or repr(exc), traceback.format_exc())
     try:
-        _finish(q, item)
+        finish(q, item)
     finally:
         os._exit(0)
 
 
-def run(cfg: Any, transports: list[str]) -> list[dict[str, Any]]:
-    """One memcheck pair per transport (``auto`` first); results in report form."""
-    from tensorwire.benchmark.runner import run_pair
-
+def run(cfg: Any, transports: list[str], *, run_pair: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    """One memcheck pair per transport (``auto`` first), each run by ``run_pair`` (the runner's); results in
+    report form."""
     out = []
     for t in transports:
         res = run_pair(f"memcheck-{t}", cfg, target=entry, timeout=120.0 + cfg.memcheck_steps * 0.05)

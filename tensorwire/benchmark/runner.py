@@ -210,7 +210,7 @@ def execute(cfg: BenchConfig, *, progress: Progress | None = None, where: str = 
         if progress and progress.enabled:
             print(f"memory check: {cfg.memcheck_steps} steps x {cfg.memcheck_size} B through a Link "
                   f"({', '.join(transports)}) ...", file=progress.stream, flush=True)
-        raw["memcheck"] = memcheck.run(cfg, transports)
+        raw["memcheck"] = memcheck.run(cfg, transports, run_pair=run_pair)
     raw["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     raw["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return raw

@@ -208,7 +208,7 @@ def run_sender(tx: "Sender", cfg: BenchConfig, steps: list[Steps], device: "torc
     return {"sizes": sizes_out, "transport": tx.transport, "ucx_env": ucx_env_effective()}
 
 
-def _device(cfg: BenchConfig, rank: int) -> "torch.device":
+def pick_device(cfg: BenchConfig, rank: int) -> "torch.device":
     import torch
 
     if cfg.device == "cuda":
@@ -221,7 +221,7 @@ def _device(cfg: BenchConfig, rank: int) -> "torch.device":
     return torch.device("cpu")
 
 
-def _finish(q: Any, item: tuple) -> None:
+def finish(q: Any, item: tuple) -> None:
     q.put(item)
     q.close()
     q.join_thread()
@@ -246,7 +246,7 @@ def entry(backend: str, rank: int, cfg_dict: dict[str, Any], store_host: str, st
 
         torch.set_num_threads(1)  # two processes share the cores; no intra-op pool fighting the transport
         cfg = BenchConfig.from_dict(cfg_dict)
-        device = _device(cfg, rank)
+        device = pick_device(cfg, rank)
         store = TCPStore(store_host, store_port, 2, False, timedelta(seconds=cfg.op_timeout))
         ctx = PairContext(rank=rank, cfg=cfg, store=store, prefix=prefix, device=device, backend=backend)
         sender_cls, receiver_cls, arg = load(backend)
@@ -268,7 +268,7 @@ def entry(backend: str, rank: int, cfg_dict: dict[str, Any], store_host: str, st
                 sink.prepare(size)
                 orig_open(size)
 
-            rx.open = open_and_prepare  # type: ignore[method-assign]
+            rx.open = open_and_prepare
             try:
                 rx.serve(steps, cfg.patterns, sink)
             finally:
@@ -281,6 +281,6 @@ def entry(backend: str, rank: int, cfg_dict: dict[str, Any], store_host: str, st
     except BaseException as exc:  # noqa: BLE001 - reported to the runner
         item = ("error", rank, type(exc).__name__, str(exc) or repr(exc), traceback.format_exc())
     try:
-        _finish(q, item)
+        finish(q, item)
     finally:
         os._exit(0)

@@ -34,26 +34,15 @@ import socket
 from typing import Any, Mapping
 
 from tensorwire.errors import ConfigError
-from tensorwire.p2p.node import DEFAULT_PEER_TIMEOUT, DEFAULT_TIMEOUT, Node
+from tensorwire.settings import setting
+from tensorwire.p2p.node import Node
 from tensorwire.transport.select import TransportChoice, check_choice
 from tensorwire.p2p.torchrun import TorchrunEnv, bootstrap_store, store_prefix
+from tensorwire import buffers
 
 __all__ = ["init", "reachable_address", "published_addresses"]
 
 log = logging.getLogger(__name__)
-
-
-def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(f"{name}={raw!r} must be a finite number > 0")
-    return value
 
 
 def init(*, transport: TransportChoice | None = None, timeout: float | None = None, host: str | None = None,
@@ -84,18 +73,18 @@ def init(*, transport: TransportChoice | None = None, timeout: float | None = No
     src: Mapping[str, str] = os.environ if env is None else env
     tr = TorchrunEnv.from_environ(src)
     if transport is None:
-        transport = check_choice(src.get("TENSORWIRE_TRANSPORT") or "auto", source="TENSORWIRE_TRANSPORT")
+        transport = setting("transport", src)
     else:
         transport = check_choice(transport, source="tw.init(transport=...)")
-    node_timeout = float(timeout) if timeout is not None else _env_seconds(src, "TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT)
+    node_timeout = float(timeout) if timeout is not None else setting("timeout", src)
     if not node_timeout > 0:
         raise ConfigError(f"timeout must be > 0, got {timeout!r}")
     if peer_timeout is None:
-        peer_timeout = _env_seconds(src, "TENSORWIRE_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT)
+        peer_timeout = setting("peer_timeout", src)
     if host is not None:
         bind = _check_host(host, tr, source="tw.init(host=...)")
-    elif (src.get("TENSORWIRE_HOST") or "").strip():
-        bind = _check_host(src["TENSORWIRE_HOST"].strip(), tr, source="TENSORWIRE_HOST")
+    elif setting("host", src):
+        bind = _check_host(setting("host", src), tr, source="TENSORWIRE_HOST")
     else:
         bind = reachable_address(tr)
 
@@ -145,9 +134,7 @@ def _join(host: str, port: int) -> str:
 
 def _pick_device(tr: TorchrunEnv) -> Any:
     """``cuda:LOCAL_RANK`` (made current) when CUDA is present, else ``None``."""
-    from tensorwire.buffers import cuda_available
-
-    if not cuda_available():
+    if not buffers.cuda_available():  # looked up on the module: tests stand in a CUDA host
         return None
     import torch
 
@@ -176,7 +163,7 @@ def _check_host(host: str, tr: TorchrunEnv, *, source: str) -> str:
         ip = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         try:  # a host name: resolve it once so peers get an address that does not depend on their resolver
-            host = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+            host = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
         except OSError as exc:
             raise ConfigError(f"{source}={host!r} does not resolve: {exc}") from exc
         ip = ipaddress.ip_address(host.split("%", 1)[0])
@@ -207,7 +194,7 @@ def reachable_address(tr: TorchrunEnv) -> str:
     # Prefer IPv4 (what the agent's TCPStore listens on in practice), keep resolver order otherwise.
     infos.sort(key=lambda i: 0 if i[0] == socket.AF_INET else 1)
     family, _, _, _, sockaddr = infos[0]
-    if _is_loopback(sockaddr[0]):
+    if _is_loopback(str(sockaddr[0])):
         if tr.multi_node:
             raise ConfigError(
                 f"MASTER_ADDR={tr.master_addr!r} resolves to loopback ({sockaddr[0]}) but the job spans several "

@@ -18,16 +18,19 @@ import logging
 import threading
 import time
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, Sequence
 
+from tensorwire._proto import spec_from_proto, spec_to_proto
 from tensorwire.errors import ConnectTimeout, ProtocolError, TransportError, VersionMismatchError
+from tensorwire.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
 
     from tensorwire.v1 import control_pb2
+    from tensorwire.v1.control_pb2 import LinkOffer as LinkOffer  # re-exported for annotations
 
-__all__ = ["PROTOCOL_VERSION", "ControlServer", "negotiate"]
+__all__ = ["PROTOCOL_VERSION", "ControlServer", "negotiate", "make_offer", "offer_specs"]
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +201,26 @@ def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float) -
             f"expected {offer.to_rank}->{offer.from_rank} {offer.link_name!r}"
         )
     return peer
+
+
+def make_offer(*, run_id: str, from_rank: int, to_rank: int, link_name: str, send: Sequence[TensorSpec],
+               recv: Sequence[TensorSpec], data: Mapping[str, tuple[str, int]], transport: str, nonce: bytes,
+               has_cuda: bool, host_id: str) -> "control_pb2.LinkOffer":
+    """This side's declaration of a link: its specs and its data listeners (kind -> (host, port))."""
+    from tensorwire.v1 import control_pb2, types_pb2
+
+    return control_pb2.LinkOffer(
+        protocol_version=PROTOCOL_VERSION, run_id=run_id, from_rank=from_rank, to_rank=to_rank,
+        link_name=link_name, send=[spec_to_proto(s) for s in send], recv=[spec_to_proto(s) for s in recv],
+        data=[types_pb2.TransportAddress(kind=k, host=h, port=p) for k, (h, p) in data.items()],
+        transport=transport, nonce=nonce, has_cuda=has_cuda, host_id=host_id,
+    )
+
+
+def offer_specs(offer: "control_pb2.LinkOffer") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The specs an offer sends and receives.
+
+    Raises:
+        SpecError: the peer sent an invalid spec.
+    """
+    return [spec_from_proto(m) for m in offer.send], [spec_from_proto(m) for m in offer.recv]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from tensorwire.buffers import Slot
 from tensorwire.errors import ClosedError, ConfigError, ShapeMismatchError
 from tensorwire.p2p.paths import IsendQueue, RecvPath, SendHandle, SendPath, recv_path, send_path
+from tensorwire.p2p.staging import CudaOps, staging_chunk
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.base import Transport
 
@@ -120,8 +121,6 @@ class Link:
     def _staging(self) -> tuple[Any, int]:
         """(CudaOps, chunk) of the chunk-staged specs, made once."""
         if self._ops is None:
-            from tensorwire.p2p.staging import CudaOps, staging_chunk
-
             self._chunk = staging_chunk()
             self._ops = CudaOps()
         assert self._chunk is not None
@@ -147,6 +146,12 @@ class Link:
         device slot, valid until the next ``recv``.
         """
         return self._recv_path(name).depth
+
+    @property
+    def connection(self) -> Transport:
+        """The link's data connection. Tags no spec of this link uses are free for a layer that frames its
+        own messages on it (``tensorwire.distributed`` makes spec-less links and uses every tag)."""
+        return self._t
 
     def slots(self) -> list[Slot]:
         """Every preallocated slot of this link (for inspection and tests)."""

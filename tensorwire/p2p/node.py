@@ -53,35 +53,24 @@ from tensorwire.errors import (
     TensorWireError,
     TransportError,
 )
+from tensorwire.settings import Settings, setting
 from tensorwire.spec import TensorSpec, check_same_specs
 from tensorwire.p2p.link import Link, slot_depths
 from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
 from tensorwire.transport.select import TransportChoice, check_choice, choose_transport, host_id
+from tensorwire.p2p.torchrun import bootstrap_store
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from tensorwire.v1 import control_pb2
+    from tensorwire.p2p.control import LinkOffer
 
 __all__ = ["Node", "DEFAULT_TIMEOUT", "DEFAULT_PEER_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = 60.0
-DEFAULT_PEER_TIMEOUT = 30.0
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be > 0")
-    return value
+DEFAULT_TIMEOUT: float = Settings.timeout
+DEFAULT_PEER_TIMEOUT: float = Settings.peer_timeout
 
 
 class Node:
@@ -113,16 +102,15 @@ class Node:
                  device: "torch.device | str | None" = None) -> None:
         if not isinstance(rank, int) or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
-        env_t = os.environ.get("TENSORWIRE_TRANSPORT")
         if transport is None:
-            transport = check_choice(env_t or "auto", source="TENSORWIRE_TRANSPORT")
+            transport = setting("transport")
         self.transport = check_choice(transport, source="Node(transport=...)")
         self.rank = rank
         self.world_size = world_size
         self.host = host
-        self.timeout = float(timeout) if timeout is not None else _env_float("TENSORWIRE_TIMEOUT", DEFAULT_TIMEOUT)
+        self.timeout = float(timeout) if timeout is not None else setting("timeout")
         self.peer_timeout = (float(peer_timeout) if peer_timeout is not None
-                             else _env_float("TENSORWIRE_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT))
+                             else setting("peer_timeout"))
         self.prefix = prefix
         self.device = device
         self._closed = False
@@ -148,8 +136,6 @@ class Node:
         return self.prefix + suffix
 
     def _store_from_env(self) -> Any:
-        from tensorwire.p2p.torchrun import bootstrap_store
-
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             raise ConfigError("Node(store=None) needs MASTER_ADDR and MASTER_PORT in the environment, or pass store=")
@@ -174,7 +160,7 @@ class Node:
                             kind, exc, self.rank)
             except TensorWireError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a dependency failing to start
+            except Exception as exc:
                 if self.transport == kind:
                     raise TransportError(f"cannot start the {kind} listener: {exc}") from exc
                 log.warning("tensorwire: %s listener failed to start (%s); falling back to TCP", kind, exc)
@@ -223,14 +209,11 @@ class Node:
         timeout = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         from tensorwire.p2p import control
-        from tensorwire.v1 import control_pb2, types_pb2
 
         nonce = new_nonce()
-        mine = control_pb2.LinkOffer(
-            protocol_version=control.PROTOCOL_VERSION, run_id=self.prefix, from_rank=self.rank, to_rank=peer,
-            link_name=name, send=[s.to_proto() for s in send_l], recv=[s.to_proto() for s in recv_l],
-            data=[types_pb2.TransportAddress(kind=k, host=lst.address[0], port=lst.address[1])
-                  for k, lst in self._listeners.items()],
+        mine = control.make_offer(
+            run_id=self.prefix, from_rank=self.rank, to_rank=peer, link_name=name, send=send_l, recv=recv_l,
+            data={k: lst.address for k, lst in self._listeners.items()},
             transport=self.transport, nonce=nonce, has_cuda=cuda_available(), host_id=host_id(),
         )
         for lst in self._listeners.values():
@@ -241,8 +224,7 @@ class Node:
             theirs = control.negotiate(peer_addr, mine, timeout=max(0.1, deadline - time.monotonic()))
             if theirs.run_id != mine.run_id:
                 raise ProtocolError(f"rank {peer} belongs to run {theirs.run_id!r}, this rank to {mine.run_id!r}")
-            peer_send = [TensorSpec.from_proto(m) for m in theirs.send]
-            peer_recv = [TensorSpec.from_proto(m) for m in theirs.recv]
+            peer_send, peer_recv = control.offer_specs(theirs)
             errors = []
             for a, b, what in ((send_l, peer_recv, f"rank {self.rank} sends -> rank {peer} receives"),
                                (peer_send, recv_l, f"rank {peer} sends -> rank {self.rank} receives")):
@@ -283,7 +265,7 @@ class Node:
         except (RuntimeError, TimeoutError) as exc:  # torch raises DistStoreError (a RuntimeError)
             raise ConnectTimeout(f"rank {peer} did not publish its control address in time: {exc}") from exc
 
-    def _connect(self, order: list[str], mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer",
+    def _connect(self, order: list[str], mine: "LinkOffer", theirs: "LinkOffer",
                  deadline: float) -> Transport:
         """Lower rank dials, higher rank accepts; under auto, UCX failure falls back to TCP loudly."""
         dial = self.rank < theirs.from_rank

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from tensorwire.buffers import Slot, as_bytes
 from tensorwire.cuda import current_stream_idle, sync_current_stream
 from tensorwire.errors import ProtocolError, ShapeMismatchError, TransferTimeout
+from tensorwire.p2p.staging import StagedReceiver, StagedSender, chunk_plan
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.base import Transport
 
@@ -55,7 +56,7 @@ class SendHandle:
 
     __slots__ = ("_future", "_name", "_op", "_t")
 
-    def __init__(self, future: concurrent.futures.Future[None] | None, name: str, *, op: Any = None,
+    def __init__(self, future: concurrent.futures.Future[Any] | None, name: str, *, op: Any = None,
                  transport: Transport | None = None) -> None:
         self._future = future
         self._name = name
@@ -350,8 +351,6 @@ def send_path(spec: TensorSpec, tag: int, transport: Transport, queue: IsendQueu
         return HostSend(*args)
     if not on_host:
         return CudaSend(*args)
-    from tensorwire.p2p.staging import StagedSender, chunk_plan
-
     ops, chunk = staging()
     return StagedSend(*args, stager=StagedSender(slot.raw, chunk_plan(spec.nbytes, chunk), ops=ops), ops=ops,
                       side=side)
@@ -588,8 +587,6 @@ def recv_path(spec: TensorSpec, tag: int, transport: Transport, *, device: Any, 
     elif spec.is_dynamic:
         path = WholeStagedRecv(spec, tag, slots, transport, Slot(spec, device=device))
     else:
-        from tensorwire.p2p.staging import StagedReceiver, chunk_plan
-
         ops, chunk = staging()
         device_slot = Slot(spec, device=device)
         rx = StagedReceiver([sl.raw for sl in slots], device_slot.raw, chunk_plan(spec.nbytes, chunk), ops=ops)

@@ -29,12 +29,13 @@ Nothing here initializes CUDA at import.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tensorwire.cuda import memcpy_async
+from tensorwire.settings import DEFAULT_STAGING_CHUNK, setting
 from tensorwire.transport.base import remaining
+from tensorwire.errors import ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 #: Chunk of the overlapped device->host staging (large enough to keep PCIe/NVLink busy, small enough to overlap).
 #: 2 MiB: the sweep on 2 x H200 (bench/results/staged-chunks_h200x2_2026-11-23.md) put it first at 16 MiB (0.91x the
 #: bound, vs 0.69-0.81x for 1, 4, 8 and 16 MiB chunks) and at 1.06x at 64 MiB.
-DEFAULT_CHUNK = 2 << 20
+DEFAULT_CHUNK = DEFAULT_STAGING_CHUNK
 #: Most chunks one staged message is cut into: bigger tensors get bigger chunks (bounds per-chunk Python work
 #: and the number of posted receive buffers; the pipeline's fill/drain stays below 1/64 of the transfer).
 MAX_STAGING_CHUNKS = 64
@@ -92,9 +93,6 @@ def chunk_plan(nbytes: int, chunk: int = DEFAULT_CHUNK, *,
     return tuple((off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk))
 
 
-_SUFFIX = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
 
 def staging_chunk(env: Mapping[str, str] | None = None) -> int:
     """The staging chunk in bytes: ``TENSORWIRE_STAGING_CHUNK`` or :data:`DEFAULT_CHUNK`; 0 means unchunked.
@@ -106,22 +104,8 @@ def staging_chunk(env: Mapping[str, str] | None = None) -> int:
     Raises:
         ConfigError: not a size (``4194304``, ``4M``, ``512KiB``, ``0``).
     """
-    from tensorwire.errors import ConfigError
-
-    env = os.environ if env is None else env
-    raw = env.get(STAGING_CHUNK_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CHUNK
-    text = raw.lower()
-    digits = text.rstrip("kmgib")
-    mult = _SUFFIX.get(text[len(digits):].strip())
-    try:
-        value = int(digits.strip())
-    except ValueError:
-        value = -1
-    if mult is None or value < 0:
-        raise ConfigError(f"{STAGING_CHUNK_ENV}={raw!r} is not a size in bytes (e.g. 4M, 1048576, or 0 for no chunking)")
-    return value * mult
+    chunk: int = setting("staging_chunk", env)
+    return chunk
 
 
 class CudaOps:
@@ -314,8 +298,6 @@ class StagedReceiver:
             got = transport.wait_recv(tag, timeout=left if left is None else max(0.0, left))
             n = self.plan[i][1]
             if got.nbytes != n:
-                from tensorwire.errors import ProtocolError
-
                 msg = (f"staged receive on tag {tag}: chunk {i} of {len(self.plan)} carried {got.nbytes} bytes, "
                        f"expected {n} (is {STAGING_CHUNK_ENV} the same on both sides?)")
                 _break(transport, msg)

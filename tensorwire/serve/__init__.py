@@ -10,19 +10,30 @@ torch, prometheus_client) load on first use.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from tensorwire.serve.daemon.config import ServeConfig, TLSConfig, format_size, parse_size
-
 if TYPE_CHECKING:  # pragma: no cover
+    from tensorwire.serve.daemon.config import ServeConfig, TLSConfig, format_size, parse_size
     from tensorwire.serve.daemon.server import Server
 
 __all__ = ["ServeConfig", "TLSConfig", "Server", "parse_size", "format_size"]
 
+# Loaded on first use, so that importing the client (``tensorwire.serve.client``) loads none of the daemon.
+_LAZY = {
+    "ServeConfig": "tensorwire.serve.daemon.config",
+    "TLSConfig": "tensorwire.serve.protocol.tls",
+    "parse_size": "tensorwire.serve.daemon.config",
+    "format_size": "tensorwire.serve.daemon.config",
+    "Server": "tensorwire.serve.daemon.server",
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "Server":
-        from tensorwire.serve.daemon.server import Server
-
-        return Server
-    raise AttributeError(name)
+    try:
+        module = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'tensorwire.serve' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from tensorwire.settings import Settings, setting
+
 __all__ = ["register", "main"]
 
 ENV_NOTE = (
@@ -106,6 +108,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None, metavar="N", help=_h("serve Prometheus metrics on this port", E + "METRICS_PORT", "off"))
     p.add_argument("--snapshot-dir", default=None, metavar="DIR", help=_h("snapshot the store here (safetensors) on shutdown and on demand; restored on start", E + "SNAPSHOT_DIR"))
     p.add_argument("--ready-file", default=None, metavar="F", help=_h("write the ready line (JSON with the bound ports) to F", E + "READY_FILE"))
+    p.add_argument(
+        "--max-sessions-per-client",
+        type=int,
+        default=None,
+        metavar="N",
+        help=_h("sessions one client may hold at once (a client: its certificate under mTLS, else its local user "
+                "on loopback, else its IP address)", E + "MAX_SESSIONS_PER_CLIENT", 64),
+    )
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S", help=_h("seconds in-flight transfers get on shutdown", E + "DRAIN_TIMEOUT", 10))
     p.add_argument("--hello-timeout", type=float, default=None, metavar="S",
                    help=_h("seconds a data connection may take to present its credential", E + "HELLO_TIMEOUT", 3))
@@ -128,7 +138,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 _SERVE_FLAGS = (
     "host", "port", "data_port", "transport", "max_bytes", "token_file", "tls_cert", "tls_key", "tls_ca",
-    "insecure", "metrics_port", "snapshot_dir", "ready_file", "drain_timeout", "shm",
+    "insecure", "metrics_port", "snapshot_dir", "ready_file", "drain_timeout", "shm", "max_sessions_per_client",
     "hello_timeout", "max_pending_connections", "max_pending_per_peer", "max_waiting_calls",
 )
 
@@ -158,7 +168,7 @@ def _one_intra_op_thread() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """The daemon: configures logging (INFO unless told otherwise), runs until signalled."""
     config = config_from_args(args)
-    if getattr(args, "log_level", None) is None and not os.environ.get("TENSORWIRE_LOG_LEVEL"):
+    if getattr(args, "log_level", None) is None and not setting("log_level"):
         logging.getLogger("tensorwire").setLevel(logging.INFO)
     _one_intra_op_thread()
     from tensorwire.serve.daemon.server import Server
@@ -186,9 +196,10 @@ def _open_client(args: argparse.Namespace) -> Any:
     from tensorwire.serve.client.client import Client
     from tensorwire.errors import ConfigError
 
-    env = os.environ
+    env = Settings.from_env(token_file=args.token_file, client_tls_ca=args.tls_ca, client_tls_cert=args.tls_cert,
+                            client_tls_key=args.tls_key, client_transport=args.transport)
     token = None
-    token_file = args.token_file or env.get("TENSORWIRE_TOKEN_FILE")
+    token_file = env.token_file
     if token_file:
         try:
             with open(os.path.expanduser(token_file), encoding="utf-8") as f:
@@ -198,14 +209,12 @@ def _open_client(args: argparse.Namespace) -> Any:
         if not token:
             raise ConfigError(f"token file {token_file!r} is empty")
     tls: Any = None
-    ca = args.tls_ca or env.get("TENSORWIRE_CLIENT_TLS_CA")
-    cert = args.tls_cert or env.get("TENSORWIRE_CLIENT_TLS_CERT")
-    key = args.tls_key or env.get("TENSORWIRE_CLIENT_TLS_KEY")
+    ca, cert, key = env.client_tls_ca, env.client_tls_cert, env.client_tls_key
     if ca or cert or key:
         tls = {"ca": ca, "cert": cert, "key": key}
     elif args.tls:
         tls = True
-    transport = args.transport or env.get("TENSORWIRE_CLIENT_TRANSPORT") or "auto"
+    transport = env.client_transport
     return Client(args.address, token=token, tls=tls, transport=transport, timeout=args.timeout, name="tensorwire-cli")
 
 
@@ -304,7 +313,7 @@ def cmd_put(args: argparse.Namespace) -> int:
         specs, _ = read_safetensors_specs(args.file)
     except OSError as exc:
         raise ConfigError(f"{args.file}: {exc.strerror or exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - the library's own parse errors
+    except Exception as exc:
         raise ConfigError(f"{args.file} is not a readable safetensors file: {exc}") from exc
     keys = [k for _, k in specs]
     key = args.key or (args.name if args.name in keys else (keys[0] if len(keys) == 1 else None))
@@ -331,7 +340,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR; env TENSORWIRE_LOG_LEVEL")
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
-    level = (args.log_level or os.environ.get("TENSORWIRE_LOG_LEVEL") or "WARNING").upper()
+    level = (args.log_level or setting("log_level") or "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return cmd_serve(args)

@@ -35,10 +35,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
+import hmac
 import os
 import secrets
 import time
-from typing import TYPE_CHECKING, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from tensorwire.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -49,7 +53,10 @@ __all__ = [
     "Received",
     "TransportKind",
     "NONCE_BYTES",
+    "PROOF_BYTES",
     "new_nonce",
+    "link_proof",
+    "proof_matches",
     "register",
     "get_factory",
     "available_kinds",
@@ -69,6 +76,29 @@ def remaining(deadline: float | None) -> float | None:
 def new_nonce() -> bytes:
     """A fresh random data-plane credential."""
     return secrets.token_bytes(NONCE_BYTES)
+
+
+#: Bytes of the proof a data handshake carries that the dialler holds the link secret.
+PROOF_BYTES = 16
+_NO_PROOF = bytes(PROOF_BYTES)
+
+
+def link_proof(secret: bytes | None, nonce: bytes) -> bytes:
+    """What a dialler presents beside ``nonce``: HMAC-SHA256(secret, nonce), truncated; zeros without a secret.
+
+    The nonce is fresh per connection, so a proof seen on the wire is worth
+    nothing for another connection, and the secret itself never travels.
+    """
+    if not secret:
+        return _NO_PROOF
+    return hmac.new(secret, b"tensorwire-data-v1\0" + nonce, hashlib.sha256).digest()[:PROOF_BYTES]
+
+
+def proof_matches(secret: bytes | None, nonce: bytes, proof: bytes) -> bool:
+    """Constant-time check of a dialler's proof (always true for a listener without a secret)."""
+    if not secret:
+        return True
+    return hmac.compare_digest(link_proof(secret, nonce), bytes(proof))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,6 +189,14 @@ class Transport(abc.ABC):
             PeerLostError, ClosedError.
         """
 
+    def has_credit(self, tag: int) -> bool:
+        """Whether a send on ``tag`` would find a posted buffer of the peer right now (never blocks).
+
+        A hint for callers that send in their own thread only when that cannot wait
+        (``tensorwire.distributed``); default False: unknown, treat as "would wait".
+        """
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close the connection. Idempotent; wakes other threads with ClosedError."""
@@ -199,6 +237,23 @@ class Listener(abc.ABC):
 
     kind: ClassVar[str]
 
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0) -> None:
+        """Bind ``host:port`` (0: any free port; :attr:`address` has the real one) and start accepting.
+        ``peer_timeout``: seconds without a sign of life before a connection's peer is declared lost."""
+
+    @classmethod
+    def connect(cls, host: str, port: int, nonce: bytes, *, timeout: float | None,
+                peer_timeout: float = 30.0) -> Transport:
+        """Dial a listener of this kind at ``host:port`` and present ``nonce`` (learned over the control plane).
+
+        Raises:
+            ConnectTimeout: no connection/answer within ``timeout``.
+            AuthError: the listener refused the credential.
+            PeerLostError: the connection was refused or reset.
+            NotImplementedError: this kind cannot dial out (an in-process transport).
+        """
+        raise NotImplementedError(f"{cls.__name__} cannot dial out")
+
     @property
     @abc.abstractmethod
     def address(self) -> tuple[str, int]:
@@ -237,7 +292,7 @@ def register(kind: str, module: str, listener_class: str) -> None:
     _REGISTRY[kind] = (module, listener_class)
 
 
-def get_factory(kind: str) -> Callable[..., Listener]:
+def get_factory(kind: str) -> type[Listener]:
     """The listener class of a transport kind (its ``connect`` classmethod dials out).
 
     Raises:
@@ -246,13 +301,12 @@ def get_factory(kind: str) -> Callable[..., Listener]:
     """
     import importlib
 
-    from tensorwire.errors import ConfigError
-
     try:
         module, cls = _REGISTRY[kind]
     except KeyError:
         raise ConfigError(f"unknown transport {kind!r}; known: {', '.join(sorted(_REGISTRY))}") from None
-    return getattr(importlib.import_module(module), cls)
+    factory: type[Listener] = getattr(importlib.import_module(module), cls)
+    return factory
 
 
 def available_kinds() -> list[str]:

@@ -4,9 +4,11 @@ Transport choice (both sides compute the same answer from both offers):
 
 - ``tcp`` or ``ucx`` asked on either side wins (asked on both and different: error);
 - ``auto``: UCX when both sides have it **and** it beats a socket: the peer
-  shares this machine and IPC namespace (:func:`host_id`: UCX then uses shared
-  memory for small messages and cma / cuda_ipc single-copy rendezvous for large
-  ones), the link has CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect),
+  shares this machine and IPC namespace (:func:`host_id`) and UCX runs without
+  peer error handling (``TENSORWIRE_UCX_ERROR_HANDLING=none``: it then uses shared
+  memory for small messages and cma single-copy rendezvous for large ones; with
+  the default ``peer`` it may not, and host memory is faster over the socket
+  transport), the link has CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect),
   or there is an RDMA network device; TCP otherwise -- between hosts without
   RDMA, UCX runs over TCP too and a plain socket was measured faster.
   ``TENSORWIRE_AUTO_PREFER=ucx`` / ``=tcp`` puts that transport first under auto.
@@ -17,17 +19,31 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from typing import TYPE_CHECKING, Literal, Mapping
+from typing import Literal, Mapping, Protocol, Sequence
 
 from tensorwire.errors import ConfigError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tensorwire.v1 import control_pb2
+from tensorwire.settings import setting
 
 __all__ = ["TransportChoice", "CHOICES", "check_choice", "ucx_has_rdma", "host_id", "auto_preference",
            "same_host", "choose_transport"]
 
 TransportChoice = Literal["auto", "ucx", "tcp"]
+
+
+class _Address(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+
+class Offer(Protocol):
+    """What the choice reads of a side's offer (the control plane's ``LinkOffer`` or the serve session's)."""
+
+    @property
+    def transport(self) -> str: ...
+    @property
+    def host_id(self) -> str: ...
+    @property
+    def data(self) -> Sequence[_Address]: ...
 CHOICES = ("auto", "ucx", "tcp")
 
 
@@ -76,18 +92,15 @@ def auto_preference(env: "Mapping[str, str] | None" = None) -> str:
     Raises:
         ConfigError: any other value.
     """
-    raw = (os.environ if env is None else env).get("TENSORWIRE_AUTO_PREFER", "")
-    pref = raw.strip().lower()
-    if pref not in ("", "ucx", "tcp"):
-        raise ConfigError(f"TENSORWIRE_AUTO_PREFER={raw!r}: must be 'ucx', 'tcp' or unset")
+    pref: str = setting("auto_prefer", env)
     return pref
 
 
-def same_host(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer") -> bool:
+def same_host(mine: Offer, theirs: Offer) -> bool:
     return bool(mine.host_id) and mine.host_id == theirs.host_id
 
 
-def choose_transport(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOffer", *, needs_cuda: bool) -> list[str]:
+def choose_transport(mine: Offer, theirs: Offer, *, needs_cuda: bool) -> list[str]:
     """Transports to try, in order, for a link between two offers (symmetric).
 
     Raises:
@@ -107,8 +120,12 @@ def choose_transport(mine: "control_pb2.LinkOffer", theirs: "control_pb2.LinkOff
             raise ConfigError(f"transport {kind!r} was asked for but {who} cannot use it (available: {common})")
         return [kind]
     pref = auto_preference()
+    # On one host UCX beats a socket through shared memory and cma, which it uses only without peer error
+    # handling (TENSORWIRE_UCX_ERROR_HANDLING=none); with it (the default, so that a peer's death never aborts
+    # this process) host memory goes over UCX's own tcp, slower than this package's socket transport.
+    same_host_fast = same_host(mine, theirs) and setting("ucx_error_handling") == "none"
     prefer_ucx = "ucx" in common and pref != "tcp" and (
-        needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host(mine, theirs)
+        needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host_fast
     )
     order = ["ucx", "tcp"] if prefer_ucx else ["tcp"]
     return [k for k in order if k in common]

@@ -53,7 +53,7 @@ import socket
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Deque
+from typing import Any, Deque
 
 from tensorwire.errors import (
     AuthError,
@@ -70,9 +70,7 @@ from tensorwire.errors import (
 from tensorwire.transport.admission import AdmissionLimits, PendingTable
 from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
 from tensorwire.transport.base import remaining as _remaining
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
+from tensorwire.transport._socket import dial, tune_socket
 
 __all__ = ["TcpTransport", "TcpListener", "FRAME", "HELLO"]
 
@@ -98,48 +96,6 @@ def _poll_ms(deadline: float | None, cap: float = 0.5) -> int:
     if deadline is None:
         return int(cap * 1000)
     return max(0, min(int((deadline - time.monotonic()) * 1000) + 1, int(cap * 1000)))
-
-
-def dial(host: str, port: int, deadline: float | None, *, retry: tuple[type[OSError], ...] = (ConnectionRefusedError,),
-         timeout_without_deadline: float | None = None, what: str = "connection to") -> socket.socket:
-    """Connect to ``host:port``, retrying the ``retry`` errors (a listener not up yet) with
-    backoff (50 ms doubling to 1 s) until ``deadline``. Each attempt waits at most what is left
-    of the deadline (``timeout_without_deadline`` when there is none).
-
-    Raises:
-        ConnectTimeout: retries ran out at the deadline, or an attempt timed out.
-        PeerLostError: the name does not resolve, or another socket error.
-    """
-    delay = 0.05
-    while True:
-        rem = _remaining(deadline)
-        try:
-            return socket.create_connection((host, port), timeout=timeout_without_deadline if rem is None
-                                            else max(0.01, rem))
-        except socket.gaierror as exc:
-            raise PeerLostError(f"cannot resolve {host}: {exc}") from exc
-        except retry as exc:
-            rem = _remaining(deadline)
-            if rem is not None and rem <= delay:
-                raise ConnectTimeout(f"{what} {host}:{port} refused or unreachable until the timeout: {exc}") from exc
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        except (socket.timeout, TimeoutError) as exc:
-            raise ConnectTimeout(f"{what} {host}:{port} timed out") from exc
-        except OSError as exc:
-            raise PeerLostError(f"cannot connect to {host}:{port}: {exc}") from exc
-
-
-def tune_socket(sock: socket.socket, *, peer_timeout: float) -> None:
-    """TCP_NODELAY, keepalive and TCP_USER_TIMEOUT so a dead peer is detected in ~peer_timeout."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle = max(1, int(peer_timeout / 3))
-    for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 2)), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, opt):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(peer_timeout * 1000))
 
 
 class _Posted:
@@ -253,6 +209,9 @@ class TcpTransport(Transport):
         if self not in _PENDING:
             with _PENDING_LOCK:
                 _PENDING.add(self)
+
+    def has_credit(self, tag: int) -> bool:
+        return self._credits.get(tag, 0) > 0 and self._error is None
 
     def forget_buffer(self, buf: Any) -> None:
         cached = self._views.get(id(buf))
@@ -716,6 +675,9 @@ class TcpListener(Listener):
         self.HELLO_TIMEOUT = self.limits.hello_timeout
         self._cond = threading.Condition()
         self._expected: set[bytes] = set()
+        #: Nonces a connection has presented and is being answered for: taken out of ``_expected`` in the
+        #: same breath as they were checked, so one nonce admits one connection, however many race for it.
+        self._claimed: set[bytes] = set()
         self._parked: dict[bytes, TcpTransport] = {}
         self._closed = False
         self._sel = selectors.DefaultSelector()
@@ -750,6 +712,7 @@ class TcpListener(Listener):
     def forget(self, nonce: bytes) -> None:
         with self._cond:
             self._expected.discard(nonce)
+            self._claimed.discard(nonce)
             t = self._parked.pop(nonce, None)
         if t is not None:
             t.abort()
@@ -765,6 +728,7 @@ class TcpListener(Listener):
                     raise ConnectTimeout(f"no data connection arrived on {self._host}:{self._port} within {timeout}s")
                 self._cond.wait(0.5 if rem is None else min(rem, 0.5))
             self._expected.discard(nonce)
+            self._claimed.discard(nonce)
             return self._parked.pop(nonce)
 
     def close(self) -> None:
@@ -874,20 +838,32 @@ class TcpListener(Listener):
                 conn.send(_NO)
                 raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
             with self._cond:
-                # this thread reads every hello: nothing can park this nonce between the check and the park
-                ok = nonce in self._expected and nonce not in self._parked and not self._closed
+                # check and claim in one step: a nonce is single-use (a second connection presenting it,
+                # even at the same instant, is refused before it is answered)
+                ok = nonce in self._expected and not self._closed
+                if ok:
+                    self._expected.discard(nonce)
+                    self._claimed.add(nonce)
             if not ok:
                 conn.send(_NO)
                 raise AuthError("unknown data-plane credential")
-            conn.setblocking(True)
-            conn.settimeout(self.HELLO_TIMEOUT)
-            conn.sendall(HELLO_OK + struct.pack("<I", PROTOCOL_VERSION))
-            tune_socket(conn, peer_timeout=self._peer_timeout)
-            transport = TcpTransport(conn, peer=f"{addr[0]}:{addr[1]}", peer_timeout=self._peer_timeout)
+            try:
+                conn.setblocking(True)
+                conn.settimeout(self.HELLO_TIMEOUT)
+                conn.sendall(HELLO_OK + struct.pack("<I", PROTOCOL_VERSION))
+                tune_socket(conn, peer_timeout=self._peer_timeout)
+                transport = TcpTransport(conn, peer=f"{addr[0]}:{addr[1]}", peer_timeout=self._peer_timeout)
+            except BaseException:
+                with self._cond:  # answering failed: nobody got in; the nonce may be presented again
+                    if nonce in self._claimed:
+                        self._claimed.discard(nonce)
+                        self._expected.add(nonce)
+                raise
             with self._cond:
-                if self._closed or nonce not in self._expected:
+                if self._closed or nonce not in self._claimed:  # forgotten meanwhile
                     transport.abort()
                     return
+                self._claimed.discard(nonce)
                 self._parked[nonce] = transport
                 self._cond.notify_all()
         except (OSError, ProtocolError, AuthError) as exc:

@@ -98,17 +98,37 @@ NO, then closes); the dialler creates its endpoint from that. A connection that
 sends garbage, a wrong nonce or nothing within ``HELLO_TIMEOUT`` (5 s) is
 dropped; the listener keeps serving. Data never goes over this socket.
 
-Why worker-address endpoints without UCX error handling (default;
-``TENSORWIRE_UCX_ERROR_HANDLING=peer`` turns it on, and it must then be set
-the same on every process -- UCX refuses asymmetric endpoints): UCX leaves every
-transport that cannot report a failed peer -- shared memory, cma, cuda_ipc --
-out of endpoints with error handling (tensorwire's first UCX transport had it
-on, through UCX's sockaddr connection manager). Measured on the 2-core machine
-(bench/results/transports_cpu2_2026-11-22.md): with it, a 1 MiB message went over tcp/lo at
-0.8 GB/s; without it, small messages go through shared memory (sysv) and large
-ones are one ``process_vm_readv`` copy (cma): 9 GB/s, and a 4 KiB round trip
-drops from ~29 to ~10 us in raw ucxx. On a GPU host the same applies to
-cuda_ipc over NVLink.
+Peer death and error handling. UCX 1.21 through ucxx 0.52 installs no error
+callback on an endpoint made without peer error handling, and then treats any
+transport error on it as fatal: a peer SIGKILLed while a cma rendezvous reads
+its memory (``process_vm_readv ... No such process``) aborts *this* process
+(6 of 6 trials with 64 MiB messages). With peer error handling the same kill is
+an endpoint error and surfaces as PeerLostError (0 aborts). But UCX admits to
+an endpoint with peer error handling only lanes that can report a failed peer:
+sysv/posix shared memory are left out, and cma too (its memory domain does not
+advertise ``INVALIDATE_RMA``, which UCX requires of rendezvous lanes under peer
+error handling; cuda_ipc does advertise it), so host memory between two
+processes of one host goes over tcp/lo. Measured on the 2-core machine, loaded
+(``tensorwire bench -b tensorwire-ucx``, runs in turns; bench/results/
+ucx-error-handling_cpu2_2026-11-24.md): stream 1 MiB 1.30 -> 0.23 GB/s,
+16 MiB 1.74 -> 0.32 GB/s, 4 KiB round trip p50 105 -> 166 us. Without cma (sysv
+fragments instead) 16 MiB fell to 0.2-0.6 GB/s, so keeping the shared-memory
+transports and dropping only cma is no way out either. The choice: **peer
+error handling by default** -- no peer's death may take down this process --
+and ``TENSORWIRE_UCX_ERROR_HANDLING=none`` for jobs that accept that risk for
+cma's speed (ranks of one host whose deaths end the job anyway). The listener
+decides and tells the dialler in its answer (REPLY flag ``R_PEER_ERRORS``), so
+the two ends never disagree.
+
+Untrusted peers (``UcxListener(untrusted=True)``, the serve daemon): the
+process's UCX context gets no shm / cma / cuda_ipc transport at all (these act
+on the pid, segment or IPC handle the peer's address names: with cma, a forged
+address would make the daemon read or write any process of its uid), every
+endpoint has peer error handling, and each peer's worker address is first
+unpacked by a sandbox process (:class:`_AddressCheck`): UCX asserts, and
+aborts, on a malformed one. A dialler proves it holds the listener's link
+secret (``secret=``) in its hello (HMAC of the nonce) before the listener
+reads its address.
 
 Liveness: so a peer that vanishes must be detected by tensorwire itself. The
 handshake's TCP connection stays open for the life of the transport as the
@@ -177,9 +197,11 @@ from tensorwire.errors import (
     TransportError,
     VersionMismatchError,
 )
-from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
+from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, PROOF_BYTES, Listener, Received, Transport
+from tensorwire.transport.base import link_proof, proof_matches
 from tensorwire.transport.base import remaining as _remaining
-from tensorwire.transport.tcp import dial, tune_socket
+from tensorwire.transport._socket import dial, tune_socket
+from tensorwire.settings import setting
 
 
 def _import_ucxx() -> tuple[Any, Any, dict[str, str]]:
@@ -217,7 +239,7 @@ __all__ = ["UcxTransport", "UcxListener"]
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Microseconds a waiting thread polls the worker (yielding in between) before it sleeps.
 def _env_us(name: str, default: float) -> float:
     """A non-negative number of microseconds from the environment (ConfigError naming it otherwise)."""
@@ -233,12 +255,12 @@ def _env_us(name: str, default: float) -> float:
     return value
 
 
-SPIN_US = _env_us("TENSORWIRE_UCX_SPIN_US", 100)
+SPIN_US = setting("ucx_spin_us")
 #: The same for a wait on a transfer of CUDA memory. cuda_ipc copies are issued and
 #: completed from worker progress and do not wake a sleeping worker promptly: measured on
 #: 2 x H200 (bench/results/gpu_h200x2_2026-11-22-2.md), a 256 MiB send + ack took 1,281 us
 #: with 100 us of spinning and 781 us with 2 ms (raw ucxx, always polling: 712 us).
-CUDA_SPIN_US = _env_us("TENSORWIRE_UCX_CUDA_SPIN_US", 2000)
+CUDA_SPIN_US = setting("ucx_cuda_spin_us")
 #: UCX endpoint keepalive interval (seconds) unless UCX_KEEPALIVE_INTERVAL is set.
 KEEPALIVE_S = 2.0
 #: close(): how long it waits for this side's sends (and then its goodbye) to complete.
@@ -255,8 +277,11 @@ _RID_SHIFT = 33
 _RID_MASK = (1 << 31) - 1
 _MAX_TAG = 1 << _TAG_BITS
 
-HELLO = struct.Struct(f"<8sII{NONCE_BYTES}sI")  # magic, version, client receiver id, nonce, address length
-REPLY = struct.Struct("<8sIII")  # magic, version, server receiver id, address length
+#: magic, version, client receiver id, nonce, proof of the link secret (zeros without one), address length
+HELLO = struct.Struct(f"<8sII{NONCE_BYTES}s{PROOF_BYTES}sI")
+REPLY = struct.Struct("<8sIIII")  # magic, version, server receiver id, flags (R_*), address length
+#: REPLY flag: the listener made its endpoint with UCX peer error handling; the dialler must too.
+R_PEER_ERRORS = 1
 MAX_ADDRESS = 1 << 16  # UCX worker addresses are a few hundred bytes to a few KiB
 HELLO_MAGIC = b"TWUCXHI\0"
 REPLY_OK = b"TWUCXOK\0"
@@ -269,20 +294,22 @@ BYE = b"TWUCXBYE"
 ACK = b"TWUCXACK"  # answer to BYE: everything sent before the goodbye has been received here
 #: close(): how long it waits for the peer's ACK of its goodbye (the peer's progress answers it).
 CLOSE_ACK_S = 5.0
-assert HELLO.size == 36 and REPLY.size == 20 and HDR.size == 88 and CRED.size == 16
+assert HELLO.size == 52 and REPLY.size == 24 and HDR.size == 88 and CRED.size == 16
 
 
 
 def _error_handling() -> bool:
-    """Whether UCX endpoints use peer error handling (``TENSORWIRE_UCX_ERROR_HANDLING=peer``).
+    """Whether this process's UCX listeners make their endpoints with peer error handling.
 
-    Default ``none``: UCX may then use shared memory, cma and cuda_ipc, which
-    cannot report a failed peer and which UCX leaves out of endpoints with error
-    handling (measured on one host: 10.9 vs 0.78 GB/s at 1 MiB, 12 vs 29 us per
-    4 KiB round trip; bench/results/ucx-progress_cpu2_2026-11-22.md). Peer loss is then
-    detected by the liveness socket every connection has (module docstring).
+    ``TENSORWIRE_UCX_ERROR_HANDLING``: ``peer`` (default) or ``none``. A
+    listener tells each dialler which one it chose (REPLY flag), so the two
+    ends of a connection always agree. See "Peer death and error handling" in
+    the module docstring: ``none`` lets UCX use cma (single-copy rendezvous
+    between processes of one host) but UCX 1.21 then *aborts the process* when
+    the peer dies during a transfer; ``peer`` never aborts but UCX leaves cma
+    and the shared-memory transports out of such endpoints.
     """
-    mode = os.environ.get("TENSORWIRE_UCX_ERROR_HANDLING", "none").strip().lower()
+    mode = setting("ucx_error_handling")
     if mode not in ("none", "peer"):
         raise ConfigError(f"TENSORWIRE_UCX_ERROR_HANDLING must be 'none' or 'peer', got {mode!r}")
     return mode == "peer"
@@ -303,6 +330,11 @@ _LOST_ERRORS = tuple(
     )
     if hasattr(_ucx, n)
 )
+
+
+#: Transports an untrusted peer's address may not select (see _Engine: they act on the process id,
+#: segment or IPC handle the address names).
+_UNTRUSTED_EXCLUDED = "sm,cma,posix,sysv,xpmem,knem,cuda_ipc,rocm_ipc"
 
 
 def _u8(n: int) -> Any:
@@ -390,7 +422,7 @@ class _Engine:
     FD_CHECK = 0.001  # while spinning, how often sockets are polled
     HOUSEKEEPING = 7  # idle progress() calls run ucxx's full progress once in HOUSEKEEPING + 1
 
-    def __init__(self, peer_timeout: float = 30.0) -> None:
+    def __init__(self, peer_timeout: float = 30.0, *, untrusted: bool = False) -> None:
         opts = _ucx.get_current_options()
         config: dict[str, str] = {}
         for k, v in _UCXX_ENV_DEFAULTS.items():
@@ -403,6 +435,19 @@ class _Engine:
                             ("TCP_KEEPINTVL", f"{max(1, idle // 2)}s"), ("TCP_KEEPCNT", "3")):
             if f"UCX_{name}" not in os.environ:
                 config[name] = value
+        self.untrusted = untrusted
+        if untrusted:
+            # Peers that are not trusted (serve clients) never get transports that act on a
+            # process id or memory segment named in the address they send: cma would
+            # process_vm_readv/writev whatever pid that address names (any process of this uid),
+            # posix/sysv would attach whatever segment it names, cuda_ipc opens the handles it
+            # names. Whatever UCX_TLS says, these stay out of this process's context.
+            tls = os.environ.get("UCX_TLS", "").strip()
+            if not tls or tls == "all" or tls.startswith("^"):
+                config["TLS"] = "^" + ",".join(x for x in (tls[1:], _UNTRUSTED_EXCLUDED) if x)
+            else:
+                kept = [t for t in tls.split(",") if t and t not in _UNTRUSTED_EXCLUDED.split(",")]
+                config["TLS"] = ",".join(kept) or "tcp"
         feats = (_ucx.Feature.TAG, _ucx.Feature.WAKEUP)
         try:
             self.ctx = _ucx.UCXContext(config_dict=config, feature_flags=feats)
@@ -518,7 +563,7 @@ class _Engine:
             if h is not None:
                 try:
                     h(ev)
-                except Exception:  # noqa: BLE001 - a handler must not break every waiter
+                except Exception:
                     log.exception("ucx: handler of fd %d failed", fd)
 
     # -- waiting -------------------------------------------------------------------
@@ -634,7 +679,7 @@ def _tick(ref: "weakref.ref[_Engine]") -> None:
                 eng.service()
             if did:
                 eng.notify()
-        except Exception:  # noqa: BLE001 - never let the ticker die
+        except Exception:
             log.exception("ucx progress tick failed")
         finally:
             eng.lock.release()
@@ -648,16 +693,26 @@ _GRAVEYARD: Deque[tuple[Any, Any]] = collections.deque()
 _ENGINE_LOCK = threading.Lock()
 
 
-def _engine(peer_timeout: float = 30.0) -> _Engine:
-    """The process's engine, created on first use (and again in a forked child)."""
+def _engine(peer_timeout: float = 30.0, *, untrusted: bool | None = None) -> _Engine:
+    """The process's engine, created on first use (and again in a forked child).
+
+    ``untrusted``: True for a listener whose peers are not trusted (serve
+    clients): the engine's UCX context then has no shared-memory, cma or
+    cuda_ipc transport. UCX settings are per context, so the first listener
+    decides; asking the other way afterwards is a ConfigError. None: any.
+    """
     global _ENGINE
     eng = _ENGINE
-    if eng is not None and eng.pid == os.getpid():
-        return eng
-    with _ENGINE_LOCK:
-        if _ENGINE is None or _ENGINE.pid != os.getpid():
-            _ENGINE = _Engine(peer_timeout)
-        return _ENGINE
+    if eng is None or eng.pid != os.getpid():
+        with _ENGINE_LOCK:
+            if _ENGINE is None or _ENGINE.pid != os.getpid():
+                _ENGINE = _Engine(peer_timeout, untrusted=bool(untrusted))
+            eng = _ENGINE
+    if untrusted is not None and eng.untrusted != untrusted:
+        raise ConfigError(
+            "this process's UCX context was made for " + ("untrusted" if eng.untrusted else "trusted")
+            + " peers; a listener for " + ("untrusted" if untrusted else "trusted") + " peers cannot share it")
+    return eng
 
 
 @atexit.register
@@ -793,9 +848,10 @@ class UcxTransport(Transport):
     async_send = True
 
     def __init__(self, eng: _Engine, ep: Any, state: _EpState, *, rid: int, peer_rid: int, peer: str,
-                 peer_timeout: float = 30.0) -> None:
+                 peer_timeout: float = 30.0, peer_errors: bool = True) -> None:
         # Called with the engine lock held.
         self._eng = eng
+        self._eh = peer_errors  # the endpoint was made with UCX peer error handling
         self._ep = ep
         self._state = state
         self._rid = rid << _RID_SHIFT
@@ -1241,7 +1297,7 @@ class UcxTransport(Transport):
         self._state.owner = None
         self._eng.ctrl_watch.discard(self)
         self._drop_liveness()
-        if _error_handling():
+        if self._eh:
             _close_ep(ep)  # force close: UCX cancels the endpoint's requests
         else:
             # Without error handling UCX's close flushes, which never ends when the peer is
@@ -1552,6 +1608,79 @@ class _Pending:
         self.peer = peer
 
 
+class _AddressCheck:
+    """A sandbox process that unpacks untrusted UCX worker addresses (module ``ucx_addrcheck``).
+
+    :meth:`check` is True when the sandbox made an endpoint from the address;
+    False when it refused it, died (UCX aborted on it) or did not answer in time.
+    A dead sandbox is replaced at the next check. Thread-safe (one check at a time).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self.started = 0  # sandboxes started (tests watch it)
+
+    def _spawn(self) -> Any:
+        import subprocess
+
+        eng = _engine()
+        tls = eng.ctx.config.get("TLS", "") if hasattr(eng.ctx, "config") else ""
+        proc = subprocess.Popen([sys.executable, "-m", "tensorwire.transport.ucx_addrcheck", tls],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                close_fds=True)
+        self.started += 1
+        return proc
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                proc.kill()
+                proc.wait(5)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _read1(self, deadline: float) -> bytes:
+        fd = self._proc.stdout.fileno()
+        rem = deadline - time.monotonic()
+        if rem <= 0 or not select.select([fd], [], [], rem)[0]:
+            return b""
+        return os.read(fd, 1)
+
+    def check(self, addr: bytes, *, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            try:
+                if self._proc is None or self._proc.poll() is not None:
+                    self._kill()
+                    self._proc = self._spawn()
+                    # a fresh sandbox imports ucxx first (about a second): allow for it
+                    if self._read1(deadline + 10.0) != b"R":
+                        self._kill()
+                        return False
+                self._proc.stdin.write(struct.pack("<I", len(addr)) + addr)
+                self._proc.stdin.flush()
+                answer = self._read1(deadline)
+            except (OSError, ValueError) as exc:
+                log.debug("ucx address sandbox: %s", exc)
+                answer = b""
+            if answer != b"Y":
+                if answer != b"N":
+                    self._kill()  # died on it (or hung): the next check starts a fresh one
+                return False
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+
+
 class UcxListener(Listener):
     """Accepts UCX data connections; routes each to the link whose nonce it presents.
 
@@ -1565,8 +1694,26 @@ class UcxListener(Listener):
     kind = "ucx"
     HELLO_TIMEOUT = 5.0
 
-    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0) -> None:
-        self._eng = eng = _engine(peer_timeout)
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0,
+                 untrusted: bool = False, secret: bytes | None = None) -> None:
+        """
+        Args:
+            untrusted: the peers are not trusted (serve clients): this process's UCX
+                context gets no shared-memory / cma / cuda_ipc transport, every endpoint
+                has peer error handling, and a peer's worker address is first unpacked by
+                a sandbox process (:class:`_AddressCheck`), since UCX aborts on a malformed one.
+            secret: the link secret a dialler must prove it holds (``link_proof``), checked
+                in constant time before anything else is done for it; None: none asked.
+
+        Raises:
+            ConfigError: ``untrusted`` differs from an earlier listener of this process.
+            TransportError: cannot listen.
+        """
+        self._eng = eng = _engine(peer_timeout, untrusted=untrusted)
+        self._untrusted = untrusted
+        self._peer_errors = untrusted or _error_handling()
+        self._secret = bytes(secret) if secret else None
+        self._check = _AddressCheck() if untrusted else None
         self._host = host
         self._peer_timeout = peer_timeout
         self._expected: set[bytes] = set()
@@ -1574,6 +1721,7 @@ class UcxListener(Listener):
         self._conns: dict[int, _Pending] = {}
         self._closed = False
         self._count = 0
+        self._checking = 0  # worker addresses in the sandbox now
         self.rejected = 0
         self._sock = _listen(host, port)
         self._port = self._sock.getsockname()[1]
@@ -1634,6 +1782,8 @@ class UcxListener(Listener):
             eng.notify()
         for t in parked:
             t.abort()
+        if self._check is not None:
+            self._check.close()
 
     # -- engine lock held ------------------------------------------------------------
     def _on_accept(self, events: int) -> None:
@@ -1700,16 +1850,19 @@ class UcxListener(Listener):
         pend.buf += data
         if len(pend.buf) < pend.need:
             return
-        magic, version, client_rid, nonce, alen = HELLO.unpack_from(pend.buf)
+        magic, version, client_rid, nonce, proof, alen = HELLO.unpack_from(pend.buf)
         if magic != HELLO_MAGIC:
             self._drop(fd, f"bad hello magic {bytes(magic)!r}")
             return
-        no = REPLY.pack(REPLY_NO, PROTOCOL_VERSION, 0, 0)
+        no = REPLY.pack(REPLY_NO, PROTOCOL_VERSION, 0, 0, 0)
         if version != PROTOCOL_VERSION:
             self._drop(fd, f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}", reply=no)
             return
         if not client_rid or client_rid > _RID_MASK or not 0 < alen <= MAX_ADDRESS:
             self._drop(fd, "bad hello fields")
+            return
+        if not proof_matches(self._secret, nonce, proof):
+            self._drop(fd, "wrong or missing link secret", reply=no)
             return
         if nonce not in self._expected or nonce in self._parked or self._closed:
             self._drop(fd, "unknown data-plane credential", reply=no)
@@ -1717,27 +1870,56 @@ class UcxListener(Listener):
         if pend.need == HELLO.size:
             pend.need += alen  # now read the worker address
             return
+        addr = bytes(pend.buf[HELLO.size:])
+        if self._check is None:
+            self._complete(fd, pend, nonce, client_rid, addr)
+            return
+        # Untrusted: UCX aborts the process on a malformed worker address (an assertion in its
+        # address unpacking), so a sandbox process unpacks it first, off the engine lock.
+        del self._conns[fd]
+        self._eng.unwatch_fd(fd)
+        self._checking += 1
+        check = self._check
+
+        def run() -> None:
+            ok = check.check(addr, timeout=self.HELLO_TIMEOUT)
+            with self._eng.op():
+                self._checking -= 1
+                if not ok:
+                    self._reject(pend, "its UCX worker address does not unpack (refused)", reply=no)
+                elif self._closed or nonce not in self._expected or nonce in self._parked:
+                    self._reject(pend, "listener closed or credential used meanwhile", reply=no)
+                else:
+                    self._conns[fd] = pend
+                    self._complete(fd, pend, nonce, client_rid, addr)
+
+        threading.Thread(target=run, daemon=True, name="tensorwire-ucx-addrcheck").start()
+
+    def _complete(self, fd: int, pend: _Pending, nonce: bytes, client_rid: int, addr: bytes) -> None:
+        """Under the lock: make the endpoint to a checked hello's worker address, answer, park the transport."""
         eng = self._eng
+        no = REPLY.pack(REPLY_NO, PROTOCOL_VERSION, 0, 0, 0)
+        eh = self._peer_errors
         try:
-            ep = _ucx.UCXEndpoint.create_from_worker_address(
-                eng.worker, _ucx.UCXAddress.create_from_buffer(bytes(pend.buf[HELLO.size:])), _error_handling())
+            ep = _ucx.UCXEndpoint.create_from_worker_address(eng.worker, _ucx.UCXAddress.create_from_buffer(addr), eh)
         except Exception as exc:  # noqa: BLE001 - one bad peer must not stop the listener
             self._drop(fd, f"cannot create a UCX endpoint to its worker address: {exc}", reply=no)
             return
-        del self._conns[fd]
+        self._conns.pop(fd, None)
         eng.unwatch_fd(fd)
         rid = eng.new_rid()
         mine = eng.address
         try:
             pend.sock.setblocking(True)
             pend.sock.settimeout(self.HELLO_TIMEOUT)
-            pend.sock.sendall(REPLY.pack(REPLY_OK, PROTOCOL_VERSION, rid, len(mine)) + mine)
+            flags = R_PEER_ERRORS if eh else 0
+            pend.sock.sendall(REPLY.pack(REPLY_OK, PROTOCOL_VERSION, rid, flags, len(mine)) + mine)
         except OSError as exc:
             _close_ep(ep)
             self._reject(pend, f"answering failed: {exc}")
             return
         t = UcxTransport(eng, ep, _watch(ep), rid=rid, peer_rid=client_rid, peer=pend.peer,
-                         peer_timeout=self._peer_timeout)
+                         peer_timeout=self._peer_timeout, peer_errors=eh)
         t._attach_liveness(pend.sock)
         self._parked[nonce] = t
         eng.notify()
@@ -1745,9 +1927,12 @@ class UcxListener(Listener):
     # -- dialling --------------------------------------------------------------------
     @classmethod
     def connect(
-        cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0
+        cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0,
+        secret: bytes | None = None,
     ) -> UcxTransport:
-        """Dial a UCX data listener and present ``nonce``.
+        """Dial a UCX data listener and present ``nonce`` (and the proof of ``secret``, the link secret).
+
+        The endpoint gets UCX peer error handling when the listener's answer says so.
 
         Raises:
             ConnectTimeout: no connection/answer within ``timeout``.
@@ -1767,8 +1952,9 @@ class UcxListener(Listener):
             with eng.op():
                 rid = eng.new_rid()
                 mine = eng.address
-            sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, rid, bytes(nonce), len(mine)) + mine)
-            magic, version, server_rid, alen = REPLY.unpack(_recv_exact(sock, REPLY.size, deadline))
+            sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, rid, bytes(nonce), link_proof(secret, bytes(nonce)),
+                                    len(mine)) + mine)
+            magic, version, server_rid, flags, alen = REPLY.unpack(_recv_exact(sock, REPLY.size, deadline))
             if magic == REPLY_NO:
                 if version != PROTOCOL_VERSION:
                     raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
@@ -1789,10 +1975,11 @@ class UcxListener(Listener):
         with eng.op():
             try:
                 ep = _ucx.UCXEndpoint.create_from_worker_address(
-                    eng.worker, _ucx.UCXAddress.create_from_buffer(addr), _error_handling())
+                    eng.worker, _ucx.UCXAddress.create_from_buffer(addr), bool(flags & R_PEER_ERRORS))
             except _ucx.UCXError as exc:
                 sock.close()
                 raise TransportError(f"cannot create a UCX endpoint to {peer}: {exc}") from exc
-            t = UcxTransport(eng, ep, _watch(ep), rid=rid, peer_rid=server_rid, peer=peer, peer_timeout=peer_timeout)
+            t = UcxTransport(eng, ep, _watch(ep), rid=rid, peer_rid=server_rid, peer=peer, peer_timeout=peer_timeout,
+                             peer_errors=bool(flags & R_PEER_ERRORS))
             t._attach_liveness(sock)
         return t

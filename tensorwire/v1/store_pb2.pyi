@@ -7,15 +7,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ShardLayout(_message.Message):
+    __slots__ = ("shards", "index", "rows", "row_start", "row_stop", "fingerprint")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_STOP_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    shards: int
+    index: int
+    rows: int
+    row_start: int
+    row_stop: int
+    fingerprint: bytes
+    def __init__(self, shards: _Optional[int] = ..., index: _Optional[int] = ..., rows: _Optional[int] = ..., row_start: _Optional[int] = ..., row_stop: _Optional[int] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
+
 class TensorInfo(_message.Message):
-    __slots__ = ("spec", "version", "nbytes")
+    __slots__ = ("spec", "version", "nbytes", "layout")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     spec: _types_pb2.TensorSpec
     version: int
     nbytes: int
-    def __init__(self, spec: _Optional[_Union[_types_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    layout: ShardLayout
+    def __init__(self, spec: _Optional[_Union[_types_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., nbytes: _Optional[int] = ..., layout: _Optional[_Union[ShardLayout, _Mapping]] = ...) -> None: ...
 
 class Transfer(_message.Message):
     __slots__ = ("tag", "step", "nbytes", "op_id")
@@ -30,23 +48,25 @@ class Transfer(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., step: _Optional[int] = ..., nbytes: _Optional[int] = ..., op_id: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("protocol_version", "transport", "client", "host_id", "data_requests", "shm")
+    __slots__ = ("protocol_version", "transport", "client", "host_id", "data_requests", "shm", "layouts")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     transport: str
     client: str
     host_id: str
     data_requests: int
     shm: int
-    def __init__(self, protocol_version: _Optional[int] = ..., transport: _Optional[str] = ..., client: _Optional[str] = ..., host_id: _Optional[str] = ..., data_requests: _Optional[int] = ..., shm: _Optional[int] = ...) -> None: ...
+    layouts: int
+    def __init__(self, protocol_version: _Optional[int] = ..., transport: _Optional[str] = ..., client: _Optional[str] = ..., host_id: _Optional[str] = ..., data_requests: _Optional[int] = ..., shm: _Optional[int] = ..., layouts: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "nonce", "data", "protocol_version", "max_bytes", "max_index_rows", "max_rows_bytes", "data_requests", "shm", "shm_hello")
+    __slots__ = ("session_id", "nonce", "data", "protocol_version", "max_bytes", "max_index_rows", "max_rows_bytes", "data_requests", "shm", "shm_hello", "layouts")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +77,7 @@ class OpenSessionResponse(_message.Message):
     DATA_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     SHM_HELLO_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nonce: bytes
     data: _containers.RepeatedCompositeFieldContainer[_types_pb2.TransportAddress]
@@ -67,7 +88,8 @@ class OpenSessionResponse(_message.Message):
     data_requests: int
     shm: int
     shm_hello: str
-    def __init__(self, session_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., data: _Optional[_Iterable[_Union[_types_pb2.TransportAddress, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_index_rows: _Optional[int] = ..., max_rows_bytes: _Optional[int] = ..., data_requests: _Optional[int] = ..., shm: _Optional[int] = ..., shm_hello: _Optional[str] = ...) -> None: ...
+    layouts: int
+    def __init__(self, session_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., data: _Optional[_Iterable[_Union[_types_pb2.TransportAddress, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., max_bytes: _Optional[int] = ..., max_index_rows: _Optional[int] = ..., max_rows_bytes: _Optional[int] = ..., data_requests: _Optional[int] = ..., shm: _Optional[int] = ..., shm_hello: _Optional[str] = ..., layouts: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -80,12 +102,14 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DeclareRequest(_message.Message):
-    __slots__ = ("session_id", "spec")
+    __slots__ = ("session_id", "spec", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: _types_pb2.TensorSpec
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[_types_pb2.TensorSpec, _Mapping]] = ...) -> None: ...
+    layout: ShardLayout
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[_types_pb2.TensorSpec, _Mapping]] = ..., layout: _Optional[_Union[ShardLayout, _Mapping]] = ...) -> None: ...
 
 class DeclareResponse(_message.Message):
     __slots__ = ("info", "created")
@@ -96,14 +120,16 @@ class DeclareResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class BeginPutRequest(_message.Message):
-    __slots__ = ("session_id", "spec", "timeout_ms")
+    __slots__ = ("session_id", "spec", "timeout_ms", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     spec: _types_pb2.TensorSpec
     timeout_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[_types_pb2.TensorSpec, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    layout: ShardLayout
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[_types_pb2.TensorSpec, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., layout: _Optional[_Union[ShardLayout, _Mapping]] = ...) -> None: ...
 
 class BeginPutResponse(_message.Message):
     __slots__ = ("transfer", "created")
@@ -114,20 +140,22 @@ class BeginPutResponse(_message.Message):
     def __init__(self, transfer: _Optional[_Union[Transfer, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class PutRowsRequest(_message.Message):
-    __slots__ = ("session_id", "name", "index", "values", "add", "timeout_ms")
+    __slots__ = ("session_id", "name", "index", "values", "add", "timeout_ms", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     name: str
     index: bytes
     values: _types_pb2.TensorSpec
     add: bool
     timeout_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., index: _Optional[bytes] = ..., values: _Optional[_Union[_types_pb2.TensorSpec, _Mapping]] = ..., add: _Optional[bool] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    layout: ShardLayout
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., index: _Optional[bytes] = ..., values: _Optional[_Union[_types_pb2.TensorSpec, _Mapping]] = ..., add: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., layout: _Optional[_Union[ShardLayout, _Mapping]] = ...) -> None: ...
 
 class PutRowsResponse(_message.Message):
     __slots__ = ("transfer",)
@@ -162,14 +190,16 @@ class AbortPutResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("session_id", "name", "timeout_ms")
+    __slots__ = ("session_id", "name", "timeout_ms", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     name: str
     timeout_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    layout: ShardLayout
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., layout: _Optional[_Union[ShardLayout, _Mapping]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("info", "transfer")
@@ -180,16 +210,18 @@ class GetResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
 
 class GetRowsRequest(_message.Message):
-    __slots__ = ("session_id", "name", "index", "timeout_ms")
+    __slots__ = ("session_id", "name", "index", "timeout_ms", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     name: str
     index: bytes
     timeout_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., index: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    layout: ShardLayout
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., index: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ..., layout: _Optional[_Union[ShardLayout, _Mapping]] = ...) -> None: ...
 
 class GetRowsResponse(_message.Message):
     __slots__ = ("info", "transfer", "shape")
@@ -230,10 +262,12 @@ class StatResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "layout")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    layout: ShardLayout
+    def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[ShardLayout, _Mapping]] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ()

@@ -20,6 +20,11 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT64: _ClassVar[DType]
     UINT8: _ClassVar[DType]
     BOOL: _ClassVar[DType]
+    COMPLEX64: _ClassVar[DType]
+    FLOAT8_E4M3FN: _ClassVar[DType]
+    FLOAT8_E5M2: _ClassVar[DType]
+    FLOAT8_E4M3FNUZ: _ClassVar[DType]
+    FLOAT8_E5M2FNUZ: _ClassVar[DType]
 
 class DeviceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +42,11 @@ INT32: DType
 INT64: DType
 UINT8: DType
 BOOL: DType
+COMPLEX64: DType
+FLOAT8_E4M3FN: DType
+FLOAT8_E5M2: DType
+FLOAT8_E4M3FNUZ: DType
+FLOAT8_E5M2FNUZ: DType
 DEVICE_KIND_UNSPECIFIED: DeviceKind
 CPU: DeviceKind
 CUDA: DeviceKind

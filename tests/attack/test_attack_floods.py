@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire._proto import spec_to_proto
 from flood import Flood, raise_nofile
 from serve_common import Daemon, in_process
 from tensorwire.transport.admission import AdmissionLimits, PendingTable
@@ -169,7 +170,7 @@ def _waiting_begin_puts(address: str, n: int, name: str) -> tuple[list, list]:
 
     ch = grpc.insecure_channel(address)
     stub = store_pb2_grpc.StoreStub(ch)
-    spec = TensorSpec(name, (1024,), "float32").to_proto()
+    spec = spec_to_proto(TensorSpec(name, (1024,), "float32"))
     futs = []
     for _ in range(n):
         sid = stub.OpenSession(store_pb2.OpenSessionRequest(protocol_version=STORE_PROTOCOL, transport="tcp"),
@@ -189,7 +190,7 @@ def test_begin_put_calls_waiting_on_a_reserved_name_leave_the_control_plane_answ
 
             sid, _ = holder._session()
             holder._stub.BeginPut(store_pb2.BeginPutRequest(
-                session_id=sid, spec=tw.TensorSpec("hot", (1024,), "float32").to_proto(), timeout_ms=60_000),
+                session_id=sid, spec=spec_to_proto(tw.TensorSpec("hot", (1024,), "float32")), timeout_ms=60_000),
                 timeout=10)
             chans, futs = _waiting_begin_puts(s.address, 40, "hot")
             time.sleep(1.0)  # the waiters are in: before the fix they held every handler thread

@@ -527,20 +527,20 @@ def test_bad_input_errors() -> None:
         discover(model)
     with pytest.raises(ConfigError, match="at least one tensor"):
         discover(model, 3, flag=True)
-    with pytest.raises(SpecError, match=r"input.0.*complex64"):
-        discover(model, torch.randn(8, 16, dtype=torch.complex64))
+    with pytest.raises(SpecError, match=r"input.0.*complex128"):
+        discover(model, torch.randn(8, 16, dtype=torch.complex128))
     with pytest.raises(SpecError, match=r"input.y.*complex"):
         discover(KwargsTuple(), x[:, :8], y=torch.zeros(3, dtype=torch.complex128))
 
     class ComplexParam(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.w = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+            self.w = nn.Parameter(torch.zeros(2, dtype=torch.complex128))
 
         def forward(self, x):
             return x
 
-    with pytest.raises(SpecError, match=r"param.w.*complex64"):
+    with pytest.raises(SpecError, match=r"param.w.*complex128"):
         discover(ComplexParam(), x)
 
     with pytest.raises(ConfigError, match=r"dim 2 is out of range for input.0 with shape \(8, 16\)"):

@@ -695,7 +695,7 @@ def test_staging_engines_with_real_streams_in_one_process():
     th.start()
     side = torch.cuda.Stream(device=dev)
     seen = []
-    for k in range(steps):
+    for _ in range(steps):
         receiver.recv(rx, 0, timeout=30, current=torch.cuda.current_stream(dev), side=side)
         torch.cuda._sleep(20_000_000)
         seen.append(slot.clone())  # on the current stream, behind the sleep

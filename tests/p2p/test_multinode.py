@@ -141,10 +141,10 @@ def test_cutting_the_link_fails_every_rank_with_peer_lost_and_torchrun_exits_non
         fails = {int(m.group(1)): (m.group(2), float(m.group(3)))
                  for m in re.finditer(r"tensorwire-failure rank=(\d+) error=(\w+) t=([\d.]+)", text)}
         assert set(fails) == {0, 1, 2, 3}, f"every rank must report its failure: {fails}\n{logs(procs)}"
-        for rank, (err, t) in sorted(fails.items()):  # ... within the configured timeout (no hang) ...
+        for rank, (_err, t) in sorted(fails.items()):  # ... within the configured timeout (no hang) ...
             assert 0 <= t - t_cut <= timeout + 0.5, f"rank {rank} noticed after {t - t_cut:.1f}s (> {timeout}s)"
         print({r: f"{err} after {t - t_cut:.2f}s" for r, (err, t) in sorted(fails.items())})
-        for rank, (err, t) in sorted(fails.items()):  # ... with PeerLostError
+        for rank, (err, _t) in sorted(fails.items()):  # ... with PeerLostError
             assert err == "PeerLostError", (rank, err, logs(procs))
         # The host node's agent (it holds the rendezvous store) exits non-zero while the network is still cut,
         # reporting the failed workers and their PeerLostError.

@@ -23,7 +23,16 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tensorwire.errors import ConfigError, ProtocolError, TransferTimeout, TensorWireError  # noqa: E402
-from tensorwire.p2p.staging import DEFAULT_CHUNK, MAX_STAGING_CHUNKS, STAGING_CHUNK_ALIGN, STAGING_CHUNK_ENV, StagedReceiver, StagedSender, chunk_plan, staging_chunk
+from tensorwire.p2p.staging import (  # noqa: E402
+    DEFAULT_CHUNK,
+    MAX_STAGING_CHUNKS,
+    STAGING_CHUNK_ALIGN,
+    STAGING_CHUNK_ENV,
+    StagedReceiver,
+    StagedSender,
+    chunk_plan,
+    staging_chunk,
+)
 from tensorwire.transport.base import new_nonce  # noqa: E402
 from tensorwire.transport.tcp import TcpListener  # noqa: E402
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tensorwire as tw
+from tensorwire._proto import spec_to_proto
 from tensorwire.serve import TLSConfig
 from tensorwire.serve.client.client import Client
 from tensorwire.v1 import store_pb2, store_pb2_grpc
@@ -42,7 +43,7 @@ def test_every_control_call_needs_the_token_and_nothing_is_served(token_server):
             (stub.List, store_pb2.ListRequest()),
             (stub.Stat, store_pb2.StatRequest(name="secret")),
             (stub.Delete, store_pb2.DeleteRequest(name="secret")),
-            (stub.Declare, store_pb2.DeclareRequest(spec=tw.TensorSpec("x", (1 << 20,)).to_proto())),
+            (stub.Declare, store_pb2.DeclareRequest(spec=spec_to_proto(tw.TensorSpec("x", (1 << 20,))))),
             (stub.OpenSession, store_pb2.OpenSessionRequest()),
             (stub.Snapshot, store_pb2.SnapshotRequest()),
         ]

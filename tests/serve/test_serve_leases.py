@@ -77,7 +77,7 @@ def test_reads_after_the_first_are_served_from_the_lease_and_counted_by_the_daem
         time.sleep(0.1)  # the client's helper gives the first read's pin back (a RELEASE request) meanwhile
         before_rows, before_get = _requests(srv, c, "GetRows"), _requests(srv, c, "Get")
         sent = c._req_id
-        for i in range(20):
+        for _ in range(20):
             j = torch.randint(0, 5000, (64,))
             assert torch.equal(c.get_rows("lease-count", j), table[j])
             out = torch.empty_like(table)

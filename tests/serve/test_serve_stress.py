@@ -50,7 +50,7 @@ def _client_run(address: str, cid: int, errors: list, counts: list) -> None:
             c.put(table, tab)
             version = c.stat(mine).version
             seq = 0
-            for op_i in range(OPS):
+            for _ in range(OPS):
                 op = rng.choice(
                     ["put", "get", "get_out", "get_rows", "put_rows", "add_rows", "put_shared", "get_shared",
                      "stat", "list", "delete_reput"]

@@ -73,10 +73,10 @@ def run_ranks(target: Callable[..., Any], world: int = 2, *, timeout: float = 12
                         # give its last queue message a moment to arrive before calling it dead
                         if now - dead_since.setdefault(r, now) > 2.0:
                             if not expect_fail:
-                                raise AssertionError(f"rank {r} died with exit code {p.exitcode}")
+                                raise AssertionError(f"rank {r} died with exit code {p.exitcode}") from None
                             results[r] = ("died", p.exitcode, "")
                 if now > deadline:
-                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s")
+                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s") from None
                 continue
             if status == "ok":
                 results[rank] = value

@@ -256,3 +256,77 @@ class NetnsPair:
 
     def __exit__(self, *exc: object) -> None:
         self.delete()
+
+
+class NetnsStar:
+    """A client namespace and ``n`` daemon namespaces, each joined to a bridge in the client's by a veth.
+
+    ``with NetnsStar(3) as net``: the client is at ``net.client_addr``, daemon ``i`` at ``net.addr[i]``;
+    ``net.prefix(i)`` runs in daemon ``i``'s namespace, ``net.client_prefix()`` in the client's;
+    ``cut(i)`` / ``restore(i)`` take daemon ``i``'s link down and up. Always deleted again.
+    """
+
+    def __init__(self, n: int = 3, subnet: str = "10.204.0", tag: str | None = None) -> None:
+        tag = tag or f"{os.getpid() % 100000}"
+        self.client_ns = f"tw-sc-{tag}"
+        self.ns = tuple(f"tw-s{i}-{tag}" for i in range(n))
+        self.bridge = f"twbr{tag}"[:15]
+        self.dev = tuple(f"tws{i}{tag}"[:15] for i in range(n))  # in daemon i's namespace
+        self.peer = tuple(f"twp{i}{tag}"[:15] for i in range(n))  # its other end, on the bridge
+        self.client_addr = f"{subnet}.1"
+        self.addr = tuple(f"{subnet}.{11 + i}" for i in range(n))
+
+    def __enter__(self) -> "NetnsStar":
+        self.delete()
+        try:
+            for ns in (self.client_ns, *self.ns):
+                _ip("netns", "add", ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+            c = self.client_ns
+            _ip("-n", c, "link", "add", self.bridge, "type", "bridge")
+            _ip("-n", c, "addr", "add", f"{self.client_addr}/24", "dev", self.bridge)
+            _ip("-n", c, "link", "set", self.bridge, "up")
+            for i, ns in enumerate(self.ns):
+                _ip("link", "add", self.dev[i], "netns", ns, "type", "veth", "peer", "name", self.peer[i], "netns", c)
+                _ip("-n", c, "link", "set", self.peer[i], "master", self.bridge)
+                _ip("-n", c, "link", "set", self.peer[i], "up")
+                _ip("-n", ns, "addr", "add", f"{self.addr[i]}/24", "dev", self.dev[i])
+                _ip("-n", ns, "link", "set", self.dev[i], "up")
+            self._wait_reachable()
+        except BaseException:
+            self.delete()
+            raise
+        return self
+
+    def _wait_reachable(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        for a in self.addr:
+            while True:
+                if shutil.which("ping") is None:
+                    break
+                r = subprocess.run([*self.client_prefix(), "ping", "-c", "1", "-W", "1", a], capture_output=True,
+                                   timeout=10)
+                if r.returncode == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{a} not reachable from {self.client_ns}")
+                time.sleep(0.1)
+
+    def prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[i]]
+
+    def client_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.client_ns]
+
+    def cut(self, i: int) -> None:
+        _ip("-n", self.ns[i], "link", "set", self.dev[i], "down")
+
+    def restore(self, i: int) -> None:
+        _ip("-n", self.ns[i], "link", "set", self.dev[i], "up")
+
+    def delete(self) -> None:
+        for ns in (*self.ns, self.client_ns):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+    def __exit__(self, *exc: object) -> None:
+        self.delete()

@@ -63,12 +63,12 @@ class Daemon:
     """``tensorwire serve`` in a subprocess; ``info`` is its ready line."""
 
     def __init__(self, *args: str, transport: str = "tcp", env: dict[str, str] | None = None,
-                 timeout: float = 60.0, port: int = 0) -> None:
+                 timeout: float = 60.0, port: int = 0, preexec_fn: Any = None) -> None:
         self.cmd = [sys.executable, "-m", "tensorwire", "serve", "--port", str(port), "--transport", transport, *args]
         self._err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             self.cmd, stdout=subprocess.PIPE, stderr=self._err, stdin=subprocess.DEVNULL, cwd=ROOT,
-            env=clean_env(env), text=True,
+            env=clean_env(env), text=True, preexec_fn=preexec_fn,
         )
         try:
             line = self._first_line(timeout)

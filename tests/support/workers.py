@@ -225,7 +225,7 @@ def isend_and_out(rank, world, store, transport):
         link = node.link(0, recv=[spec])
         out = torch.empty(1000, dtype=torch.int64)
         res = []
-        for k in range(4):
+        for _ in range(4):
             got = link.recv("x", out=out)
             assert got is out
             res.append(int(out[1]))

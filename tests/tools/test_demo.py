@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from tensorwire import demo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAUSE = 0.2  # seconds the receiver sleeps after each check in the small run
-SMALL = (demo.Row("4 KiB round trip", 4096, 1, 6), demo.Row("64 KiB stream", 64 * 1024, 4, 2))
+SMALL = (demo.Row("4 KiB round trip", 4096, 1, 3, exchanges=8), demo.Row("64 KiB stream", 64 * 1024, 4, 2))
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,22 @@ def test_consecutive_rounds_expect_different_bytes():
             assert len(set(seen)) == len(seen)
 
 
+def test_default_rows_run_back_to_back_and_a_stale_slot_is_caught():
+    from tensorwire.p2p.link import MAX_DEPTH
+
+    rt = demo.DEFAULT_ROWS[0]
+    assert rt.round_trip and rt.exchanges >= 20  # steady state: many round trips per go, not one
+    assert demo.DEFAULT_ROWS[1].messages >= 32  # a stream long enough that its start does not dominate
+    for i, row in enumerate(demo.DEFAULT_ROWS):
+        n = row.per_round
+        assert n + 1 <= MAX_DEPTH  # the receiver holds a whole round in tensorwire's slots
+        # a slot is reused a round later: two consecutive rounds must expect different bytes everywhere
+        seen = [demo._value(i, p, rnd, k, n) for p in range(3) for rnd in (7, 8) for k in range(n)]
+        for p in range(3):
+            two_rounds = seen[p * 2 * n: (p + 1) * 2 * n]
+            assert len(set(two_rounds)) == 2 * n
+
+
 @pytest.mark.timeout(180)
 def test_grpc_server_runs_in_the_receivers_process_not_the_clients(small_run):
     pids = small_run.pids
@@ -54,12 +71,13 @@ def test_grpc_server_runs_in_the_receivers_process_not_the_clients(small_run):
 @pytest.mark.timeout(180)
 def test_every_message_is_checked_and_none_is_corrupted(small_run):
     plan = demo._Plan(SMALL, 1, "tcp", True, 90, PAUSE)
-    expect = sum((plan.warmup(r) + plan.timed(r)) * r.messages * r.size for r in SMALL) * len(demo.PATHS)
+    expect = sum((plan.warmup(r) + plan.timed(r)) * r.per_round * r.size for r in SMALL) * len(demo.PATHS)
     assert small_run.checked_bytes == expect
     assert small_run.bad == {p: 0 for p in demo.PATHS}
     for i, row in enumerate(SMALL):
         for p in demo.PATHS:
-            assert len(small_run.sender[i][p]) == plan.timed(row) == len(small_run.receiver[i][p])
+            timed = plan.timed(row) * row.exchanges  # one time per exchange
+            assert len(small_run.sender[i][p]) == timed == len(small_run.receiver[i][p])
 
 
 @pytest.mark.timeout(180)
@@ -72,11 +90,27 @@ def test_the_receivers_check_is_on_neither_clock(small_run):
                 assert min(clock[i][p]) < PAUSE / 2, (SMALL[i].label, p, clock[i][p])
 
 
+@pytest.mark.timeout(180)
+def test_no_round_of_back_to_back_exchanges_includes_the_check(small_run):
+    # Only a round's first exchange follows the go, so the check above would still pass if the check
+    # leaked into that one exchange per round. Summed per round, every round would then read more
+    # than PAUSE; the median over rounds stays far below it when only the exchanges are timed.
+    for i, row in enumerate(SMALL):
+        for p in demo.PATHS:
+            for clock in (small_run.sender, small_run.receiver):
+                times = clock[i][p]
+                rounds = [sum(times[k: k + row.exchanges]) for k in range(0, len(times), row.exchanges)]
+                assert len(rounds) >= 2
+                assert statistics.median(rounds) < PAUSE / 2, (row.label, p, rounds)
+                assert statistics.median(times[::row.exchanges]) < PAUSE / 2, (row.label, p, times)
+
+
 def test_table_has_one_row_per_size_and_a_column_per_path():
+    mib = demo.DEFAULT_ROWS[1].messages * 2**20  # bytes per exchange of the 1 MiB stream
     res = demo.DemoResult(
         rows=demo.DEFAULT_ROWS, paths=demo.PATHS, transport="ucx",
         sender=[{"tensorwire": [1e-5], "raw socket": [2e-5], "gRPC": [4e-4]},
-                {"tensorwire": [8 * 2**20 / 4e9], "raw socket": [8 * 2**20 / 2e9], "gRPC": [8 * 2**20 / 0.5e9]},
+                {"tensorwire": [mib / 4e9], "raw socket": [mib / 2e9], "gRPC": [mib / 0.5e9]},
                 {"tensorwire": [2 * 2**26 / 8e9], "raw socket": [2 * 2**26 / 4e9], "gRPC": [2 * 2**26 / 1e9]}],
         receiver=[{"tensorwire": [1e-5], "raw socket": [2e-5], "gRPC": [5e-4]},
                   {"tensorwire": [1e-3], "raw socket": [2e-3], "gRPC": [8e-3]},

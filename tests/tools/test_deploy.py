@@ -70,6 +70,7 @@ MANIFESTS = {
     "jobset.yaml": {"Service", "JobSet"},
     "serve-statefulset.yaml": {"Service", "StatefulSet"},
     "serve-secret.example.yaml": {"Secret"},
+    "serve-client.example.yaml": {"Job"},
 }
 CRD_SCHEMAS = {
     "PyTorchJob": "pytorchjob-kubeflow-v1.schema.json",
@@ -585,7 +586,7 @@ def test_no_manifest_enables_expandable_segments():
         text = json.dumps(doc).lower()
         assert "expandable_segments:true" not in text, name
     for path in (SERVE_ENV, DOCKERFILE):
-        active = [l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")]
+        active = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
         assert "expandable_segments:true" not in "\n".join(active).lower(), path
 
 
@@ -628,7 +629,7 @@ def _verify(path: Path) -> list[str]:
         ["systemd-analyze", "verify", "--man=no", str(path)],
         capture_output=True, text=True, timeout=60,
     )
-    problems = [l for l in (proc.stdout + proc.stderr).splitlines() if path.name in l]
+    problems = [ln for ln in (proc.stdout + proc.stderr).splitlines() if path.name in ln]
     if proc.returncode != 0:
         problems.append(f"exit {proc.returncode}: {proc.stderr.strip()}")
     return problems
@@ -662,7 +663,7 @@ def test_serve_env_example():
         if not commented:
             seen.add(name)
     assert {"TENSORWIRE_TRANSPORT", "UCX_TLS", "UCX_NET_DEVICES"} <= seen
-    assert not any(l.startswith("export ") for l in SERVE_ENV.read_text().splitlines())
+    assert not any(ln.startswith("export ") for ln in SERVE_ENV.read_text().splitlines())
 
 
 # --------------------------------------------------------------------------- Dockerfile
@@ -714,7 +715,7 @@ def test_dockerfile_extra_exists_in_pyproject():
 
 
 def test_dockerfile_documents_the_run_flags():
-    comments = "\n".join(l for l in DOCKERFILE.read_text().splitlines() if l.lstrip().startswith("#"))
+    comments = "\n".join(ln for ln in DOCKERFILE.read_text().splitlines() if ln.lstrip().startswith("#"))
     for flag in ("--ipc=host", "--ulimit memlock=-1", "--device /dev/infiniband", "--cap-add IPC_LOCK",
                  "--network host", "--shm-size"):
         assert flag in comments, flag
@@ -732,3 +733,22 @@ def test_readme_covers_the_ucx_settings_and_the_files():
         assert needle in text, needle
     for ref in re.findall(r"`((?:k8s|systemd)/[\w./-]+|Dockerfile)`", text):
         assert (DEPLOY / ref).exists(), ref
+
+
+def test_serve_runs_three_daemons_and_the_example_client_reaches_them_through_dns():
+    sts, svc, _secret, _pod, _container = serve_parts()
+    assert sts["spec"]["replicas"] == 3 and svc["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    job = one("serve-client.example.yaml", "Job")
+    (client,) = job["spec"]["template"]["spec"]["containers"]
+    address = {e["name"]: e["value"] for e in client["env"]}["TENSORWIRE_SERVE_ADDRESS"]
+    m = re.fullmatch(r"dns:///([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local:(\d+)", address)
+    assert m, address
+    grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    assert m.group(1) == svc["metadata"]["name"] and int(m.group(3)) == grpc_port
+    # the client reads the token the daemons check, and its address is what tensorwire resolves
+    secrets = [v["secret"]["secretName"] for v in job["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert secrets == ["tensorwire-token"]
+    from tensorwire.serve.client.sharding import DNS_SCHEME
+
+    assert address.startswith(DNS_SCHEME) and 'shard="rows"' in client["args"][-1]

@@ -27,8 +27,15 @@ def _no_rdma(monkeypatch):
     monkeypatch.delenv("TENSORWIRE_AUTO_PREFER", raising=False)
 
 
-def test_same_host_prefers_ucx_other_hosts_prefer_tcp():
+def test_same_host_prefers_ucx_only_where_it_may_use_shared_memory_and_cma(monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "none")
     assert choose_transport(_offer(), _offer(), needs_cuda=False) == ["ucx", "tcp"]
+    # with peer error handling (the default) UCX has no single-copy path for host memory: the socket wins
+    monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "peer")
+    assert choose_transport(_offer(), _offer(), needs_cuda=False) == ["tcp"]
+    monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
+    assert choose_transport(_offer(), _offer(), needs_cuda=False) == ["tcp"]
+    assert choose_transport(_offer(), _offer(), needs_cuda=True) == ["ucx", "tcp"]  # cuda_ipc stays
     assert choose_transport(_offer(hid="h1"), _offer(hid="h2"), needs_cuda=False) == ["tcp"]
     # an unknown identity never counts as "same host"
     assert choose_transport(_offer(hid=""), _offer(hid=""), needs_cuda=False) == ["tcp"]

@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("ucxx")
 
-from tensorwire.errors import ClosedError, ConnectTimeout, PeerLostError, TransferTimeout  # noqa: E402
-from tensorwire.testing import CHECKS  # noqa: E402
-from tensorwire.transport.base import new_nonce  # noqa: E402
-from tensorwire.transport.ucx import UcxListener, UcxTransport  # noqa: E402
+from tensorwire.errors import ClosedError, ConnectTimeout, PeerLostError, TransferTimeout
+from tensorwire.testing import CHECKS
+from tensorwire.transport.base import new_nonce
+from tensorwire.transport.ucx import UcxListener, UcxTransport
 
 _SPAWN = mp.get_context("spawn")
 
@@ -365,7 +365,7 @@ def test_garbage_and_wrong_nonce_are_dropped_listener_keeps_serving() -> None:
     t = None
     try:
         # raw garbage on the listener's port, and a hello-shaped message with a wrong magic
-        bad_magic = U.HELLO.pack(b"NOTTWUCX", U.PROTOCOL_VERSION, 1, b"\0" * 16, 8) + b"\0" * 8
+        bad_magic = U.HELLO.pack(b"NOTTWUCX", U.PROTOCOL_VERSION, 1, b"\0" * 16, b"\0" * 16, 8) + b"\0" * 8
         for payload in (os.urandom(512), b"\0" * 4096, b"GET / HTTP/1.0\r\n\r\n", bad_magic):
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
             s.sendall(payload)
@@ -440,7 +440,6 @@ def test_listener_close_wakes_accept() -> None:
 
 def _burst_main(q_out, q_in, nonce: bytes) -> None:
     """Child: send one large message, then (when told) small ones, close and exit at once."""
-    import torch
 
     from tensorwire.transport.ucx import UcxListener
 
@@ -547,8 +546,10 @@ def test_error_handling_mode_is_validated(monkeypatch) -> None:
         U._error_handling()
     monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "peer")
     assert U._error_handling() is True
-    monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
+    monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "none")
     assert U._error_handling() is False
+    monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
+    assert U._error_handling() is True  # default: a peer's death is an error, never an abort
 
 
 def test_buffer_descriptors_are_reused_and_keep_no_tensor_alive() -> None:

@@ -52,7 +52,7 @@ class Sender(_Sender):
 
     def send(self) -> None:
         if self.stage is not None:
-            self.stage.copy_(self.src)  # type: ignore[arg-type]
+            self.stage.copy_(self.src)
         self.sock.sendall(self.view)  # type: ignore[arg-type]
 
     def wait_ack(self) -> None:

@@ -62,7 +62,7 @@ class Sender(_Sender):
         self.src = src
 
     def send(self) -> None:
-        self.g.dist.send(self.src, self.g.peer)  # type: ignore[arg-type]
+        self.g.dist.send(self.src, self.g.peer)
 
     def wait_ack(self) -> None:
         self.g.dist.recv(self.g.ack, self.g.peer)
@@ -87,7 +87,7 @@ class Receiver(_Receiver):
         self.buf = torch.empty(size, dtype=torch.uint8, device=self.ctx.device)
 
     def recv(self) -> "torch.Tensor":
-        self.g.dist.recv(self.buf, self.g.peer)  # type: ignore[arg-type]
+        self.g.dist.recv(self.buf, self.g.peer)
         assert self.buf is not None
         return self.buf
 

@@ -73,11 +73,11 @@ class Sender(_Sender):
     def send(self) -> None:
         assert self.link is not None
         if not self.window:
-            self.link.send("data", self.src)  # type: ignore[arg-type]
+            self.link.send("data", self.src)
             return
         if len(self.inflight) >= self.window:
             self.inflight.popleft().wait()
-        self.inflight.append(self.link.isend("data", self.src))  # type: ignore[arg-type]
+        self.inflight.append(self.link.isend("data", self.src))
 
     def wait_ack(self) -> None:
         assert self.link is not None

@@ -1,4 +1,5 @@
-"""The client of ``tensorwire serve``: :class:`Client` (one daemon)."""
+"""The client of ``tensorwire serve``: :class:`Client` (one daemon; given several, it returns a
+:class:`~tensorwire.serve.client.sharded_client.ShardedClient` over all of them)."""
 
 from tensorwire.serve.client.client import Client
 

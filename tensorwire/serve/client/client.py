@@ -56,6 +56,13 @@ overwritten. ``out=`` receives straight into your tensor when it is a
 contiguous CPU tensor (else through the buffer plus one copy). CUDA tensors
 are staged through pinned host memory.
 
+Many daemons: ``Client(["h1:7100", "h2:7100", "h3:7100"])`` or
+``Client("dns:///name:7100")`` returns a
+:class:`tensorwire.serve.client.sharded_client.ShardedClient` (the same methods, over
+all of them: whole tensors placed by rendezvous hashing, ``put(name, t,
+shard="rows")`` for tables sharded by rows); a one-element list or a plain
+address is this class, as before.
+
 Errors are :class:`tensorwire.TensorWireError` subclasses: ``AuthError`` (token,
 TLS), ``NotFoundError``, ``ShapeMismatchError`` (naming both specs),
 ``ResourceExhaustedError`` (``--max-bytes``), ``PeerLostError`` (server gone),
@@ -69,7 +76,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from tensorwire.errors import (
@@ -84,7 +90,8 @@ from tensorwire.errors import (
     TransportError,
 )
 from tensorwire.serve.protocol import wire
-from tensorwire.serve.daemon.config import DEFAULT_PORT, TLSConfig
+from tensorwire.serve.protocol.tls import TLSConfig
+from tensorwire.serve.protocol.layout import ShardLayout
 from tensorwire.serve.protocol.common import (
     AUTH_KEY,
     DATA_REQUESTS_VERSION,
@@ -104,7 +111,16 @@ from tensorwire.serve.protocol.common import (
     error_name,
     rpc_error,
 )
-from tensorwire.spec import TensorSpec
+from tensorwire._proto import spec_from_proto, spec_to_proto
+from tensorwire.serve.client.common import SnapshotInfo, TensorStat, parse_address
+from tensorwire.serve.client.sharded_client import ShardedClient
+from tensorwire.settings import setting
+from tensorwire.spec import TensorSpec, check_name
+from tensorwire.serve.protocol.shm import LEASE_MACHINES, LEASE_VERSION, SHM_VERSION
+from tensorwire.buffers import as_bytes, allocate_host
+from tensorwire.transport.base import get_factory
+from tensorwire.serve.protocol import shm
+from tensorwire.transport.select import host_id
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -128,65 +144,9 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
     log.warning(msg, *args)
 
 
-@dataclass(frozen=True)
-class TensorStat:
-    """What the store holds under a name."""
-
-    spec: TensorSpec
-    #: Incremented by every put and row update; 0 = declared, no data yet.
-    version: int
-    #: Bytes of one version.
-    nbytes: int
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def bytes(self) -> int:  # noqa: A003 - the word the API speaks
-        """Alias of :attr:`nbytes`."""
-        return self.nbytes
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    path: str
-    tensors: int
-    nbytes: int
-    seconds: float
-
-
 def _stat(info: Any) -> TensorStat:
-    return TensorStat(TensorSpec.from_proto(info.spec), int(info.version), int(info.nbytes))
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``host:port``, ``[v6]:port``, ``host`` (port 7100), optionally ``grpc://``-prefixed."""
-    if not isinstance(address, str) or not address.strip():
-        raise ConfigError(f"address must be 'host:port', got {address!r}")
-    a = address.strip()
-    for scheme in ("grpc://", "tensorwire://", "tw://"):
-        if a.startswith(scheme):
-            a = a[len(scheme) :]
-    if a.startswith("["):
-        host, _, rest = a[1:].partition("]")
-        port_s = rest[1:] if rest.startswith(":") else ""
-    elif a.count(":") == 1:
-        host, port_s = a.split(":")
-    else:
-        host, port_s = a, ""
-    if not host:
-        raise ConfigError(f"address {address!r} has no host")
-    try:
-        port = int(port_s) if port_s else DEFAULT_PORT
-    except ValueError:
-        raise ConfigError(f"address {address!r}: port must be a number") from None
-    if not 0 < port < 65536:
-        raise ConfigError(f"address {address!r}: port out of range")
-    return host, port
-
-
-# -- receive buffers ------------------------------------------------------------------------------
+    return TensorStat(spec_from_proto(info.spec), int(info.version), int(info.nbytes),
+                      ShardLayout.from_field(info))
 
 
 def _use_count(t: "torch.Tensor") -> int | None:
@@ -209,9 +169,7 @@ class _Pool:
         self.allocations = 0
 
     def acquire(self, nbytes: int) -> "torch.Tensor":
-        from tensorwire.buffers import allocate_host
-
-        for i, (raw, base) in enumerate(self._bufs):
+        for raw, base in self._bufs:
             if raw.numel() >= nbytes and base is not None and _use_count(raw) == base:
                 return raw[:nbytes]
         cap = nbytes
@@ -256,23 +214,14 @@ LEASES_ENV = "TENSORWIRE_SHM_LEASES"
 AHEAD_ENV = "TENSORWIRE_SHM_AHEAD"
 
 
-def _env_off(name: str) -> bool:
-    """Whether environment variable ``name`` turns its feature off ("0", "false", "no", "off"; unset: on)."""
-    import os
-
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def _ahead_wanted() -> bool:
-    return not _env_off(AHEAD_ENV)
+    return bool(setting("shm_ahead"))
 
 
 def _leases_wanted() -> bool:
     import platform
 
-    from tensorwire.serve.protocol.shm import LEASE_MACHINES
-
-    if _env_off(LEASES_ENV):
+    if not setting("shm_leases"):
         return False
     return platform.machine().lower() in LEASE_MACHINES
 
@@ -287,13 +236,22 @@ class _Progress:
         self.sent = False
 
 
+#: Data-plane requests that carry the expected shard layout of their tensor (see Client.expect_layout).
+_LAYOUT_OPS = frozenset((wire.OP_GET, wire.OP_GET_ROWS, wire.OP_PUT, wire.OP_PUT_ROWS, wire.OP_ADD_ROWS))
+
+
+def _many(address: Any) -> bool:
+    """Whether ``address`` names several daemons (a list of more than one, or ``dns:///``)."""
+    if isinstance(address, (list, tuple)):
+        return len(address) > 1
+    return isinstance(address, str) and address.strip().startswith("dns:")
+
+
 def _reply_spec(name: str, rep: "wire.Reply") -> TensorSpec:
     return TensorSpec(name, rep.shape, wire.dtype_name(rep.dtype))
 
 
 def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
-    from tensorwire.buffers import as_bytes
-
     return as_bytes(t)
 
 
@@ -322,7 +280,17 @@ class Client:
 
     A client is thread-safe; its operations run one at a time (use one client
     per thread for parallel transfers: each has its own data connection).
+
+    ``address`` may also be a list of daemons or ``"dns:///name:port"`` (every
+    address of a headless Service): the result is then a
+    :class:`~tensorwire.serve.client.sharded_client.ShardedClient` over all of them
+    (same arguments); a one-element list is one daemon, as a plain address.
     """
+
+    def __new__(cls, address: Any = None, **kwargs: Any) -> Any:
+        if cls is Client and _many(address):
+            return ShardedClient(address, single=cls, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -346,6 +314,8 @@ class Client:
             raise ConfigError("timeout must be positive")
         if token is not None and (not isinstance(token, str) or not token.strip()):
             raise ConfigError("token must be a non-empty string")
+        if isinstance(address, (list, tuple)) and len(address) == 1:
+            address = address[0]
         self._host, self._port = parse_address(address)
         self.address = f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
         self._tls = TLSConfig.coerce(tls)
@@ -357,6 +327,9 @@ class Client:
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # a daemon that restarts is reached again within ~2 s of being back (gRPC's default backoff
+            # grows to 120 s, during which every call fails at once)
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         if self._tls is not None:
             ca, key, cert = self._tls.read()
@@ -375,6 +348,12 @@ class Client:
         self._specs: dict[str, TensorSpec] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self._want_dp = bool(data_requests)
+        #: Shard layouts this client expects of names (sent with their requests; absent: a whole tensor).
+        self._expect: dict[str, ShardLayout] = {}
+        self._expect_pb: dict[str, Any] = {}
+        self._expect_packed: dict[str, bytes] = {}
+        #: Whether the daemon records and checks shard layouts (OpenSessionResponse.layouts).
+        self.layout_checks = False
         self._dp = False  # the current session takes data-plane requests
         self._req_id = 0  # requests sent on the current session (tag 4 steps)
         self._replies = 0  # replies received on it (tag 5 steps)
@@ -443,10 +422,8 @@ class Client:
                 raise err from exc
 
     def _open_session(self) -> None:
-        from tensorwire.transport.base import get_factory
         from tensorwire.v1 import store_pb2
 
-        from tensorwire.serve.protocol.shm import LEASE_VERSION, SHM_VERSION
 
         kinds: list[str]
         if self._want == "tcp":
@@ -462,14 +439,12 @@ class Client:
                 kinds = ["tcp"]
         last: BaseException | None = None
         for kind in kinds:
-            from tensorwire.transport.select import host_id
-
             offer_shm = self._want in ("auto", "shm") and self._want_dp and not self._shm_broken
             req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name,
                                                host_id=host_id(),
                                                data_requests=DATA_REQUESTS_VERSION if self._want_dp else 0,
                                                shm=(SHM_VERSION if self._use_ahead else LEASE_VERSION)
-                                               if offer_shm else 0)
+                                               if offer_shm else 0, layouts=1)
             resp = self._rpc("OpenSession", req, timeout=self._connect_timeout + 5)
             if not resp.data:
                 raise ProtocolError("the server offered no data listener")
@@ -493,6 +468,7 @@ class Client:
                 _warn_once("ucx-server", "transport auto: the server offers no UCX; using TCP")
             self._sid = resp.session_id
             self._transport = t
+            self.layout_checks = resp.layouts >= 1
             self.transport_kind = addr.kind
             self._dp = self._want_dp and resp.data_requests >= 1
             self._req_id = self._replies = 0
@@ -525,8 +501,6 @@ class Client:
     def _shm_hello(self, t: "Transport", hello: str, version: int) -> None:
         """Prove to the daemon that this process maps its memory: read the hello region's nonce, echo it.
         ``version``: the shared-memory protocol version the session negotiated."""
-        from tensorwire.serve.protocol import shm
-
         try:
             nonce = shm.read_hello(hello)
         except shm.ShmError as exc:
@@ -575,8 +549,6 @@ class Client:
 
     def _shm_view(self, pr: "_Progress", rep: "wire.Reply", name: str) -> "torch.Tensor":
         """The bytes an SHM reply names (a uint8 view of the daemon's region, mapped on first use)."""
-        from tensorwire.serve.protocol import shm
-
         if self._maps is None:
             self._maps = shm.ClientMaps()
             self._copier = shm.Copier()
@@ -633,8 +605,6 @@ class Client:
         caller asks the daemon). Errors ``use`` raises (a wrong ``out``, a row out of range) are the
         caller's, as they would be on the pinned path.
         """
-        from tensorwire.serve.protocol import shm
-
         with self._lock:
             self._check_open()
             lease = self._leases.get(name)
@@ -693,7 +663,7 @@ class Client:
                     except TensorWireError as exc:
                         log.debug("releasing a shared-memory read failed (%s); the session is dropped", exc)
                         self._drop_session()
-            except Exception:  # noqa: BLE001 - the helper must not die
+            except Exception:
                 log.exception("releasing a shared-memory read failed")
             finally:
                 self._lock.release()
@@ -736,8 +706,6 @@ class Client:
         """A put into the slot of the session's write-ahead grant: one copy, one COMMIT. None: not this put
         (another name or spec: the daemon's answer to the ordinary request is what the caller gets), or the
         grant has ended (nothing was written that anyone will see); put the ordinary way."""
-        from tensorwire.serve.protocol import shm
-
         grant, self._ahead = self._ahead, None
         page, name, nbytes = self._page, spec.name, spec.nbytes
         if (grant is None or page is None or grant[0] != name
@@ -833,9 +801,7 @@ class Client:
         nb = self._names.get(name) if isinstance(name, str) else None
         if nb is not None:
             return nb
-        from tensorwire.spec import _check_name
-
-        name = _check_name(name)  # SpecError, as the daemon would answer
+        name = check_name(name)  # SpecError, as the daemon would answer
         try:
             nb = name.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -883,11 +849,15 @@ class Client:
 
         nb = self._name_bytes(name)
         n = 0 if index is None else index.numel()
-        size = wire.request_size(len(nb), n)
+        layout = self._expect_packed.get(name, b"") if op in _LAYOUT_OPS else b""
+        if layout:
+            flags |= wire.FLAG_LAYOUT
+        size = wire.request_size(len(nb), n, layout=bool(layout))
         buf = self._request_buffer(size)
         req_id = self._req_id + 1
         off = wire.pack_request(memoryview(buf.numpy()), op=op, req_id=req_id, name=nb,
-                                timeout_ms=self._timeout_ms(), dtype=dtype, shape=shape, nindex=n, flags=flags)
+                                timeout_ms=self._timeout_ms(), dtype=dtype, shape=shape, nindex=n, flags=flags,
+                                layout=layout)
         if n:
             assert index is not None
             buf[off : off + 8 * n].view(torch.int64).copy_(index)
@@ -1005,6 +975,26 @@ class Client:
     def _timeout_ms(self) -> int:
         return int(self._timeout * 1000)
 
+    def expect_layout(self, name: str, layout: ShardLayout | None) -> None:
+        """Send ``layout`` with every request of ``name`` from now on (None: expect a whole tensor, the default).
+
+        The daemon refuses requests whose expectation differs from what it holds
+        (:class:`~tensorwire.errors.LayoutMismatchError`). Used by the sharded
+        client; a read lease on ``name`` taken under another expectation is dropped.
+        """
+        with self._lock:
+            if self._expect.get(name) == layout:
+                return
+            self._leases.pop(name, None)
+            if layout is None:
+                self._expect.pop(name, None)
+                self._expect_pb.pop(name, None)
+                self._expect_packed.pop(name, None)
+            else:
+                self._expect[name] = layout
+                self._expect_pb[name] = layout.to_proto()
+                self._expect_packed[name] = layout.pack()
+
     def _recv(self, t: "Transport", tr: Any, raw: "torch.Tensor") -> None:
         try:
             t.post_recv(tr.tag, raw)
@@ -1096,7 +1086,8 @@ class Client:
             raise SpecError("declare needs a TensorSpec")
         with self._lock:
             self._check_open()
-            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec.to_proto()))
+            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec_to_proto(spec),
+                                                                  layout=self._expect_pb.get(spec.name)))
         st = _stat(resp.info)
         self._specs[st.name] = st.spec
         return st
@@ -1118,7 +1109,8 @@ class Client:
 
         def op(sid: str, t: "Transport") -> TensorStat:
             src = self._source(name, tensor)
-            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec.to_proto(), timeout_ms=self._timeout_ms())
+            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec_to_proto(spec), timeout_ms=self._timeout_ms(),
+                                            layout=self._expect_pb.get(name))
             resp = self._rpc("BeginPut", req, timeout=self._timeout + 10, data_op=True)
             return self._send_commit(sid, t, resp.transfer, src)
 
@@ -1185,8 +1177,9 @@ class Client:
             return result
 
         def op(sid: str, t: "Transport") -> "torch.Tensor":
-            resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms()), data_op=True)
-            spec = TensorSpec.from_proto(resp.info.spec)
+            resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms(),
+                                                         layout=self._expect_pb.get(name)), data_op=True)
+            spec = spec_from_proto(resp.info.spec)
             self._specs[name] = spec
             tr = resp.transfer
             direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
@@ -1197,8 +1190,8 @@ class Client:
                     self._drain(t, tr)
                     raise
             if direct:
-                self._recv(t, tr, _as_bytes(out))  # type: ignore[arg-type]
-                return out  # type: ignore[return-value]
+                self._recv(t, tr, _as_bytes(out))
+                return out
             raw = self._pool(name, "get").acquire(tr.nbytes)
             self._recv(t, tr, raw)
             result = _typed(raw, spec.torch_dtype, spec.shape)
@@ -1332,11 +1325,12 @@ class Client:
             def fetch(part: "torch.Tensor") -> tuple[TensorSpec, int, Callable[..., None], Callable[[], None]]:
                 nonlocal first
                 req = store_pb2.GetRowsRequest(
-                    session_id=sid, name=name, index=encode_index(part), timeout_ms=self._timeout_ms()
+                    session_id=sid, name=name, index=encode_index(part), timeout_ms=self._timeout_ms(),
+                    layout=self._expect_pb.get(name),
                 )
                 resp = self._rpc("GetRows", req, data_op=True)
                 tr = resp.transfer
-                got = TensorSpec.from_proto(resp.info.spec)
+                got = spec_from_proto(resp.info.spec)
                 if first:
                     self._specs[name] = got
                     first = False
@@ -1437,9 +1431,10 @@ class Client:
                     session_id=sid,
                     name=name,
                     index=encode_index(part),
-                    values=vspec.to_proto(),
+                    values=spec_to_proto(vspec),
                     add=add,
                     timeout_ms=self._timeout_ms(),
+                    layout=self._expect_pb.get(name),
                 )
                 resp = self._rpc("PutRows", req, data_op=True)
                 st = self._send_commit(sid, t, resp.transfer, data)
@@ -1509,7 +1504,7 @@ class Client:
 
         with self._lock:
             self._check_open()
-            self._rpc("Delete", store_pb2.DeleteRequest(name=name))
+            self._rpc("Delete", store_pb2.DeleteRequest(name=name, layout=self._expect_pb.get(name)))
             self._specs.pop(name, None)
             for key in [k for k in self._pools if k[0] == name]:
                 del self._pools[key]

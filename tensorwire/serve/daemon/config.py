@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from tensorwire.errors import ConfigError
+from tensorwire.serve.protocol.common import DEFAULT_PORT
+from tensorwire.serve.protocol.tls import TLSConfig
+from tensorwire.serve.protocol.tls import check_file as _check_file
 
 __all__ = [
     "ServeConfig",
@@ -34,7 +37,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "TENSORWIRE_"
-DEFAULT_PORT = 7100
 TRANSPORTS = ("auto", "ucx", "tcp")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
@@ -110,70 +112,8 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(h, None)
     except OSError:
         return False
-    addrs = {info[4][0] for info in infos}
+    addrs = {str(info[4][0]) for info in infos}
     return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
-
-
-def _check_file(what: str, path: str | None) -> str | None:
-    if path is None:
-        return None
-    path = os.path.expanduser(str(path))
-    if not os.path.isfile(path):
-        raise ConfigError(f"{what}: {path!r} is not a file")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{what}: {path!r} is not readable")
-    return path
-
-
-@dataclass(frozen=True)
-class TLSConfig:
-    """TLS material for a client (or a server) as file paths.
-
-    Client: ``ca`` (the CA that signed the server's certificate; default: the
-    system roots), and for mTLS ``cert`` + ``key`` (the client's own).
-    ``server_name`` overrides the name checked against the server's
-    certificate (default: the host of the address).
-
-    Accepts a dict with the same keys through :meth:`coerce`.
-    """
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    server_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cert is None) != (self.key is None):
-            raise ConfigError("TLS: cert and key go together (both or neither)")
-        for what in ("ca", "cert", "key"):
-            object.__setattr__(self, what, _check_file(f"TLS {what}", getattr(self, what)))
-
-    @classmethod
-    def coerce(cls, value: "TLSConfig | Mapping[str, Any] | bool | None") -> "TLSConfig | None":
-        """``None``/``False`` -> no TLS; ``True`` -> TLS with system roots; a dict -> its keys."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            unknown = set(value) - {"ca", "cert", "key", "server_name"}
-            if unknown:
-                raise ConfigError(f"TLS: unknown keys {sorted(unknown)}; use ca, cert, key, server_name")
-            return cls(**{k: (str(v) if v is not None else None) for k, v in value.items()})
-        raise ConfigError(f"tls must be a TLSConfig, a dict or None, got {type(value).__name__}")
-
-    def read(self) -> tuple[bytes | None, bytes | None, bytes | None]:
-        """(ca, key, cert) file contents (None where unset)."""
-
-        def rd(p: str | None) -> bytes | None:
-            if p is None:
-                return None
-            with open(p, "rb") as f:
-                return f.read()
-
-        return rd(self.ca), rd(self.key), rd(self.cert)
 
 
 def _default_max_bytes() -> int:
@@ -212,6 +152,11 @@ class ServeConfig:
         drain_timeout: seconds in-flight transfers get to finish on shutdown.
         session_idle_timeout: sessions idle this long are closed.
         max_sessions: concurrent client sessions.
+        max_sessions_per_client: concurrent sessions one client may hold (a
+            client: its certificate identity under mTLS, else the local user
+            for a caller on loopback, else its IP address; see
+            :mod:`tensorwire.serve.daemon.peers`), so that one client cannot
+            take every session. Capped at ``max_sessions``.
         workers: gRPC handler threads.
         hello_timeout: seconds a data connection may take to present its hello.
         max_pending_connections: data connections without a hello, at most (the oldest of the
@@ -241,6 +186,7 @@ class ServeConfig:
     drain_timeout: float = 10.0
     session_idle_timeout: float = 3600.0
     max_sessions: int = 256
+    max_sessions_per_client: int = 64
     workers: int = 32
     hello_timeout: float = 3.0
     max_pending_connections: int = 512
@@ -285,13 +231,15 @@ class ServeConfig:
             if not v > 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
             set_(name, v)
-        for name in ("max_sessions", "workers", "max_pending_connections", "max_pending_per_peer"):
+        for name in ("max_sessions", "max_sessions_per_client", "workers", "max_pending_connections",
+                     "max_pending_per_peer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         v = self.max_waiting_calls
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"max_waiting_calls must be a non-negative integer, got {v!r}")
+        set_("max_sessions_per_client", min(self.max_sessions_per_client, self.max_sessions))
         set_("insecure", bool(self.insecure))
         set_("shm", bool(self.shm))
         if not is_loopback(self.host) and not (self.token_file or self.tls_cert or self.insecure):
@@ -357,8 +305,8 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "workers", "max_pending_connections",
-               "max_pending_per_peer", "max_waiting_calls"}
+_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "max_sessions_per_client", "workers",
+               "max_pending_connections", "max_pending_per_peer", "max_waiting_calls"}
 _FLOAT_FIELDS = {"drain_timeout", "session_idle_timeout", "hello_timeout"}
 _BOOL_FIELDS = {"insecure", "shm"}
 

@@ -82,6 +82,12 @@ from typing import TYPE_CHECKING, Any, Callable
 from tensorwire import errors
 from tensorwire.spec import TensorSpec
 from tensorwire.serve.protocol.common import ERROR_CLASSES, TAG_DOWN, TAG_REPLY, TAG_UP, check_index
+from tensorwire.serve.daemon.ops import Draining, commit_rows, plan_row_update, plan_rows, status_of
+from tensorwire.serve.daemon.ops import check_tensor_name as _name
+from tensorwire.serve.daemon.ops import recv_posted as _recv_posted
+from tensorwire.serve.daemon.ops import send as _send
+from tensorwire.serve.daemon.ops import timeout_of as _timeout
+from tensorwire.serve.daemon.ops import typed_view as _typed
 from tensorwire.serve.daemon.session import Job
 from tensorwire.serve.protocol.shm import LEASE_VERSION
 from tensorwire.serve.daemon.store import region_of
@@ -107,6 +113,9 @@ from tensorwire.serve.protocol.wire import (
     pack_reply,
     parse_request,
 )
+from tensorwire.serve.daemon.session import PendingWrite
+from tensorwire.serve.daemon.store import normalise_spec
+from tensorwire.serve.protocol.shm import ShmError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -140,8 +149,6 @@ PARALLEL_MIN_BYTES = 8 << 20
 
 def error_class(exc: BaseException) -> str:
     """The name under which a client re-raises ``exc`` (its nearest class in ERROR_CLASSES; '' if none)."""
-    from tensorwire.serve.daemon.service import Draining
-
     if isinstance(exc, Draining):
         return "PeerLostError"
     for cls in type(exc).__mro__:
@@ -270,8 +277,6 @@ class DataRequests:
         Raises:
             MalformedRequest: the request does not follow the format (the session is closed).
         """
-        from tensorwire.serve.daemon.service import Draining
-
         t0 = time.monotonic()
         req = parse_request(memoryview(buf.numpy())[:nbytes])
         if req.op == OP_RELEASE:
@@ -294,6 +299,8 @@ class DataRequests:
                 raise Draining("the server is shutting down and takes no new work")
             if s.pending is not None:
                 raise errors.ProtocolError("a write is pending on this session: commit or abort it first")
+            if req.op != OP_SHM_HELLO:  # a shard is served only to a request built for its very layout
+                self.store.check_layout(req.name, req.layout)
             if req.op == OP_GET:
                 return self._get(s, req, t0)
             if req.op == OP_GET_ROWS:
@@ -307,14 +314,12 @@ class DataRequests:
             return self._put_rows(s, req, buf, t0, add=req.op == OP_ADD_ROWS)
         except errors.TensorWireError as exc:
             return self._error_job(s, req, exc, t0)
-        except Exception as exc:  # noqa: BLE001 - a bug: answer, keep serving
+        except Exception as exc:
             log.exception("%s request: internal error", OPS[req.op])
             return self._error_job(s, req, exc, t0)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _timeout(self, req: Request) -> float:
-        from tensorwire.serve.daemon.service import _timeout
-
         return _timeout(req.timeout_ms, self.service.default_timeout)
 
     def _record(self, op: str, status: str, t0: float) -> None:
@@ -354,8 +359,6 @@ class DataRequests:
         holder: list[Job] = []
 
         def run(t: "Transport", step: int) -> None:
-            from tensorwire.serve.daemon.service import status_of
-
             try:
                 refused = body(t, holder[0])
             except BaseException as exc:
@@ -369,8 +372,6 @@ class DataRequests:
         return job
 
     def _error_job(self, s: "Session", req: Request, exc: BaseException, t0: float) -> Job:
-        from tensorwire.serve.daemon.service import status_of
-
         name = error_class(exc)
         op = OPS[req.op]
         message = str(exc) if name else "internal error (see the daemon's log)"
@@ -457,8 +458,6 @@ class DataRequests:
 
     def _get_rows_shm(self, s: "Session", req: Request, t0: float) -> Job:
         """A get_rows the client gathers itself from the pinned version (FALLBACK if it is not in shared memory)."""
-        from tensorwire.serve.daemon.service import _name
-
         e = self.store.get(_name(req.name))
         spec = e.spec
         if not spec.shape:
@@ -493,9 +492,6 @@ class DataRequests:
         Until the reply is out the job owns the reservation (``abort`` on failure); from then on the
         session's pending write does (COMMIT, or ``abort`` when the session closes).
         """
-        from tensorwire.serve.daemon.service import status_of
-        from tensorwire.serve.daemon.session import PendingWrite
-
         op = OPS[req.op]
         handed = [False]
 
@@ -549,8 +545,6 @@ class DataRequests:
                     abort: Callable[[], None], entry: Any) -> Job:
         """The job answering a COMMIT: ``commit()`` (its error is the reply), else OK with the version and, for a
         put (``entry``), maybe the next write-ahead grant; ``abort()`` if the session closes before it runs."""
-        from tensorwire.serve.daemon.service import status_of
-
         deadline = time.monotonic() + self._timeout(req)
         tried = [False]
 
@@ -598,7 +592,7 @@ class DataRequests:
         named = g is not None and g.ticket == req.ahead and g.entry.spec.name == req.name
         if g is not None and not named:
             s.give_back_ahead(g)  # not the grant this COMMIT names: the session's next request ends it
-        if not named or not g.claim():  # type: ignore[union-attr]
+        if not named or not g.claim():
             deadline = time.monotonic() + self._timeout(req)
 
             def fallback(t: "Transport", job: Job) -> BaseException | None:
@@ -613,8 +607,6 @@ class DataRequests:
 
     # -- reads ----------------------------------------------------------------------------------------
     def _get(self, s: "Session", req: Request, t0: float) -> Job:
-        from tensorwire.serve.daemon.service import _name, _send
-
         e = self.store.get(_name(req.name))
         deadline = time.monotonic() + self._timeout(req)
         idx, version, lease = e.acquire_read_leased(deadline)
@@ -642,8 +634,6 @@ class DataRequests:
 
     def _get_rows(self, s: "Session", req: Request, buf: "torch.Tensor", t0: float) -> Job:
         import torch
-
-        from tensorwire.serve.daemon.service import _send, plan_rows
 
         p = plan_rows(self.store, req.name, self._index_of(req, buf), "request")
         e, spec, nbytes, rb, n = p.entry, p.spec, p.nbytes, p.row_bytes, p.n
@@ -687,8 +677,8 @@ class DataRequests:
                         a, b = i * chunk_rows, min(n, (i + 1) * chunk_rows)
                         _gather_rows(table, p.index, out, a, b, rb)
                         # chunk i is copied out (by the client, on UCX) while chunk i + 1 is gathered
-                        ops.append(t.start_send(TAG_DOWN, out[a * rb : b * rb], step=job.down_step + i,  # type: ignore[attr-defined]
-                                                timeout=left()))
+                        start_send = t.start_send  # type: ignore[attr-defined]
+                        ops.append(start_send(TAG_DOWN, out[a * rb : b * rb], step=job.down_step + i, timeout=left()))
                     release()
                     for op in ops:
                         t.wait_send(op, timeout=left())  # type: ignore[attr-defined]
@@ -717,8 +707,6 @@ class DataRequests:
     def _receive(self, s: "Session", t: "Transport", job: Job, req: Request, spec: TensorSpec, into: "torch.Tensor",
                  nbytes: int, deadline: float, what: str) -> None:
         """Post ``into`` on tag 2, say GO, wait for the client's bytes; a failure closes the session first."""
-        from tensorwire.serve.daemon.service import _recv_posted
-
         posted = False
         try:
             if nbytes:
@@ -734,12 +722,10 @@ class DataRequests:
             raise
 
     def _put(self, s: "Session", req: Request, t0: float) -> Job:
-        from tensorwire.serve.daemon.store import normalise_spec
-
         spec = normalise_spec(TensorSpec(req.name, req.shape, dtype_name(req.dtype)))
         timeout = self._timeout(req)
         deadline = time.monotonic() + timeout
-        e, _ = self.store.declare(spec)
+        e, _ = self.store.declare(spec, layout=req.layout)
         slot = e.begin_put(deadline)
         reserved = [True]
 
@@ -773,8 +759,6 @@ class DataRequests:
             raise
 
     def _put_rows(self, s: "Session", req: Request, buf: "torch.Tensor", t0: float, *, add: bool) -> Job:
-        from tensorwire.serve.daemon.service import _typed, commit_rows, plan_row_update
-
         values = TensorSpec(req.name, req.shape, dtype_name(req.dtype))
         p = plan_row_update(self.store, req.name, self._index_of(req, buf, copy=req.shm), values, add)
         timeout = self._timeout(req)
@@ -782,8 +766,6 @@ class DataRequests:
         nbytes, spec = p.nbytes, p.spec
         kind = "add_rows" if add else "put_rows"
         if req.shm and nbytes and self.store.shm is not None:
-            from tensorwire.serve.protocol.shm import ShmError
-
             try:
                 region = s.shm_scratch(nbytes, self.store)
             except (errors.ResourceExhaustedError, ShmError) as exc:

@@ -47,7 +47,7 @@ class _BeforeCollect:
         for fn in list(self._hooks):
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - a scrape must not fail for it
+            except Exception:
                 import logging
 
                 logging.getLogger(__name__).exception("a metrics hook failed")

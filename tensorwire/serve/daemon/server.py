@@ -7,6 +7,14 @@ drains: health goes NOT_SERVING, new work is refused, in-flight transfers get
 ``drain_timeout`` seconds, the snapshot is written, and everything closes.
 ``serve_forever()`` does both around SIGTERM/SIGINT (a second SIGINT exits
 at once) and prints the ready line (JSON with the bound ports) on stdout.
+
+Exit codes of ``serve_forever()`` (and so of ``tensorwire serve``):
+:data:`EXIT_OK` after a clean drain (and a written snapshot, with
+``--snapshot-dir``); :data:`EXIT_SNAPSHOT_FAILED` when the shutdown snapshot
+could not be written (what was put since the last good snapshot is lost; that
+snapshot is whole); :data:`EXIT_SNAPSHOT_UNREADABLE` when the daemon refused
+to start because the snapshot it should restore is unreadable or corrupt (the
+file is left as it is); 1 for any other error, 130 after a second signal.
 """
 
 from __future__ import annotations
@@ -22,9 +30,18 @@ import time
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
-from tensorwire.errors import ConfigError, TensorWireError
+from tensorwire.errors import ConfigError, SnapshotError
 from tensorwire.serve.daemon.config import ServeConfig, format_size
 from tensorwire.serve.protocol.common import MAX_MESSAGE_BYTES, SERVICE
+from tensorwire.transport.base import new_nonce, get_factory
+from tensorwire.transport.select import auto_preference, ucx_has_rdma
+from tensorwire.transport.admission import AdmissionLimits
+from tensorwire.transport.tcp import TcpListener
+from tensorwire.serve.daemon.metrics import Metrics
+from tensorwire.serve.daemon.snapshot import restore_snapshot
+from tensorwire.serve.daemon.store import Store
+from tensorwire.serve.protocol.shm import Registry, ShmError, unlink_all
+from tensorwire.serve.daemon.limits import raise_nofile
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
@@ -32,7 +49,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from tensorwire.transport.base import Listener
     from tensorwire.serve.daemon.service import StoreService
 
-__all__ = ["Server", "choose_listeners"]
+__all__ = ["Server", "choose_listeners", "EXIT_OK", "EXIT_SNAPSHOT_FAILED", "EXIT_SNAPSHOT_UNREADABLE"]
+
+#: A clean drain; with ``--snapshot-dir``, the shutdown snapshot was written.
+EXIT_OK = 0
+#: The shutdown snapshot failed (disk full, I/O error): the previous snapshot is whole, what came after is lost.
+EXIT_SNAPSHOT_FAILED = 3
+#: Refused to start: the snapshot to restore is unreadable or fails its checksums (kept for inspection).
+EXIT_SNAPSHOT_UNREADABLE = 4
 
 log = logging.getLogger("tensorwire.serve")
 
@@ -45,8 +69,6 @@ def _hostport(host: str, port: int) -> str:
 
 def _self_test(factory: Any, listener: "Listener", host: str, timeout: float = 5.0) -> None:
     """Connect to ``listener`` over loopback and accept: proves the transport works here."""
-    from tensorwire.transport.base import new_nonce
-
     nonce = new_nonce()
     listener.expect(nonce)
     lhost, port = listener.address
@@ -82,17 +104,17 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
     — the same rule as links (tensorwire.transport.select.choose_transport).
     ``ucx``: UCX or a ConfigError. ``tcp``: TCP only.
     """
-    from tensorwire.transport.base import get_factory
-
     listeners: dict[str, "Listener"] = {}
     if config.transport in ("auto", "ucx"):
         listener = None
         try:
             factory = get_factory("ucx")
-            listener = factory(config.host, port=config.data_port)
+            # Clients are not trusted: no shared-memory / cma / cuda_ipc transport, UCX peer error
+            # handling on every endpoint, worker addresses unpacked in a sandbox first (transport.ucx).
+            listener = factory(config.host, port=config.data_port, untrusted=True)
             _self_test(factory, listener, config.host)
             listeners["ucx"] = listener
-        except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
+        except Exception as exc:
             if listener is not None:
                 try:
                     listener.close()
@@ -102,9 +124,6 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
                 raise ConfigError(f"--transport ucx: UCX is not usable here: {exc}") from exc
             log.warning("transport auto: UCX is not usable here (%s: %s); using TCP", type(exc).__name__, exc)
     if config.transport != "ucx":
-        from tensorwire.transport.admission import AdmissionLimits
-        from tensorwire.transport.tcp import TcpListener
-
         port = config.data_port
         if listeners and port:
             port += 1  # the UCX listener took data_port
@@ -127,8 +146,6 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
 
 def _ucx_first() -> bool:
     """Under auto, UCX is the default only where it beats a socket: an RDMA device, or when asked."""
-    from tensorwire.transport.select import auto_preference, ucx_has_rdma
-
     pref = auto_preference()
     return pref == "ucx" or (pref != "tcp" and ucx_has_rdma())
 
@@ -164,10 +181,7 @@ class Server:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         from tensorwire.v1 import store_pb2_grpc
-        from tensorwire.serve.daemon.metrics import Metrics
         from tensorwire.serve.daemon.service import StoreService, TokenAuthInterceptor
-        from tensorwire.serve.daemon.snapshot import restore_snapshot
-        from tensorwire.serve.daemon.store import Store
 
         import torch
 
@@ -176,7 +190,6 @@ class Server:
             raise ConfigError("server already started")
         self._started = True
         torch.empty(1).zero_()  # load torch now: "ready" means the first request is not slow
-        from tensorwire.serve.daemon.limits import raise_nofile
 
         nofile = raise_nofile()  # floods meet the listeners' caps, which answer, before the kernel's
         log.debug("file descriptor limit: %d", nofile)
@@ -193,8 +206,6 @@ class Server:
         self._metrics = metrics = Metrics()
         shm = None
         if cfg.shm:
-            from tensorwire.serve.protocol.shm import Registry, ShmError
-
             try:
                 shm = Registry(on_change=metrics.shm_changed)
             except ShmError as exc:
@@ -247,6 +258,7 @@ class Server:
             if not port:
                 raise ConfigError(f"cannot listen on {addr} (in use, or not an address of this host)")
             self.port = port
+            service.port = port
             server.start()
             self._grpc = server
             for svc in ("", SERVICE):
@@ -323,7 +335,7 @@ class Server:
             if svc is not None:
                 try:
                     svc.reap(self.config.session_idle_timeout)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("session reaper failed")
             for lst in self._listeners.values():
                 rejected = getattr(lst, "rejected", None)
@@ -348,7 +360,13 @@ class Server:
             self._health.enter_graceful_shutdown()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Drain, wait for in-flight transfers (bounded), snapshot, close. Idempotent."""
+        """Drain, wait for in-flight transfers (bounded), snapshot, close. Idempotent.
+
+        Raises:
+            SnapshotError: the shutdown snapshot failed (raised once everything is closed; the previous
+                snapshot is whole, what was put since is lost).
+        """
+        failed: SnapshotError | None = None
         with self._stop_lock:
             if self._stopped.is_set() or not self._started:
                 self._stopped.set()
@@ -367,11 +385,17 @@ class Server:
                 if self.config.snapshot_dir:
                     try:
                         svc.snapshot()
-                    except Exception as exc:  # noqa: BLE001 - report, keep shutting down
-                        log.error("snapshot on shutdown failed: %s", exc)
+                    except Exception as exc:  # noqa: BLE001 - close everything first, then raise
+                        log.error("snapshot on shutdown failed: %s; the previous snapshot is kept, what was put "
+                                  "since it is lost", exc)
+                        failed = exc if isinstance(exc, SnapshotError) else SnapshotError(f"shutdown snapshot: {exc}")
+                        if failed is not exc:
+                            failed.__cause__ = exc
             self._teardown()
             self._stopped.set()
             log.info("stopped")
+        if failed is not None:
+            raise failed
 
     def _teardown(self) -> None:
         if self.service is not None:
@@ -397,7 +421,7 @@ class Server:
 
     # -- foreground ---------------------------------------------------------------------
     def serve_forever(self, *, ready_stream=None) -> int:
-        """Run until SIGTERM/SIGINT; returns the exit code (0 after a clean drain).
+        """Run until SIGTERM/SIGINT; returns the exit code (see the module docstring).
 
         Prints the ready JSON as one line on ``ready_stream`` (stdout) and to
         ``config.ready_file`` if set. A second SIGINT/SIGTERM exits at once (130).
@@ -412,7 +436,6 @@ class Server:
                 stop.set()
             else:
                 log.error("%s again: exiting now", signal.Signals(signum).name)
-                from tensorwire.serve.protocol.shm import unlink_all
 
                 unlink_all()  # os._exit skips atexit: leave nothing in /dev/shm
                 os._exit(130)
@@ -421,8 +444,9 @@ class Server:
         try:
             try:
                 self.start()
-            except TensorWireError:
-                raise
+            except SnapshotError as exc:
+                log.error("refusing to start: %s", exc)
+                return EXIT_SNAPSHOT_UNREADABLE
             info = json.dumps(self.ready_info())
             if self.config.ready_file:  # first, so whoever reads the line finds the file too
                 tmp = self.config.ready_file + ".tmp"
@@ -433,8 +457,11 @@ class Server:
             print(info, file=stream, flush=True)
             while not stop.wait(0.5):
                 pass
-            self.stop()
-            return 0
+            try:
+                self.stop()
+            except SnapshotError:
+                return EXIT_SNAPSHOT_FAILED  # logged by stop()
+            return EXIT_OK
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

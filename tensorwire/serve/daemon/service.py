@@ -20,13 +20,13 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 
 from tensorwire import errors
-from tensorwire.spec import MAX_NAME_LEN, TensorSpec, _check_name
+from tensorwire._proto import spec_from_proto, spec_to_proto
+from tensorwire.spec import MAX_NAME_LEN
 from tensorwire.transport.select import auto_preference, host_id
 from tensorwire.transport.base import new_nonce
 from tensorwire.v1 import store_pb2, store_pb2_grpc, types_pb2
@@ -37,7 +37,6 @@ from tensorwire.serve.protocol.common import (
     LIST_PAGE,
     MAX_INDEX_ROWS,
     MAX_ROWS_BYTES,
-    MAX_TIMEOUT_S,
     PROTOCOL_VERSION,
     SESSION_ID_LEN,
     TAG_DOWN,
@@ -45,8 +44,20 @@ from tensorwire.serve.protocol.common import (
     SessionLost,
     decode_index,
 )
+from tensorwire.serve.protocol.layout import ShardLayout
+from tensorwire.serve.daemon.ops import Draining, commit_rows, plan_row_update, plan_rows, status_of
+from tensorwire.serve.daemon.ops import check_tensor_name as _name
+from tensorwire.serve.daemon.ops import recv as _recv
+from tensorwire.serve.daemon.ops import send as _send
+from tensorwire.serve.daemon.ops import timeout_of as _timeout
+from tensorwire.serve.daemon.ops import typed_view as _typed
+from tensorwire.serve.daemon.peers import client_key
 from tensorwire.serve.daemon.session import Job, PendingWrite, Session
 from tensorwire.serve.daemon.store import Entry, Info, Store, normalise_spec
+from tensorwire.serve.protocol.shm import SHM_VERSION, ShmError
+from tensorwire.serve.daemon.snapshot import write_snapshot
+from tensorwire.serve.daemon.limits import WaitGate
+from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -58,32 +69,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["StoreService", "TokenAuthInterceptor", "status_of"]
 
 log = logging.getLogger(__name__)
-
-_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (SessionLost, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ShapeMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.SpecError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.AuthError, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.ClosedError, grpc.StatusCode.UNAVAILABLE),
-    (errors.TransportError, grpc.StatusCode.UNAVAILABLE),
-]
-
-
-def status_of(exc: BaseException) -> grpc.StatusCode:
-    for cls, code in _CODES:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-class Draining(errors.ClosedError):
-    """The server is shutting down and takes no new work."""
-
 
 def _rpc(op: str, *, new_work: bool = False) -> Callable:
     """Wrap a handler: draining check, error translation, metrics."""
@@ -110,7 +95,7 @@ def _rpc(op: str, *, new_work: bool = False) -> Callable:
                 log.debug("%s failed: %s: %s", op, name, exc)
                 context.set_trailing_metadata(((ERROR_KEY, name),))
                 context.abort(code, str(exc))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 status = "INTERNAL"
                 if self.metrics is not None:
                     self.metrics.errors.labels("internal").inc()
@@ -126,125 +111,9 @@ def _rpc(op: str, *, new_work: bool = False) -> Callable:
     return deco
 
 
-def _timeout(ms: int, default: float) -> float:
-    if ms <= 0:
-        return default
-    return min(ms / 1000.0, MAX_TIMEOUT_S)
-
-
-def _name(name: str) -> str:
-    if len(name) > MAX_NAME_LEN:
-        raise errors.SpecError(f"tensor name must have at most {MAX_NAME_LEN} characters")
-    return _check_name(name)
-
-
 def _info_proto(info: Info) -> store_pb2.TensorInfo:
-    return store_pb2.TensorInfo(spec=info.spec.to_proto(), version=info.version, nbytes=info.nbytes)
-
-
-def _typed(raw: "torch.Tensor", dtype: "torch.dtype", shape: tuple[int, ...]) -> "torch.Tensor":
-    import torch
-
-    if raw.numel() == 0:
-        return torch.empty(shape, dtype=dtype)
-    return raw.view(dtype).view(shape)
-
-
-def _recv(t: "Transport", buf: "torch.Tensor", nbytes: int, step: int, deadline: float) -> None:
-    t.post_recv(TAG_UP, buf)
-    _recv_posted(t, buf, nbytes, step, deadline)
-
-
-def _recv_posted(t: "Transport", buf: "torch.Tensor", nbytes: int, step: int, deadline: float) -> None:
-    """Wait for the client's ``nbytes`` on tag 2 into ``buf`` (posted there already)."""
-    try:
-        r = t.wait_recv(TAG_UP, timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        t.forget_buffer(buf)
-    if r.nbytes != nbytes:
-        raise errors.ProtocolError(f"client sent {r.nbytes} bytes, {nbytes} were announced")
-    if r.step is not None and r.step != step:
-        raise errors.ProtocolError(f"client sent step {r.step}, expected {step}")
-
-
-def _send(t: "Transport", buf: "torch.Tensor", step: int, deadline: float) -> None:
-    t.send(TAG_DOWN, buf, step=step, timeout=max(0.0, deadline - time.monotonic()))
-
-
-@dataclass(frozen=True)
-class RowsPlan:
-    """A validated row request (shared by the gRPC handlers and the data-plane requests)."""
-
-    entry: Entry
-    spec: TensorSpec
-    index: "torch.Tensor"
-    shape: tuple[int, ...]  # of the rows: [len(index), *spec.shape[1:]]
-    row_bytes: int
-    nbytes: int
-
-    @property
-    def n(self) -> int:
-        return self.index.numel()
-
-
-def plan_rows(store: Store, name: str, index_of: Callable[[int], "torch.Tensor"], what: str) -> RowsPlan:
-    """Validate a request for rows of ``name``: the name, a row dim, the index (``index_of(rows)``), the byte limit.
-
-    Raises:
-        NotFoundError, SpecError, ResourceExhaustedError: nothing was reserved or allocated.
-    """
-    e = store.get(_name(name))
-    spec = e.spec
-    if not spec.shape:
-        raise errors.SpecError(f"{spec.name}: a 0-d tensor has no rows")
-    index = index_of(spec.shape[0])
-    n = index.numel()
-    row_bytes = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
-    nbytes = n * row_bytes
-    if nbytes > MAX_ROWS_BYTES:
-        raise errors.ResourceExhaustedError(
-            f"{spec.name}: {nbytes} bytes of rows in one request exceeds {MAX_ROWS_BYTES}; split the {what}"
-        )
-    return RowsPlan(e, spec, index, (n, *spec.shape[1:]), row_bytes, nbytes)
-
-
-def plan_row_update(store: Store, name: str, index_of: Callable[[int], "torch.Tensor"], values: TensorSpec,
-                    add: bool) -> RowsPlan:
-    """Validate a put_rows / add_rows: ``values`` (dtype, shape) must be the rows' own; put_rows needs unique rows."""
-    import torch
-
-    p = plan_rows(store, name, index_of, "update")
-    spec, n = p.spec, p.n
-    if values.dtype != spec.dtype or values.shape != p.shape:
-        raise errors.ShapeMismatchError(
-            f"{spec.name}: rows to {'add' if add else 'put'} are {values.dtype}{list(values.shape)}, "
-            f"the stored tensor ({spec.describe()}) needs {spec.dtype}{list(p.shape)} for {n} indices"
-        )
-    if add and spec.dtype == "bool":
-        raise errors.SpecError(f"{spec.name}: add_rows is not defined for bool tensors")
-    if not add and n > 1 and torch.unique(p.index).numel() != n:
-        raise errors.SpecError(f"{spec.name}: put_rows with duplicate indices is ambiguous")
-    return p
-
-
-def commit_rows(p: RowsPlan, vals: "torch.Tensor", add: bool, timeout: float) -> Info:
-    """Apply a received row update to the current slot (exclusive, bounded wait); returns the new info."""
-    e = p.entry
-    cur = e.begin_rows(time.monotonic() + timeout)
-    changed = False
-    try:
-        target = e.slot(cur).tensor
-        if p.n:
-            if add:
-                # index_put_ with accumulate sums duplicates like index_add_, and on CPU
-                # it is ~100x faster than index_add_ here (0.2 ms vs 40+ ms for 1k rows of 64)
-                target.index_put_((p.index,), vals, accumulate=True)
-            else:
-                target.index_copy_(0, p.index, vals)
-            changed = True
-    finally:
-        info = e.end_rows(changed=changed)
-    return info
+    return store_pb2.TensorInfo(spec=spec_to_proto(info.spec), version=info.version, nbytes=info.nbytes,
+                                layout=info.layout.to_proto() if info.layout is not None else None)
 
 
 class StoreService(store_pb2_grpc.StoreServicer):
@@ -272,15 +141,18 @@ class StoreService(store_pb2_grpc.StoreServicer):
         #: The data-plane request format sessions may use (tensorwire.serve.protocol.wire); 0 = none (gRPC calls only).
         self.data_requests = DATA_REQUESTS_VERSION
         #: The shared-memory protocol sessions may use (tensorwire.serve.protocol.shm), when the store has regions; 0 = none.
-        from tensorwire.serve.protocol.shm import SHM_VERSION
 
         self.shm_version = SHM_VERSION
         self._data_handler: Any = None
-        from tensorwire.serve.daemon.limits import WaitGate
 
         #: Bounds waits in gRPC handler threads (see tensorwire.serve.daemon.limits).
         self.waits = WaitGate(config.max_waiting_calls or max(1, config.workers // 4))
         self._sessions: dict[str, Session] = {}
+        #: Per-client session counts (--max-sessions-per-client): session id -> client key, key -> count.
+        self._owner: dict[str, str] = {}
+        self._per_client: dict[str, int] = {}
+        #: The control port clients connect to (set by the server once bound): finds a loopback caller's uid.
+        self.port: int | None = None
         self._lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         if metrics is not None:
@@ -302,9 +174,19 @@ class StoreService(store_pb2_grpc.StoreServicer):
         s.touch()
         return s
 
+    def _client_key(self, context: grpc.ServicerContext) -> str:
+        return client_key(context, server_port=self.port)
+
     def _forget(self, s: Session) -> None:
         with self._lock:
-            self._sessions.pop(s.id, None)
+            if self._sessions.pop(s.id, None) is not None:
+                key = self._owner.pop(s.id, None)
+                if key is not None:
+                    left = self._per_client.get(key, 1) - 1
+                    if left > 0:
+                        self._per_client[key] = left
+                    else:
+                        self._per_client.pop(key, None)
             n = len(self._sessions)
         if self.metrics is not None:
             self.metrics.sessions.set(n)
@@ -366,7 +248,6 @@ class StoreService(store_pb2_grpc.StoreServicer):
         if data_requests:
             # the request thread's buffers (two, a third with shared memory) count against --max-bytes; where
             # they do not fit the session goes without data-plane requests (the gRPC calls, no buffers of its own)
-            from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES
 
             need = (3 if shm_version else 2) * MAX_REQUEST_BYTES
             try:
@@ -381,11 +262,18 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
                 self._data_handler = DataRequests(self)
             handler = self._data_handler
+        owner = self._client_key(context)
         with self._lock:
             if len(self._sessions) >= self.config.max_sessions:
                 if charged:
                     self.store.uncharge(charged, buffers=True)
                 raise errors.ResourceExhaustedError(f"the server holds the maximum of {self.config.max_sessions} sessions")
+            cap = self.config.max_sessions_per_client
+            if self._per_client.get(owner, 0) >= cap:
+                raise errors.ResourceExhaustedError(
+                    f"this client ({owner}) holds the maximum of {cap} sessions per client "
+                    f"(--max-sessions-per-client): close one (a tw.Client holds one) or raise the cap"
+                )
             sid = secrets.token_hex(SESSION_ID_LEN // 2)
             nonce = new_nonce()
             s = Session(
@@ -401,22 +289,22 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 charged=charged,
             )
             self._sessions[sid] = s
+            self._owner[sid] = owner
+            self._per_client[owner] = self._per_client.get(owner, 0) + 1
             n = len(self._sessions)
         if self.metrics is not None:
             self.metrics.sessions.set(n)
         hello = ""
         if shm_version:
-            from tensorwire.serve.protocol.shm import ShmError
-
             try:
                 s.shm_version = shm_version
                 hello = s.offer_shm(self.store.shm)
             except ShmError as exc:
                 log.debug("session %s: no shared memory offered: %s", sid[:8], exc)
                 shm_version = 0
-        log.info("session %s opened (%s%s%s, client %r, peer %s)", sid[:8], kind,
+        log.info("session %s opened (%s%s%s, client %r, peer %s as %s)", sid[:8], kind,
                  ", data-plane requests" if data_requests else "", ", shared memory offered" if shm_version else "",
-                 client, context.peer())
+                 client, context.peer(), owner)
         return store_pb2.OpenSessionResponse(
             session_id=sid,
             nonce=nonce,
@@ -428,6 +316,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             data_requests=data_requests,
             shm=shm_version,
             shm_hello=hello,
+            layouts=1,
         )
 
     @_rpc("CloseSession")
@@ -442,13 +331,13 @@ class StoreService(store_pb2_grpc.StoreServicer):
     # -- declarations -------------------------------------------------------------------
     @_rpc("Declare", new_work=True)
     def Declare(self, request: store_pb2.DeclareRequest, context: grpc.ServicerContext) -> Any:
-        spec = normalise_spec(TensorSpec.from_proto(request.spec))
-        e, created = self.store.declare(spec)
+        spec = normalise_spec(spec_from_proto(request.spec))
+        e, created = self.store.declare(spec, layout=ShardLayout.from_field(request))
         return store_pb2.DeclareResponse(info=_info_proto(e.info()), created=created)
 
     # -- writes ------------------------------------------------------------------------------
     def _start_write(
-        self, s: Session, kind: str, nbytes: int, deadline: float, recv_into: Callable[["Transport"], Any],
+        self, s: Session, kind: str, nbytes: int, deadline: float, recv_into: Callable[["Transport", int], Any],
         commit: Callable[[Any], Info], abort: Callable[[], None],
     ) -> store_pb2.Transfer:
         op_id = s.next_op_id()
@@ -475,10 +364,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
         s = self._session(request.session_id)
         if s.pending is not None:
             raise errors.ProtocolError("another write is pending on this session: commit or abort it first")
-        spec = normalise_spec(TensorSpec.from_proto(request.spec))
+        spec = normalise_spec(spec_from_proto(request.spec))
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
-        e, created = self.store.declare(spec)
+        e, created = self.store.declare(spec, layout=ShardLayout.from_field(request))
         idx = self.waits.run(e.begin_put, deadline, f"BeginPut {spec.name}")
         raw = e.slot(idx).raw
         nbytes = e.nbytes
@@ -498,8 +387,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
         if s.pending is not None:
             raise errors.ProtocolError("another write is pending on this session: commit or abort it first")
         add = request.add
+        self.store.check_layout(request.name, ShardLayout.from_field(request))
         p = plan_row_update(self.store, request.name, lambda rows: decode_index(request.index, rows),
-                            TensorSpec.from_proto(request.values), add)
+                            spec_from_proto(request.values), add)
         nbytes = p.nbytes
         s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is scheduled
         timeout = _timeout(request.timeout_ms, self.default_timeout)
@@ -565,6 +455,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Get(self, request: store_pb2.GetRequest, context: grpc.ServicerContext) -> Any:
         s = self._session(request.session_id)
         self._no_pending(s)
+        self.store.check_layout(request.name, ShardLayout.from_field(request))
         e = self.store.get(_name(request.name))
         timeout = _timeout(request.timeout_ms, self.default_timeout)
         deadline = time.monotonic() + timeout
@@ -583,7 +474,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         except BaseException:
             e.release_read(idx)
             raise
-        info = store_pb2.TensorInfo(spec=e.spec.to_proto(), version=version, nbytes=e.nbytes)
+        info = store_pb2.TensorInfo(spec=spec_to_proto(e.spec), version=version, nbytes=e.nbytes)
         transfer = store_pb2.Transfer(tag=TAG_DOWN, step=step, nbytes=e.nbytes)
         return store_pb2.GetResponse(info=info, transfer=transfer)
 
@@ -593,6 +484,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
         s = self._session(request.session_id)
         self._no_pending(s)
+        self.store.check_layout(request.name, ShardLayout.from_field(request))
         p = plan_rows(self.store, request.name, lambda rows: decode_index(request.index, rows), "request")
         e, spec, index, shape, nbytes = p.entry, p.spec, p.index, p.shape, p.nbytes
         s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is pinned or scheduled
@@ -623,7 +515,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         except BaseException:
             release()
             raise
-        info = store_pb2.TensorInfo(spec=spec.to_proto(), version=version, nbytes=e.nbytes)
+        info = store_pb2.TensorInfo(spec=spec_to_proto(spec), version=version, nbytes=e.nbytes)
         transfer = store_pb2.Transfer(tag=TAG_DOWN, step=step, nbytes=nbytes)
         return store_pb2.GetRowsResponse(info=info, transfer=transfer, shape=list(shape))
 
@@ -644,7 +536,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
     @_rpc("Delete", new_work=True)
     def Delete(self, request: store_pb2.DeleteRequest, context: grpc.ServicerContext) -> Any:
-        self.store.delete(_name(request.name))
+        name = _name(request.name)
+        if request.HasField("layout"):  # a sharded client deletes its own shards only
+            self.store.check_layout(name, ShardLayout.from_field(request))
+        self.store.delete(name)
         return store_pb2.DeleteResponse()
 
     @_rpc("Snapshot", new_work=True)
@@ -653,21 +548,24 @@ class StoreService(store_pb2_grpc.StoreServicer):
         return store_pb2.SnapshotResponse(path=res.path, tensors=res.tensors, nbytes=res.nbytes, seconds=res.seconds)
 
     def snapshot(self):
-        from tensorwire.serve.daemon.snapshot import write_snapshot
+        """Write the snapshot now. A failure is raised (and counted, and logged as an ERROR), never swallowed.
 
+        Raises:
+            ConfigError: no ``--snapshot-dir``.
+            SnapshotError: the snapshot was not written; the previous one is unchanged.
+        """
         if not self.config.snapshot_dir:
             raise errors.ConfigError("this server has no --snapshot-dir")
         with self._snapshot_lock:
             try:
                 res = write_snapshot(self.store, self.config.snapshot_dir)
-            except errors.TensorWireError:
+            except (errors.TensorWireError, OSError) as exc:
                 if self.metrics is not None:
                     self.metrics.snapshots.labels("error").inc()
+                log.error("snapshot to %s failed: %s", self.config.snapshot_dir, exc)
+                if isinstance(exc, OSError):
+                    raise errors.SnapshotError(f"snapshot to {self.config.snapshot_dir} failed: {exc}") from exc
                 raise
-            except OSError as exc:
-                if self.metrics is not None:
-                    self.metrics.snapshots.labels("error").inc()
-                raise errors.ResourceExhaustedError(f"snapshot to {self.config.snapshot_dir} failed: {exc}") from exc
         if self.metrics is not None:
             self.metrics.snapshots.labels("ok").inc()
         return res

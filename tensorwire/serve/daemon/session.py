@@ -47,6 +47,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire.errors import ClosedError, PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from tensorwire.serve.protocol.common import MAX_ROWS_BYTES, TAG_REQUEST, TAG_WATCH
+from tensorwire.serve.protocol.shm import usable_cpus, new_hello, page_counts, AHEAD_VERSION, PageLock, page_ahead, round_page
+from tensorwire.buffers import allocate_host
+from tensorwire.serve.daemon.store import AheadGrant, region_of
+from tensorwire.errors import ResourceExhaustedError
+from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES, MalformedRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -80,8 +85,6 @@ SHM_SPIN_MAX_BYTES = 16 << 20
 
 
 def _spin_slots() -> int:
-    from tensorwire.serve.protocol.shm import usable_cpus
-
     return max(0, usable_cpus() - 1)
 
 
@@ -156,7 +159,7 @@ class Job:
         if self._cleanup is not None:
             try:
                 self._cleanup()
-            except Exception:  # noqa: BLE001 - never let cleanup mask the outcome
+            except Exception:
                 log.exception("cleanup of a %s transfer failed", self.kind)
 
     def wait(self, timeout: float) -> Any:
@@ -343,8 +346,6 @@ class Session:
         Its capacity is charged against ``--max-bytes`` (by :meth:`reserve_scratch`, or here) and the
         memory is freed when the session ends (:meth:`_release_buffers`).
         """
-        from tensorwire.buffers import allocate_host
-
         if self._scratch is None or self._scratch.numel() < nbytes:
             self.reserve_scratch(nbytes)
             old, self._scratch = self._scratch, None
@@ -390,8 +391,6 @@ class Session:
     # -- shared memory ------------------------------------------------------------------
     def offer_shm(self, registry: Any) -> str:
         """Create the hello region (the client proves it maps it); returns its name."""
-        from tensorwire.serve.protocol.shm import new_hello
-
         region, nonce = new_hello(registry)
         with self._lock:
             closed = self.closed
@@ -418,8 +417,6 @@ class Session:
         The client counts them in its page (get ops, get bytes, get_rows ops, get_rows bytes); only
         growth is counted, so a client writing nonsense can at worst inflate its own counters.
         """
-        from tensorwire.serve.protocol.shm import page_counts
-
         with self._lock:
             page, m, seen = self.shm_page, self._metrics, self._page_seen
             if page is None or m is None or page.closed:
@@ -437,9 +434,6 @@ class Session:
     def grant_ahead(self, entry: Any) -> Any:
         """After this session committed a put of ``entry``: reserve its staging slot for the next one
         (shm version >= 3). Returns the grant (its slot's region and ticket go in the COMMIT's reply) or None."""
-        from tensorwire.serve.protocol.shm import AHEAD_VERSION, PageLock, page_ahead
-        from tensorwire.serve.daemon.store import AheadGrant, region_of
-
         with self._lock:
             page = self.shm_page
             if self.closed or page is None or page.closed or self.shm_version < AHEAD_VERSION or self.ahead is not None:
@@ -506,15 +500,12 @@ class Session:
             ResourceExhaustedError: over ``--max-bytes`` or the per-request limit.
             ShmError: no region could be made.
         """
-        from tensorwire.errors import ResourceExhaustedError
-        from tensorwire.serve.protocol.shm import _round_page
-
         r = self._shm_scratch
         if r is not None and not r.closed and r.size >= nbytes:
             return r
         if nbytes > MAX_ROWS_BYTES:
             raise ResourceExhaustedError(f"{nbytes} bytes of rows exceeds the per-request limit of {MAX_ROWS_BYTES}")
-        size = _round_page(min(max(1 << 20, 1 << max(0, (nbytes - 1).bit_length())), MAX_ROWS_BYTES))
+        size = round_page(min(max(1 << 20, 1 << max(0, (nbytes - 1).bit_length())), MAX_ROWS_BYTES))
         self._drop_scratch()
         store.charge(size, "a session's shared-memory scratch")
         try:
@@ -631,8 +622,6 @@ class Session:
         """Receive data-plane requests on tag 4; each becomes a job (see the module docstring)."""
         import torch
 
-        from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES, MalformedRequest
-
         t = self.transport
         handler = self._handler
         assert t is not None and handler is not None
@@ -685,7 +674,7 @@ class Session:
             self.close(f"malformed data-plane request: {exc}")
         except (PeerLostError, ProtocolError, TensorWireError) as exc:
             self.close(f"data connection lost: {exc}")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("session %s: request thread failed", self.id[:8])
             self.close(f"request thread failed: {exc}")
 
@@ -752,7 +741,7 @@ class Session:
             pass
         except (PeerLostError, ProtocolError, TensorWireError) as exc:
             self.close(f"data connection lost: {exc}")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("session %s: watch failed", self.id[:8])
             self.close(f"watch failed: {exc}")
 
@@ -777,7 +766,7 @@ class Session:
             pending.job.fail(ClosedError(f"session closed: {reason}"))
             try:
                 pending.abort()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("releasing a pending write failed")
         try:
             self.release_pin()
@@ -794,7 +783,7 @@ class Session:
                 lock[0].close()
             if page is not None:
                 page.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("releasing the session's shared memory failed")
         self._jobs.put(None)
         g = self.gatherer

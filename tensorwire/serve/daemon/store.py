@@ -43,7 +43,10 @@ from tensorwire.buffers import Slot
 from tensorwire.errors import NotFoundError, ResourceExhaustedError, ShapeMismatchError, SpecError, TransferTimeout
 from tensorwire.spec import TensorSpec
 from tensorwire.serve.daemon.config import format_size
+from tensorwire.serve.daemon.snapshot import check_storable_name
 from tensorwire.serve.protocol.common import MAX_TENSORS
+from tensorwire.serve.protocol.layout import ShardLayout, check_layout
+from tensorwire.serve.protocol.shm import ShmError, Leases
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -57,7 +60,9 @@ log = logging.getLogger(__name__)
 
 
 def normalise_spec(spec: TensorSpec) -> TensorSpec:
-    """What the store keeps: static shapes, host memory (the device of the writer is not part of it)."""
+    """What the store keeps: static shapes, host memory (the device of the writer is not part of it), and
+    names its snapshots can hold (``__metadata__`` is safetensors' own: refused with a SpecError)."""
+    check_storable_name(spec.name)
     if spec.is_dynamic:
         raise SpecError(f"{spec.name}: the store holds static shapes; dynamic dims are not supported")
     if spec.device != "cpu":
@@ -96,6 +101,7 @@ class Info:
     spec: TensorSpec
     version: int
     nbytes: int
+    layout: ShardLayout | None = None
 
 
 def _wait(cond: threading.Condition, pred, deadline: float, what: str,
@@ -173,8 +179,10 @@ class AheadGrant:
 class Entry:
     """One name: its spec, two slots, version and reader/writer state."""
 
-    def __init__(self, spec: TensorSpec, store: "Store") -> None:
+    def __init__(self, spec: TensorSpec, store: "Store", layout: ShardLayout | None = None) -> None:
         self.spec = spec
+        #: Set when this tensor is one shard of a table sharded by rows (fixed for the entry's life).
+        self.layout = layout
         self.nbytes = spec.nbytes
         self._store = store
         self.slots: "list[Slot | StoreSlot | None]" = [store._new_slot(spec), None]
@@ -192,7 +200,7 @@ class Entry:
         self.lease = store._lease_cell() if isinstance(self.slots[0], StoreSlot) else 0
 
     def info(self) -> Info:
-        return Info(self.spec, self.version, self.nbytes)
+        return Info(self.spec, self.version, self.nbytes, self.layout)
 
     # -- readers ---------------------------------------------------------------
     def acquire_read(self, deadline: float) -> tuple[int, int]:
@@ -395,8 +403,6 @@ class Store:
         """The read-lease table (made on first use; None: no shared memory, or it could not be made)."""
         with self._leases_lock:
             if self.leases is None and not self._leases_failed and self.shm is not None:
-                from tensorwire.serve.protocol.shm import Leases, ShmError
-
                 try:
                     self.leases = Leases(self.shm)
                 except ShmError as exc:
@@ -413,8 +419,6 @@ class Store:
         """A slot for ``spec``: a shared-memory region when the store has them, else ordinary memory."""
         reg = self.shm
         if reg is not None and spec.nbytes:
-            from tensorwire.serve.protocol.shm import ShmError
-
             try:
                 return StoreSlot(spec, reg.create(spec.nbytes))
             except ShmError as exc:
@@ -500,21 +504,38 @@ class Store:
             raise NotFoundError(f"no tensor named {name!r}")
         return e
 
-    def declare(self, spec: TensorSpec) -> tuple[Entry, bool]:
-        """The entry for ``spec.name``, creating (and allocating) it if new.
+    def check_layout(self, name: str, expected: ShardLayout | None) -> None:
+        """Refuse a request for ``name`` that expects another shard layout than the tensor has (None: whole).
+
+        A name not held passes (the operation itself reports it, or creates it with ``expected``).
+
+        Raises:
+            LayoutMismatchError: saying what is held and what was expected.
+        """
+        with self._lock:
+            e = self._entries.get(name)
+        if e is not None:
+            check_layout(name, e.layout, expected)
+
+    def declare(self, spec: TensorSpec, *, layout: ShardLayout | None = None) -> tuple[Entry, bool]:
+        """The entry for ``spec.name``, creating (and allocating) it if new, as a shard of ``layout`` if given.
 
         Everything is validated before anything is allocated.
 
         Raises:
-            SpecError: dynamic spec.
+            SpecError: dynamic spec, or ``layout`` does not fit the spec's rows.
+            LayoutMismatchError: the name exists with another layout (or a whole tensor vs a shard).
             ShapeMismatchError: the name exists with another spec (both named).
             ResourceExhaustedError: over ``max_bytes`` or the tensor count; nothing changed.
         """
         spec = normalise_spec(spec)
+        if layout is not None and (not spec.shape or spec.shape[0] != layout.shard_rows):
+            raise SpecError(f"{spec.name}: {spec.describe()} cannot be {layout.describe()}")
         need = 2 * spec.nbytes
         with self._lock:
             e = self._entries.get(spec.name)
             if e is not None:
+                check_layout(spec.name, e.layout, layout)
                 if e.spec != spec:
                     raise ShapeMismatchError(
                         f"{spec.name}: stored as {e.spec.describe()}, this put is {spec.describe()} "
@@ -530,7 +551,7 @@ class Store:
                 )
             self._reserved += need
             try:
-                e = Entry(spec, self)
+                e = Entry(spec, self, layout)
             except (RuntimeError, MemoryError) as exc:
                 self._reserved -= need
                 raise ResourceExhaustedError(f"{spec.name}: cannot allocate {format_size(spec.nbytes)}: {exc}") from exc
@@ -576,9 +597,10 @@ class Store:
         with self._lock:
             return len(self._entries)
 
-    def restore(self, spec: TensorSpec, version: int, fill) -> None:
-        """Declare ``spec`` and fill its current slot via ``fill(flat_uint8)`` (startup only)."""
-        e, _ = self.declare(spec)
+    def restore(self, spec: TensorSpec, version: int, fill, *, layout: ShardLayout | None = None) -> None:
+        """Declare ``spec`` (a shard of ``layout`` if given) and fill its current slot via ``fill(flat_uint8)``
+        (startup only)."""
+        e, _ = self.declare(spec, layout=layout)
         fill(e.slot(e.cur).raw)
         with e.cond:
             e.version = max(1, int(version))

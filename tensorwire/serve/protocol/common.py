@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 PROTOCOL_VERSION = 1
 SERVICE = "tensorwire.v1.Store"
+#: The daemon's gRPC port when an address names none.
+DEFAULT_PORT = 7100
 
 #: Data-plane tags of a session (see proto/tensorwire/v1/store.proto).
 TAG_DOWN = 1  # server -> client: tensor bytes
@@ -54,9 +56,11 @@ ERROR_CLASSES: dict[str, type[errors.TensorWireError]] = {
         errors.ConfigError,
         errors.SpecError,
         errors.ShapeMismatchError,
+        errors.LayoutMismatchError,
         errors.AuthError,
         errors.ResourceExhaustedError,
         errors.NotFoundError,
+        errors.SnapshotError,
         errors.ProtocolError,
         errors.VersionMismatchError,
         errors.TransportError,

@@ -68,6 +68,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
+from tensorwire.buffers import cuda_available
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -146,14 +148,12 @@ def valid_name(name: str) -> bool:
     return isinstance(name, str) and _NAME_RE.match(name) is not None
 
 
-def _round_page(n: int) -> int:
+def round_page(n: int) -> int:
     return max(_PAGE, (n + _PAGE - 1) // _PAGE * _PAGE)
 
 
 def _cuda_register(t: "torch.Tensor") -> bool:
     """Page-lock a mapping for CUDA DMA, if CUDA is usable here (never initialises anything otherwise)."""
-    from tensorwire.buffers import cuda_available
-
     if t.numel() == 0 or not cuda_available():
         return False
     try:  # pragma: no cover - needs a GPU
@@ -396,7 +396,7 @@ class Registry:
             ShmError: closed registry, too many regions, ``/dev/shm`` full or anything else
                 the system refused (nothing is left behind).
         """
-        size = _round_page(nbytes)
+        size = round_page(nbytes)
         with self._lock:
             if self._closed:
                 raise ShmError(errno.EBADF, "shared memory is closed")
@@ -760,7 +760,7 @@ class SessionPage:
         c[i + 1] += nbytes
 
     def close(self) -> None:
-        self.counts = self.ahead = None  # type: ignore[assignment]
+        self.counts = self.ahead = None
         self.lock.close()
         try:
             self._mm.close()

@@ -28,6 +28,7 @@ transports report the length)::
     28     4    nindex     GET_ROWS, *_ROWS: rows in the index (<= MAX_INDEX_ROWS); else 0
     32     64   dims       8 x int64: the shape of ndim dims, then zeros
     96     ..   name       name_len bytes, zero-padded to a multiple of 8
+    ..     48   layout     only with FLAG_LAYOUT: the shard layout the client expects (tensorwire.serve.protocol.layout)
     ..     ..   index      nindex x int64 (row numbers of dim 0)
 
 A request whose length, magic, version, op, flags, sizes or padding do not
@@ -117,6 +118,12 @@ then proved it maps the daemon's memory; see :mod:`tensorwire.serve.protocol.shm
   - ``RELEASE`` and ``COMMIT`` carry the tensor's name and no other field
     (but see write-ahead grants); they, and ``FLAG_SHM``, on a session
     without shared memory are malformed.
+- ``flags`` bit 2 ``FLAG_LAYOUT`` (0x04) on GET, GET_ROWS, PUT, PUT_ROWS,
+  ADD_ROWS (sessions whose OpenSession answered ``layouts`` >= 1): the request
+  carries, after the name, the 48-byte shard layout the client expects the
+  tensor to have; without it, a whole tensor is expected. A tensor held with
+  another layout is answered by an ERROR ``LayoutMismatchError`` (nothing read
+  or written); a PUT that creates the name creates it with that layout.
 - Write-ahead grants (shm version >= 3): the OK reply to the COMMIT of a put
   may name, in ``message``, the region of the tensor's staging slot, which
   the daemon has reserved for this session's next put of that tensor
@@ -138,8 +145,9 @@ import struct
 from dataclasses import dataclass
 
 from tensorwire import errors
-from tensorwire.spec import _DTYPE_BY_PROTO, _DTYPE_TABLE
+from tensorwire.spec import DTYPE_BY_CODE, DTYPE_CODES
 from tensorwire.serve.protocol.common import DATA_REQUESTS_VERSION, MAX_INDEX_ROWS
+from tensorwire.serve.protocol.layout import LAYOUT_BYTES, ShardLayout
 
 __all__ = [
     "REQUEST",
@@ -158,6 +166,7 @@ __all__ = [
     "OPS",
     "FLAG_SHM",
     "FLAG_AHEAD",
+    "FLAG_LAYOUT",
     "OK",
     "ERROR",
     "GO",
@@ -186,8 +195,8 @@ REPLY_BYTES = 512
 MAX_MESSAGE = REPLY_BYTES - REPLY.size
 #: Bytes of a UTF-8 name (256 characters of up to 4 bytes).
 MAX_NAME_BYTES = 1024
-#: The largest request: the fixed part, the longest name, the most rows.
-MAX_REQUEST_BYTES = REQUEST.size + MAX_NAME_BYTES + 8 * MAX_INDEX_ROWS
+#: The largest request: the fixed part, the longest name, a layout, the most rows.
+MAX_REQUEST_BYTES = REQUEST.size + MAX_NAME_BYTES + LAYOUT_BYTES + 8 * MAX_INDEX_ROWS
 
 OP_GET, OP_GET_ROWS, OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS = 1, 2, 3, 4, 5
 OP_SHM_HELLO, OP_RELEASE, OP_COMMIT = 6, 7, 8
@@ -202,6 +211,8 @@ _SHM_CAPABLE = (OP_GET, OP_GET_ROWS, OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS)
 FLAG_SHM = 0x01
 #: COMMIT flag (shm version >= 3): commit the put written into the slot of a write-ahead grant.
 FLAG_AHEAD = 0x02
+#: Request flag (GET, GET_ROWS, PUT, PUT_ROWS, ADD_ROWS): the expected shard layout follows the name.
+FLAG_LAYOUT = 0x04
 OK, ERROR, GO, SHM, FALLBACK = 0, 1, 2, 3, 4
 
 assert REQUEST.size == 96 and REPLY.size == 152
@@ -213,7 +224,7 @@ class MalformedRequest(ValueError):
 
 def dtype_code(dtype: str) -> int:
     """The tensorwire.v1.DType number of a spec's dtype name."""
-    return _DTYPE_TABLE[dtype][1]
+    return DTYPE_CODES[dtype]
 
 
 def dtype_name(code: int) -> str:
@@ -223,7 +234,7 @@ def dtype_name(code: int) -> str:
         SpecError: not a dtype tensorwire moves.
     """
     try:
-        return _DTYPE_BY_PROTO[code]
+        return DTYPE_BY_CODE[code]
     except KeyError:
         raise errors.SpecError(f"unknown dtype code {code}") from None
 
@@ -245,6 +256,8 @@ class Request:
     nindex: int
     index_offset: int
     flags: int = 0
+    #: The shard layout the client expects (FLAG_LAYOUT); None: a whole tensor.
+    layout: ShardLayout | None = None
 
     @property
     def shm(self) -> bool:
@@ -256,13 +269,16 @@ class Request:
         return self.shape[0] if self.flags & FLAG_AHEAD else 0
 
 
-def request_size(name_bytes: int, nindex: int) -> int:
-    return REQUEST.size + _pad8(name_bytes) + 8 * nindex
+def request_size(name_bytes: int, nindex: int, *, layout: bool = False) -> int:
+    return REQUEST.size + _pad8(name_bytes) + (LAYOUT_BYTES if layout else 0) + 8 * nindex
 
 
 def pack_request(buf: memoryview, *, op: int, req_id: int, name: bytes, timeout_ms: int = 0, dtype: int = 0,
-                 shape: tuple[int, ...] = (), nindex: int = 0, flags: int = 0) -> int:
-    """Write the fixed part and the name into ``buf``; returns the offset of the index (the caller fills it)."""
+                 shape: tuple[int, ...] = (), nindex: int = 0, flags: int = 0, layout: bytes = b"") -> int:
+    """Write the fixed part, the name and the ``layout`` (packed; with ``FLAG_LAYOUT``) into ``buf``; returns the
+    offset of the index (the caller fills it)."""
+    if bool(layout) != bool(flags & FLAG_LAYOUT) or (layout and len(layout) != LAYOUT_BYTES):
+        raise ValueError("FLAG_LAYOUT goes with a packed layout of LAYOUT_BYTES bytes")
     if len(shape) > MAX_DIMS:
         raise ValueError(f"rank {len(shape)} exceeds {MAX_DIMS}")
     dims = tuple(shape) + (0,) * (MAX_DIMS - len(shape))
@@ -272,6 +288,9 @@ def pack_request(buf: memoryview, *, op: int, req_id: int, name: bytes, timeout_
     buf[off : off + len(name)] = name
     end = off + _pad8(len(name))
     buf[off + len(name) : end] = bytes(end - off - len(name))
+    if layout:
+        buf[end : end + LAYOUT_BYTES] = layout
+        end += LAYOUT_BYTES
     return end
 
 
@@ -292,7 +311,7 @@ def parse_request(data: memoryview) -> Request:
     if op not in OPS:
         raise MalformedRequest(f"unknown request op {op}")
     ahead = op == OP_COMMIT and flags == FLAG_AHEAD  # carries the grant's ticket as its shape
-    if not ahead and (flags & ~FLAG_SHM or (flags and op not in _SHM_CAPABLE)):
+    if not ahead and (flags & ~(FLAG_SHM | FLAG_LAYOUT) or (flags and op not in _SHM_CAPABLE)):
         raise MalformedRequest(f"request flags {flags:#x} for op {OPS[op]}")
     if ahead and (ndim != 1 or dims[0] <= 0):
         raise MalformedRequest("a write-ahead COMMIT has rank 1 (the grant's ticket, > 0)")
@@ -311,7 +330,8 @@ def parse_request(data: memoryview) -> Request:
         raise MalformedRequest(f"request index of {nindex} rows for op {OPS[op]}")
     if nindex > MAX_INDEX_ROWS:
         raise MalformedRequest(f"request index of {nindex} rows exceeds the limit of {MAX_INDEX_ROWS}")
-    want = request_size(name_len, nindex)
+    has_layout = not ahead and bool(flags & FLAG_LAYOUT)
+    want = request_size(name_len, nindex, layout=has_layout)
     if n != want:
         raise MalformedRequest(f"request of {n} bytes, its header describes {want}")
     off = REQUEST.size
@@ -322,7 +342,15 @@ def parse_request(data: memoryview) -> Request:
         name = raw_name.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedRequest(f"request name is not UTF-8: {exc}") from None
-    return Request(op, req_id, timeout_ms, dtype, name, tuple(dims[:ndim]), nindex, off + _pad8(name_len), flags)
+    end = off + _pad8(name_len)
+    layout = None
+    if has_layout:
+        try:
+            layout = ShardLayout.unpack(data[end : end + LAYOUT_BYTES])
+        except errors.SpecError as exc:
+            raise MalformedRequest(f"request layout: {exc}") from None
+        end += LAYOUT_BYTES
+    return Request(op, req_id, timeout_ms, dtype, name, tuple(dims[:ndim]), nindex, end, flags, layout)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""torch.distributed point-to-point and a GPipe step: backend "tensorwire" vs gloo, one torchrun job, in turns.
+
+::
+
+    python bench/bench_distributed.py                          # launches torchrun (2 ranks) itself
+    python bench/bench_distributed.py --out bench/results/distributed_cpu2_<date>.md
+    TENSORWIRE_TRANSPORT=tcp python bench/bench_distributed.py # pin the transport
+
+One job, two ranks, two groups over the same processes: the default group is
+gloo, a second group is made with ``dist.new_group(backend="tensorwire")``.
+Every measurement alternates between them (``--rounds`` blocks of gloo then
+tensorwire), so a change of load on a shared machine hits both.
+
+- **ping-pong**: ``dist.send`` then ``dist.recv`` of one contiguous float32
+  tensor (rank 1 mirrors), sizes 4 KiB ... 256 MiB. Reported: the round trip
+  (median) and the bandwidth ``2 x size / round trip``.
+- **GPipe step**: ``torch.distributed.pipelining.ScheduleGPipe`` over two
+  stages whose compute is one elementwise scale each, so the step is the
+  exchange of the activations (``--act-mib`` per microbatch, default 16) and
+  of their gradients; 4 microbatches. Reported: median step time.
+- **RSS**: the resident set of each rank over ``--rss-steps`` (1,000) ping-pong
+  steps (4 KiB and 1 MiB alternating) after a warm-up, per backend, and over
+  ``--rss-gpipe`` GPipe steps.
+
+Ratios are tensorwire / gloo (time: lower is better; bandwidth: higher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _iters(size: int) -> int:
+    return max(3, min(300, (64 << 20) // size))
+
+
+def _pingpong(dist, torch, group, rank: int, x, n: int) -> float:
+    peer = 1 - rank
+    t0 = time.perf_counter()
+    for _ in range(n):
+        if rank == 0:
+            dist.send(x, peer, group=group)
+            dist.recv(x, peer, group=group)
+        else:
+            dist.recv(x, peer, group=group)
+            dist.send(x, peer, group=group)
+    return (time.perf_counter() - t0) / n
+
+
+def _gpipe(torch, group, rank: int, act_mib: int, n_mb: int = 4):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    class Scale(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(width))
+
+        def forward(self, x):
+            return x * self.w
+
+    width = 4096
+    rows = act_mib * (1 << 20) // (4 * width)
+    stage = PipelineStage(Scale(width), rank, 2, torch.device("cpu"), group=group)
+    sched = ScheduleGPipe(stage, n_microbatches=n_mb, loss_fn=torch.nn.MSELoss())
+    x = torch.randn(rows * n_mb, width)
+    y = torch.randn(rows * n_mb, width)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+        return time.perf_counter() - t0
+
+    return step
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tensorwire  # noqa: F401 - registers the backend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tw = dist.new_group([0, 1], backend="tensorwire")
+    groups = {"gloo": None, "tensorwire": tw}
+    out: dict = {"transport": dict(tw.transports), "pingpong": {}, "gpipe": {}, "rss": {}}
+    sizes = [s for s in SIZES if s <= args.max_mib << 20]
+    for size in sizes:
+        x = torch.zeros(size // 4)
+        samples: dict[str, list[float]] = {"gloo": [], "tensorwire": []}
+        for name, g in groups.items():  # warm-up (first message of each signature, connections)
+            _pingpong(dist, torch, g, rank, x, 2)
+        for _ in range(args.rounds):
+            for name, g in groups.items():
+                dist.barrier()
+                samples[name].append(_pingpong(dist, torch, g, rank, x, max(1, _iters(size) // args.rounds)))
+        out["pingpong"][size] = {k: statistics.median(v) for k, v in samples.items()}
+    steps = {name: _gpipe(torch, g, rank, args.act_mib) for name, g in groups.items()}
+    for name in groups:
+        steps[name]()  # warm-up: shape inference, first messages
+    gp: dict[str, list[float]] = {"gloo": [], "tensorwire": []}
+    for _ in range(args.gpipe_steps):
+        for name in groups:
+            dist.barrier()
+            gp[name].append(steps[name]())
+    out["gpipe"] = {k: statistics.median(v) for k, v in gp.items()}
+    # RSS over many steps after warm-up, per backend
+    small, large = torch.zeros(1024), torch.zeros(1 << 18)
+    for name, g in groups.items():
+        for _ in range(50):
+            _pingpong(dist, torch, g, rank, small, 1)
+            _pingpong(dist, torch, g, rank, large, 1)
+        before = _rss_mib()
+        for i in range(args.rss_steps):
+            _pingpong(dist, torch, g, rank, small if i % 2 else large, 1)
+        mid = _rss_mib()
+        for _ in range(args.rss_gpipe):
+            steps[name]()
+        out["rss"][name] = {"before": before, "after_pingpong": mid, "after_gpipe": _rss_mib()}
+    dist.barrier()
+    dist.destroy_process_group(tw)
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def report(results: dict, args: argparse.Namespace, load: tuple[float, float, float], wall: float) -> str:
+    r0 = results[0]
+    lines = [
+        f"# torch.distributed: backend tensorwire vs gloo ({args.machine})",
+        "",
+        f"Date {_dt.date.today().isoformat()}; {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}; tensorwire transport {sorted(set(r0['transport'].values()))}; "
+        f"load average before the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min); run took {wall:.0f} s.",
+        "One torchrun job, 2 ranks; gloo default group and a `new_group(backend=\"tensorwire\")` over the same "
+        f"processes, measured in turns ({args.rounds} rounds per size). Command: "
+        "`python bench/bench_distributed.py`.",
+        "",
+        "## send/recv ping-pong (rank 0's view)",
+        "",
+        "| size | gloo round trip | tensorwire round trip | tw/gloo time | gloo GB/s | tensorwire GB/s | tw/gloo bandwidth |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for size, v in sorted(r0["pingpong"].items(), key=lambda kv: int(kv[0])):
+        size = int(size)
+        g, t = v["gloo"], v["tensorwire"]
+        lines.append(f"| {_fmt_size(size)} | {g * 1e6:.0f} µs | {t * 1e6:.0f} µs | {t / g:.2f}x | "
+                     f"{2 * size / g / 1e9:.2f} | {2 * size / t / 1e9:.2f} | {g / t:.2f}x |")
+    g, t = r0["gpipe"]["gloo"], r0["gpipe"]["tensorwire"]
+    lines += [
+        "",
+        f"## GPipe step (2 stages, 4 microbatches, {args.act_mib} MiB activations per microbatch, "
+        "elementwise compute)",
+        "",
+        "| gloo | tensorwire | tw/gloo |",
+        "| ---: | ---: | ---: |",
+        f"| {g * 1e3:.1f} ms | {t * 1e3:.1f} ms | {t / g:.2f}x |",
+        "",
+        f"## RSS (MiB) over {args.rss_steps} ping-pong steps (4 KiB / 1 MiB alternating) and {args.rss_gpipe} GPipe "
+        "steps, after warm-up",
+        "",
+        "| rank | backend | before | after ping-pong | after GPipe | growth |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for rank in sorted(results):
+        for name, v in results[rank]["rss"].items():
+            lines.append(f"| {rank} | {name} | {v['before']:.1f} | {v['after_pingpong']:.1f} | "
+                         f"{v['after_gpipe']:.1f} | {v['after_gpipe'] - v['before']:+.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-mib", type=int, default=256)
+    ap.add_argument("--act-mib", type=int, default=16)
+    ap.add_argument("--gpipe-steps", type=int, default=5)
+    ap.add_argument("--rss-steps", type=int, default=1000)
+    ap.add_argument("--rss-gpipe", type=int, default=20)
+    ap.add_argument("--machine", default="cpu2")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    load = os.getloadavg()
+    here = Path(__file__).resolve()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(here), "--worker", "--rounds", str(args.rounds), "--max-mib", str(args.max_mib),
+           "--act-mib", str(args.act_mib), "--gpipe-steps", str(args.gpipe_steps), "--rss-steps", str(args.rss_steps),
+           "--rss-gpipe", str(args.rss_gpipe)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent.parent), env.get("PYTHONPATH", "")])
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    wall = time.monotonic() - t0
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT ") or "RESULT {" in line:
+            data = json.loads(line[line.index("{"):])
+            results[data["rank"]] = data
+    if proc.returncode != 0 or len(results) != 2:
+        sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-12000:])
+        raise SystemExit(f"benchmark job failed (exit {proc.returncode})")
+    text = report(results, args, load, wall)
+    sys.stdout.write(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

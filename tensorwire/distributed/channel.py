@@ -1,0 +1,523 @@
+"""Point-to-point messages of ``backend="tensorwire"`` over one tensorwire link per pair of ranks.
+
+Each pair of ranks in a group shares one spec-less :class:`tensorwire.Link`, whose
+data connection (UCX or TCP, chosen as for any link) carries every message
+between the two. A torch tag ``t`` is transport tag ``t + 1`` (tag 0 carries
+notices, below); messages of one tag stay in order, messages of different tags
+are independent, as torch specifies.
+
+Receive (``irecv``): the caller's tensor itself is posted as the receive buffer
+(when it is contiguous and the transport reaches its memory; otherwise a
+preallocated slot of its signature, reused): the sender's bytes land in it
+directly, no copy. Every message carries its sender's signature in its frame
+header (:mod:`.signatures`); the receiver compares it with its tensor and
+raises :class:`~.errors.SignatureMismatch` naming both sides on any difference
+of dtype, shape, device or size. A message larger than the posted tensor is
+refused before any byte moves (UCX: on the sender, which then sends a notice
+on tag 0 so the receiver raises too; TCP: on the receiver, as the frame
+header arrives). After a mismatch the pair's connection is closed: later
+operations between the two ranks raise the same error (torch's rule for a
+failed communicator) -- never wrong bytes, never a hang.
+
+Send (``isend``): never waits. A host tensor is posted in the caller's thread
+when that cannot block (UCX: the receiver's credit is already there; TCP: a
+credit is there and the message is small); otherwise the message goes to the
+tag's sender thread, which waits for the credit and sends (messages of one
+tag keep their order either way). CUDA tensors always go through the sender
+thread, which first waits for an event recorded on the caller's current
+stream: the bytes are read only after the work queued there before ``isend``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..buffers import as_bytes
+from ..errors import ConfigError, ProtocolError, TensorWireError, TransferTimeout
+from .errors import GroupClosed, SignatureMismatch, WorkTimeout, translate
+from .signatures import Signature, decode, signature_of
+from .work import Completer, Work
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..p2p.link import Link
+    from ..transport.base import Received, Transport
+
+__all__ = ["Peer", "SendWork", "RecvWork", "MAX_TAG"]
+
+log = logging.getLogger(__name__)
+
+NOTICE_TAG = 0
+#: torch tags map to transport tags 1 .. 2**31 - 1
+MAX_TAG = (1 << 31) - 2
+#: host messages up to this size are sent in the caller's thread over TCP when a credit is there
+INLINE_MAX = 256 * 1024
+#: how long a receive waits on its tag before looking at notices (a mismatch refused on the sender)
+SLICE = 0.05
+NOTICE = struct.Struct("<I")
+_NOTICE_SLOTS = 2
+
+
+class SlotPool:
+    """Preallocated tensors per (signature, where), taken for a message and given back after it.
+
+    A signature's first message in flight allocates one; later messages reuse it
+    (a second one exists only while two are in flight at once).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Signature, str], list[torch.Tensor]] = collections.defaultdict(list)
+        self._lock = threading.Lock()
+
+    def take(self, sig: Signature, where: str, device: torch.device | None = None) -> torch.Tensor:
+        key = (sig, where)
+        with self._lock:
+            free = self._free[key]
+            if free:
+                return free.pop()
+        dtype = getattr(torch, sig.dtype)
+        if where == "pinned":
+            return torch.empty(sig.shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+        return torch.empty(sig.shape, dtype=dtype, device=device)
+
+    def give(self, sig: Signature, where: str, slot: torch.Tensor) -> None:
+        with self._lock:
+            self._free[(sig, where)].append(slot)
+
+
+class SendWork(Work):
+    """``isend``: done once the bytes are out of the tensor."""
+
+    def __init__(self, peer: "Peer", **kw: Any) -> None:
+        super().__init__(**kw)
+        self._peer = peer
+        self._op: Any = None  # UCX send posted in the caller's thread: complete it in wait()
+        self._keep: Any = None  # what UCX reads until the send completes
+        self._chan: _SendChannel | None = None  # queued: the channel whose queue holds it
+        self._staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        staging, self._staging = self._staging, None
+        self._keep = None
+        if staging is not None:
+            self._peer.pool.give(*staging)
+        super()._finish(exc)
+
+    def _drive(self, deadline: float) -> None:
+        op = self._op
+        if op is None:
+            if self._chan is not None and deadline - time.monotonic() >= self._peer.timeout * 0.99:
+                # A wait as long as the group's timeout sends queued messages itself; a shorter
+                # wait(timeout) only waits (its timeout must not cut a send short: over TCP that
+                # would break the connection once the first byte is out).
+                self._chan.help(self, deadline)
+            return super()._drive(deadline)
+        try:
+            self._peer.transport.wait_send(op, timeout=max(0.0, deadline - time.monotonic()))
+        except TransferTimeout:
+            if self._op is op and not self.done:
+                raise WorkTimeout(f"{self._what} not complete within {self._wait_seconds:.3g} s") from None
+        except BaseException as exc:  # noqa: BLE001
+            self._finish(self._peer.fail(exc, f"{self._what}"))
+            return
+        self._finish()
+
+    def _poll(self) -> None:
+        if self._op is not None and self._op.done():
+            self._drive(time.monotonic())
+
+
+class RecvWork(Work):
+    """``irecv``: done once the message is in the tensor (checked against the sender's signature)."""
+
+    def __init__(self, peer: "Peer", chan: "_RecvChannel", tensor: torch.Tensor, sig: Signature,
+                 staging: torch.Tensor | None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._peer = peer
+        self._chan = chan
+        self._tensor = tensor
+        self._sig = sig
+        self._staging = staging
+
+    def _drive(self, deadline: float) -> None:
+        self._chan.drive(self, deadline)
+
+    def _poll(self) -> None:
+        self._chan.drive(self, None)
+
+    def _complete(self, got: "Received") -> None:
+        theirs = decode(got.shape)
+        mine = self._sig
+        if theirs != mine or got.nbytes != mine.nbytes:
+            exc = SignatureMismatch(
+                f"rank {self._peer.peer} sent {theirs.describe()} on tag {self._chan.tag - 1}; "
+                f"rank {self._peer.rank} receives into {mine.describe()} (group {self._peer.group!r})")
+            self._release()
+            self._finish(self._peer.fail(exc, ""))
+            return
+        if self._staging is not None:
+            self._tensor.copy_(self._staging)  # host->device (pinned) or into a non-contiguous tensor
+            self._release()
+        self._finish()
+
+    def _release(self) -> None:
+        if self._staging is not None:
+            self._peer.pool.give(self._sig, self._chan.where(self._tensor), self._staging)
+            self._staging = None
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        if exc is not None:
+            self._release()
+        super()._finish(exc)
+
+
+class _RecvChannel:
+    """Receives of one tag from one peer, completed in the order they were posted."""
+
+    def __init__(self, peer: "Peer", tag: int) -> None:
+        self.peer = peer
+        self.tag = tag
+        self.fifo: collections.deque[RecvWork] = collections.deque()
+        self.post_lock = threading.Lock()
+        self.drive_lock = threading.Lock()
+
+    def where(self, tensor: torch.Tensor) -> str:
+        return "pinned" if tensor.is_cuda and not self.peer.transport.reaches_cuda else "same"
+
+    def post(self, work: RecvWork, buf: torch.Tensor) -> None:
+        t = self.peer.transport
+        with self.post_lock:
+            self.peer.check()
+            t.post_recv(self.tag, buf if t.any_dtype else as_bytes(buf), header=True)
+            self.fifo.append(work)
+
+    def drive(self, work: RecvWork, deadline: float | None) -> None:
+        """Complete posted receives in order until ``work`` is done (``deadline`` None: without waiting)."""
+        if deadline is None:
+            if not self.drive_lock.acquire(blocking=False):
+                return
+        elif not self.drive_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise WorkTimeout(f"{work._what} not complete within {work._wait_seconds:.3g} s")
+        try:
+            while not work.done:
+                got = self._wait_one(work, deadline)
+                if got is None:
+                    return  # nothing yet (non-blocking)
+                head = self.fifo.popleft()
+                head._complete(got)
+        finally:
+            self.drive_lock.release()
+
+    def _wait_one(self, work: RecvWork, deadline: float | None) -> "Received | None":
+        t = self.peer.transport
+        while True:
+            try:
+                if deadline is None:
+                    return t.wait_recv(self.tag, timeout=0.0)
+                return t.wait_recv(self.tag, timeout=max(0.0, min(SLICE, deadline - time.monotonic())))
+            except TransferTimeout:
+                self.peer.read_notices()
+                if deadline is None:
+                    return None
+                if time.monotonic() >= deadline:
+                    raise WorkTimeout(f"{work._what} not complete within {work._wait_seconds:.3g} s") from None
+            except BaseException as exc:  # noqa: BLE001
+                raise self.peer.fail(exc, f"{work._what}", tag=self.tag, work=work) from None
+
+
+class _SendChannel:
+    """Sends of one tag to one peer, in order.
+
+    A message goes out in the caller's thread when that cannot block; otherwise
+    it is queued. Whoever gets there first sends the queued messages, oldest
+    first: the caller when it waits on one of them (``dist.send`` is ``isend``
+    + ``wait``: no thread hand-off), or the tag's sender thread, which takes a
+    queued message once it has waited ``DEFER`` seconds for a caller to do it
+    (so an ``isend`` nobody waits on still goes out).
+    """
+
+    DEFER = 0.0005
+
+    def __init__(self, peer: "Peer", tag: int) -> None:
+        self.peer = peer
+        self.tag = tag
+        self.cond = threading.Condition()
+        self.pending: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.send_lock = threading.Lock()  # held by whoever is sending a message of this tag
+        self.thread: threading.Thread | None = None
+        self.closed = False
+
+    def submit(self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...]) -> None:
+        peer = self.peer
+        t = peer.transport
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if not tensor.is_cuda and not tensor.is_contiguous():
+            slot = peer.pool.take(sig, "same")
+            slot.copy_(tensor)
+            work._staging = (sig, "same", slot)
+            tensor = slot
+        if not tensor.is_cuda and not self.pending and self.send_lock.acquire(blocking=False):
+            try:
+                if not self.pending:
+                    data = tensor if t.any_dtype else as_bytes(tensor)
+                    try:
+                        if t.async_send:
+                            work._keep = tensor
+                            work._op = t.start_send(self.tag, data, shape=hdr, timeout=0.0)
+                            return
+                        if sig.nbytes <= INLINE_MAX and t.has_credit(self.tag):
+                            t.send(self.tag, data, shape=hdr, timeout=peer.timeout)
+                            work._finish()
+                            return
+                    except TransferTimeout:
+                        pass  # no credit yet: queued
+                    except BaseException as exc:  # noqa: BLE001
+                        work._finish(peer.fail(exc, work._what, tag=self.tag, sig=sig))
+                        return
+            finally:
+                self.send_lock.release()
+        ev = None
+        if tensor.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(tensor.device))
+        work._chan = self
+        with self.cond:
+            self.pending.append((work, tensor, sig, hdr, ev))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True,
+                                               name=f"tw-dist-send-{peer.peer}-{self.tag - 1}")
+                self.thread.start()
+            self.cond.notify()
+
+    def help(self, work: SendWork, deadline: float) -> None:
+        """(caller waiting on ``work``) Send queued messages up to and including ``work``'s."""
+        while not work.done:
+            if not self.send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return  # the thread is sending (ours or an older one): the caller waits for the event
+            try:
+                if work.done:
+                    return
+                with self.cond:
+                    item = self.pending.popleft() if self.pending else None
+                if item is None:
+                    return
+                self._send(item)
+            finally:
+                self.send_lock.release()
+            if time.monotonic() >= deadline:
+                return
+
+    def _send(self, item: tuple[Any, ...]) -> None:
+        """Send one queued message (caller holds ``send_lock``)."""
+        peer = self.peer
+        t = peer.transport
+        work, tensor, sig, hdr, ev = item
+        exc: BaseException | None = None
+        try:
+            peer.check()
+            if ev is not None:
+                ev.synchronize()
+                if not t.reaches_cuda:  # through a pinned host slot (TCP)
+                    slot = peer.pool.take(sig, "pinned")
+                    work._staging = (sig, "pinned", slot)
+                    slot.copy_(tensor)
+                    tensor = slot
+                elif not tensor.is_contiguous():
+                    slot = peer.pool.take(sig, "same", tensor.device)
+                    work._staging = (sig, "same", slot)
+                    slot.copy_(tensor)
+                    torch.cuda.current_stream(tensor.device).synchronize()
+                    tensor = slot
+            t.send(self.tag, tensor if t.any_dtype else as_bytes(tensor), shape=hdr, timeout=peer.timeout)
+        except TransferTimeout as exc_:  # no credit within the group's timeout: nothing sent, the pair lives on
+            exc = translate(exc_, work._what)
+        except BaseException as exc_:  # noqa: BLE001
+            exc = peer.fail(exc_, work._what, tag=self.tag, sig=sig)
+        work._finish(exc)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+            time.sleep(self.DEFER)  # a caller waiting on it sends it itself, without a hand-off
+            with self.send_lock:
+                with self.cond:
+                    item = self.pending.popleft() if self.pending else None
+                if item is not None:
+                    self._send(item)
+
+    def close(self, reason: BaseException) -> None:
+        with self.cond:
+            self.closed = True
+            pending, self.pending = list(self.pending), collections.deque()
+            self.cond.notify_all()
+            thread = self.thread
+        for item in pending:
+            item[0]._finish(reason)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+
+class Peer:
+    """Everything between this rank and one other rank of the group: the link, channels, notices."""
+
+    def __init__(self, link: "Link", *, rank: int, group: str, timeout: float, pool: SlotPool,
+                 completer: Completer) -> None:
+        self.link = link
+        self.transport: "Transport" = link.connection
+        self.peer = link.peer
+        self.rank = rank
+        self.group = group
+        self.timeout = timeout
+        self.pool = pool
+        self.completer = completer
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._send: dict[int, _SendChannel] = {}
+        self._recv: dict[int, _RecvChannel] = {}
+        self._notice_lock = threading.Lock()
+        self._notices: collections.deque[torch.Tensor] = collections.deque()
+        for _ in range(_NOTICE_SLOTS):
+            buf = torch.zeros(NOTICE.size, dtype=torch.uint8)
+            self.transport.post_recv(NOTICE_TAG, buf, header=True)
+            self._notices.append(buf)
+
+    # -- operations ------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, tag: int) -> SendWork:
+        sig, hdr = signature_of(tensor)
+        what = f"isend of {sig.describe()} to rank {self.peer} (tag {tag})"
+        work = SendWork(self, what=what, timeout=self.timeout, tensors=[tensor], completer=self.completer)
+        if self.error is not None:
+            work._finish(self.error)
+            return work
+        chan = self._send.get(tag + 1)
+        if chan is None:
+            with self._lock:
+                chan = self._send.setdefault(tag + 1, _SendChannel(self, tag + 1))
+        chan.submit(work, tensor, sig, hdr)
+        return work
+
+    def irecv(self, tensor: torch.Tensor, tag: int) -> RecvWork:
+        sig, _ = signature_of(tensor)
+        chan = self._recv.get(tag + 1)
+        if chan is None:
+            with self._lock:
+                chan = self._recv.setdefault(tag + 1, _RecvChannel(self, tag + 1))
+        staging = None
+        buf = tensor
+        where = chan.where(tensor)
+        if where == "pinned":
+            staging = buf = self.pool.take(sig, "pinned")
+        elif not tensor.is_contiguous():
+            staging = buf = self.pool.take(sig, "same", tensor.device)
+        if tensor.is_cuda:
+            # The buffer may be written as soon as it is posted: work queued on it must be done.
+            torch.cuda.current_stream(tensor.device).synchronize()
+        what = f"irecv of {sig.describe()} from rank {self.peer} (tag {tag})"
+        work = RecvWork(self, chan, tensor, sig, staging, what=what, timeout=self.timeout, tensors=[tensor],
+                        source=self.peer, completer=self.completer)
+        if self.error is not None:
+            work._finish(self.error)
+            return work
+        try:
+            chan.post(work, buf)
+        except BaseException as exc:  # noqa: BLE001
+            work._finish(self.fail(exc, what))
+        return work
+
+    # -- failures ----------------------------------------------------------------------
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def fail(self, exc: BaseException, context: str, *, tag: int | None = None, sig: Signature | None = None,
+             work: RecvWork | None = None) -> BaseException:
+        """Record the pair's first fatal error, close the connection, fail every pending work; returns the error."""
+        if isinstance(exc, ProtocolError) and not isinstance(exc, SignatureMismatch) and tag is not None:
+            exc = self._mismatch_from(exc, tag, sig, work) or exc
+        err = translate(exc, context) if context else exc
+        with self._lock:
+            if self.error is None:
+                self.error = err
+                first = True
+            else:
+                first = False
+                err = self.error
+        if first:
+            if isinstance(err, SignatureMismatch) and sig is not None and tag is not None:
+                self._send_notice(tag, sig)
+            if not isinstance(err, GroupClosed):
+                log.error("tensorwire.distributed: rank %d <-> rank %d failed: %s", self.rank, self.peer, err)
+            self.transport.abort()
+            for chan in list(self._recv.values()):
+                while chan.fifo:
+                    try:
+                        chan.fifo.popleft()._finish(err)
+                    except IndexError:
+                        break
+        return err
+
+    def _mismatch_from(self, exc: ProtocolError, tag: int, sig: Signature | None,
+                       work: RecvWork | None) -> SignatureMismatch | None:
+        text = str(exc)
+        if "do not fit" in text and sig is not None:  # UCX: refused on this (sending) side
+            return SignatureMismatch(f"rank {self.rank} sends {sig.describe()} on tag {tag - 1}; rank {self.peer} "
+                                     f"posted a receive of another size ({text}) (group {self.group!r})")
+        if f"bytes on tag {tag};" in text and work is not None:  # TCP: refused on this (receiving) side
+            return SignatureMismatch(f"rank {self.peer} sent more bytes on tag {tag - 1} than rank {self.rank}'s "
+                                     f"receive {work._sig.describe()} holds ({text}) (group {self.group!r})")
+        return None
+
+    def _send_notice(self, tag: int, sig: Signature) -> None:
+        """Best effort: tell the receiver a message of ``sig`` on ``tag`` was refused (so it raises too)."""
+        try:
+            buf = torch.frombuffer(bytearray(NOTICE.pack(tag)), dtype=torch.uint8)
+            self.transport.send(NOTICE_TAG, buf, shape=sig.encode(), timeout=1.0)
+        except Exception:  # noqa: BLE001 - the connection is going down anyway
+            pass
+
+    def read_notices(self) -> None:
+        """Look (without waiting) for notices the peer sent; a refused message fails the pair here too."""
+        if not self._notice_lock.acquire(blocking=False):
+            return
+        try:
+            while self.error is None:
+                try:
+                    got = self.transport.wait_recv(NOTICE_TAG, timeout=0.0)
+                except TransferTimeout:
+                    return
+                except TensorWireError:
+                    return  # the data waits report it
+                buf = self._notices.popleft()
+                (tag,) = NOTICE.unpack(bytes(buf[: NOTICE.size].numpy()))
+                theirs = decode(got.shape)
+                chan = self._recv.get(tag)
+                head = chan.fifo[0] if chan is not None and chan.fifo else None
+                mine = head._sig.describe() if head is not None else "no receive posted"
+                self.fail(SignatureMismatch(
+                    f"rank {self.peer} sent {theirs.describe()} on tag {tag - 1}; rank {self.rank} receives into "
+                    f"{mine} (group {self.group!r})"), "")
+        finally:
+            self._notice_lock.release()
+
+    def close(self, reason: BaseException) -> None:
+        self.fail(reason, "")
+        for chan in list(self._send.values()):
+            chan.close(self.error or reason)
+        self.link.close()
+
+
+def check_tag(tag: int) -> int:
+    if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+        raise ConfigError(f"backend 'tensorwire' takes tags in [0, {MAX_TAG}], got {tag!r}")
+    return tag

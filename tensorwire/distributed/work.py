@@ -1,0 +1,194 @@
+"""``Work`` objects of ``backend="tensorwire"``: what ``isend``/``irecv`` return.
+
+They behave as torch documents for ``torch.distributed.Work``:
+
+- ``wait(timeout)`` blocks until the operation completed (CPU tensors) and
+  raises its error; ``timeout`` 0 (torch's default) means the group's timeout.
+  A wait that times out raises :class:`~tensorwire.distributed.errors.WorkTimeout`
+  and leaves the operation going (wait again).
+- ``is_completed()`` never blocks (it makes what progress it can without waiting).
+- ``get_future()`` returns a ``torch.futures.Future`` completed with the
+  tensors (or the error) when the operation completes, whether or not anyone
+  calls ``wait`` (a completer thread of the group drives it then).
+- ``exception()``, ``is_success()``, ``source_rank()``, ``result()``.
+
+Nothing here blocks when the Work is made: ``isend``/``irecv`` return at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import WorkTimeout
+
+__all__ = ["Work", "DoneWork", "Completer"]
+
+
+class Work(dist._Work):
+    """Base of the backend's works: completion state, torch's Work API, an optional future.
+
+    Subclasses implement :meth:`_drive` (make progress until done or the
+    deadline) and may override :meth:`_poll` (non-blocking progress).
+    """
+
+    def __init__(self, *, what: str, timeout: float, tensors: list[torch.Tensor], source: int = -1,
+                 completer: "Completer | None" = None) -> None:
+        super().__init__()
+        self._done = threading.Event()
+        self._exc: BaseException | None = None
+        self._fut: torch.futures.Future | None = None
+        self._state_lock = threading.Lock()
+        self._what = what
+        self._timeout = timeout
+        self._tensors = tensors
+        self._source = source
+        self._completer = completer
+        self._wait_seconds = timeout
+
+    # -- completion (called by the layers below) ------------------------------------
+    def _finish(self, exc: BaseException | None = None) -> None:
+        with self._state_lock:
+            if self._done.is_set():
+                return
+            self._exc = exc
+            self._done.set()
+            fut = self._fut
+        if fut is not None:
+            self._settle(fut)
+
+    def _settle(self, fut: torch.futures.Future) -> None:
+        if fut.done():
+            return
+        if self._exc is not None:
+            fut.set_exception(self._exc)
+        else:
+            fut.set_result(self._tensors)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # -- progress (subclasses) ---------------------------------------------------------
+    def _drive(self, deadline: float) -> None:
+        """Make progress until done; raise WorkTimeout at ``deadline`` (the operation goes on)."""
+        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+            raise WorkTimeout(f"{self._what} not complete within {self._wait_seconds:.3g} s")
+
+    def _poll(self) -> None:
+        """Non-blocking progress (default: none)."""
+
+    # -- torch's Work API ---------------------------------------------------------------------
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        if seconds <= 0:
+            seconds = self._timeout
+        if not self._done.is_set():
+            self._wait_seconds = seconds
+            self._drive(time.monotonic() + seconds)
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set():
+            try:
+                self._poll()
+            except Exception:  # noqa: BLE001 - an error is reported by wait()/exception(), not here
+                pass
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._exc is None
+
+    def exception(self) -> BaseException | None:  # type: ignore[override]
+        return self._exc
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def result(self) -> list[torch.Tensor]:
+        return self._tensors
+
+    def get_future(self) -> torch.futures.Future:
+        with self._state_lock:
+            fut = self._fut
+            if fut is None:
+                fut = self._fut = torch.futures.Future()
+            done = self._done.is_set()
+        if done:
+            self._settle(fut)
+        elif self._completer is not None:
+            self._completer.watch(self)
+        return fut
+
+
+class DoneWork(Work):
+    """A work that completed when it was made (or failed then)."""
+
+    def __init__(self, *, what: str, tensors: list[torch.Tensor], exc: BaseException | None = None) -> None:
+        super().__init__(what=what, timeout=0.0, tensors=tensors)
+        self._finish(exc)
+
+
+class Completer:
+    """One thread per group that drives works whose future was asked for, until they complete.
+
+    Started on the first ``get_future()`` of an incomplete work; stopped by :meth:`close`.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: list[Work] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def watch(self, work: Work) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._queue.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"tw-dist-completer-{self._name}",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                work = self._queue.pop(0)
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the error goes to the future through _finish
+                if not work.done:  # timed out: it goes on; look again later
+                    with self._cond:
+                        self._queue.append(work)
+
+    def close(self, *, fail: Callable[[Work], Any] | None = None) -> None:
+        with self._cond:
+            self._closed = True
+            pending, self._queue = self._queue, []
+            self._cond.notify_all()
+            thread = self._thread
+        for w in pending:
+            if fail is not None:
+                fail(w)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)

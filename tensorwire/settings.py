@@ -1,0 +1,243 @@
+"""``Settings``: every ``TENSORWIRE_*`` environment variable of the library, read and validated in one place.
+
+One precedence for every setting: **keyword argument > environment variable > default**::
+
+    s = Settings.from_env()                      # os.environ
+    s = Settings.from_env({"TENSORWIRE_TIMEOUT": "5"}, peer_timeout=10.0)
+    s.timeout, s.peer_timeout                    # 5.0, 10.0
+
+:meth:`Settings.from_env` reads every variable once and raises :class:`~tensorwire.errors.ConfigError`
+naming the variable and the value for the first invalid one. :func:`setting` reads one of them
+(with the same parser), for code that needs a single value where it is used (a knob read when a
+module loads, a policy read when a link is made).
+
+The serve daemon's own flags (``TENSORWIRE_PORT``, ``TENSORWIRE_MAX_BYTES``, ...) belong to
+:class:`tensorwire.serve.daemon.config.ServeConfig`, which reads them with the same precedence
+(flag > environment > default); ``docs/configuration.md`` lists both, generated from the code:
+``python -m tensorwire.configdoc > docs/configuration.md``.
+
+Only the standard library and :mod:`tensorwire.errors` are imported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping
+
+from tensorwire.errors import ConfigError
+
+__all__ = ["Settings", "setting", "env_var", "parse_size", "markdown", "PREFIX", "DEFAULT_STAGING_CHUNK"]
+
+PREFIX = "TENSORWIRE_"
+#: The staging chunk of CUDA tensors sent through host memory (part of the wire format: both sides agree).
+DEFAULT_STAGING_CHUNK = 2 << 20
+
+_SIZE = re.compile(r"^([0-9]+)\s*(|b|k|m|g|kb|mb|gb|kib|mib|gib)$")
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+               "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+# -- parsers: raw text -> value (ValueError with a reason when the text is not one) -----------------------
+
+
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError("must be a finite number of seconds > 0")
+    return value
+
+
+def _microseconds(raw: str) -> float:
+    value = float(raw)
+    if not (value >= 0 and math.isfinite(value)):  # also rejects nan
+        raise ValueError("must be a number of microseconds >= 0")
+    return value
+
+
+def parse_size(raw: str) -> int:
+    """A size in bytes: ``1048576``, ``4M``, ``512KiB``, ``1g``, ``0`` (suffixes are powers of 1024)."""
+    m = _SIZE.match(raw.strip().lower())
+    if not m:
+        raise ValueError("is not a size in bytes (e.g. 4M, 1048576, 512KiB, 0)")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+
+
+def _switch(raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in _ON:
+        return True
+    if text in _OFF:
+        return False
+    raise ValueError(f"must be one of {', '.join(_ON + _OFF)}")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        text = raw.strip().lower()
+        if text not in choices:
+            raise ValueError("must be " + ", ".join(repr(c) for c in choices if c) + (" or unset" if "" in choices
+                                                                                       else ""))
+        return text
+
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+def _level(raw: str) -> str:
+    text = raw.strip().upper()
+    if text not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return text
+
+
+def _var(parse: Callable[[str], Any], doc: str, default: Any, *, shown: str | None = None) -> Any:
+    """A settings field read from ``TENSORWIRE_<FIELD NAME>`` with ``parse``; ``doc`` goes into the docs."""
+    return field(default=default, metadata={"parse": parse, "doc": doc, "shown": shown})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every library-wide ``TENSORWIRE_*`` setting, validated when built (an invalid one cannot exist).
+
+    Each field ``f`` is read from ``TENSORWIRE_<F>`` (upper case): ``peer_timeout`` from
+    ``TENSORWIRE_PEER_TIMEOUT``. A variable that is unset or empty means the default.
+    """
+
+    # -- links (tw.init / tw.Node) ---------------------------------------------------------------------
+    transport: Literal["auto", "ucx", "tcp"] = _var(
+        _choice("auto", "ucx", "tcp"), "Data plane of links and of the serve daemon: `auto`, `ucx` or `tcp`.", "auto")
+    auto_prefer: Literal["", "ucx", "tcp"] = _var(
+        _choice("", "ucx", "tcp"), "Under `auto`, put this transport first (`ucx` or `tcp`); unset follows the rule "
+        "(UCX on one host, with CUDA specs or with RDMA, TCP otherwise).", "", shown="unset")
+    host: str | None = _var(
+        _text, "Address a rank binds and advertises (multi-node jobs); also the serve daemon's bind address.", None,
+        shown="the torchrun contract's address")
+    timeout: float = _var(_seconds, "Default timeout (s) of link negotiation and transfers.", 60.0)
+    peer_timeout: float = _var(_seconds, "Seconds without a sign of life after which a peer is declared lost.", 30.0)
+    staging_chunk: int = _var(
+        parse_size, "Chunk (bytes; K/M/G suffixes) of CUDA tensors staged through host memory; 0 = one message. "
+        "Both ends of a link must agree.", DEFAULT_STAGING_CHUNK, shown="2M")
+    # -- UCX ---------------------------------------------------------------------------------------------
+    ucx_spin_us: float = _var(_microseconds, "Microseconds a wait polls UCX before it sleeps.", 100.0)
+    ucx_cuda_spin_us: float = _var(_microseconds, "The same for a wait on a transfer of CUDA memory.", 2000.0)
+    ucx_error_handling: Literal["none", "peer"] = _var(
+        _choice("none", "peer"), "`peer` (the default): UCX endpoints handle a peer's death as an error, so a "
+        "killed peer never aborts this process; UCX then uses no shared memory or cma (host memory goes over its "
+        "tcp; cuda_ipc stays). `none`: cma's single-copy speed between trusted ranks of one host, at the risk of an "
+        "abort when a peer dies mid-transfer. The listener tells the dialler its mode.", "peer")
+    # -- serve client --------------------------------------------------------------------------------------
+    shm_leases: bool = _var(_switch, "Shared-memory read leases of the serve client (`0` turns them off).", True,
+                            shown="1")
+    shm_ahead: bool = _var(_switch, "Shared-memory write-ahead grants of the serve client (`0` turns them off).", True,
+                           shown="1")
+    client_transport: Literal["auto", "ucx", "tcp"] = _var(
+        _choice("auto", "ucx", "tcp"), "Data plane of the `tensorwire` client commands (put, get, ls, ...).", "auto")
+    client_tls_ca: str | None = _var(_text, "CA (PEM) of the daemon's certificate, for the client commands.", None,
+                                     shown="unset: no TLS")
+    client_tls_cert: str | None = _var(_text, "Client certificate (PEM) for mTLS, for the client commands.", None,
+                                       shown="unset")
+    client_tls_key: str | None = _var(_text, "Client key (PEM) for mTLS, for the client commands.", None,
+                                      shown="unset")
+    token_file: str | None = _var(
+        _text, "File holding the bearer token (the daemon requires it of clients; the client commands send it).",
+        None, shown="unset: no token")
+    # -- all commands ----------------------------------------------------------------------------------------
+    log_level: str | None = _var(_level, "Logging level of the `tensorwire` commands (the library itself never "
+                                 "configures logging).", None, shown="WARNING (serve: INFO)")
+
+    def __post_init__(self) -> None:
+        # Values given as keywords go through the same checks as the environment's text.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or value == f.default:
+                continue
+            text = ("1" if value else "0") if isinstance(value, bool) else str(value)
+            try:
+                parsed = f.metadata["parse"](text)
+            except ValueError as exc:
+                raise ConfigError(f"{f.name}={value!r}: {exc}") from None
+            if not isinstance(value, bool) and isinstance(value, (int, float)):
+                parsed = float(value) if isinstance(f.default, float) else int(value)
+            object.__setattr__(self, f.name, parsed)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Settings from keyword arguments, then ``environ`` (default: ``os.environ``), then defaults.
+
+        A keyword argument that is ``None`` counts as not given.
+
+        Raises:
+            ConfigError: an unknown keyword, or a variable (or keyword) whose value is invalid; the
+                message names it and the value.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ConfigError(f"unknown settings {sorted(unknown)}; known: {', '.join(sorted(names))}")
+        values = {name: setting(name, environ) for name in names if overrides.get(name) is None}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def env_var(name: str) -> str:
+    """The environment variable of a field: ``peer_timeout`` -> ``TENSORWIRE_PEER_TIMEOUT``."""
+    return PREFIX + name.upper()
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from ``environ`` (default: ``os.environ``), or its default when unset or empty.
+
+    Raises:
+        ConfigError: the variable's value is invalid (the message names the variable and the value).
+        KeyError: ``name`` is not a field of :class:`Settings`.
+    """
+    f = _FIELDS[name]
+    env = os.environ if environ is None else environ
+    raw = env.get(env_var(name), "")
+    if not raw.strip():
+        return f.default
+    try:
+        return f.metadata["parse"](raw)
+    except ValueError as exc:
+        raise ConfigError(f"{env_var(name)}={raw!r}: {exc}") from None
+
+
+def markdown(extra: Mapping[str, tuple[str, str]] | None = None) -> str:
+    """``docs/configuration.md``: a table of every setting; ``extra`` adds rows (variable -> (default, doc))."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated by `python -m tensorwire.configdoc > docs/configuration.md`; "
+        "tests/core/test_settings.py checks it. -->",
+        "",
+        "Every setting has one precedence: **keyword argument (or command-line flag) > environment variable > "
+        "default**. An unset or empty variable means the default; an invalid value is a `ConfigError` naming the "
+        "variable.",
+        "",
+        "## Library (`tensorwire.settings.Settings`)",
+        "",
+        "| variable | default | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for f in dataclasses.fields(Settings):
+        shown = f.metadata["shown"] or f"`{f.default}`"
+        lines.append(f"| `{env_var(f.name)}` | {shown} | {f.metadata['doc']} |")
+    if extra:
+        lines += ["", "## The serve daemon (`tensorwire serve`, `ServeConfig`)", "",
+                  "Each flag `--x-y` of `tensorwire serve` can also be set as `TENSORWIRE_X_Y`.", "",
+                  "| variable | default | meaning |", "| --- | --- | --- |"]
+        for var, (default, doc) in extra.items():
+            lines.append(f"| `{var}` | {default} | {doc} |")
+    return "\n".join(lines) + "\n"
