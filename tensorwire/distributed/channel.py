@@ -181,7 +181,7 @@ class RecvWork(Work):
     def _complete(self, got: "Received") -> None:
         theirs = decode(got.shape)
         mine = self._sig
-        if theirs != mine or got.nbytes != mine.nbytes:
+        if not theirs.fills(mine) or got.nbytes != mine.nbytes:
             exc = SignatureMismatch(
                 f"rank {self._peer.peer} sent {theirs.describe()} on tag {self._chan.tag - 1}; "
                 f"rank {self._peer.rank} receives into {mine.describe()} (group {self._peer.group!r})")

@@ -55,6 +55,18 @@ class Signature:
     def describe(self) -> str:
         return f"{self.dtype}{list(self.shape)} on {self.device} ({self.nbytes} bytes)"
 
+    def fills(self, other: "Signature") -> bool:
+        """Whether a message of this signature fills a receive tensor of ``other`` exactly.
+
+        The same dtype, device and shape; or the same dtype and device with one element on both sides (a
+        0-d tensor into ``[1]`` or the other way: some torch versions' pipelining sends its shape-exchange
+        scalars so). Anything else is a mismatch: never bytes of another shape or type.
+        """
+        if self == other:
+            return True
+        return (self.dtype == other.dtype and self.device == other.device
+                and math.prod(self.shape) == 1 == math.prod(other.shape))
+
     def encode(self) -> tuple[int, ...]:
         """The eight header words (see the module docstring).
 

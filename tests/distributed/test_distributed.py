@@ -211,3 +211,16 @@ def test_two_network_namespace_nodes_torchrun_nnodes_2_pipelining(tmp_path):
         finally:
             for p in procs:
                 p.kill()
+
+
+@pytest.mark.timeout(30)
+def test_a_signature_fills_only_its_own_shape_or_one_scalar_with_another():
+    from tensorwire.distributed.signatures import Signature
+
+    one = Signature("float32", (1,), "cpu")
+    assert Signature("float32", (), "cpu").fills(one) and one.fills(Signature("float32", (), "cpu"))
+    assert one.fills(Signature("float32", (1, 1), "cpu"))
+    assert not Signature("float32", (), "cpu").fills(Signature("int32", (1,), "cpu"))  # same bytes, other dtype
+    assert not Signature("float32", (4, 4), "cpu").fills(Signature("float32", (2, 8), "cpu"))  # same count
+    assert not Signature("float32", (), "cpu").fills(Signature("float32", (), "cuda"))
+    assert not Signature("float32", (2,), "cpu").fills(Signature("float32", (1,), "cpu"))
