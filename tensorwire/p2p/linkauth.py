@@ -32,13 +32,10 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from tensorwire.errors import ConfigError, ConnectTimeout
 from tensorwire.settings import env_var, setting
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tensorwire.v1 import control_pb2
 
 __all__ = ["SECRET_KEY", "SECRET_BYTES", "MIN_TOKEN_CHARS", "MAC_METADATA", "resolve_link_secret", "offer_mac",
            "mac_matches"]
@@ -116,8 +113,8 @@ def _from_store(store: Any, key: str, timeout: float) -> bytes:
         return got
 
 
-def offer_mac(secret: bytes, offer: "control_pb2.LinkOffer", *, role: bytes, bound: bytes = b"") -> bytes:
-    """HMAC-SHA256 of a whole declaration (deterministic protobuf bytes) under the link secret.
+def offer_mac(secret: bytes, offer: Any, *, role: bytes, bound: bytes = b"") -> bytes:
+    """HMAC-SHA256 of a whole declaration (a ``LinkOffer``, as deterministic protobuf bytes) under the link secret.
 
     ``role``: ``b"ask"`` for a request, ``b"answer"`` for the answer; ``bound``:
     the request's nonce for an answer (an answer is good for that request only).
@@ -129,7 +126,7 @@ def offer_mac(secret: bytes, offer: "control_pb2.LinkOffer", *, role: bytes, bou
     return h.digest()
 
 
-def mac_matches(secret: bytes, offer: "control_pb2.LinkOffer", mac: bytes | None, *, role: bytes,
+def mac_matches(secret: bytes, offer: Any, mac: bytes | None, *, role: bytes,
                 bound: bytes = b"") -> bool:
     """Constant-time check of a declaration's MAC."""
     if not mac:

@@ -57,6 +57,7 @@ from tensorwire.errors import (
 from tensorwire.settings import Settings, setting
 from tensorwire.spec import TensorSpec, check_same_specs
 from tensorwire.p2p.link import Link, slot_depths
+from tensorwire.p2p.linkauth import SECRET_KEY, resolve_link_secret
 from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
 from tensorwire.transport.select import TransportChoice, check_choice, choose_transport, host_id
 from tensorwire.p2p.torchrun import bootstrap_store
@@ -128,7 +129,6 @@ class Node:
         self.store = store
         self._listeners: dict[str, Listener] = {}
         from tensorwire.p2p.control import ControlServer
-        from tensorwire.p2p.linkauth import SECRET_KEY, resolve_link_secret
 
         try:
             self._secret = resolve_link_secret(store=store, key=self._key(SECRET_KEY), explicit=link_secret,
