@@ -173,14 +173,15 @@ class Transport(abc.ABC):
         tag: int,
         buf: "torch.Tensor",
         *,
-        step: int,
+        step: int | None = None,
         shape: tuple[int, ...] | None = None,
         timeout: float | None,
     ) -> None:
         """Send ``buf`` (flat uint8) as the next message on ``tag``.
 
         Returns once the bytes are out of ``buf`` (it may be reused). Waits for
-        the receiver's credit (a posted buffer) first.
+        the receiver's credit (a posted buffer) first. ``step``: the message's
+        per-tag counter (None: the transport's own, one more than the last).
 
         Raises:
             TransferTimeout: no credit or not all bytes out within ``timeout``;
