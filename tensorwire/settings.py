@@ -99,9 +99,11 @@ def _level(raw: str) -> str:
     return text
 
 
-def _var(parse: Callable[[str], Any], doc: str, default: Any, *, shown: str | None = None) -> Any:
-    """A settings field read from ``TENSORWIRE_<FIELD NAME>`` with ``parse``; ``doc`` goes into the docs."""
-    return field(default=default, metadata={"parse": parse, "doc": doc, "shown": shown})
+def _var(parse: Callable[[str], Any], doc: str, default: Any, *, shown: str | None = None,
+         secret: bool = False) -> Any:
+    """A settings field read from ``TENSORWIRE_<FIELD NAME>`` with ``parse``; ``doc`` goes into the docs.
+    ``secret``: left out of the settings' ``repr`` (it may end up in a log)."""
+    return field(default=default, repr=not secret, metadata={"parse": parse, "doc": doc, "shown": shown})
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,13 @@ class Settings:
     staging_chunk: int = _var(
         parse_size, "Chunk (bytes; K/M/G suffixes) of CUDA tensors staged through host memory; 0 = one message. "
         "Both ends of a link must agree.", DEFAULT_STAGING_CHUNK, shown="2M")
+    link_token: str | None = _var(
+        _text, "Link secret shared by every rank of the job (the links' control plane and data handshakes prove "
+        "it). Unset: rank 0's random secret from the rendezvous store. Takes precedence over the store; set it on "
+        "every rank or on none.", None, shown="unset: from the rendezvous store", secret=True)
+    link_token_file: str | None = _var(
+        _text, "File holding the link secret (e.g. a mounted Kubernetes Secret); the same as "
+        "`TENSORWIRE_LINK_TOKEN` (give one of the two).", None, shown="unset: from the rendezvous store")
     # -- UCX ---------------------------------------------------------------------------------------------
     ucx_spin_us: float = _var(_microseconds, "Microseconds a wait polls UCX before it sleeps.", 100.0)
     ucx_cuda_spin_us: float = _var(_microseconds, "The same for a wait on a transfer of CUDA memory.", 2000.0)

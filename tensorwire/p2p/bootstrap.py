@@ -21,7 +21,10 @@ What it does, once per worker:
 5. publishes, under ``tensorwire/<run id>/<restart count>/``, the control
    address (``ctrl/<rank>``, used by :meth:`Node.link`) and a JSON record of
    every address of the rank (``addr/<rank>``: control, data plane per
-   transport, host, pid, local/group rank) for tools and debugging.
+   transport, host, pid, local/group rank) for tools and debugging;
+6. takes the job's link secret (``TENSORWIRE_LINK_TOKEN`` /
+   ``TENSORWIRE_LINK_TOKEN_FILE``, else ``link/secret`` under the same prefix, written
+   once by the first rank): see :mod:`tensorwire.p2p.linkauth`.
 """
 
 from __future__ import annotations
@@ -105,7 +108,8 @@ def init(*, transport: TransportChoice | None = None, timeout: float | None = No
         if tr.restart_count > 0:
             # Hygiene: drop what the previous attempt of this rank published in the agent's long-lived store.
             old = store_prefix(tr.run_id, tr.restart_count - 1)
-            for key in (f"ctrl/{tr.rank}", f"addr/{tr.rank}"):
+            keys = [f"ctrl/{tr.rank}", f"addr/{tr.rank}"] + (["link/secret"] if tr.rank == 0 else [])
+            for key in keys:
                 try:
                     store.delete_key(old + key)
                 except Exception:  # noqa: BLE001 - best effort; the prefix already isolates attempts

@@ -10,10 +10,18 @@ rule, so a mismatch fails on **both** sides with the same
 
 Protobuf only — no pickle; a protocol version in every offer; tensor bytes
 never travel here.
+
+Authentication (:mod:`tensorwire.p2p.linkauth`): a server made with
+``secret=`` answers only requests whose declaration carries its HMAC under the
+job's link secret, and signs its answer; anything else is ``UNAUTHENTICATED``
+before a declaration is looked at (so a stranger learns no nonce or port and
+takes nothing away from the real peer). A request is answered once: its nonce
+presented again (a replay) is refused too.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -21,7 +29,8 @@ from concurrent import futures
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tensorwire._proto import spec_from_proto, spec_to_proto
-from tensorwire.errors import ConnectTimeout, ProtocolError, TransportError, VersionMismatchError
+from tensorwire.errors import AuthError, ConnectTimeout, ProtocolError, TransportError, VersionMismatchError
+from tensorwire.p2p.linkauth import MAC_METADATA, mac_matches, offer_mac
 from tensorwire.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,9 +61,16 @@ class ControlServer:
     Args:
         host: address to bind (the address peers reach this node on).
         port: 0 for an ephemeral port (the bound port is ``self.port``).
+        secret: the job's link secret: callers must prove it (``None``: anyone may negotiate).
     """
 
-    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, max_workers: int = 16) -> None:
+    #: Request nonces remembered as answered (a replayed request is refused).
+    REMEMBER = 4096
+    #: Seconds between two WARNINGs about refused callers.
+    LOG_EVERY = 10.0
+
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, max_workers: int = 16,
+                 secret: bytes | None = None) -> None:
         import grpc
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -63,6 +79,13 @@ class ControlServer:
         self._cond = threading.Condition()
         self._declared: dict[tuple[int, str], "control_pb2.LinkOffer"] = {}
         self._closed = False
+        self._secret = bytes(secret) if secret else None
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._in_flight: set[bytes] = set()
+        #: Negotiate calls refused for a missing or wrong credential, since creation.
+        self.refused = 0
+        self._quiet = 0
+        self._logged_at = -1e9
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tw-control"),
                                    options=_OPTIONS)
         control_pb2_grpc.add_ControlServicer_to_server(_Servicer(self), self._server)
@@ -118,6 +141,39 @@ class ControlServer:
                     return None
                 self._cond.wait(min(rem, 0.5))
 
+    def _admit(self, request: "control_pb2.NegotiateRequest", mac: bytes | None, peer: str) -> str | None:
+        """Check a request's credential and claim its nonce; the reason it is refused, or None."""
+        if self._secret is None:
+            return None
+        nonce = bytes(request.offer.nonce)
+        if not mac_matches(self._secret, request.offer, mac, role=b"ask"):
+            why = "missing or wrong link credential"
+        else:
+            with self._cond:
+                if nonce in self._seen or nonce in self._in_flight:
+                    why = "a request answered before was presented again"
+                else:
+                    self._in_flight.add(nonce)
+                    return None
+        with self._cond:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._logged_at >= self.LOG_EVERY:
+                more = f" (and {self._quiet} more since the last report)" if self._quiet else ""
+                self._quiet, self._logged_at = 0, now
+                log.warning("tensorwire control: refused Negotiate from %s: %s%s", peer, why, more)
+            else:
+                self._quiet += 1
+        return why
+
+    def _done(self, nonce: bytes, *, answered: bool) -> None:
+        with self._cond:
+            self._in_flight.discard(nonce)
+            if answered:
+                self._seen[nonce] = None
+                while len(self._seen) > self.REMEMBER:
+                    self._seen.popitem(last=False)
+
     def close(self, grace: float = 0.5) -> None:
         with self._cond:
             if self._closed:
@@ -142,6 +198,26 @@ class _Servicer:
         from tensorwire.v1 import control_pb2
 
         offer = request.offer
+        owner = self._owner
+        mac = next((bytes(v) for k, v in context.invocation_metadata() if k == MAC_METADATA), None)
+        why = owner._admit(request, mac, context.peer())
+        if why is not None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"link negotiation refused: {why}")
+        answered = False
+        try:
+            reply = self._answer(request, context)
+            answered = True
+            return reply
+        finally:
+            if owner._secret is not None:
+                owner._done(bytes(offer.nonce), answered=answered)
+
+    def _answer(self, request: "control_pb2.NegotiateRequest", context: "grpc.ServicerContext") -> "control_pb2.NegotiateResponse":
+        import grpc
+
+        from tensorwire.v1 import control_pb2
+
+        offer = request.offer
         if offer.protocol_version != PROTOCOL_VERSION:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"protocol version {offer.protocol_version} not supported; this node speaks {PROTOCOL_VERSION}")
@@ -151,15 +227,24 @@ class _Servicer:
         if mine is None:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"rank {offer.to_rank} did not declare link {offer.link_name!r} to rank {offer.from_rank} in time")
+        secret = self._owner._secret
+        if secret is not None:
+            context.set_trailing_metadata(
+                ((MAC_METADATA, offer_mac(secret, mine, role=b"answer", bound=bytes(offer.nonce))),))
         return control_pb2.NegotiateResponse(offer=mine)
 
 
-def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float) -> "control_pb2.LinkOffer":
+def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float,
+              secret: bytes | None = None) -> "control_pb2.LinkOffer":
     """Send our declaration to the peer's control server; return the peer's.
 
-    Retries while the peer's server is not up yet, until ``timeout``.
+    Retries while the peer's server is not up yet, until ``timeout``. With
+    ``secret`` (the job's link secret) the request carries its MAC and the
+    answer must carry the peer's.
 
     Raises:
+        AuthError: the peer refused our credential, or its answer lacks a good one
+            (it does not hold this job's link secret).
         ConnectTimeout: the peer did not answer or declare in time.
         VersionMismatchError: the peer speaks another protocol version.
         ProtocolError: the peer answered with something malformed.
@@ -170,6 +255,7 @@ def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float) -
 
     deadline = time.monotonic() + timeout
     delay = 0.05
+    metadata = ((MAC_METADATA, offer_mac(secret, offer, role=b"ask")),) if secret else None
     with grpc.insecure_channel(address, options=_OPTIONS) as channel:
         stub = control_pb2_grpc.ControlStub(channel)
         while True:
@@ -177,10 +263,14 @@ def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float) -
             if rem <= 0:
                 raise ConnectTimeout(f"control plane of peer at {address} did not answer within {timeout:.1f}s")
             try:
-                reply = stub.Negotiate(control_pb2.NegotiateRequest(offer=offer), timeout=rem, wait_for_ready=True)
+                reply, call = stub.Negotiate.with_call(control_pb2.NegotiateRequest(offer=offer), timeout=rem,
+                                                       wait_for_ready=True, metadata=metadata)
                 break
             except grpc.RpcError as exc:
                 code = exc.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise AuthError(f"peer at {address} refused to negotiate link {offer.link_name!r}: "
+                                    f"{exc.details()} (do both ranks hold the same link secret?)") from exc
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise VersionMismatchError(f"peer at {address}: {exc.details()}") from exc
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -193,6 +283,10 @@ def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float) -
                     continue
                 raise TransportError(f"negotiation with {address} failed: {code.name}: {exc.details()}") from exc
     peer = reply.offer
+    if secret:
+        mac = next((bytes(v) for k, v in (call.trailing_metadata() or ()) if k == MAC_METADATA), None)
+        if not mac_matches(secret, peer, mac, role=b"answer", bound=bytes(offer.nonce)):
+            raise AuthError(f"peer at {address} answered without proof of this job's link secret")
     if peer.protocol_version != PROTOCOL_VERSION:
         raise VersionMismatchError(f"peer at {address} speaks protocol {peer.protocol_version}, this is {PROTOCOL_VERSION}")
     if peer.from_rank != offer.to_rank or peer.to_rank != offer.from_rank or peer.link_name != offer.link_name:

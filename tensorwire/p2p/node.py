@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from tensorwire.buffers import cuda_available
 from tensorwire.errors import (
+    AuthError,
     ClosedError,
     ConfigError,
     ConnectTimeout,
@@ -56,6 +57,7 @@ from tensorwire.errors import (
 from tensorwire.settings import Settings, setting
 from tensorwire.spec import TensorSpec, check_same_specs
 from tensorwire.p2p.link import Link, slot_depths
+from tensorwire.p2p.linkauth import SECRET_KEY, resolve_link_secret
 from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
 from tensorwire.transport.select import TransportChoice, check_choice, choose_transport, host_id
 from tensorwire.p2p.torchrun import bootstrap_store
@@ -90,16 +92,22 @@ class Node:
             is declared lost (env ``TENSORWIRE_PEER_TIMEOUT``).
         prefix: store key prefix (``tw.init`` keys it by run id and restart count).
         device: CUDA device for CUDA slots (default: the current device).
+        link_secret: the secret every rank of the job holds (at least 16 bytes or
+            characters); default: ``TENSORWIRE_LINK_TOKEN`` / ``TENSORWIRE_LINK_TOKEN_FILE``,
+            else a random one written once into ``store`` under the prefix. Links
+            are negotiated and connected only with processes that prove it
+            (:mod:`tensorwire.p2p.linkauth`).
 
     Raises:
         ConfigError: bad arguments or environment.
+        ConnectTimeout: the store did not answer in time.
         TransportError: a listener or the control server could not bind.
     """
 
     def __init__(self, *, rank: int, world_size: int, store: Any = None, host: str = "127.0.0.1",
                  transport: TransportChoice | None = None, timeout: float | None = None,
                  peer_timeout: float | None = None, prefix: str = "tensorwire/default/0/",
-                 device: "torch.device | str | None" = None) -> None:
+                 device: "torch.device | str | None" = None, link_secret: bytes | str | None = None) -> None:
         if not isinstance(rank, int) or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
         if transport is None:
@@ -119,10 +127,16 @@ class Node:
         if store is None:
             store = self._store_from_env()
         self.store = store
+        self._listeners: dict[str, Listener] = {}
         from tensorwire.p2p.control import ControlServer
 
-        self._control = ControlServer(host)
-        self._listeners: dict[str, Listener] = {}
+        try:
+            self._secret = resolve_link_secret(store=store, key=self._key(SECRET_KEY), explicit=link_secret,
+                                               timeout=self.timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._control = ControlServer(host, secret=self._secret)
         try:
             self._open_listeners()
             self.store.set(self._key(f"ctrl/{rank}"), self._control.address)
@@ -152,7 +166,8 @@ class Node:
         for kind in kinds:
             try:
                 factory = get_factory(kind)
-                self._listeners[kind] = factory(self.host, port=0, peer_timeout=self.peer_timeout)
+                self._listeners[kind] = factory(self.host, port=0, peer_timeout=self.peer_timeout,
+                                                secret=self._secret)
             except ImportError as exc:
                 if self.transport == kind:
                     raise ConfigError(f"transport {kind!r} requested but unavailable: {exc}") from exc
@@ -221,7 +236,8 @@ class Node:
         self._control.declare(mine)
         try:
             peer_addr = self._lookup(peer, deadline)
-            theirs = control.negotiate(peer_addr, mine, timeout=max(0.1, deadline - time.monotonic()))
+            theirs = control.negotiate(peer_addr, mine, timeout=max(0.1, deadline - time.monotonic()),
+                                       secret=self._secret)
             if theirs.run_id != mine.run_id:
                 raise ProtocolError(f"rank {peer} belongs to run {theirs.run_id!r}, this rank to {mine.run_id!r}")
             peer_send, peer_recv = control.offer_specs(theirs)
@@ -292,7 +308,9 @@ class Node:
                 per_try = max(0.1, deadline - time.monotonic()) if i == len(order) - 1 else min(
                     10.0, max(0.1, deadline - time.monotonic()))
                 return factory.connect(addr.host, addr.port, theirs.nonce, timeout=per_try,
-                                       peer_timeout=self.peer_timeout)
+                                       peer_timeout=self.peer_timeout, secret=self._secret)
+            except AuthError:
+                raise  # the peer does not hold our secret: no other transport will do better
             except (TensorWireError, ImportError, OSError) as exc:
                 last = exc
                 if i + 1 < len(order):

@@ -238,14 +238,18 @@ class Listener(abc.ABC):
 
     kind: ClassVar[str]
 
-    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0,
+                 secret: bytes | None = None) -> None:
         """Bind ``host:port`` (0: any free port; :attr:`address` has the real one) and start accepting.
-        ``peer_timeout``: seconds without a sign of life before a connection's peer is declared lost."""
+        ``peer_timeout``: seconds without a sign of life before a connection's peer is declared lost.
+        ``secret``: the link secret a dialler must prove it holds (:func:`link_proof`), checked before
+        its nonce; ``None``: the nonce alone admits."""
 
     @classmethod
     def connect(cls, host: str, port: int, nonce: bytes, *, timeout: float | None,
-                peer_timeout: float = 30.0) -> Transport:
-        """Dial a listener of this kind at ``host:port`` and present ``nonce`` (learned over the control plane).
+                peer_timeout: float = 30.0, secret: bytes | None = None) -> Transport:
+        """Dial a listener of this kind at ``host:port`` and present ``nonce`` (learned over the control plane)
+        and the proof of ``secret``, the link secret.
 
         Raises:
             ConnectTimeout: no connection/answer within ``timeout``.

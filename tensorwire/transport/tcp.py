@@ -32,10 +32,17 @@ whose write would block also pumps reads when no one else does. This keeps the
 small-message path free of thread hand-offs (see bench/ for the figures).
 
 Connection set-up: the connecting side sends a hello (magic, protocol version,
-16-byte nonce learned over the control plane); the listener answers OK, NO
-(unknown credential or version) or BUSY (evicted to make room under a flood of
-connections that send no hello: the client dials again with backoff), each 8
-bytes. Garbage, truncated or slow hellos are dropped without disturbing other
+16-byte nonce learned over the control plane, then a 16-byte proof that it
+holds the link secret: :func:`~tensorwire.transport.base.link_proof`, zeros
+without one); the listener answers OK, NO (wrong proof, unknown credential or
+version) or BUSY (evicted to make room under a flood of connections that send
+no hello: the client dials again with backoff), each 8 bytes. A listener made
+with ``secret=`` (links) checks the proof in constant time *before* it looks
+at the nonce, so a stranger holding a leaked nonce neither gets in nor uses
+the nonce up; one without (the serve daemon, whose nonces are per-session
+credentials handed out over its authenticated control plane) ignores it. The
+version comes before the proof: a peer of another version is told so after
+the first 28 bytes. Garbage, truncated or slow hellos are dropped without disturbing other
 connections; see :mod:`tensorwire.transport.admission` for the bounds.
 
 Liveness: TCP keepalive and ``TCP_USER_TIMEOUT`` bounded by ``peer_timeout``,
@@ -68,18 +75,23 @@ from tensorwire.errors import (
     VersionMismatchError,
 )
 from tensorwire.transport.admission import AdmissionLimits, PendingTable
-from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, Listener, Received, Transport
+from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, PROOF_BYTES, Listener, Received, Transport
+from tensorwire.transport.base import link_proof, proof_matches
 from tensorwire.transport.base import remaining as _remaining
 from tensorwire.transport._socket import dial, tune_socket
 
-__all__ = ["TcpTransport", "TcpListener", "FRAME", "HELLO"]
+__all__ = ["TcpTransport", "TcpListener", "FRAME", "HELLO", "HELLO_HEAD"]
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+#: v2: the hello carries a proof of the link secret after the nonce.
+PROTOCOL_VERSION = 2
 FRAME = struct.Struct("<2sBBIQQII8q")
 assert FRAME.size == 96
-HELLO = struct.Struct(f"<8sI{NONCE_BYTES}s")
+#: magic, version, nonce (what every version of the hello starts with: the version is read first) ...
+HELLO_HEAD = struct.Struct(f"<8sI{NONCE_BYTES}s")
+#: ... then, from v2, the proof of the link secret (zeros without one).
+HELLO = struct.Struct(f"<8sI{NONCE_BYTES}s{PROOF_BYTES}s")
 HELLO_MAGIC = b"TWHELLO\0"
 HELLO_OK = b"TWOK"
 DATA, CREDIT, BYE = 1, 2, 3
@@ -630,13 +642,14 @@ class TcpTransport(Transport):
 class _Hello:
     """A connection whose hello has not arrived yet (the accept thread's only)."""
 
-    __slots__ = ("conn", "addr", "buf", "got")
+    __slots__ = ("conn", "addr", "buf", "got", "need")
 
     def __init__(self, conn: socket.socket, addr: Any) -> None:
         self.conn = conn
         self.addr = addr
         self.buf = bytearray(HELLO.size)
         self.got = 0
+        self.need = HELLO_HEAD.size  # the whole HELLO once the head says this version
 
 
 class TcpListener(Listener):
@@ -661,7 +674,9 @@ class TcpListener(Listener):
     LOG_EVERY = 10.0
 
     def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0, backlog: int = 1024,
-                 limits: AdmissionLimits | None = None) -> None:
+                 limits: AdmissionLimits | None = None, secret: bytes | None = None) -> None:
+        """``secret``: the link secret a dialler must prove it holds (checked before its nonce);
+        ``None`` (the serve daemon): the nonce alone admits. See the module docstring."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -671,6 +686,7 @@ class TcpListener(Listener):
         self._host = host
         self._port = self._sock.getsockname()[1]
         self._peer_timeout = peer_timeout
+        self._secret = bytes(secret) if secret else None
         self.limits = limits or AdmissionLimits()
         self.HELLO_TIMEOUT = self.limits.hello_timeout
         self._cond = threading.Condition()
@@ -807,7 +823,7 @@ class TcpListener(Listener):
         if h is None:
             return False
         try:
-            n = h.conn.recv_into(memoryview(h.buf)[h.got :], HELLO.size - h.got)
+            n = h.conn.recv_into(memoryview(h.buf)[h.got :], h.need - h.got)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
@@ -819,24 +835,35 @@ class TcpListener(Listener):
                 self._drop(fd, "closed during hello")
             return False
         h.got += n
-        if h.got < HELLO.size:
+        if h.got == HELLO_HEAD.size and h.need == HELLO_HEAD.size:
+            magic, version, _ = HELLO_HEAD.unpack_from(h.buf)
+            if magic == HELLO_MAGIC and version == PROTOCOL_VERSION:
+                h.need = HELLO.size  # the proof follows; another version is answered now
+                return self._read_hello(fd, pending=pending)
+        if h.got < h.need:
             return False
         if pending:
             self._pending.remove(fd)
         self._sel.unregister(h.conn)
         del self._hellos[fd]
-        self._admit(h.conn, h.addr, h.buf)
+        self._admit(h.conn, h.addr, h.buf, h.got)
         return True
 
-    def _admit(self, conn: socket.socket, addr: Any, buf: bytearray) -> None:
-        """A whole hello arrived: check it, answer, park the connection for its nonce."""
+    def _admit(self, conn: socket.socket, addr: Any, buf: bytearray, got: int) -> None:
+        """A whole hello arrived (``got`` bytes of ``buf``): check it, answer, park the connection for its nonce."""
         try:
-            magic, version, nonce = HELLO.unpack(buf)
+            magic, version, nonce = HELLO_HEAD.unpack_from(buf)
             if magic != HELLO_MAGIC:
                 raise ProtocolError(f"bad hello magic {bytes(magic)[:8]!r}")
-            if version != PROTOCOL_VERSION:
+            if version != PROTOCOL_VERSION or got != HELLO.size:
                 conn.send(_NO)
                 raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
+            proof = HELLO.unpack_from(buf)[3]
+            # The proof first, in constant time: without the secret, a (leaked) nonce is neither
+            # admitted nor claimed, so the real peer presenting it later still gets in.
+            if not proof_matches(self._secret, nonce, proof):
+                conn.send(_NO)
+                raise AuthError("wrong or missing link secret")
             with self._cond:
                 # check and claim in one step: a nonce is single-use (a second connection presenting it,
                 # even at the same instant, is refused before it is answered)
@@ -907,9 +934,10 @@ class TcpListener(Listener):
 
     @classmethod
     def connect(
-        cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0
+        cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0,
+        secret: bytes | None = None,
     ) -> TcpTransport:
-        """Dial a listener and present ``nonce``.
+        """Dial a listener and present ``nonce`` (and the proof of ``secret``, the link secret).
 
         A listener that answers BUSY (it evicted this connection to make room
         under a flood of connections), or that drops the connection without an
@@ -918,15 +946,16 @@ class TcpListener(Listener):
         Raises:
             ConnectTimeout: no connection/answer within ``timeout``.
             ResourceExhaustedError: the listener was too busy for the whole ``timeout``.
-            AuthError: the listener refused the credential.
+            AuthError: the listener refused the credential (an unknown nonce, or a wrong or missing secret).
             VersionMismatchError: the listener speaks another data protocol version.
             PeerLostError: the connection was refused or reset until the timeout.
         """
+        proof = link_proof(secret, bytes(nonce))
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.02
         while True:
             try:
-                return cls._connect_once(host, port, nonce, deadline, peer_timeout)
+                return cls._connect_once(host, port, nonce, proof, deadline, peer_timeout)
             except (_Busy, _NoAnswer) as exc:
                 rem = _remaining(deadline)
                 if rem is not None and rem <= delay:
@@ -940,11 +969,12 @@ class TcpListener(Listener):
                 delay = min(delay * 2, 0.5)
 
     @staticmethod
-    def _connect_once(host: str, port: int, nonce: bytes, deadline: float | None, peer_timeout: float) -> TcpTransport:
+    def _connect_once(host: str, port: int, nonce: bytes, proof: bytes, deadline: float | None,
+                      peer_timeout: float) -> TcpTransport:
         sock = dial(host, port, deadline)
         try:
             sock.settimeout(_remaining(deadline))
-            sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, nonce))
+            sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, nonce, proof))
             reply = b""
             while len(reply) < 8:
                 chunk = sock.recv(8 - len(reply))
@@ -958,7 +988,8 @@ class TcpListener(Listener):
                 if value != PROTOCOL_VERSION:
                     raise VersionMismatchError(f"data listener {host}:{port} speaks data protocol v{value}, "
                                                f"this is v{PROTOCOL_VERSION}")
-                raise AuthError(f"data listener {host}:{port} refused the credential")
+                raise AuthError(f"data listener {host}:{port} refused the credential (unknown nonce, or a wrong or "
+                                "missing link secret)")
             if word != HELLO_OK:
                 raise ProtocolError(f"unexpected hello reply {reply!r} from {host}:{port}")
             tune_socket(sock, peer_timeout=peer_timeout)

@@ -23,7 +23,7 @@ from flood import Flood, raise_nofile
 from serve_common import Daemon, in_process
 from tensorwire.transport.admission import AdmissionLimits, PendingTable
 from tensorwire.transport.base import new_nonce
-from tensorwire.transport.tcp import HELLO, HELLO_MAGIC, PROTOCOL_VERSION, TcpListener
+from tensorwire.transport.tcp import HELLO, HELLO_HEAD, HELLO_MAGIC, PROTOCOL_VERSION, TcpListener
 
 pytestmark = [pytest.mark.attack, pytest.mark.timeout(120)]
 
@@ -125,7 +125,7 @@ def test_a_bad_credential_is_refused_with_an_answer_not_a_dropped_connection():
         with pytest.raises(tw.AuthError, match="refused the credential"):
             TcpListener.connect("127.0.0.1", lst.address[1], new_nonce(), timeout=5)
         s = socket.create_connection(lst.address, timeout=5)
-        s.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION + 3, b"\0" * 16))
+        s.sendall(HELLO_HEAD.pack(HELLO_MAGIC, PROTOCOL_VERSION + 3, b"\0" * 16))
         assert s.recv(8)[:4] == b"TWNO"
         s.close()
     finally:

@@ -134,7 +134,7 @@ def _raw_connect(port: int) -> socket.socket:
 
 @pytest.mark.timeout(120)
 def test_garbage_on_data_and_control_ports_is_dropped_and_daemon_keeps_serving():
-    from tensorwire.transport.tcp import HELLO, HELLO_MAGIC, PROTOCOL_VERSION
+    from tensorwire.transport.tcp import HELLO, HELLO_HEAD, HELLO_MAGIC, PROTOCOL_VERSION
 
     with Daemon() as d:
         data_port = d.info["data"][0]["port"]
@@ -143,9 +143,9 @@ def test_garbage_on_data_and_control_ports_is_dropped_and_daemon_keeps_serving()
             rng = torch.Generator().manual_seed(0)
             payloads = [
                 torch.randint(0, 256, (4096,), generator=rng, dtype=torch.uint8).numpy().tobytes(),  # noise
-                HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, b"\x00" * 16),  # a well-formed hello, wrong nonce
-                HELLO.pack(HELLO_MAGIC, 99, os.urandom(16)),  # wrong version
-                HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, os.urandom(16))[:10],  # half a hello
+                HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, b"\x00" * 16, b"\x00" * 16),  # a well-formed hello, wrong nonce
+                HELLO_HEAD.pack(HELLO_MAGIC, 99, os.urandom(16)),  # wrong version
+                HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, os.urandom(16), bytes(16))[:10],  # half a hello
                 b"",  # connect and close
             ]
             for p in payloads:

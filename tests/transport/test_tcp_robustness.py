@@ -13,7 +13,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.transport.base import new_nonce
-from tensorwire.transport.tcp import FRAME, HELLO, HELLO_MAGIC, PROTOCOL_VERSION, TcpListener
+from tensorwire.transport.tcp import FRAME, HELLO, HELLO_HEAD, HELLO_MAGIC, PROTOCOL_VERSION, TcpListener
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,9 +70,9 @@ def _closed_by_peer(sock: socket.socket, within: float = 5.0) -> bool:
     [
         os.urandom(4096),
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-        HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, b"\x00" * 16),  # well-formed hello, unknown credential
-        HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION + 7, b"\x00" * 16),  # wrong version
-        HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, b"\x00" * 16)[:10],  # truncated hello, then silence
+        HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, b"\x00" * 16, b"\x00" * 16),  # well-formed hello, unknown credential
+        HELLO_HEAD.pack(HELLO_MAGIC, PROTOCOL_VERSION + 7, b"\x00" * 16),  # wrong version
+        HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, b"\x00" * 16, b"\x00" * 16)[:10],  # truncated hello, then silence
         b"",  # connect and say nothing
     ],
     ids=["random", "http", "bad-credential", "bad-version", "truncated", "silent"],
@@ -105,7 +105,7 @@ def test_garbage_frames_after_the_handshake_break_only_that_connection(listener,
     nonce = new_nonce()
     listener.expect(nonce)
     raw = socket.create_connection(listener.address, timeout=5)
-    raw.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, nonce))
+    raw.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, nonce, bytes(16)))
     assert raw.recv(8)[:4] == b"TWOK"
     victim = listener.accept(nonce, timeout=5)
     try:
@@ -130,4 +130,5 @@ def test_garbage_frames_after_the_handshake_break_only_that_connection(listener,
 
 
 def test_header_struct_is_fixed_size():
-    assert FRAME.size == 96 and struct.calcsize("<8sI16s") == HELLO.size
+    assert FRAME.size == 96 and struct.calcsize("<8sI16s") == HELLO_HEAD.size
+    assert struct.calcsize("<8sI16s16s") == HELLO.size
