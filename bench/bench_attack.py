@@ -80,8 +80,9 @@ def load_main(address: str, data_port: int, flood_n: int, hog_n: int, waiters_n:
         stop = threading.Event()
         threads = []
         for _ in range(waiters_n):
-            wsid = stub.OpenSession(store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport="tcp"),
-                                    timeout=10).session_id
+            wsid = stub.OpenSession(
+                store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport="tcp"), timeout=10
+            ).session_id
             th = threading.Thread(target=waiter_loop, args=(stop, stub, wsid, spec), daemon=True)
             th.start()
             threads.append(th)
@@ -136,8 +137,11 @@ def measure(address: str, n: int, results: dict[str, list[float]], failures: lis
         c.put("victim", t)
         c.get("victim")
         for _ in range(n):
-            for op, fn in (("get 64 KiB", lambda: c.get("victim")), ("put 64 KiB", lambda: c.put("victim", t)),
-                           ("list", c.list)):
+            for op, fn in (
+                ("get 64 KiB", lambda: c.get("victim")),
+                ("put 64 KiB", lambda: c.put("victim", t)),
+                ("list", c.list),
+            ):
                 t0 = time.perf_counter()
                 try:
                     fn()
@@ -180,13 +184,30 @@ def main() -> int:
     rss = {"unloaded": [], "loaded": []}
     with Daemon("--no-shm", transport="tcp") as d:
         data_port = d.info["data"][0]["port"]
-        load = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--load", d.address, str(data_port),
-                                 "--flood", str(args.flood), "--hog", str(args.hog), "--waiters", str(args.waiters)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+        load = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--load",
+                d.address,
+                str(data_port),
+                "--flood",
+                str(args.flood),
+                "--hog",
+                str(args.hog),
+                "--waiters",
+                str(args.waiters),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+        )
         opened = 0
         try:
             for r in range(args.rounds):
-                for phase in (("unloaded", "loaded") if r % 2 == 0 else ("loaded", "unloaded")):
+                for phase in ("unloaded", "loaded") if r % 2 == 0 else ("loaded", "unloaded"):
                     if phase == "loaded":
                         _ask(load, "on")
                         time.sleep(1.0)
@@ -215,13 +236,17 @@ def main() -> int:
             continue
         u50, l50, u90, l90 = statistics.median(u), statistics.median(l_), _pct(u, 0.9), _pct(l_, 0.9)
         worst = max(worst, l50 / u50)
-        lines.append(f"| {op} | {u50 * 1e3:.2f} ms | {l50 * 1e3:.2f} ms | {l50 / u50:.2f}x | {u90 * 1e3:.2f} ms | "
-                     f"{l90 * 1e3:.2f} ms | {l90 / u90:.2f}x | {len(u)} / {len(l_)} |")
+        lines.append(
+            f"| {op} | {u50 * 1e3:.2f} ms | {l50 * 1e3:.2f} ms | {l50 / u50:.2f}x | {u90 * 1e3:.2f} ms | "
+            f"{l90 * 1e3:.2f} ms | {l90 / u90:.2f}x | {len(u)} / {len(l_)} |"
+        )
     table = "\n".join(lines)
-    summary = (f"failed operations: unloaded {len(fails['unloaded'])}, loaded {len(fails['loaded'])}; "
-               f"worst p50 ratio {worst:.2f}x; flood connections opened in all loaded phases: {opened}; "
-               f"daemon RSS max unloaded {max(rss['unloaded']) / 2**20:.0f} MiB, loaded {max(rss['loaded']) / 2**20:.0f} MiB; "
-               f"daemon alive at the end: {alive}")
+    summary = (
+        f"failed operations: unloaded {len(fails['unloaded'])}, loaded {len(fails['loaded'])}; "
+        f"worst p50 ratio {worst:.2f}x; flood connections opened in all loaded phases: {opened}; "
+        f"daemon RSS max unloaded {max(rss['unloaded']) / 2**20:.0f} MiB, loaded {max(rss['loaded']) / 2**20:.0f} MiB; "
+        f"daemon alive at the end: {alive}"
+    )
     print(table)
     print(summary)
     for ph in ("unloaded", "loaded"):
@@ -232,13 +257,17 @@ def main() -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write("# Clients of `tensorwire serve` under attack vs unloaded (2026-11-24)\n\n")
             f.write(f"Command: `{cmd}`\n\n")
-            f.write(f"Machine: {platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}, "
-                    f"Python {platform.python_version()}. Shared with other work while it ran: noisy.\n\n")
-            f.write(f"Attack in the loaded phases: {args.flood} idle unauthenticated connections to the TCP data port "
-                    f"(all reconnected every 2 s), one client holding {args.hog} idle sessions, "
-                    f"{args.waiters} raw BeginPut calls on a name another put keeps reserved, each called again "
-                    f"0.2 s after its answer. {args.rounds} rounds, loaded and unloaded phases in alternating order, {args.ops} "
-                    f"operations of each kind per phase on an open session, plus new clients.\n\n")
+            f.write(
+                f"Machine: {platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}, "
+                f"Python {platform.python_version()}. Shared with other work while it ran: noisy.\n\n"
+            )
+            f.write(
+                f"Attack in the loaded phases: {args.flood} idle unauthenticated connections to the TCP data port "
+                f"(all reconnected every 2 s), one client holding {args.hog} idle sessions, "
+                f"{args.waiters} raw BeginPut calls on a name another put keeps reserved, each called again "
+                f"0.2 s after its answer. {args.rounds} rounds, loaded and unloaded phases in alternating order, {args.ops} "
+                f"operations of each kind per phase on an open session, plus new clients.\n\n"
+            )
             f.write(table + "\n\n" + summary + "\n")
     return 0
 

@@ -156,7 +156,7 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
         f"Date {_dt.date.today().isoformat()}; {os.cpu_count()} cores, "
         f"Python {platform.python_version()}; tensorwire transport {sorted(set(r0['transport'].values()))}; "
         f"load average before the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min); run took {wall:.0f} s.",
-        "One torchrun job, 2 ranks; gloo default group and a `new_group(backend=\"tensorwire\")` over the same "
+        'One torchrun job, 2 ranks; gloo default group and a `new_group(backend="tensorwire")` over the same '
         f"processes, measured in turns ({args.rounds} rounds per size). Command: "
         "`python bench/bench_distributed.py`.",
         "",
@@ -168,13 +168,14 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
     for size, v in sorted(r0["pingpong"].items(), key=lambda kv: int(kv[0])):
         size = int(size)
         g, t = v["gloo"], v["tensorwire"]
-        lines.append(f"| {_fmt_size(size)} | {g * 1e6:.0f} µs | {t * 1e6:.0f} µs | {t / g:.2f}x | "
-                     f"{2 * size / g / 1e9:.2f} | {2 * size / t / 1e9:.2f} | {g / t:.2f}x |")
+        lines.append(
+            f"| {_fmt_size(size)} | {g * 1e6:.0f} µs | {t * 1e6:.0f} µs | {t / g:.2f}x | "
+            f"{2 * size / g / 1e9:.2f} | {2 * size / t / 1e9:.2f} | {g / t:.2f}x |"
+        )
     g, t = r0["gpipe"]["gloo"], r0["gpipe"]["tensorwire"]
     lines += [
         "",
-        f"## GPipe step (2 stages, 4 microbatches, {args.act_mib} MiB activations per microbatch, "
-        "elementwise compute)",
+        f"## GPipe step (2 stages, 4 microbatches, {args.act_mib} MiB activations per microbatch, elementwise compute)",
         "",
         "| gloo | tensorwire | tw/gloo |",
         "| ---: | ---: | ---: |",
@@ -188,8 +189,10 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
     ]
     for rank in sorted(results):
         for name, v in results[rank]["rss"].items():
-            lines.append(f"| {rank} | {name} | {v['before']:.1f} | {v['after_pingpong']:.1f} | "
-                         f"{v['after_gpipe']:.1f} | {v['after_gpipe'] - v['before']:+.1f} |")
+            lines.append(
+                f"| {rank} | {name} | {v['before']:.1f} | {v['after_pingpong']:.1f} | "
+                f"{v['after_gpipe']:.1f} | {v['after_gpipe'] - v['before']:+.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -210,10 +213,28 @@ def main() -> None:
         return
     load = os.getloadavg()
     here = Path(__file__).resolve()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(here), "--worker", "--rounds", str(args.rounds), "--max-mib", str(args.max_mib),
-           "--act-mib", str(args.act_mib), "--gpipe-steps", str(args.gpipe_steps), "--rss-steps", str(args.rss_steps),
-           "--rss-gpipe", str(args.rss_gpipe)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(here),
+        "--worker",
+        "--rounds",
+        str(args.rounds),
+        "--max-mib",
+        str(args.max_mib),
+        "--act-mib",
+        str(args.act_mib),
+        "--gpipe-steps",
+        str(args.gpipe_steps),
+        "--rss-steps",
+        str(args.rss_steps),
+        "--rss-gpipe",
+        str(args.rss_gpipe),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(here.parent.parent), env.get("PYTHONPATH", "")])
     t0 = time.monotonic()
@@ -222,7 +243,7 @@ def main() -> None:
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT ") or "RESULT {" in line:
-            data = json.loads(line[line.index("{"):])
+            data = json.loads(line[line.index("{") :])
             results[data["rank"]] = data
     if proc.returncode != 0 or len(results) != 2:
         sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-12000:])

@@ -74,8 +74,9 @@ def cpu_per_round_trip(size: int, n: int = 4000, reps: int = 7) -> list[float]:
     nonce = new_nonce()
     lst.expect(nonce)
     box: list = []
-    th = threading.Thread(target=lambda: box.append(UcxListener.connect("127.0.0.1", lst.address[1], nonce,
-                                                                           timeout=10)), daemon=True)
+    th = threading.Thread(
+        target=lambda: box.append(UcxListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10)), daemon=True
+    )
     th.start()
     tb = lst.accept(nonce, timeout=10)
     th.join(10)
@@ -110,8 +111,9 @@ def raw_cpu_per_round_trip(size: int, n: int = 4000, reps: int = 7) -> list[floa
 
     ctx = u.UCXContext(feature_flags=(u.Feature.TAG,))
     worker = u.UCXWorker(ctx)
-    ep = u.UCXEndpoint.create_from_worker_address(worker, u.UCXAddress.create_from_buffer(worker.address.tobytes()),
-                                                  False)
+    ep = u.UCXEndpoint.create_from_worker_address(
+        worker, u.UCXAddress.create_from_buffer(worker.address.tobytes()), False
+    )
     src, dst = Array(np.ones(size, np.uint8)), Array(np.zeros(size, np.uint8))
     one, got = Array(np.ones(1, np.uint8)), Array(np.zeros(1, np.uint8))
     t_data, t_ack = u.UCXXTag(1), u.UCXXTag(2)
@@ -142,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes", default="4K,1M,16M,64M")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--backends", default="raw-ucxx,tensorwire-ucx",
-                    help="the reference first, then the ones compared with it")
+    ap.add_argument(
+        "--backends", default="raw-ucxx,tensorwire-ucx", help="the reference first, then the ones compared with it"
+    )
     ap.add_argument("--iters-scale", type=float, default=1.0)
     ap.add_argument("--markdown", help="also write the table here")
     ap.add_argument("--cpu", action="store_true", help="only the one-thread CPU per round trip (first size)")
@@ -156,14 +159,17 @@ def main(argv: list[str] | None = None) -> int:
             tw.append(statistics.median(cpu_per_round_trip(size)))
             raw.append(statistics.median(raw_cpu_per_round_trip(size)))
         ratios = [a / b for a, b in zip(tw, raw)]
-        print(f"CPU per {size}-byte round trip, both ends in one thread, {args.rounds} rounds in turns: "
-              f"tensorwire {_spread(tw, '.2f')} us, raw ucxx {_spread(raw, '.2f')} us, "
-              f"ratio {_spread(ratios, '.2f')}")
+        print(
+            f"CPU per {size}-byte round trip, both ends in one thread, {args.rounds} rounds in turns: "
+            f"tensorwire {_spread(tw, '.2f')} us, raw ucxx {_spread(raw, '.2f')} us, "
+            f"ratio {_spread(ratios, '.2f')}"
+        )
         return 0
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
     sizes = tuple(parse_size(s) for s in args.sizes.split(","))
-    cfg = BenchConfig(backends=tuple(names), sizes=sizes, device=args.device, iters_scale=args.iters_scale,
-                      memcheck=False)
+    cfg = BenchConfig(
+        backends=tuple(names), sizes=sizes, device=args.device, iters_scale=args.iters_scale, memcheck=False
+    )
     runs: dict[str, list[dict[int, dict[str, float]]]] = {n: [] for n in names}
     t0 = time.monotonic()
     for r in range(args.rounds):
@@ -175,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             runs[n].append(_figures(res))
         print(f"round {r + 1}/{args.rounds} done ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
     ref = names[0]
-    lines = [f"# {', '.join(names)} in turns, {args.rounds} rounds, device {args.device}",
-             "# median (min..max over rounds); ratio = per-round figure / the same round's "
-             f"{ref} figure", ""]
+    lines = [
+        f"# {', '.join(names)} in turns, {args.rounds} rounds, device {args.device}",
+        f"# median (min..max over rounds); ratio = per-round figure / the same round's {ref} figure",
+        "",
+    ]
     for key, unit, fmt in (("rtt_us", "round trip p50 µs", ".1f"), ("uni_GBps", "stream GB/s", ".2f")):
         head = ["size"] + [f"{n} {unit}" for n in names] + [f"{n}/{ref}" for n in names[1:]]
         lines.append("| " + " | ".join(head) + " |")
@@ -187,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             for n in names:
                 row.append(_spread([run[size][key] for run in runs[n] if key in run.get(size, {})], fmt))
             for n in names[1:]:
-                ratios = [b[size][key] / a[size][key] for a, b in zip(runs[ref], runs[n])
-                          if key in a.get(size, {}) and key in b.get(size, {}) and a[size][key] > 0]
+                ratios = [
+                    b[size][key] / a[size][key]
+                    for a, b in zip(runs[ref], runs[n])
+                    if key in a.get(size, {}) and key in b.get(size, {}) and a[size][key] > 0
+                ]
                 row.append(_spread(ratios, ".2f"))
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")

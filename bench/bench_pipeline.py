@@ -77,7 +77,9 @@ def load_example() -> Any:
 class GrpcComm:
     """Activations/gradients as raw bytes in unary gRPC calls, one call per tensor per microbatch."""
 
-    def __init__(self, node: Any, plan: Any, *, n_stages: int, microbatches: int, tag: str, timeout: float = 60) -> None:
+    def __init__(
+        self, node: Any, plan: Any, *, n_stages: int, microbatches: int, tag: str, timeout: float = 60
+    ) -> None:
         import grpc
         import torch
 
@@ -91,10 +93,13 @@ class GrpcComm:
             def on(request: bytes, context: Any) -> bytes:
                 self._q[kind].put(request)
                 return b""
+
             return on
 
-        methods = {"Act": grpc.unary_unary_rpc_method_handler(handler("act")),
-                   "Grad": grpc.unary_unary_rpc_method_handler(handler("grad"))}
+        methods = {
+            "Act": grpc.unary_unary_rpc_method_handler(handler("act")),
+            "Grad": grpc.unary_unary_rpc_method_handler(handler("grad")),
+        }
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Pipeline", methods),))
         host = node.host
@@ -115,8 +120,11 @@ class GrpcComm:
 
         self.prev_grad = stub(self.rank - 1, "Grad") if self.rank > 0 else None
         self.next_act = stub(self.rank + 1, "Act") if self.rank < n_stages - 1 else None
-        self.inputs = [[torch.empty(s.shape, dtype=s.torch_dtype) for s in plan.inputs]
-                       for _ in range(microbatches)] if self.rank > 0 else []
+        self.inputs = (
+            [[torch.empty(s.shape, dtype=s.torch_dtype) for s in plan.inputs] for _ in range(microbatches)]
+            if self.rank > 0
+            else []
+        )
         self.grad_bufs = [torch.empty(s.shape, dtype=s.torch_dtype) for s in plan.grads_of_outputs]
 
     @staticmethod
@@ -198,14 +206,23 @@ def worker(args: argparse.Namespace) -> None:
 
     configs = [("exchange", h) for h in args.hidden] + [("train", args.train_hidden)]
     for ci, (what, hidden) in enumerate(configs):
-        cfg = ex.Config(hidden=hidden, batch=args.batch, microbatches=args.microbatches, layers=args.layers,
-                        steps=args.steps, d_in=hidden, d_out=hidden)
+        cfg = ex.Config(
+            hidden=hidden,
+            batch=args.batch,
+            microbatches=args.microbatches,
+            layers=args.layers,
+            steps=args.steps,
+            d_in=hidden,
+            d_out=hidden,
+        )
         model = ex.build_model(cfg)
         stage = ex.build_stage(model, 2, rank)
         plan = tw.discover(stage, torch.zeros(cfg.microbatch, cfg.d_in if rank == 0 else cfg.hidden))
         g = torch.Generator().manual_seed(rank)
-        payload = {"act": [torch.randn(s.shape, generator=g) for s in plan.outputs],
-                   "grad": [torch.randn(s.shape, generator=g) for s in plan.grads_of_inputs]}
+        payload = {
+            "act": [torch.randn(s.shape, generator=g) for s in plan.outputs],
+            "grad": [torch.randn(s.shape, generator=g) for s in plan.grads_of_inputs],
+        }
         per_msg = (plan.outputs if rank == 0 else plan.inputs)[0].nbytes
         times: dict[str, list[float]] = {"tensorwire": [], "grpc": []}
         inside: dict[str, list[float]] = {"tensorwire": [], "grpc": []}
@@ -215,8 +232,14 @@ def worker(args: argparse.Namespace) -> None:
                 tag = f"{ci}.{rnd}.{variant}"
                 if variant == "tensorwire":
                     # a fresh link per block, like a fresh channel for gRPC; set-up is outside the timing
-                    comm = ex.TensorwireComm(node, plan, n_stages=2, microbatches=cfg.microbatches,
-                                             device=torch.device("cpu"), link_name=f"bench.{tag}")
+                    comm = ex.TensorwireComm(
+                        node,
+                        plan,
+                        n_stages=2,
+                        microbatches=cfg.microbatches,
+                        device=torch.device("cpu"),
+                        link_name=f"bench.{tag}",
+                    )
                     transport = comm.transports
                 else:
                     comm = GrpcComm(node, plan, n_stages=2, microbatches=cfg.microbatches, tag=tag)
@@ -230,8 +253,9 @@ def worker(args: argparse.Namespace) -> None:
                         opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
                         for step in range(args.warmup + args.steps):
                             t0 = time.perf_counter()
-                            ex.pipeline_step(stage, opt, comm, cfg, step, first=rank == 0, last=rank == 1,
-                                             device=torch.device("cpu"))
+                            ex.pipeline_step(
+                                stage, opt, comm, cfg, step, first=rank == 0, last=rank == 1, device=torch.device("cpu")
+                            )
                             dt = time.perf_counter() - t0
                             _, secs = comm.stats.end_step()
                             if step >= args.warmup:
@@ -239,11 +263,23 @@ def worker(args: argparse.Namespace) -> None:
                                 inside[variant].append(secs)
                 finally:
                     comm.close()
-        results[what].append({"hidden": hidden, "batch": cfg.batch, "microbatches": cfg.microbatches,
-                              "msg_bytes": per_msg, "msgs_per_step": 2 * cfg.microbatches, "transport": transport,
-                              "times": times, "inside": inside})
-        print(f"[rank {rank}] {what} hidden={hidden}: tensorwire {statistics.median(times['tensorwire']) * 1e3:.2f} ms, "
-              f"grpc {statistics.median(times['grpc']) * 1e3:.2f} ms", flush=True)
+        results[what].append(
+            {
+                "hidden": hidden,
+                "batch": cfg.batch,
+                "microbatches": cfg.microbatches,
+                "msg_bytes": per_msg,
+                "msgs_per_step": 2 * cfg.microbatches,
+                "transport": transport,
+                "times": times,
+                "inside": inside,
+            }
+        )
+        print(
+            f"[rank {rank}] {what} hidden={hidden}: tensorwire {statistics.median(times['tensorwire']) * 1e3:.2f} ms, "
+            f"grpc {statistics.median(times['grpc']) * 1e3:.2f} ms",
+            flush=True,
+        )
     if args.json_out:
         Path(f"{args.json_out}.rank{rank}").write_text(json.dumps(results))
     node.close()
@@ -278,9 +314,11 @@ def _versions() -> str:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return (f"nproc {os.cpu_count()}; cpu {cpu}; memory {mem:.0f} GiB; os {platform.platform()}; "
-            f"python {platform.python_version()}; torch {torch.__version__}; grpcio {grpc.__version__}; "
-            f"ucxx {ucx}; cuda {torch.cuda.is_available()}")
+    return (
+        f"nproc {os.cpu_count()}; cpu {cpu}; memory {mem:.0f} GiB; os {platform.platform()}; "
+        f"python {platform.python_version()}; torch {torch.__version__}; grpcio {grpc.__version__}; "
+        f"ucxx {ucx}; cuda {torch.cuda.is_available()}"
+    )
 
 
 def _ms(x: float) -> str:
@@ -291,24 +329,34 @@ def _size(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
-def report(res: dict[str, Any], *, command: str, elapsed: float, load: tuple[float, float], args: argparse.Namespace) -> str:
+def report(
+    res: dict[str, Any], *, command: str, elapsed: float, load: tuple[float, float], args: argparse.Namespace
+) -> str:
     r0 = res
-    lines = ["# Pipeline exchange: tensorwire vs gRPC (2 stages, CPU)", "",
-             f"Command (from the repository root): `{command}` ({elapsed:.0f} s, "
-             f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}).", "",
-             f"Machine: {_versions()}.", "",
-             f"Load average (1 min) at the start {load[0]:.1f}, at the end {load[1]:.1f} (the 2-core machine is "
-             "shared with other jobs: figures are noisy; variants alternate in blocks so both see the same load).",
-             "",
-             "Two workers under `torchrun --standalone --nproc-per-node 2`, one stage each, specs from `tw.discover` "
-             "on the stage as in `examples/pipeline_parallel.py`. **exchange**: one GPipe step's messages without "
-             "compute (stage 0 sends M activations, then receives M gradients; stage 1 the mirror); time = rank 0's "
-             "wall time for the step, median over "
-             f"{args.steps} steps x {args.rounds} rounds after {args.warmup} warm-up steps per round. gRPC: one unary "
-             "call per tensor per microbatch, raw bytes (no protobuf), 1 GiB limits, received into a preallocated "
-             "buffer. Same tensors, same number of messages.", ""]
-    lines += ["| config | message | msgs/step | bytes/step | tensorwire | gRPC unary | ratio (tw / gRPC) | target <= 0.33 |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "# Pipeline exchange: tensorwire vs gRPC (2 stages, CPU)",
+        "",
+        f"Command (from the repository root): `{command}` ({elapsed:.0f} s, "
+        f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}).",
+        "",
+        f"Machine: {_versions()}.",
+        "",
+        f"Load average (1 min) at the start {load[0]:.1f}, at the end {load[1]:.1f} (the 2-core machine is "
+        "shared with other jobs: figures are noisy; variants alternate in blocks so both see the same load).",
+        "",
+        "Two workers under `torchrun --standalone --nproc-per-node 2`, one stage each, specs from `tw.discover` "
+        "on the stage as in `examples/pipeline_parallel.py`. **exchange**: one GPipe step's messages without "
+        "compute (stage 0 sends M activations, then receives M gradients; stage 1 the mirror); time = rank 0's "
+        "wall time for the step, median over "
+        f"{args.steps} steps x {args.rounds} rounds after {args.warmup} warm-up steps per round. gRPC: one unary "
+        "call per tensor per microbatch, raw bytes (no protobuf), 1 GiB limits, received into a preallocated "
+        "buffer. Same tensors, same number of messages.",
+        "",
+    ]
+    lines += [
+        "| config | message | msgs/step | bytes/step | tensorwire | gRPC unary | ratio (tw / gRPC) | target <= 0.33 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     verdicts = []
     for row in r0["exchange"]:
         tw_t = statistics.median(row["times"]["tensorwire"])
@@ -317,25 +365,38 @@ def report(res: dict[str, Any], *, command: str, elapsed: float, load: tuple[flo
         ok = ratio <= 1 / 3
         verdicts.append(ok)
         per_step = row["msg_bytes"] * row["msgs_per_step"]
-        lines.append(f"| exchange, batch {row['batch']} x hidden {row['hidden']}, M={row['microbatches']} "
-                     f"({'/'.join(sorted(set((row['transport'] or {}).values()))) or '?'}) | {_size(row['msg_bytes'])} | "
-                     f"{row['msgs_per_step']} | {_size(per_step)} | {_ms(tw_t)} "
-                     f"({per_step / tw_t / 1e9:.2f} GB/s) | {_ms(g_t)} ({per_step / g_t / 1e9:.2f} GB/s) | "
-                     f"{ratio:.2f} | {'met' if ok else 'MISSED'} |")
-    lines += ["", "Training steps of the example through each exchange (compute included; `send+recv` includes "
-              "waiting for the other stage, i.e. the pipeline bubble):", "",
-              "| config | variant | step time | send+recv per step | share of step |", "| --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| exchange, batch {row['batch']} x hidden {row['hidden']}, M={row['microbatches']} "
+            f"({'/'.join(sorted(set((row['transport'] or {}).values()))) or '?'}) | {_size(row['msg_bytes'])} | "
+            f"{row['msgs_per_step']} | {_size(per_step)} | {_ms(tw_t)} "
+            f"({per_step / tw_t / 1e9:.2f} GB/s) | {_ms(g_t)} ({per_step / g_t / 1e9:.2f} GB/s) | "
+            f"{ratio:.2f} | {'met' if ok else 'MISSED'} |"
+        )
+    lines += [
+        "",
+        "Training steps of the example through each exchange (compute included; `send+recv` includes "
+        "waiting for the other stage, i.e. the pipeline bubble):",
+        "",
+        "| config | variant | step time | send+recv per step | share of step |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for row in r0["train"]:
         for v in ("tensorwire", "grpc"):
             st = statistics.median(row["times"][v])
             ins = statistics.median(row["inside"][v])
-            lines.append(f"| train, batch {row['batch']} x hidden {row['hidden']}, {args.layers} layers, "
-                         f"M={row['microbatches']} | {v} | {_ms(st)} | {_ms(ins)} | {ins / st:.0%} |")
+            lines.append(
+                f"| train, batch {row['batch']} x hidden {row['hidden']}, {args.layers} layers, "
+                f"M={row['microbatches']} | {v} | {_ms(st)} | {_ms(ins)} | {ins / st:.0%} |"
+            )
         tw_i = statistics.median(row["inside"]["tensorwire"])
         g_i = statistics.median(row["inside"]["grpc"])
         lines.append(f"| | ratio of send+recv (tw / gRPC) | | {tw_i / g_i:.2f} | |")
-    lines += ["", f"Target (tensorwire exchange time <= 1/3 of gRPC's): "
-              f"{sum(verdicts)} of {len(verdicts)} exchange configurations met.", ""]
+    lines += [
+        "",
+        f"Target (tensorwire exchange time <= 1/3 of gRPC's): "
+        f"{sum(verdicts)} of {len(verdicts)} exchange configurations met.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -346,9 +407,23 @@ def launcher(args: argparse.Namespace) -> int:
     load0 = _load1()
     with tempfile.TemporaryDirectory() as tmp:
         js = os.path.join(tmp, "res.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "0", "--monitor-interval", "0.2", str(Path(__file__).resolve()), "--worker",
-               "--json-out", js, *sys.argv[1:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            "0.2",
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--json-out",
+            js,
+            *sys.argv[1:],
+        ]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -376,8 +451,13 @@ def launcher(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, nargs="+", default=[64, 512, 2048],
-                   help="hidden sizes of the exchange-only configurations (message = batch/M x hidden floats)")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        default=[64, 512, 2048],
+        help="hidden sizes of the exchange-only configurations (message = batch/M x hidden floats)",
+    )
     p.add_argument("--train-hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--microbatches", type=int, default=8)

@@ -61,8 +61,14 @@ class NcclComm:
         self.device = device
         self.overlap = False
         self._works: list[Any] = []
-        self.inputs = [[torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.inputs]
-                       for _ in range(microbatches)] if rank > 0 else []
+        self.inputs = (
+            [
+                [torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.inputs]
+                for _ in range(microbatches)
+            ]
+            if rank > 0
+            else []
+        )
         self.grad_bufs = [torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.grads_of_outputs]
 
     def _send(self, tensors: Sequence[Any], peer: int) -> None:
@@ -123,8 +129,14 @@ class DeviceGrpcComm:
         self.inner = bp.GrpcComm(node, plan, n_stages=2, microbatches=microbatches, tag="gpu")
         self.stats = ex.Stats()
         self.device = device
-        self.dev_inputs = [[torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.inputs]
-                           for _ in range(microbatches)] if node.rank > 0 else []
+        self.dev_inputs = (
+            [
+                [torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.inputs]
+                for _ in range(microbatches)
+            ]
+            if node.rank > 0
+            else []
+        )
         self.dev_grads = [torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.grads_of_outputs]
         self.overlap = False  # not offered: gRPC's unary calls block
 
@@ -148,6 +160,7 @@ class DeviceGrpcComm:
             for d, h in zip(self.dev_inputs[m], self.inner.recv_forward(m)):
                 d.copy_(h)
             return self.dev_inputs[m]
+
         return self._timed(go, sum(b.numel() * b.element_size() for b in self.dev_inputs[m]))
 
     def recv_backward(self) -> list[Any]:
@@ -155,6 +168,7 @@ class DeviceGrpcComm:
             for d, h in zip(self.dev_grads, self.inner.recv_backward()):
                 d.copy_(h)
             return self.dev_grads
+
         return self._timed(go, sum(b.numel() * b.element_size() for b in self.dev_grads))
 
     def flush(self) -> None:
@@ -209,8 +223,16 @@ def worker(args: argparse.Namespace) -> None:
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    cfg = ex.Config(d_in=args.hidden, hidden=args.hidden, d_out=args.hidden, layers=args.layers, batch=args.batch,
-                    microbatches=args.microbatches, steps=args.steps, lr=args.lr)
+    cfg = ex.Config(
+        d_in=args.hidden,
+        hidden=args.hidden,
+        d_out=args.hidden,
+        layers=args.layers,
+        batch=args.batch,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        lr=args.lr,
+    )
     first, last = rank == 0, rank == 1
     variants = args.variants.split(",")
     # Every variant is built up front and the measurements interleave them (A B C, A B C, ...), so a
@@ -221,8 +243,9 @@ def worker(args: argparse.Namespace) -> None:
             stage = ex.build_stage(ex.build_model(cfg), 2, rank).to(device)
             plan = tw.discover(stage, torch.zeros(cfg.microbatch, cfg.hidden, device=device))
             if variant in ("tensorwire", "tensorwire-blocking"):
-                comm = ex.TensorwireComm(node, plan, n_stages=2, microbatches=cfg.microbatches, device=device,
-                                         link_name=f"bench-{variant}")
+                comm = ex.TensorwireComm(
+                    node, plan, n_stages=2, microbatches=cfg.microbatches, device=device, link_name=f"bench-{variant}"
+                )
                 how = comm.transports
             elif variant == "nccl":
                 comm = NcclComm(ex, plan, rank=rank, microbatches=cfg.microbatches, device=device)
@@ -232,11 +255,18 @@ def worker(args: argparse.Namespace) -> None:
                 how = "grpc unary bytes + D2H/H2D"
             else:
                 raise SystemExit(f"unknown variant {variant!r}")
-            setups[variant] = {"stage": stage, "plan": plan, "comm": comm, "how": str(how),
-                               "opt": torch.optim.SGD(stage.parameters(), lr=cfg.lr)}
+            setups[variant] = {
+                "stage": stage,
+                "plan": plan,
+                "comm": comm,
+                "how": str(how),
+                "opt": torch.optim.SGD(stage.parameters(), lr=cfg.lr),
+            }
         plan = setups[variants[0]]["plan"]
-        payload = {"act": [torch.randn(s.shape, device=device).to(s.torch_dtype) for s in plan.outputs],
-                   "grad": [torch.randn(s.shape, device=device).to(s.torch_dtype) for s in plan.grads_of_inputs]}
+        payload = {
+            "act": [torch.randn(s.shape, device=device).to(s.torch_dtype) for s in plan.outputs],
+            "grad": [torch.randn(s.shape, device=device).to(s.torch_dtype) for s in plan.grads_of_inputs],
+        }
         step_bytes = cfg.microbatches * sum(s.nbytes for s in plan.outputs) * 2
         modes = {"blocking": False, "overlapped": True}
         ex_times: dict[tuple[str, str], list[float]] = {}
@@ -264,8 +294,17 @@ def worker(args: argparse.Namespace) -> None:
                 dist.barrier()
                 _sync(device)
                 t0 = time.perf_counter()
-                out = ex.pipeline_step(su["stage"], su["opt"], su["comm"], cfg, step, first=first, last=last,
-                                       device=device, batch=batches[step])
+                out = ex.pipeline_step(
+                    su["stage"],
+                    su["opt"],
+                    su["comm"],
+                    cfg,
+                    step,
+                    first=first,
+                    last=last,
+                    device=device,
+                    batch=batches[step],
+                )
                 _sync(device)
                 if step >= args.warmup:
                     train_times[variant].append(time.perf_counter() - t0)
@@ -275,10 +314,13 @@ def worker(args: argparse.Namespace) -> None:
         for variant in variants:
             su = setups[variant]
             su["comm"].close()
-            r: dict[str, Any] = {"how": su["how"], "step_bytes": step_bytes,
-                                 "train_step_ms": statistics.median(train_times[variant]) * 1e3,
-                                 "train_steps_ms": [t * 1e3 for t in train_times[variant]],
-                                 "final_loss": losses.get(variant)}
+            r: dict[str, Any] = {
+                "how": su["how"],
+                "step_bytes": step_bytes,
+                "train_step_ms": statistics.median(train_times[variant]) * 1e3,
+                "train_steps_ms": [t * 1e3 for t in train_times[variant]],
+                "final_loss": losses.get(variant),
+            }
             for mode in modes:
                 ts = ex_times.get((variant, mode))
                 if ts:
@@ -307,33 +349,48 @@ def report(per_rank: list[dict[str, Any]], args: argparse.Namespace, device: Any
         ms = r.get(f"exchange_{mode}_ms")
         return "n/a" if ms is None else f"{ms:.2f} ms / {r[f'exchange_{mode}_gbps']:.1f} GB/s"
 
-    lines = [f"# Pipeline exchange on {gpu}: tensorwire vs NCCL vs gRPC", "",
-             f"2 stages (one per {'GPU' if device.type == 'cuda' else 'process'}), model of "
-             f"examples/pipeline_parallel.py with {args.layers} Linear blocks of width {args.hidden}, batch "
-             f"{args.batch} in {args.microbatches} microbatches: each message {msg / 2**20:.1f} MiB. "
-             f"Medians of {args.steps} steps after {args.warmup} warm-up, the variants interleaved step by "
-             f"step. Command: `{' '.join(sys.argv)}` under `torchrun --standalone --nproc-per-node 2`.", "",
-             "Exchange = one step's messages without compute (time / GB/s of the link, both directions). "
-             "*blocking*: each message complete before the next (tensorwire send/recv; NCCL send/recv + "
-             "device sync); *overlapped*: tensorwire isend, NCCL isend + stream-ordered recv, waited for at "
-             "the end. Train step = the example's `pipeline_step` (overlapped sends, batches made on the "
-             "device beforehand).", "",
-             "| variant | exchange, blocking | exchange, overlapped | train step | final loss | how |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Pipeline exchange on {gpu}: tensorwire vs NCCL vs gRPC",
+        "",
+        f"2 stages (one per {'GPU' if device.type == 'cuda' else 'process'}), model of "
+        f"examples/pipeline_parallel.py with {args.layers} Linear blocks of width {args.hidden}, batch "
+        f"{args.batch} in {args.microbatches} microbatches: each message {msg / 2**20:.1f} MiB. "
+        f"Medians of {args.steps} steps after {args.warmup} warm-up, the variants interleaved step by "
+        f"step. Command: `{' '.join(sys.argv)}` under `torchrun --standalone --nproc-per-node 2`.",
+        "",
+        "Exchange = one step's messages without compute (time / GB/s of the link, both directions). "
+        "*blocking*: each message complete before the next (tensorwire send/recv; NCCL send/recv + "
+        "device sync); *overlapped*: tensorwire isend, NCCL isend + stream-ordered recv, waited for at "
+        "the end. Train step = the example's `pipeline_step` (overlapped sends, batches made on the "
+        "device beforehand).",
+        "",
+        "| variant | exchange, blocking | exchange, overlapped | train step | final loss | how |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for v, r in r0.items():
         loss = r1.get(v, {}).get("final_loss")
-        lines.append(f"| {v} | {cell(r, 'blocking')} | {cell(r, 'overlapped')} | {r['train_step_ms']:.2f} ms | "
-                     f"{loss if loss is None else f'{loss:.6f}'} | {r['how']} |")
+        lines.append(
+            f"| {v} | {cell(r, 'blocking')} | {cell(r, 'overlapped')} | {r['train_step_ms']:.2f} ms | "
+            f"{loss if loss is None else f'{loss:.6f}'} | {r['how']} |"
+        )
     if "tensorwire" in r0 and "nccl" in r0:
         t, n = r0["tensorwire"], r0["nccl"]
-        parts = [f"{mode} {t[f'exchange_{mode}_gbps'] / n[f'exchange_{mode}_gbps']:.2f}x"
-                 for mode in ("blocking", "overlapped") if f"exchange_{mode}_gbps" in t and f"exchange_{mode}_gbps" in n]
-        lines += ["", f"tensorwire / NCCL exchange throughput: {', '.join(parts)}; train step time "
-                      f"{t['train_step_ms'] / n['train_step_ms']:.3f}x NCCL's (targets: >= 0.9x throughput, "
-                      f"step within 5%)."]
+        parts = [
+            f"{mode} {t[f'exchange_{mode}_gbps'] / n[f'exchange_{mode}_gbps']:.2f}x"
+            for mode in ("blocking", "overlapped")
+            if f"exchange_{mode}_gbps" in t and f"exchange_{mode}_gbps" in n
+        ]
+        lines += [
+            "",
+            f"tensorwire / NCCL exchange throughput: {', '.join(parts)}; train step time "
+            f"{t['train_step_ms'] / n['train_step_ms']:.3f}x NCCL's (targets: >= 0.9x throughput, "
+            f"step within 5%).",
+        ]
     if "tensorwire" in r0 and "grpc" in r0:
-        lines.append(f"tensorwire / gRPC exchange time (blocking): "
-                     f"{r0['tensorwire']['exchange_blocking_ms'] / r0['grpc']['exchange_blocking_ms']:.4f}")
+        lines.append(
+            f"tensorwire / gRPC exchange time (blocking): "
+            f"{r0['tensorwire']['exchange_blocking_ms'] / r0['grpc']['exchange_blocking_ms']:.4f}"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out_md:
@@ -351,9 +408,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--variants", default="tensorwire,nccl,grpc",
-                   help="comma-separated: tensorwire, tensorwire-blocking (train with send instead of isend), "
-                        "nccl, grpc")
+    p.add_argument(
+        "--variants",
+        default="tensorwire,nccl,grpc",
+        help="comma-separated: tensorwire, tensorwire-blocking (train with send instead of isend), nccl, grpc",
+    )
     p.add_argument("--out-md", default=None)
     p.add_argument("--out-json", default=None)
     args = p.parse_args()

@@ -210,8 +210,9 @@ class BaselineClient:
 
 def _spawn(cmd: list[str]) -> tuple[subprocess.Popen, dict]:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                            text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env, cwd=ROOT
+    )
     line = proc.stdout.readline() if proc.stdout else ""
     if not line:
         proc.kill()
@@ -284,8 +285,10 @@ def _aggregate(address: str, transport: str, name: str, clients: int, seconds: f
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients)
     q = ctx.Queue()
-    procs = [ctx.Process(target=_concurrent_worker, args=(address, transport, name, seconds, barrier, q), daemon=True)
-             for _ in range(clients)]
+    procs = [
+        ctx.Process(target=_concurrent_worker, args=(address, transport, name, seconds, barrier, q), daemon=True)
+        for _ in range(clients)
+    ]
     for p in procs:
         p.start()
     try:
@@ -355,20 +358,36 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
 
     sizes = [16, 64] if args.quick else [16, 64, 256]
     reps = {16: 15, 64: 9, 256: 5} if not args.quick else {16: 4, 64: 2}
-    daemon, dinfo = _spawn([sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--transport", args.transport,
-                            "--max-bytes", "8GiB"])
+    daemon, dinfo = _spawn(
+        [
+            sys.executable,
+            "-m",
+            "tensorwire",
+            "serve",
+            "--port",
+            "0",
+            "--transport",
+            args.transport,
+            "--max-bytes",
+            "8GiB",
+        ]
+    )
     base, binfo = _spawn([sys.executable, os.path.abspath(__file__), "--baseline-server"])
     kinds = [d["kind"] for d in dinfo["data"]]  # the data connections (the "via gRPC calls" rows use them)
     paths = (["shm"] if dinfo.get("shm") else []) + kinds  # shared memory first: what a same-host client gets
     rows: list[tuple[str, ...]] = []
     verdicts: list[str] = []
-    print(f"daemon transports: {', '.join(kinds)} (chosen: {dinfo['transport']}), shared memory: "
-          f"{bool(dinfo.get('shm'))}; baseline on port {binfo['port']}", file=sys.stderr)
+    print(
+        f"daemon transports: {', '.join(kinds)} (chosen: {dinfo['transport']}), shared memory: "
+        f"{bool(dinfo.get('shm'))}; baseline on port {binfo['port']}",
+        file=sys.stderr,
+    )
     try:
         clients = {k: tw.Client(f"127.0.0.1:{dinfo['port']}", transport=k, timeout=300) for k in paths}
         assert all(c.data_path == k for k, c in clients.items()), {k: c.data_path for k, c in clients.items()}
-        grpc_clients = {k: tw.Client(f"127.0.0.1:{dinfo['port']}", transport=k, timeout=300, data_requests=False)
-                        for k in kinds}
+        grpc_clients = {
+            k: tw.Client(f"127.0.0.1:{dinfo['port']}", transport=k, timeout=300, data_requests=False) for k in kinds
+        }
         bc = BaselineClient(f"127.0.0.1:{binfo['port']}")
         # 2. get_rows (measured first: the headline figure, on the quietest part of the run)
         main_rows, rows = rows, []
@@ -405,40 +424,77 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
             finally:
                 os.environ.pop(LEASES_ENV, None)
             assert torch.equal(extra["shm, no leases"].get_rows("table", i0), table[i0])
-        res = _interleaved({
-            **{k: rows_of(c) for k, c in clients.items()},
-            **{k: rows_of(c) for k, c in extra.items()},
-            **{f"{k} grpc calls": rows_of(cg) for k, cg in grpc_clients.items()},
-            "grpc": lambda: bc.get_rows("table", idxs[next(it) % 64], gdst),
-            "local": lambda: table[idxs[next(it) % 64]],
-            "local out": lambda: torch.index_select(table, 0, idxs[next(it) % 64], out=out),
-        }, nrep, warmup=3)
+        res = _interleaved(
+            {
+                **{k: rows_of(c) for k, c in clients.items()},
+                **{k: rows_of(c) for k, c in extra.items()},
+                **{f"{k} grpc calls": rows_of(cg) for k, cg in grpc_clients.items()},
+                "grpc": lambda: bc.get_rows("table", idxs[next(it) % 64], gdst),
+                "local": lambda: table[idxs[next(it) % 64]],
+                "local out": lambda: torch.index_select(table, 0, idxs[next(it) % 64], out=out),
+            },
+            nrep,
+            warmup=3,
+        )
         nb = B * D * 4
         op_rows = f"get_rows {B}x{D} f32 of {R:,}"
         if "shm" in clients:
-            print(f"get_rows over shm: {clients['shm'].lease_reads} reads served from read leases, "
-                  f"{clients['shm'].lease_misses} leases found stale", file=sys.stderr)
+            print(
+                f"get_rows over shm: {clients['shm'].lease_reads} reads served from read leases, "
+                f"{clients['shm'].lease_misses} leases found stale",
+                file=sys.stderr,
+            )
         for c in extra.values():
             c.close()
         for k in [*paths, *extra]:
-            rows.append((op_rows, f"tensorwire/{k}", f"{res[k] * 1e3:.2f} ms", f"{_gbps(nb, res[k])} GB/s",
-                         f"{res['grpc'] / res[k]:.1f}x vs gRPC, {res['local'] / res[k]:.2f}x vs local table[idx], "
-                         f"{res['local out'] / res[k]:.2f}x vs local index_select"))
-            verdicts.append(f"get_rows tensorwire/{k}: {res['grpc'] / res[k]:.1f}x gRPC (target >= 5x): "
-                            + ("met" if res["grpc"] / res[k] >= 5 else "MISSED")
-                            + f"; {res['local'] / res[k]:.2f}x local index-and-copy table[idx] (target >= 1x): "
-                            + ("met" if res["local"] >= res[k] else "MISSED")
-                            + f"; {res['local out'] / res[k]:.2f}x local index_select(out=) (target >= 1x): "
-                            + ("met" if res["local out"] >= res[k] else "MISSED"))
+            rows.append(
+                (
+                    op_rows,
+                    f"tensorwire/{k}",
+                    f"{res[k] * 1e3:.2f} ms",
+                    f"{_gbps(nb, res[k])} GB/s",
+                    f"{res['grpc'] / res[k]:.1f}x vs gRPC, {res['local'] / res[k]:.2f}x vs local table[idx], "
+                    f"{res['local out'] / res[k]:.2f}x vs local index_select",
+                )
+            )
+            verdicts.append(
+                f"get_rows tensorwire/{k}: {res['grpc'] / res[k]:.1f}x gRPC (target >= 5x): "
+                + ("met" if res["grpc"] / res[k] >= 5 else "MISSED")
+                + f"; {res['local'] / res[k]:.2f}x local index-and-copy table[idx] (target >= 1x): "
+                + ("met" if res["local"] >= res[k] else "MISSED")
+                + f"; {res['local out'] / res[k]:.2f}x local index_select(out=) (target >= 1x): "
+                + ("met" if res["local out"] >= res[k] else "MISSED")
+            )
         for k in kinds:
             t = res[f"{k} grpc calls"]
-            rows.append((op_rows, f"tensorwire/{k} via gRPC calls", f"{t * 1e3:.2f} ms", f"{_gbps(nb, t)} GB/s",
-                         f"{res['grpc'] / t:.1f}x vs gRPC; data-plane requests {t / res[k]:.2f}x faster"))
+            rows.append(
+                (
+                    op_rows,
+                    f"tensorwire/{k} via gRPC calls",
+                    f"{t * 1e3:.2f} ms",
+                    f"{_gbps(nb, t)} GB/s",
+                    f"{res['grpc'] / t:.1f}x vs gRPC; data-plane requests {t / res[k]:.2f}x faster",
+                )
+            )
         rows.append((op_rows, "gRPC unary", f"{res['grpc'] * 1e3:.2f} ms", f"{_gbps(nb, res['grpc'])} GB/s", ""))
-        rows.append((op_rows, "local table[idx] (pageable CPU)", f"{res['local'] * 1e3:.2f} ms",
-                     f"{_gbps(nb, res['local'])} GB/s", ""))
-        rows.append((op_rows, "local index_select(out=) (pageable CPU)", f"{res['local out'] * 1e3:.2f} ms",
-                     f"{_gbps(nb, res['local out'])} GB/s", ""))
+        rows.append(
+            (
+                op_rows,
+                "local table[idx] (pageable CPU)",
+                f"{res['local'] * 1e3:.2f} ms",
+                f"{_gbps(nb, res['local'])} GB/s",
+                "",
+            )
+        )
+        rows.append(
+            (
+                op_rows,
+                "local index_select(out=) (pageable CPU)",
+                f"{res['local out'] * 1e3:.2f} ms",
+                f"{_gbps(nb, res['local out'])} GB/s",
+                "",
+            )
+        )
         if torch.cuda.is_available():
             # The SpeedTorch case: the rows end up on the GPU. tensorwire receives into a pinned
             # buffer (async H2D); the local path indexes a pageable table and copies from pageable memory.
@@ -464,15 +520,37 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
             gres["grpc"] = _timed(grpc_gpu, nrep, warmup=3)
             gres["local"] = _timed(local_gpu, nrep, warmup=3)
             for k in paths:
-                rows.append((f"get_rows -> GPU {B}x{D}", f"tensorwire/{k} (pinned, async H2D)",
-                             f"{gres[k] * 1e3:.2f} ms", f"{_gbps(nb, gres[k])} GB/s",
-                             f"{gres['grpc'] / gres[k]:.1f}x vs gRPC, {gres['local'] / gres[k]:.2f}x vs local"))
-                verdicts.append(f"get_rows -> GPU tensorwire/{k}: {gres['grpc'] / gres[k]:.1f}x gRPC, "
-                                f"{gres['local'] / gres[k]:.2f}x local table[idx].to(cuda)")
-            rows.append((f"get_rows -> GPU {B}x{D}", "gRPC unary + H2D", f"{gres['grpc'] * 1e3:.2f} ms",
-                         f"{_gbps(nb, gres['grpc'])} GB/s", ""))
-            rows.append((f"get_rows -> GPU {B}x{D}", "local table[idx].to(cuda) (pageable)",
-                         f"{gres['local'] * 1e3:.2f} ms", f"{_gbps(nb, gres['local'])} GB/s", ""))
+                rows.append(
+                    (
+                        f"get_rows -> GPU {B}x{D}",
+                        f"tensorwire/{k} (pinned, async H2D)",
+                        f"{gres[k] * 1e3:.2f} ms",
+                        f"{_gbps(nb, gres[k])} GB/s",
+                        f"{gres['grpc'] / gres[k]:.1f}x vs gRPC, {gres['local'] / gres[k]:.2f}x vs local",
+                    )
+                )
+                verdicts.append(
+                    f"get_rows -> GPU tensorwire/{k}: {gres['grpc'] / gres[k]:.1f}x gRPC, "
+                    f"{gres['local'] / gres[k]:.2f}x local table[idx].to(cuda)"
+                )
+            rows.append(
+                (
+                    f"get_rows -> GPU {B}x{D}",
+                    "gRPC unary + H2D",
+                    f"{gres['grpc'] * 1e3:.2f} ms",
+                    f"{_gbps(nb, gres['grpc'])} GB/s",
+                    "",
+                )
+            )
+            rows.append(
+                (
+                    f"get_rows -> GPU {B}x{D}",
+                    "local table[idx].to(cuda) (pageable)",
+                    f"{gres['local'] * 1e3:.2f} ms",
+                    f"{_gbps(nb, gres['local'])} GB/s",
+                    "",
+                )
+            )
         rows_rows, rows = rows, main_rows
         rows_verdicts, verdicts = verdicts, main_verdicts
         # 1. put / get: every path in turns (two calls of each at a time, repeatedly), as get_rows above; each
@@ -487,8 +565,11 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
                 noahead = tw.Client(f"127.0.0.1:{dinfo['port']}", transport="shm", timeout=300)
             finally:
                 os.environ.pop(AHEAD_ENV, None)
-        writers = {**clients, **({"shm, no write-ahead": noahead} if noahead is not None else {}),
-                   **{f"{k} grpc calls": cg for k, cg in grpc_clients.items()}}
+        writers = {
+            **clients,
+            **({"shm, no write-ahead": noahead} if noahead is not None else {}),
+            **{f"{k} grpc calls": cg for k, cg in grpc_clients.items()},
+        }
         for mib in sizes:
             n = mib * MiB
             x = torch.randint(0, 255, (n,), dtype=torch.uint8)
@@ -497,13 +578,16 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
                 c.put(f"blob{mib} {k}", x)  # both slots (current, staging) allocated before any path is timed
                 c.put(f"blob{mib} {k}", x)
             puts: dict[str, Callable[[], Any]] = {
-                f"put {k}": (lambda c=c, k=k: c.put(f"blob{mib} {k}", x)) for k, c in writers.items()}
+                f"put {k}": (lambda c=c, k=k: c.put(f"blob{mib} {k}", x)) for k, c in writers.items()
+            }
             puts["put grpc unary"] = lambda: bc.put(f"blob{mib}", x)
             puts["put grpc stream"] = lambda: bc.put_stream(f"blob{mib}", x)
             res = _interleaved(puts, reps[mib], warmup=2, per_turn=2)
             gets: dict[str, Callable[[], Any]] = {
-                f"get {k}": (lambda c=c, k=k: c.get(f"blob{mib} {k}", out=dst)) for k, c in writers.items()
-                if k in clients or k.endswith("grpc calls")}
+                f"get {k}": (lambda c=c, k=k: c.get(f"blob{mib} {k}", out=dst))
+                for k, c in writers.items()
+                if k in clients or k.endswith("grpc calls")
+            }
             gets["get grpc unary"] = lambda: bc.get(f"blob{mib}", dst)
             gets["get grpc stream"] = lambda: bc.get_stream(f"blob{mib}", dst)
             res.update(_interleaved(gets, reps[mib], warmup=2, per_turn=2))
@@ -515,15 +599,31 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
                 g_best = min(res[f"{op} grpc unary"], res[f"{op} grpc stream"])
                 for k in paths + (["shm, no write-ahead"] if op == "put" and noahead is not None else []):
                     ratio = g_best / res[f"{op} {k}"]
-                    rows.append((f"{op} {mib} MiB", f"tensorwire/{k}", f"{res[f'{op} {k}'] * 1e3:.1f} ms",
-                                 f"{_gbps(n, res[f'{op} {k}'])} GB/s", f"{ratio:.1f}x vs best gRPC"))
+                    rows.append(
+                        (
+                            f"{op} {mib} MiB",
+                            f"tensorwire/{k}",
+                            f"{res[f'{op} {k}'] * 1e3:.1f} ms",
+                            f"{_gbps(n, res[f'{op} {k}'])} GB/s",
+                            f"{ratio:.1f}x vs best gRPC",
+                        )
+                    )
                     if k in paths:
-                        verdicts.append(f"{op} {mib} MiB tensorwire/{k}: {ratio:.1f}x gRPC (target >= 5x): "
-                                        + ("met" if ratio >= 5 else "MISSED"))
+                        verdicts.append(
+                            f"{op} {mib} MiB tensorwire/{k}: {ratio:.1f}x gRPC (target >= 5x): "
+                            + ("met" if ratio >= 5 else "MISSED")
+                        )
                 for k in kinds:
                     t = res[f"{op} {k} grpc calls"]
-                    rows.append((f"{op} {mib} MiB", f"tensorwire/{k} via gRPC calls", f"{t * 1e3:.1f} ms",
-                                 f"{_gbps(n, t)} GB/s", f"{g_best / t:.1f}x vs best gRPC"))
+                    rows.append(
+                        (
+                            f"{op} {mib} MiB",
+                            f"tensorwire/{k} via gRPC calls",
+                            f"{t * 1e3:.1f} ms",
+                            f"{_gbps(n, t)} GB/s",
+                            f"{g_best / t:.1f}x vs best gRPC",
+                        )
+                    )
                 for v in ("unary", "stream"):
                     t = res[f"{op} grpc {v}"]
                     rows.append((f"{op} {mib} MiB", f"gRPC {v}", f"{t * 1e3:.1f} ms", f"{_gbps(n, t)} GB/s", ""))
@@ -541,10 +641,19 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
             one = _aggregate(f"127.0.0.1:{dinfo['port']}", k, "conc", 1, secs)
             many = _aggregate(f"127.0.0.1:{dinfo['port']}", k, "conc", args.clients, secs)
             rows.append(("get 16 MiB, aggregate", f"tensorwire/{k} x1 client", "", f"{one / 1e9:.2f} GB/s", ""))
-            rows.append(("get 16 MiB, aggregate", f"tensorwire/{k} x{args.clients} clients", "",
-                         f"{many / 1e9:.2f} GB/s", f"{many / one:.2f}x single client"))
-            verdicts.append(f"{args.clients} clients tensorwire/{k}: {many / one:.2f}x single-client aggregate "
-                            "(target >= 0.8x): " + ("met" if many / one >= 0.8 else "MISSED"))
+            rows.append(
+                (
+                    "get 16 MiB, aggregate",
+                    f"tensorwire/{k} x{args.clients} clients",
+                    "",
+                    f"{many / 1e9:.2f} GB/s",
+                    f"{many / one:.2f}x single client",
+                )
+            )
+            verdicts.append(
+                f"{args.clients} clients tensorwire/{k}: {many / one:.2f}x single-client aggregate "
+                "(target >= 0.8x): " + ("met" if many / one >= 0.8 else "MISSED")
+            )
     finally:
         _stop(daemon)
         _stop(base)
@@ -559,11 +668,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (a smoke run)")
-    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "ucx"),
-                   help="the daemon's --transport (auto offers UCX, when usable, and TCP: both are measured)")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "tcp", "ucx"),
+        help="the daemon's --transport (auto offers UCX, when usable, and TCP: both are measured)",
+    )
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
-                                            f"serve_cpu{os.cpu_count()}_{time.strftime('%Y-%m-%d')}.md"))
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "results", f"serve_cpu{os.cpu_count()}_{time.strftime('%Y-%m-%d')}.md"),
+    )
     args = p.parse_args()
     if args.baseline_server:
         serve_baseline()

@@ -61,10 +61,14 @@ def main() -> int:
         assert torch.equal(sharded.get_rows("emb", idxs[0]), ref) and torch.equal(single.get_rows("emb", idxs[0]), ref)
 
         ops = {
-            "get_rows": {"sharded": lambda i: sharded.get_rows("emb", idxs[i % 8]),
-                         "single": lambda i: single.get_rows("emb", idxs[i % 8])},
-            "add_rows": {"sharded": lambda i: sharded.add_rows("emb", idxs[i % 8], vals),
-                         "single": lambda i: single.add_rows("emb", idxs[i % 8], vals)},
+            "get_rows": {
+                "sharded": lambda i: sharded.get_rows("emb", idxs[i % 8]),
+                "single": lambda i: single.get_rows("emb", idxs[i % 8]),
+            },
+            "add_rows": {
+                "sharded": lambda i: sharded.add_rows("emb", idxs[i % 8], vals),
+                "single": lambda i: single.add_rows("emb", idxs[i % 8], vals),
+            },
         }
         times: dict[tuple[str, str], list[float]] = {(op, v): [] for op in ops for v in ("sharded", "single")}
         for op, variants in ops.items():
@@ -89,26 +93,32 @@ def main() -> int:
         xs = sorted(xs)
         return xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3
 
-    lines = [f"| operation | 3 daemons p50 (ms) | 1 daemon p50 (ms) | ratio p50 | 3 daemons p10 | 1 daemon p10 | ratio p10 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"| operation | 3 daemons p50 (ms) | 1 daemon p50 (ms) | ratio p50 | 3 daemons p10 | 1 daemon p10 | ratio p10 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for op in ops:
         s, o = times[(op, "sharded")], times[(op, "single")]
         s50, o50, s10, o10 = statistics.median(s) * 1e3, statistics.median(o) * 1e3, q(s, 0.1), q(o, 0.1)
-        lines.append(f"| {op} {args.batch} x {args.dim} f32 | {s50:.3f} | {o50:.3f} | {s50 / o50:.2f}x | "
-                     f"{s10:.3f} | {o10:.3f} | {s10 / o10:.2f}x |")
+        lines.append(
+            f"| {op} {args.batch} x {args.dim} f32 | {s50:.3f} | {o50:.3f} | {s50 / o50:.2f}x | "
+            f"{s10:.3f} | {o10:.3f} | {s10 / o10:.2f}x |"
+        )
     table_md = "\n".join(lines)
     print(table_md)
     print(f"data paths: {paths}")
     if args.out:
         cmd = "python bench/bench_sharded.py " + " ".join(sys.argv[1:])
         with open(args.out, "w") as f:
-            f.write(f"# Sharded table (3 daemons) vs one daemon, one host, shared memory\n\n{table_md}\n\n"
-                    f"- table: {args.rows:,} x {args.dim} float32; {args.batch:,} random rows per call; "
-                    f"{args.rounds} rounds x {args.calls} calls per variant, in turns\n"
-                    f"- data paths: {paths}\n"
-                    f"- machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-                    f"torch {torch.__version__}\n"
-                    f"- command: `{cmd}`\n")
+            f.write(
+                f"# Sharded table (3 daemons) vs one daemon, one host, shared memory\n\n{table_md}\n\n"
+                f"- table: {args.rows:,} x {args.dim} float32; {args.batch:,} random rows per call; "
+                f"{args.rounds} rounds x {args.calls} calls per variant, in turns\n"
+                f"- data paths: {paths}\n"
+                f"- machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+                f"torch {torch.__version__}\n"
+                f"- command: `{cmd}`\n"
+            )
     return 0
 
 

@@ -75,7 +75,7 @@ def parse_size(text: str) -> int:
     """``16M`` / ``256MiB`` / ``1G`` / ``4096`` -> bytes."""
     t = text.strip().lower()
     digits = t.rstrip("kmgib")
-    unit = t[len(digits):]
+    unit = t[len(digits) :]
     if not digits.isdigit() or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16M, 256MiB, 1G)")
     return int(digits) * _UNITS[unit]
@@ -180,8 +180,9 @@ def run_pair(target: Callable[..., dict], args: argparse.Namespace, **kwargs: An
                 if dead:
                     time.sleep(1.0)  # its last words may still be in the queue
                     if q.empty():
-                        raise RuntimeError(f"{target.__name__}: rank {dead[0]} died "
-                                           f"(exit code {procs[dead[0]].exitcode})") from None
+                        raise RuntimeError(
+                            f"{target.__name__}: rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+                        ) from None
                 continue
             if status != "ok":
                 raise RuntimeError(f"{target.__name__}: rank {rank} failed: {value}")
@@ -256,8 +257,9 @@ def _set_chunk(chunk: str | None) -> None:
         os.environ[CHUNK_ENV] = chunk  # read by each Link when it is made; both ranks set the same value
 
 
-def rows_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | None,
-              rows: tuple[str, ...] = ROWS) -> dict:
+def rows_pair(
+    rank: int, store: Any, args: dict, sizes: list[int], chunk: str | None, rows: tuple[str, ...] = ROWS
+) -> dict:
     """The ``rows`` (of :data:`ROWS`) in one process pair; with more than one, taken in turns: a few messages of
     each row, then the next row, ROUNDS times per size, so a host whose socket speed drifts (a shared machine,
     another job) weighs on the bound and on tensorwire alike.
@@ -280,8 +282,15 @@ def rows_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | 
     if links_wanted:
         import tensorwire as tw
 
-        node = tw.Node(rank=rank, world_size=2, store=store, transport="tcp", timeout=min(120.0, args["timeout"]),
-                       prefix="bench-staged/", device=dev if cuda else None)
+        node = tw.Node(
+            rank=rank,
+            world_size=2,
+            store=store,
+            transport="tcp",
+            timeout=min(120.0, args["timeout"]),
+            prefix="bench-staged/",
+            device=dev if cuda else None,
+        )
     out: dict[str, dict] = {k: {} for k in rows}
     ackbuf = bytearray(1)
     one = torch.ones(1, dtype=torch.uint8)
@@ -351,13 +360,18 @@ def rows_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | 
             for row, link in links.items():
                 if rank == 0:
                     plan = link.staging_plan("data")
-                    out[row][str(size)] = {"gbps": size / statistics.median(times[row]) / 1e9,
-                                           "iters": len(times[row]), "chunks": len(plan) if plan else None,
-                                           "transport": link.transport}
+                    out[row][str(size)] = {
+                        "gbps": size / statistics.median(times[row]) / 1e9,
+                        "iters": len(times[row]),
+                        "chunks": len(plan) if plan else None,
+                        "transport": link.transport,
+                    }
                 link.close()
             if rank == 0 and conn is not None:
-                out["socket"][str(size)] = {"gbps": size / statistics.median(times["socket"]) / 1e9,
-                                            "iters": len(times["socket"])}
+                out["socket"][str(size)] = {
+                    "gbps": size / statistics.median(times["socket"]) / 1e9,
+                    "iters": len(times["socket"]),
+                }
             if bad:
                 raise AssertionError(f"{fmt_size(size)}: wrong bytes in {', '.join(bad)}")
     finally:
@@ -374,9 +388,14 @@ def rows_pair(rank: int, store: Any, args: dict, sizes: list[int], chunk: str | 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "cpus": os.cpu_count(), "host": platform.node(),
-                           "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
+        "host": platform.node(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
     if not args.cpu_dry_run:
         env["send_gpu"] = torch.cuda.get_device_name(torch.device(args.send_device))
         env["recv_gpu"] = torch.cuda.get_device_name(torch.device(args.recv_device))
@@ -396,22 +415,28 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> tuple[str, bool]:
     title = "TCP-staged GPU->GPU: tensorwire vs. pinned copies and a raw socket"
     if args.cpu_dry_run:
         title += " (CPU DRY RUN: not a measurement)"
-    lines = [f"# {title}", "",
-             f"{env.get('send_gpu', 'cpu')} ({args.send_device}) -> {env.get('recv_gpu', 'cpu')} ({args.recv_device}), "
-             f"two processes on loopback; torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}, "
-             f"{env['cpus']} CPUs, load {env.get('loadavg', '?')}, {env['date']}. Staging chunk: {chunk_label}. "
-             f"Medians of up to {args.max_iters} messages per size after {args.warmup} warm-up, 1-byte ack per "
-             f"message (socket and tensorwire alike); the tensorwire receiver synchronizes its stream before "
-             f"acking. "
-             + ("Socket, staged and unchunked rows each in their own process pair, one after the other. "
-                if args.separate else
-                f"Socket, staged and unchunked rows measured in one process pair, in turns ({ROUNDS} turns per "
-                f"size, a tenth of each row's messages per turn): drift in the machine's speed weighs on all "
-                f"three alike. ")
-             + f"Command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`.", "",
-             "| size | pinned D2H | pinned H2D | raw TCP socket | bound = min | tensorwire-tcp staged (chunks) "
-             "| staged / bound | unchunked | unchunked / bound | target >= 0.8 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    lines = [
+        f"# {title}",
+        "",
+        f"{env.get('send_gpu', 'cpu')} ({args.send_device}) -> {env.get('recv_gpu', 'cpu')} ({args.recv_device}), "
+        f"two processes on loopback; torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}, "
+        f"{env['cpus']} CPUs, load {env.get('loadavg', '?')}, {env['date']}. Staging chunk: {chunk_label}. "
+        f"Medians of up to {args.max_iters} messages per size after {args.warmup} warm-up, 1-byte ack per "
+        f"message (socket and tensorwire alike); the tensorwire receiver synchronizes its stream before "
+        f"acking. "
+        + (
+            "Socket, staged and unchunked rows each in their own process pair, one after the other. "
+            if args.separate
+            else f"Socket, staged and unchunked rows measured in one process pair, in turns ({ROUNDS} turns per "
+            f"size, a tenth of each row's messages per turn): drift in the machine's speed weighs on all "
+            f"three alike. "
+        )
+        + f"Command: `{' '.join([os.path.basename(sys.executable)] + sys.argv)}`.",
+        "",
+        "| size | pinned D2H | pinned H2D | raw TCP socket | bound = min | tensorwire-tcp staged (chunks) "
+        "| staged / bound | unchunked | unchunked / bound | target >= 0.8 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+    ]
     met_all = True
     for size in args.sizes:
         k = str(size)
@@ -430,11 +455,16 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> tuple[str, bool]:
             return "–" if x is None else f"{x:.2f}{unit}"
 
         chunks = st.get("chunks")
-        lines.append(f"| {fmt_size(size)} | {f(cp.get('d2h'))} | {f(cp.get('h2d'))} | {f(sock)} | {f(bound)} | "
-                     f"{f(st.get('gbps'))} ({chunks if chunks else '–'}) | {f(ratio, 'x')} | {f(un)} | "
-                     f"{f(uratio, 'x')} | {'met' if met else 'MISSED'} |")
-    lines += ["", f"staged / min(pinned copy, socket) against the {TARGET}x target: "
-              f"{'met at every size' if met_all else 'missed at some size'}."]
+        lines.append(
+            f"| {fmt_size(size)} | {f(cp.get('d2h'))} | {f(cp.get('h2d'))} | {f(sock)} | {f(bound)} | "
+            f"{f(st.get('gbps'))} ({chunks if chunks else '–'}) | {f(ratio, 'x')} | {f(un)} | "
+            f"{f(uratio, 'x')} | {'met' if met else 'MISSED'} |"
+        )
+    lines += [
+        "",
+        f"staged / min(pinned copy, socket) against the {TARGET}x target: "
+        f"{'met at every size' if met_all else 'missed at some size'}.",
+    ]
     if res.get("errors"):
         lines += ["", "Failures:", ""] + [f"- {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n", met_all
@@ -446,8 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", default=None, help="staging chunk for the chunked row (default: tensorwire's)")
     p.add_argument("--send-device", default=None, help="sender GPU (default cuda:0)")
     p.add_argument("--recv-device", default=None, help="receiver GPU (default cuda:1 if there are two, else cuda:0)")
-    p.add_argument("--budget", type=parse_size, default=parse_size("2G"),
-                   help="bytes per size and row: sets the message count (default 2G)")
+    p.add_argument(
+        "--budget",
+        type=parse_size,
+        default=parse_size("2G"),
+        help="bytes per size and row: sets the message count (default 2G)",
+    )
     p.add_argument("--min-iters", type=int, default=5)
     p.add_argument("--max-iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=2)
@@ -455,9 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None, help="write every figure here (JSON)")
     p.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
-    p.add_argument("--separate", action="store_true",
-                   help="measure the socket, staged and unchunked rows one after the other, each in its own "
-                        "process pair (default: in turns, in one pair)")
+    p.add_argument(
+        "--separate",
+        action="store_true",
+        help="measure the socket, staged and unchunked rows one after the other, each in its own "
+        "process pair (default: in turns, in one pair)",
+    )
     p.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -472,30 +509,52 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError as exc:
-        print(f"bench_staged_gpu: torch is not importable ({exc}); this benchmark needs PyTorch with CUDA",
-              file=sys.stderr)
+        print(
+            f"bench_staged_gpu: torch is not importable ({exc}); this benchmark needs PyTorch with CUDA",
+            file=sys.stderr,
+        )
         return 2
     if args.cpu_dry_run:
         args.send_device = args.recv_device = "cpu"
     else:
         if not torch.cuda.is_available():
-            print(f"bench_staged_gpu: CUDA is not available (torch {torch.__version__}, built for CUDA "
-                  f"{torch.version.cuda}): this benchmark measures GPU memory staged through pinned host "
-                  f"memory and needs a CUDA GPU. Nothing was measured.", file=sys.stderr)
+            print(
+                f"bench_staged_gpu: CUDA is not available (torch {torch.__version__}, built for CUDA "
+                f"{torch.version.cuda}): this benchmark measures GPU memory staged through pinned host "
+                f"memory and needs a CUDA GPU. Nothing was measured.",
+                file=sys.stderr,
+            )
             return 2
         n = torch.cuda.device_count()
         args.send_device = args.send_device or "cuda:0"
         args.recv_device = args.recv_device or ("cuda:1" if n > 1 else "cuda:0")
-    res: dict[str, Any] = {"environment": environment(args), "copies": {}, "socket": {}, "staged": {},
-                           "unchunked": {}, "errors": []}
+    res: dict[str, Any] = {
+        "environment": environment(args),
+        "copies": {},
+        "socket": {},
+        "staged": {},
+        "unchunked": {},
+        "errors": [],
+    }
     steps: list[tuple[str, Callable[[], Any]]] = [
-        ("copies", lambda: {str(k): v for k, v in measure_copies(
-            args.sizes, args, torch.device(args.send_device), torch.device(args.recv_device)).items()}),
+        (
+            "copies",
+            lambda: {
+                str(k): v
+                for k, v in measure_copies(
+                    args.sizes, args, torch.device(args.send_device), torch.device(args.recv_device)
+                ).items()
+            },
+        ),
     ]
     groups = [(row,) for row in ROWS] if args.separate else [ROWS]
     for rows in groups:
-        steps.append(("+".join(rows), lambda rows=rows: run_pair(rows_pair, args, sizes=args.sizes, chunk=args.chunk,
-                                                                 rows=rows)[0]))
+        steps.append(
+            (
+                "+".join(rows),
+                lambda rows=rows: run_pair(rows_pair, args, sizes=args.sizes, chunk=args.chunk, rows=rows)[0],
+            )
+        )
     for key, step in steps:
         print(f"bench_staged_gpu: {key} ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()

@@ -15,7 +15,11 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tensorwire.benchmark.cli import DESCRIPTION, EPILOG, add_arguments, run
 
-    parser = argparse.ArgumentParser(prog="bench_transports.py", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench_transports.py",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     sys.exit(run(parser.parse_args(), argv=sys.argv[1:]))

@@ -41,8 +41,9 @@ def main() -> None:
         try:
             for i in range(args.tensors):
                 t = torch.randn(per)
-                store.restore(TensorSpec(f"t{i}", (per,), "float32"), 1,
-                              lambda raw, t=t: raw.copy_(t.view(torch.uint8)))
+                store.restore(
+                    TensorSpec(f"t{i}", (per,), "float32"), 1, lambda raw, t=t: raw.copy_(t.view(torch.uint8))
+                )
             for _ in range(args.rounds):
                 for crc_on in (True, False):
                     snapshot.zlib.crc32 = real_crc if crc_on else (lambda data, value=0: 0)  # type: ignore[misc]
@@ -64,8 +65,10 @@ def main() -> None:
             store.close()
         data = memoryview(bytes(size))
         alone = {}
-        for name, fn in (("crc32 (zlib)", lambda: zlib.crc32(data)),
-                         ("blake2b-128", lambda: hashlib.blake2b(data, digest_size=16).digest())):
+        for name, fn in (
+            ("crc32 (zlib)", lambda: zlib.crc32(data)),
+            ("blake2b-128", lambda: hashlib.blake2b(data, digest_size=16).digest()),
+        ):
             runs = []
             for _ in range(args.rounds):
                 t0 = time.perf_counter()
@@ -78,10 +81,14 @@ def main() -> None:
     print(f"snapshot of {mib:.0f} MiB in {args.tensors} tensors, {args.rounds} rounds, medians (in turns):")
     print("| step | with CRC-32 | without | ratio |")
     print("| --- | ---: | ---: | ---: |")
-    print(f"| write (temp file, fsync, read-back, rename) | {med['write+crc'] * 1e3:.0f} ms | {med['write'] * 1e3:.0f} ms "
-          f"| {med['write+crc'] / med['write']:.2f}x |")
-    print(f"| restore (read, verify, fill) | {med['restore+verify'] * 1e3:.0f} ms | {med['restore'] * 1e3:.0f} ms "
-          f"| {med['restore+verify'] / med['restore']:.2f}x |")
+    print(
+        f"| write (temp file, fsync, read-back, rename) | {med['write+crc'] * 1e3:.0f} ms | {med['write'] * 1e3:.0f} ms "
+        f"| {med['write+crc'] / med['write']:.2f}x |"
+    )
+    print(
+        f"| restore (read, verify, fill) | {med['restore+verify'] * 1e3:.0f} ms | {med['restore'] * 1e3:.0f} ms "
+        f"| {med['restore+verify'] / med['restore']:.2f}x |"
+    )
     print()
     print("| checksum alone | time | rate |")
     print("| --- | ---: | ---: |")

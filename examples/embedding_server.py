@@ -62,8 +62,9 @@ def start_daemon(rows: int, dim: int) -> tuple[subprocess.Popen, str]:
     need = 3 * 2 * rows * dim * 4 + (64 << 20)
     cmd = [sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--max-bytes", str(need)]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env
+    )
     line = proc.stdout.readline() if proc.stdout else ""
     if not line:
         proc.kill()
@@ -142,8 +143,10 @@ def run(args: argparse.Namespace) -> float:
                 first = last if first is None else first
                 print(f"step {step:4d}  loss {last:.5f}  rows {uniq.numel():5d}")
             dt = time.perf_counter() - t0
-            print(f"done: {args.steps} steps in {dt:.2f}s ({args.steps / dt:.1f} steps/s) on {device}, "
-                  f"loss {first:.5f} -> {last:.5f}, data path {c.data_path}, emb version {c.stat('emb').version}")
+            print(
+                f"done: {args.steps} steps in {dt:.2f}s ({args.steps / dt:.1f} steps/s) on {device}, "
+                f"loss {first:.5f} -> {last:.5f}, data path {c.data_path}, emb version {c.stat('emb').version}"
+            )
             return last if last is not None else float("nan")
     finally:
         if proc is not None:
@@ -160,8 +163,12 @@ def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--address", help="host:port of a running daemon (default: start one)")
     p.add_argument("--token-file", help="bearer token file for the daemon")
-    p.add_argument("--transport", default="auto", choices=("auto", "shm", "ucx", "tcp"),
-                   help="auto: shared memory with a daemon on this host, else UCX/TCP")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "shm", "ucx", "tcp"),
+        help="auto: shared memory with a daemon on this host, else UCX/TCP",
+    )
     p.add_argument("--rows", type=int, default=200_000, help="table rows (default 200k; try 5000000)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2048)

@@ -139,7 +139,9 @@ def loss_fn(y: torch.Tensor, target: torch.Tensor, microbatches: int) -> torch.T
     return nn.functional.mse_loss(y, target) / microbatches
 
 
-def train_reference(cfg: Config, *, start_step: int = 0, model: nn.Sequential | None = None) -> tuple[nn.Sequential, list[float]]:
+def train_reference(
+    cfg: Config, *, start_step: int = 0, model: nn.Sequential | None = None
+) -> tuple[nn.Sequential, list[float]]:
     """The same training in one process (same model, seed, microbatching and order); returns (model, losses)."""
     model = build_model(cfg) if model is None else model
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
@@ -147,8 +149,10 @@ def train_reference(cfg: Config, *, start_step: int = 0, model: nn.Sequential | 
     for step in range(start_step, cfg.steps):
         x, t = batch_for_step(cfg, step)
         opt.zero_grad(set_to_none=True)
-        outs = [loss_fn(model(xm), tm, cfg.microbatches) for xm, tm in zip(x.chunk(cfg.microbatches),
-                                                                            t.chunk(cfg.microbatches))]
+        outs = [
+            loss_fn(model(xm), tm, cfg.microbatches)
+            for xm, tm in zip(x.chunk(cfg.microbatches), t.chunk(cfg.microbatches))
+        ]
         for out in outs:  # GPipe order: all forwards, then all backwards in microbatch order
             out.backward()
         opt.step()
@@ -167,10 +171,14 @@ def global_params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def wire_name(name: str) -> str:
     """``output.k``/``input.k`` -> ``act.k``; ``grad.output.k``/``grad.input.k`` -> ``grad.act.k``."""
-    for old, new in (("grad.output.", "grad.act."), ("grad.input.", "grad.act."), ("output.", "act."),
-                     ("input.", "act.")):
+    for old, new in (
+        ("grad.output.", "grad.act."),
+        ("grad.input.", "grad.act."),
+        ("output.", "act."),
+        ("input.", "act."),
+    ):
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     raise ValueError(f"not an activation or its gradient: {name!r}")
 
 
@@ -217,15 +225,25 @@ class Comm:
     def recv_backward(self) -> list[torch.Tensor]: ...
     def flush(self) -> None:
         """Wait for sends still in flight (end of a step). Comms whose sends block have nothing to do."""
+
     def close(self) -> None: ...
 
 
 class TensorwireComm(Comm):
     """Links to the previous and next stage, negotiated from the stage's discovered plan."""
 
-    def __init__(self, node: Any, plan: Any, *, n_stages: int, microbatches: int, device: torch.device,
-                 connect_timeout: float | None = None, link_name: str = "pipeline",
-                 overlap: bool | None = None) -> None:
+    def __init__(
+        self,
+        node: Any,
+        plan: Any,
+        *,
+        n_stages: int,
+        microbatches: int,
+        device: torch.device,
+        connect_timeout: float | None = None,
+        link_name: str = "pipeline",
+        overlap: bool | None = None,
+    ) -> None:
         self.rank = node.rank
         self.device = device
         self.stats = Stats()
@@ -241,12 +259,22 @@ class TensorwireComm(Comm):
         # whole step's are held), so recv_forward hands out slots, no copies.
         depth = microbatches + 2
         if self.rank > 0:
-            self.prev = node.link(self.rank - 1, recv=wire(plan.inputs), send=wire(plan.grads_of_inputs),
-                                  name=link_name, timeout=connect_timeout,
-                                  depth={s.name: depth for s in wire(plan.inputs)})
+            self.prev = node.link(
+                self.rank - 1,
+                recv=wire(plan.inputs),
+                send=wire(plan.grads_of_inputs),
+                name=link_name,
+                timeout=connect_timeout,
+                depth={s.name: depth for s in wire(plan.inputs)},
+            )
         if self.rank < n_stages - 1:
-            self.next = node.link(self.rank + 1, send=wire(plan.outputs), recv=wire(plan.grads_of_outputs),
-                                  name=link_name, timeout=connect_timeout)
+            self.next = node.link(
+                self.rank + 1,
+                send=wire(plan.outputs),
+                recv=wire(plan.grads_of_outputs),
+                name=link_name,
+                timeout=connect_timeout,
+            )
         self.act_names = [s.name for s in wire(plan.inputs)]
         self.out_names = [s.name for s in wire(plan.outputs)]
         self.grad_in_names = [s.name for s in wire(plan.grads_of_inputs)]
@@ -254,8 +282,14 @@ class TensorwireComm(Comm):
         # A CUDA activation staged through host memory (TCP between hosts) has one device slot: there the
         # inputs of every microbatch are copied into buffers of their own, allocated once.
         self.zero_copy = self.prev is not None and all(self.prev.depth(n) >= depth for n in self.act_names)
-        self.inputs = [[torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.inputs]
-                       for _ in range(microbatches)] if self.prev is not None and not self.zero_copy else []
+        self.inputs = (
+            [
+                [torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in plan.inputs]
+                for _ in range(microbatches)
+            ]
+            if self.prev is not None and not self.zero_copy
+            else []
+        )
 
     @property
     def transports(self) -> dict[str, str]:
@@ -325,9 +359,18 @@ class TensorwireComm(Comm):
 # ---------------------------------------------------------------------------
 
 
-def pipeline_step(stage: nn.Module, opt: torch.optim.Optimizer, comm: Comm, cfg: Config, step: int, *,
-                  first: bool, last: bool, device: torch.device,
-                  batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> float | None:
+def pipeline_step(
+    stage: nn.Module,
+    opt: torch.optim.Optimizer,
+    comm: Comm,
+    cfg: Config,
+    step: int,
+    *,
+    first: bool,
+    last: bool,
+    device: torch.device,
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> float | None:
     """Forward all microbatches, backward all (same order), optimizer step. Returns the loss on the last stage.
 
     ``batch``: this step's ``(x, target)`` if the caller has it already (default: ``batch_for_step``).
@@ -385,14 +428,15 @@ def ckpt_steps(d: str, rank: int) -> list[int]:
     for name in os.listdir(d):
         if name.startswith(pre) and name.endswith(".pt"):
             try:
-                out.append(int(name[len(pre):-3]))
+                out.append(int(name[len(pre) : -3]))
             except ValueError:
                 continue
     return sorted(out)
 
 
-def save_ckpt(d: str, rank: int, step: int, stage: nn.Module, opt: torch.optim.Optimizer, losses: list[float],
-              keep: int = 3) -> None:
+def save_ckpt(
+    d: str, rank: int, step: int, stage: nn.Module, opt: torch.optim.Optimizer, losses: list[float], keep: int = 3
+) -> None:
     os.makedirs(d, exist_ok=True)
     path = _ckpt_path(d, rank, step)
     tmp = path + f".tmp{os.getpid()}"
@@ -429,7 +473,9 @@ def agree_resume_step(node: Any, d: str, timeout: float) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=Config.steps)
     p.add_argument("--microbatches", type=int, default=Config.microbatches)
     p.add_argument("--batch", type=int, default=Config.batch, help="samples per step (split into microbatches)")
@@ -439,32 +485,57 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-out", type=int, default=Config.d_out)
     p.add_argument("--lr", type=float, default=Config.lr)
     p.add_argument("--seed", type=int, default=Config.seed)
-    p.add_argument("--transport", choices=["auto", "tcp", "ucx"], default=None,
-                   help="default: env TENSORWIRE_TRANSPORT, else auto")
-    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
-                   help="send with isend and wait at the end of the step, overlapping transfers with the "
-                        "next microbatch (auto: on for CUDA stages)")
-    p.add_argument("--check", action="store_true",
-                   help="also train the whole model in one process and compare (params per stage, losses)")
+    p.add_argument(
+        "--transport", choices=["auto", "tcp", "ucx"], default=None, help="default: env TENSORWIRE_TRANSPORT, else auto"
+    )
+    p.add_argument(
+        "--overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="send with isend and wait at the end of the step, overlapping transfers with the "
+        "next microbatch (auto: on for CUDA stages)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also train the whole model in one process and compare (params per stage, losses)",
+    )
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-6)
     p.add_argument("--save-params", metavar="DIR", default=None, help="write DIR/stage<rank>.pt at the end")
     p.add_argument("--ckpt-dir", default=None, help="per-stage checkpoints; resume from the newest common one")
     p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--die-at-step", type=int, default=None,
-                   help="rank --die-rank SIGKILLs itself at this step on the first attempt (restart count 0)")
+    p.add_argument(
+        "--die-at-step",
+        type=int,
+        default=None,
+        help="rank --die-rank SIGKILLs itself at this step on the first attempt (restart count 0)",
+    )
     p.add_argument("--die-rank", type=int, default=1)
     p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--connect-timeout", type=float, default=None,
-                   help="seconds to wait for the neighbours at start-up (link negotiation, checkpoint agreement); "
-                        "default max(TENSORWIRE_TIMEOUT, 120). Transfers use TENSORWIRE_TIMEOUT")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the neighbours at start-up (link negotiation, checkpoint agreement); "
+        "default max(TENSORWIRE_TIMEOUT, 120). Transfers use TENSORWIRE_TIMEOUT",
+    )
     p.add_argument("--reference", action="store_true", help="train in this single process (no torchrun)")
     return p.parse_args(argv)
 
 
 def config_from(args: argparse.Namespace) -> Config:
-    return Config(d_in=args.d_in, hidden=args.hidden, d_out=args.d_out, layers=args.layers, batch=args.batch,
-                  microbatches=args.microbatches, lr=args.lr, seed=args.seed, steps=args.steps)
+    return Config(
+        d_in=args.d_in,
+        hidden=args.hidden,
+        d_out=args.d_out,
+        layers=args.layers,
+        batch=args.batch,
+        microbatches=args.microbatches,
+        lr=args.lr,
+        seed=args.seed,
+        steps=args.steps,
+    )
 
 
 def say(msg: str, *, err: bool = False) -> None:
@@ -479,8 +550,9 @@ def _mib(n: float) -> float:
     return n / (1 << 20)
 
 
-def check_against_reference(cfg: Config, stage: nn.Module, losses: list[float], *, rank: int, last: bool,
-                            rtol: float, atol: float) -> bool:
+def check_against_reference(
+    cfg: Config, stage: nn.Module, losses: list[float], *, rank: int, last: bool, rtol: float, atol: float
+) -> bool:
     ref_model, ref_losses = train_reference(cfg)
     ref = global_params(ref_model)
     worst, bad = 0.0, []
@@ -490,12 +562,16 @@ def check_against_reference(cfg: Config, stage: nn.Module, losses: list[float], 
         if not torch.allclose(p, ref[name], rtol=rtol, atol=atol):
             bad.append(name)
     loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=0.0) if last else 0.0
-    loss_ok = (not last) or (len(losses) == len(ref_losses) and all(
-        math.isclose(a, b, rel_tol=rtol, abs_tol=atol) for a, b in zip(losses, ref_losses)))
+    loss_ok = (not last) or (
+        len(losses) == len(ref_losses)
+        and all(math.isclose(a, b, rel_tol=rtol, abs_tol=atol) for a, b in zip(losses, ref_losses))
+    )
     ok = not bad and loss_ok
-    say(f"[rank {rank}] check {'OK' if ok else 'FAILED'}: max |param - reference| = {worst:.3g}"
+    say(
+        f"[rank {rank}] check {'OK' if ok else 'FAILED'}: max |param - reference| = {worst:.3g}"
         + (f", max |loss - reference| = {loss_diff:.3g}" if last else "")
-        + (f"; differing: {bad}" if bad else ""))
+        + (f"; differing: {bad}" if bad else "")
+    )
     return ok
 
 
@@ -507,8 +583,10 @@ def run_reference(args: argparse.Namespace) -> int:
             say(f"step {step:4d} loss {loss:.6f}")
     if args.save_params:
         os.makedirs(args.save_params, exist_ok=True)
-        torch.save({"params": global_params(model), "losses": losses, "config": dataclasses.asdict(cfg)},
-                   os.path.join(args.save_params, "reference.pt"))
+        torch.save(
+            {"params": global_params(model), "losses": losses, "config": dataclasses.asdict(cfg)},
+            os.path.join(args.save_params, "reference.pt"),
+        )
     return 0
 
 
@@ -529,9 +607,15 @@ def run_worker(args: argparse.Namespace) -> int:
         plan = tw.discover(stage, torch.zeros(cfg.microbatch, example_in, device=device))
         opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
         connect_timeout = args.connect_timeout if args.connect_timeout is not None else max(node.timeout, 120.0)
-        comm = TensorwireComm(node, plan, n_stages=world, microbatches=cfg.microbatches, device=device,
-                              connect_timeout=connect_timeout,
-                              overlap=None if args.overlap == "auto" else args.overlap == "on")
+        comm = TensorwireComm(
+            node,
+            plan,
+            n_stages=world,
+            microbatches=cfg.microbatches,
+            device=device,
+            connect_timeout=connect_timeout,
+            overlap=None if args.overlap == "auto" else args.overlap == "on",
+        )
         start, losses = 0, []
         if args.ckpt_dir:
             start = agree_resume_step(node, args.ckpt_dir, connect_timeout)
@@ -540,9 +624,11 @@ def run_worker(args: argparse.Namespace) -> int:
                 stage.load_state_dict(state["model"])
                 opt.load_state_dict(state["opt"])
                 losses = list(state["losses"])
-        say(f"[rank {rank}] attempt {restart} prefix {node.prefix} host {node.host} "
+        say(
+            f"[rank {rank}] attempt {restart} prefix {node.prefix} host {node.host} "
             f"links {comm.transports} overlap {comm.overlap} stage blocks {list(stage_bounds(cfg.layers, world, rank))} "
-            f"plan via {plan.method}; start at step {start}; ready in {time.time() - t_start:.1f}s")
+            f"plan via {plan.method}; start at step {start}; ready in {time.time() - t_start:.1f}s"
+        )
         for step in range(start, cfg.steps):
             if args.die_at_step is not None and step == args.die_at_step and rank == args.die_rank and restart == 0:
                 say(f"[rank {rank}] --die-at-step {step}: SIGKILL self (attempt {restart})")
@@ -556,29 +642,44 @@ def run_worker(args: argparse.Namespace) -> int:
                     say(f"step {step:4d} loss {loss:.6f}")
                 if first or last:
                     rate = _mib(nbytes) / secs if secs > 0 else float("inf")
-                    say(f"[rank {rank}] step {step:4d} exchange {_mib(nbytes):.3f} MiB in {secs * 1e3:.2f} ms "
-                        f"= {rate:.1f} MiB/s")
+                    say(
+                        f"[rank {rank}] step {step:4d} exchange {_mib(nbytes):.3f} MiB in {secs * 1e3:.2f} ms "
+                        f"= {rate:.1f} MiB/s"
+                    )
             if args.ckpt_dir and args.ckpt_every > 0 and (step + 1) % args.ckpt_every == 0:
                 save_ckpt(args.ckpt_dir, rank, step + 1, stage, opt, losses)
         st = comm.stats
         if st.steps and (first or last):
             rate = _mib(st.total_bytes) / st.total_seconds if st.total_seconds > 0 else float("inf")
-            say(f"[rank {rank}] summary: {st.steps} steps, {_mib(st.total_bytes):.3f} MiB exchanged in "
+            say(
+                f"[rank {rank}] summary: {st.steps} steps, {_mib(st.total_bytes):.3f} MiB exchanged in "
                 f"{st.total_seconds:.3f} s of send+recv = {rate:.1f} MiB/s "
-                f"({st.total_seconds / st.steps * 1e3:.2f} ms/step) over {comm.transports}")
+                f"({st.total_seconds / st.steps * 1e3:.2f} ms/step) over {comm.transports}"
+            )
         if args.save_params:
             os.makedirs(args.save_params, exist_ok=True)
-            torch.save({"params": global_params(stage), "losses": losses if last else [], "stage": rank,
-                        "world": world, "attempt": restart, "transports": comm.transports, "overlap": comm.overlap,
-                        "config": dataclasses.asdict(cfg)},
-                       os.path.join(args.save_params, f"stage{rank}.pt"))
+            torch.save(
+                {
+                    "params": global_params(stage),
+                    "losses": losses if last else [],
+                    "stage": rank,
+                    "world": world,
+                    "attempt": restart,
+                    "transports": comm.transports,
+                    "overlap": comm.overlap,
+                    "config": dataclasses.asdict(cfg),
+                },
+                os.path.join(args.save_params, f"stage{rank}.pt"),
+            )
         ok = True
         if args.check:
             ok = check_against_reference(cfg, stage, losses, rank=rank, last=last, rtol=args.rtol, atol=args.atol)
         return 0 if ok else 3
     except tw.TensorWireError as exc:
-        say(f"tensorwire-failure rank={rank} error={type(exc).__name__} t={time.time():.3f} attempt={restart}: "
-            f"{exc}", err=True)
+        say(
+            f"tensorwire-failure rank={rank} error={type(exc).__name__} t={time.time():.3f} attempt={restart}: {exc}",
+            err=True,
+        )
         raise
     finally:
         if comm is not None:
@@ -597,6 +698,8 @@ if __name__ == "__main__":
     try:  # torchrun writes the exception (type, message, traceback) into its error report
         from torch.distributed.elastic.multiprocessing.errors import record
     except ImportError:  # pragma: no cover
+
         def record(f):  # type: ignore[no-redef]
             return f
+
     sys.exit(record(main)())

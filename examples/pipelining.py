@@ -66,21 +66,28 @@ def main() -> None:
     full = build_model(blocks, args.width)
     reference = copy.deepcopy(full) if args.check else None
     per = 2 * blocks // n_stages  # modules per stage (Linear + GELU per block)
-    stages = [PipelineStage(torch.nn.Sequential(*full[s * per:(s + 1) * per]).to(device), s, n_stages, device)
-              for s in my_stages]
+    stages = [
+        PipelineStage(torch.nn.Sequential(*full[s * per : (s + 1) * per]).to(device), s, n_stages, device)
+        for s in my_stages
+    ]
     loss_fn = torch.nn.MSELoss()
-    schedule = SCHEDULES[args.schedule](stages if interleaved else stages[0], n_microbatches=args.microbatches,
-                                        loss_fn=loss_fn)
+    schedule = SCHEDULES[args.schedule](
+        stages if interleaved else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn
+    )
     params = [p for st in stages for p in st.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.01)
     gen = torch.Generator().manual_seed(1)
-    data = [(torch.randn(args.batch, args.width, generator=gen), torch.randn(args.batch, args.width, generator=gen))
-            for _ in range(args.steps)]
+    data = [
+        (torch.randn(args.batch, args.width, generator=gen), torch.randn(args.batch, args.width, generator=gen))
+        for _ in range(args.steps)
+    ]
     t0 = time.perf_counter()
     for x, y in data:
         opt.zero_grad()
-        schedule.step(*((x.to(device),) if 0 in my_stages else ()),
-                      **({"target": y.to(device)} if n_stages - 1 in my_stages else {}))
+        schedule.step(
+            *((x.to(device),) if 0 in my_stages else ()),
+            **({"target": y.to(device)} if n_stages - 1 in my_stages else {}),
+        )
         opt.step()
     elapsed = time.perf_counter() - t0
     line = f"rank {rank}: {args.steps} {args.schedule} steps over {dist.group.WORLD.name()} in {elapsed:.3f} s"
@@ -88,14 +95,16 @@ def main() -> None:
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
         for x, y in data:
             ref_opt.zero_grad()
-            loss = sum(loss_fn(reference(xm), ym) for xm, ym in zip(x.chunk(args.microbatches),
-                                                                     y.chunk(args.microbatches)))
+            loss = sum(
+                loss_fn(reference(xm), ym) for xm, ym in zip(x.chunk(args.microbatches), y.chunk(args.microbatches))
+            )
             (loss / args.microbatches).backward()
             ref_opt.step()
-        worst = max((a.detach().cpu() - b.detach()).abs().max().item()
-                    for s in my_stages
-                    for a, b in zip(full[s * per:(s + 1) * per].parameters(),
-                                    reference[s * per:(s + 1) * per].parameters()))
+        worst = max(
+            (a.detach().cpu() - b.detach()).abs().max().item()
+            for s in my_stages
+            for a, b in zip(full[s * per : (s + 1) * per].parameters(), reference[s * per : (s + 1) * per].parameters())
+        )
         line += f"; max |param - single-process| = {worst:.2e}"
         if worst > 1e-5:
             dist.destroy_process_group()

@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="RDMA-aware tensor exchange for PyTorch: UCX/TCP data plane, gRPC control plane.",
     )
     parser.add_argument("--version", action="version", version=f"tensorwire {__version__}")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default), ERROR; env TENSORWIRE_LOG_LEVEL")
+    parser.add_argument(
+        "--log-level", default=None, help="DEBUG, INFO, WARNING (default), ERROR; env TENSORWIRE_LOG_LEVEL"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

@@ -26,6 +26,7 @@ allocator, so no allocator setting can change how it is mapped).
 
 Nothing here initializes CUDA at import.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -120,7 +121,9 @@ def check_allocator(*, env: Mapping[str, str] | None = None, warn: bool = True) 
                     "handles cannot be made; UCX cuda_ipc would silently fall back to staging through host "
                     "memory. tensorwire allocates its CUDA slots with cudaMalloc (tensorwire.cuda.alloc_cuda), "
                     "but tensors you send from the caching allocator cross over the slower path "
-                    "(unset expandable_segments to avoid that)", rep.source)
+                    "(unset expandable_segments to avoid that)",
+                    rep.source,
+                )
     return rep
 
 
@@ -134,9 +137,11 @@ def _cudart() -> Any:
 
     candidates = []
     base = os.path.dirname(torch.__file__)
-    for pat in (os.path.join(base, "lib", "libcudart.so*"),
-                os.path.join(os.path.dirname(base), "nvidia", "cuda_runtime", "lib", "libcudart.so*"),
-                os.path.join(os.path.dirname(base), "nvidia", "cu*", "lib", "libcudart.so*")):
+    for pat in (
+        os.path.join(base, "lib", "libcudart.so*"),
+        os.path.join(os.path.dirname(base), "nvidia", "cuda_runtime", "lib", "libcudart.so*"),
+        os.path.join(os.path.dirname(base), "nvidia", "cu*", "lib", "libcudart.so*"),
+    ):
         candidates.extend(sorted(glob.glob(pat), reverse=True))
     found = ctypes.util.find_library("cudart")
     if found:

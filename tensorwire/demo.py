@@ -97,14 +97,21 @@ _GO = b"g"
 
 def register(sub: Any) -> None:
     p = sub.add_parser("demo", help="the same bytes through tensorwire, a raw socket and gRPC on this machine")
-    p.add_argument("--rounds", "--steps", dest="rounds", type=int, default=5,
-                   help="timed rounds per 64 MiB row (default 5; the 1 MiB row runs twice as many, "
-                        "the round trip row 4 times as many rounds of 50 round trips)")
+    p.add_argument(
+        "--rounds",
+        "--steps",
+        dest="rounds",
+        type=int,
+        default=5,
+        help="timed rounds per 64 MiB row (default 5; the 1 MiB row runs twice as many, "
+        "the round trip row 4 times as many rounds of 50 round trips)",
+    )
     p.add_argument("--transport", default="auto", choices=("auto", "ucx", "tcp"))
     p.add_argument("--no-grpc", action="store_true", help="skip gRPC")
     p.add_argument("--timeout", type=float, default=120.0, help="overall timeout in seconds")
-    p.set_defaults(func=lambda a: run_demo(rounds=a.rounds, transport=a.transport, grpc=not a.no_grpc,
-                                           timeout=a.timeout))
+    p.set_defaults(
+        func=lambda a: run_demo(rounds=a.rounds, transport=a.transport, grpc=not a.no_grpc, timeout=a.timeout)
+    )
 
 
 # -- what is sent and checked -------------------------------------------------------------------------
@@ -204,10 +211,10 @@ class _SocketReceiver:
         self.buffers = buffers
 
     def exchange(self, row: int, first: int, n: int) -> list[Any]:
-        for view in self.views[row][first: first + n]:
+        for view in self.views[row][first : first + n]:
             _recv_exact(self.sock, view)
         self.sock.sendall(_ACK)
-        return self.buffers[row][first: first + n]
+        return self.buffers[row][first : first + n]
 
 
 class _GrpcSender:
@@ -230,11 +237,12 @@ class _GrpcSender:
         if len(srcs) == 1:
             reply = self.unary(srcs[0].numpy().tobytes(), timeout=self.timeout, metadata=meta)
         else:
+
             def chunks() -> Any:
                 for t in srcs:
                     a = t.numpy()
                     for off in range(0, len(a), _GRPC_CHUNK):
-                        yield a[off: off + _GRPC_CHUNK].tobytes()
+                        yield a[off : off + _GRPC_CHUNK].tobytes()
 
             reply = self.stream(chunks(), timeout=self.timeout, metadata=meta)
         if reply != _ACK:
@@ -255,11 +263,14 @@ class _GrpcReceiver:
         self.arrays = [[b.numpy() for b in bufs] for bufs in buffers]
         self.timeout = timeout
         self.done: queue.Queue[BaseException | None] = queue.Queue()
-        handlers = grpc.method_handlers_generic_handler(_GRPC_SERVICE, {
-            "Hello": grpc.unary_unary_rpc_method_handler(lambda req, ctx: str(os.getpid()).encode()),
-            "Put": grpc.unary_unary_rpc_method_handler(self._put),
-            "Stream": grpc.stream_unary_rpc_method_handler(self._stream),
-        })
+        handlers = grpc.method_handlers_generic_handler(
+            _GRPC_SERVICE,
+            {
+                "Hello": grpc.unary_unary_rpc_method_handler(lambda req, ctx: str(os.getpid()).encode()),
+                "Put": grpc.unary_unary_rpc_method_handler(self._put),
+                "Stream": grpc.stream_unary_rpc_method_handler(self._stream),
+            },
+        )
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=_GRPC_OPTIONS)
         self.server.add_generic_rpc_handlers((handlers,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
@@ -292,7 +303,7 @@ class _GrpcReceiver:
             msg, off = first, 0
             for chunk in chunks:
                 dst = arrays[msg]
-                dst[off: off + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                dst[off : off + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
                 off += len(chunk)
                 if off == len(dst):
                     msg, off = msg + 1, 0
@@ -308,7 +319,7 @@ class _GrpcReceiver:
         err = self.done.get(timeout=self.timeout)
         if err is not None:
             raise err
-        return self.buffers[row][first: first + n]
+        return self.buffers[row][first : first + n]
 
     def close(self) -> None:
         self.server.stop(grace=1.0).wait(3.0)
@@ -370,7 +381,7 @@ def _sender(plan: _Plan, store: Any, q: Any) -> None:
                 ramp = _ramp(row.size)
                 n, m = row.per_round, row.messages
                 srcs = [torch.empty(row.size, dtype=torch.uint8) for _ in range(n)]
-                parts = [(srcs[e * m: (e + 1) * m], e * m) for e in range(row.exchanges)]
+                parts = [(srcs[e * m : (e + 1) * m], e * m) for e in range(row.exchanges)]
                 row_times: dict[str, list[float]] = {p: [] for p in plan.paths()}
                 warm = plan.warmup(row)
                 for rnd in range(warm + plan.timed(row)):
@@ -501,9 +512,16 @@ class DemoResult:
         return o / tw_ if self.rows[row].round_trip else tw_ / o
 
 
-def measure(*, rows: Sequence[Row] = DEFAULT_ROWS, rounds: int = 5, transport: str = "auto", grpc: bool = True,
-            timeout: float = 120.0, progress: Callable[[str], None] | None = None,
-            check_pause: float = 0.0) -> DemoResult:
+def measure(
+    *,
+    rows: Sequence[Row] = DEFAULT_ROWS,
+    rounds: int = 5,
+    transport: str = "auto",
+    grpc: bool = True,
+    timeout: float = 120.0,
+    progress: Callable[[str], None] | None = None,
+    check_pause: float = 0.0,
+) -> DemoResult:
     """Run the two workers and return what they measured.
 
     Raises:
@@ -539,15 +557,20 @@ def measure(*, rows: Sequence[Row] = DEFAULT_ROWS, rounds: int = 5, transport: s
                 raise RuntimeError(f"worker {rank} failed: {payload}")
             if kind == "ready":
                 ready = payload
-                say(f"  workers connected: tensorwire over {payload['transport']}, gRPC server in process "
-                    f"{payload['grpc_server_pid']} (client: {payload['pid']})" if grpc else
-                    f"  workers connected: tensorwire over {payload['transport']}")
+                say(
+                    f"  workers connected: tensorwire over {payload['transport']}, gRPC server in process "
+                    f"{payload['grpc_server_pid']} (client: {payload['pid']})"
+                    if grpc
+                    else f"  workers connected: tensorwire over {payload['transport']}"
+                )
             elif kind == "start":
                 row = plan.rows[payload]
                 t_row = time.monotonic()
-                say(f"  {row.label} ...  {plan.warmup(row)} warm-up + {plan.timed(row)} timed rounds of "
-                    + (f"{row.exchanges} round trips" if row.round_trip else
-                       f"{row.messages} messages then an ack") + f", {len(plan.paths())} paths in turns")
+                say(
+                    f"  {row.label} ...  {plan.warmup(row)} warm-up + {plan.timed(row)} timed rounds of "
+                    + (f"{row.exchanges} round trips" if row.round_trip else f"{row.messages} messages then an ack")
+                    + f", {len(plan.paths())} paths in turns"
+                )
             elif kind == "row":
                 i, row_times = payload
                 say("  " + _row_line(plan.rows[i], row_times) + f"  ({time.monotonic() - t_row:.1f} s)")
@@ -562,12 +585,19 @@ def measure(*, rows: Sequence[Row] = DEFAULT_ROWS, rounds: int = 5, transport: s
     n = len(plan.rows)
     paths = plan.paths()
     return DemoResult(
-        rows=plan.rows, paths=paths, transport=ready.get("transport", "?"),
+        rows=plan.rows,
+        paths=paths,
+        transport=ready.get("transport", "?"),
         sender=[{p: got[0]["times"][f"{i}/{p}"] for p in paths} for i in range(n)],
         receiver=[{p: got[1]["times"][f"{i}/{p}"] for p in paths} for i in range(n)],
-        bad=got[1]["bad"], checked_bytes=got[1]["checked_bytes"],
-        pids={"sender": ready.get("pid"), "receiver": got[1]["pid"], "grpc_server": ready.get("grpc_server_pid"),
-              "parent": os.getpid()},
+        bad=got[1]["bad"],
+        checked_bytes=got[1]["checked_bytes"],
+        pids={
+            "sender": ready.get("pid"),
+            "receiver": got[1]["pid"],
+            "grpc_server": ready.get("grpc_server_pid"),
+            "parent": os.getpid(),
+        },
     )
 
 
@@ -606,20 +636,36 @@ def format_table(res: DemoResult) -> list[str]:
     return lines
 
 
-def run_demo(*, rounds: int = 5, transport: str = "auto", grpc: bool = True, timeout: float = 120.0,
-             out: TextIO | None = None, err: TextIO | None = None) -> int:
+def run_demo(
+    *,
+    rounds: int = 5,
+    transport: str = "auto",
+    grpc: bool = True,
+    timeout: float = 120.0,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
     """``tensorwire demo``: measure, print the table; exit code 0, or 1 if any message arrived corrupted."""
     out = out or sys.stdout
     err = err or sys.stderr
     if rounds < 1:
         print("tensorwire demo: --rounds must be >= 1", file=err)
         return 2
-    print(f"tensorwire demo: two processes on this machine (loopback), rank 0 -> rank 1; paths in turns, "
-          f"exchanges back to back (steady state); every byte checked, outside the clocks", file=out, flush=True)
+    print(
+        "tensorwire demo: two processes on this machine (loopback), rank 0 -> rank 1; paths in turns, "
+        "exchanges back to back (steady state); every byte checked, outside the clocks",
+        file=out,
+        flush=True,
+    )
     t0 = time.monotonic()
     try:
-        res = measure(rounds=rounds, transport=transport, grpc=grpc, timeout=timeout,
-                      progress=lambda line: print(line, file=err, flush=True))
+        res = measure(
+            rounds=rounds,
+            transport=transport,
+            grpc=grpc,
+            timeout=timeout,
+            progress=lambda line: print(line, file=err, flush=True),
+        )
     except (TimeoutError, RuntimeError) as exc:
         print(f"tensorwire demo: {exc}", file=err)
         return 1
@@ -627,7 +673,9 @@ def run_demo(*, rounds: int = 5, transport: str = "auto", grpc: bool = True, tim
     for line in format_table(res):
         print(line, file=out)
     bad = sum(res.bad.values())
-    print(f"checked {res.checked_bytes / 1e9:.2f} GB received, corrupted messages: {bad} "
-          f"({time.monotonic() - t0:.0f} s; medians by the sender's clock; round trip = 4 KiB there, 1 byte back)",
-          file=out)
+    print(
+        f"checked {res.checked_bytes / 1e9:.2f} GB received, corrupted messages: {bad} "
+        f"({time.monotonic() - t0:.0f} s; medians by the sender's clock; round trip = 4 KiB there, 1 byte back)",
+        file=out,
+    )
     return 0 if bad == 0 else 1

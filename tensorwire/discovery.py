@@ -578,7 +578,7 @@ def _resolve_dynamic(dynamic: Any, inputs: Mapping[str, "torch.Tensor"]) -> dict
             dims = _dims_of(dynamic, "value")
         except ConfigError:
             raise ConfigError(
-                "dynamic must be None, a dim index, a sequence of dim indices or a dict, " f"got {dynamic!r}"
+                f"dynamic must be None, a dim index, a sequence of dim indices or a dict, got {dynamic!r}"
             ) from None
         for name in inputs:
             add(name, dims, "every input")
@@ -916,4 +916,3 @@ def _reference_device(module: Any, inputs: Mapping[str, "torch.Tensor"]) -> Any:
         if p.device.type != "meta":
             return p.device
     return next(iter(inputs.values())).device
-

@@ -84,9 +84,16 @@ class Probe:
         cuda: ``(available, [device names])`` (default: asks torch, without initializing a context if absent).
     """
 
-    def __init__(self, *, root: str = "", env: Mapping[str, str] | None = None,
-                 memlock: tuple[int, int] | None = None, ucx: "UcxInfo | Callable[[], UcxInfo] | None" = None,
-                 cuda: tuple[bool, list[str]] | None = None, is_root: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        root: str = "",
+        env: Mapping[str, str] | None = None,
+        memlock: tuple[int, int] | None = None,
+        ucx: "UcxInfo | Callable[[], UcxInfo] | None" = None,
+        cuda: tuple[bool, list[str]] | None = None,
+        is_root: bool | None = None,
+    ) -> None:
         self.root = root
         self.env = dict(os.environ if env is None else env)
         self._memlock = memlock
@@ -131,7 +138,10 @@ class Probe:
                 import torch
 
                 ok = bool(torch.cuda.is_available())
-                self._cuda = (ok, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if ok else [])
+                self._cuda = (
+                    ok,
+                    [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if ok else [],
+                )
             except Exception:  # noqa: BLE001 - a broken driver is a finding, not a crash
                 self._cuda = (False, [])
         return self._cuda
@@ -193,8 +203,11 @@ def probe_ucx(timeout: float = 20.0) -> UcxInfo:
         libdir = os.path.join(base, "lib")
         info.modules = sorted(os.path.basename(p) for p in _glob(os.path.join(libdir, "ucx", "libuct_*.so")))
         if os.access(exe, os.X_OK):
-            env = dict(os.environ, LD_LIBRARY_PATH=libdir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""),
-                       UCX_WARN_UNUSED_ENV_VARS="n")
+            env = dict(
+                os.environ,
+                LD_LIBRARY_PATH=libdir + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""),
+                UCX_WARN_UNUSED_ENV_VARS="n",
+            )
             try:
                 v = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=timeout, env=env)
                 d = subprocess.run([exe, "-d"], capture_output=True, text=True, timeout=timeout, env=env)
@@ -256,33 +269,63 @@ def _ib_devices(p: Probe) -> list[dict[str, str]]:
             base = f"/sys/class/infiniband/{dev}/ports/{port}"
             layer = p.read(f"{base}/link_layer") or "?"
             state = p.read(f"{base}/state") or "?"
-            out.append({"dev": dev, "port": port, "link_layer": layer, "state": state,
-                        "kind": "RoCE" if layer.lower() == "ethernet" else ("InfiniBand" if layer.lower() == "infiniband" else layer)})
+            out.append(
+                {
+                    "dev": dev,
+                    "port": port,
+                    "link_layer": layer,
+                    "state": state,
+                    "kind": "RoCE"
+                    if layer.lower() == "ethernet"
+                    else ("InfiniBand" if layer.lower() == "infiniband" else layer),
+                }
+            )
     return out
 
 
 def check_ucx(p: Probe) -> list[Finding]:
     u = p.ucx()
     if u.version is None and u.ucxx_version is None:
-        return [Finding("ucx", "FAIL", f"UCX/ucxx not available ({u.error or 'not installed'}): only the TCP transport "
-                        "works", "pip install ucxx-cu12 (CUDA 12) or ucxx-cu13 (CUDA 13)")]
-    out = [Finding("ucx", "OK" if u.version else "WARN",
-                   f"ucxx {u.ucxx_version or '?'}, UCX {u.version or '?'}" + (f" ({u.error})" if u.error else ""),
-                   "" if u.version else "UCX would not start; see the error")]
+        return [
+            Finding(
+                "ucx",
+                "FAIL",
+                f"UCX/ucxx not available ({u.error or 'not installed'}): only the TCP transport works",
+                "pip install ucxx-cu12 (CUDA 12) or ucxx-cu13 (CUDA 13)",
+            )
+        ]
+    out = [
+        Finding(
+            "ucx",
+            "OK" if u.version else "WARN",
+            f"ucxx {u.ucxx_version or '?'}, UCX {u.version or '?'}" + (f" ({u.error})" if u.error else ""),
+            "" if u.version else "UCX would not start; see the error",
+        )
+    ]
     if u.configured:
         no_verbs = "--without-verbs" in u.configured
         has_ib_module = any(m.startswith("libuct_ib") for m in u.modules)
         if no_verbs and not has_ib_module and not p.listdir("/sys/class/infiniband"):
-            out.append(Finding("ucx build", "N/A", "this UCX was built --without-verbs (the pip libucx wheel); "
-                               "irrelevant here (no RDMA NIC), but on RDMA hosts it would not use the NIC",
-                               "on RDMA hosts: a verbs-enabled UCX (RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true)"))
+            out.append(
+                Finding(
+                    "ucx build",
+                    "N/A",
+                    "this UCX was built --without-verbs (the pip libucx wheel); "
+                    "irrelevant here (no RDMA NIC), but on RDMA hosts it would not use the NIC",
+                    "on RDMA hosts: a verbs-enabled UCX (RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true)",
+                )
+            )
         elif no_verbs and not has_ib_module:
-            out.append(Finding(
-                "ucx build", "WARN",
-                "this UCX was built --without-verbs (the pip libucx wheel): it cannot use InfiniBand/RoCE even "
-                "where the host has RDMA NICs",
-                "on RDMA hosts, use a UCX built with verbs: install it system-wide and set "
-                "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true so ucxx loads it"))
+            out.append(
+                Finding(
+                    "ucx build",
+                    "WARN",
+                    "this UCX was built --without-verbs (the pip libucx wheel): it cannot use InfiniBand/RoCE even "
+                    "where the host has RDMA NICs",
+                    "on RDMA hosts, use a UCX built with verbs: install it system-wide and set "
+                    "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true so ucxx loads it",
+                )
+            )
         else:
             out.append(Finding("ucx build", "OK", "UCX built with verbs (RDMA capable)"))
     return out
@@ -291,19 +334,30 @@ def check_ucx(p: Probe) -> list[Finding]:
 def check_ucx_transports(p: Probe) -> list[Finding]:
     u = p.ucx()
     if not u.transports:
-        return [Finding("ucx transports", "WARN" if u.version else "N/A",
-                        f"could not list UCX transports ({u.error or 'ucx_info not found'})",
-                        "run ucx_info -d from the libucx wheel (site-packages/libucx/bin) by hand")]
+        return [
+            Finding(
+                "ucx transports",
+                "WARN" if u.version else "N/A",
+                f"could not list UCX transports ({u.error or 'ucx_info not found'})",
+                "run ucx_info -d from the libucx wheel (site-packages/libucx/bin) by hand",
+            )
+        ]
     by_tl: dict[str, list[str]] = {}
     for tl, dev in u.transports:
         by_tl.setdefault(tl, []).append(dev)
     listing = ", ".join(f"{tl}({'/'.join(devs)})" for tl, devs in by_tl.items())
     out = [Finding("ucx transports", "OK", f"UCX sees: {listing} [{u.source}]")]
     tcp_devs = by_tl.get("tcp", [])
-    out.append(Finding("tcp", "OK" if tcp_devs else "WARN",
-                       f"UCX tcp on {', '.join(tcp_devs)}" if tcp_devs else
-                       "UCX sees no tcp device: without an RDMA device, UCX reaches no other host",
-                       "" if tcp_devs else "keep tcp in UCX_TLS / UCX_NET_DEVICES (or rely on RDMA)"))
+    out.append(
+        Finding(
+            "tcp",
+            "OK" if tcp_devs else "WARN",
+            f"UCX tcp on {', '.join(tcp_devs)}"
+            if tcp_devs
+            else "UCX sees no tcp device: without an RDMA device, UCX reaches no other host",
+            "" if tcp_devs else "keep tcp in UCX_TLS / UCX_NET_DEVICES (or rely on RDMA)",
+        )
+    )
     return out
 
 
@@ -312,19 +366,36 @@ def check_rdma(p: Probe) -> list[Finding]:
     u = p.ucx()
     ucx_rdma = [d for tl, d in u.transports if tl.startswith(("rc", "dc", "ud"))]
     if not devs:
-        return [Finding("rdma", "WARN",
-                        "NO RDMA on this host: no InfiniBand/RoCE device in /sys/class/infiniband. tensorwire moves "
-                        "host memory over TCP (loopback/Ethernet) and shared memory; fine on one host, "
-                        "bandwidth-bound by TCP between hosts",
-                        "for RDMA between hosts: a RoCE/InfiniBand NIC, its driver (rdma-core / MLNX_OFED) and a "
-                        "verbs-enabled UCX")]
+        return [
+            Finding(
+                "rdma",
+                "WARN",
+                "NO RDMA on this host: no InfiniBand/RoCE device in /sys/class/infiniband. tensorwire moves "
+                "host memory over TCP (loopback/Ethernet) and shared memory; fine on one host, "
+                "bandwidth-bound by TCP between hosts",
+                "for RDMA between hosts: a RoCE/InfiniBand NIC, its driver (rdma-core / MLNX_OFED) and a "
+                "verbs-enabled UCX",
+            )
+        ]
     active = [d for d in devs if "ACTIVE" in d["state"].upper()]
     desc = ", ".join(f"{d['dev']}:{d['port']} {d['kind']} {d['state']}" for d in devs)
-    out = [Finding("rdma", "OK" if active else "WARN", f"RDMA devices: {desc}",
-                   "" if active else "no port is ACTIVE: check cabling / subnet manager (ibstat)")]
+    out = [
+        Finding(
+            "rdma",
+            "OK" if active else "WARN",
+            f"RDMA devices: {desc}",
+            "" if active else "no port is ACTIVE: check cabling / subnet manager (ibstat)",
+        )
+    ]
     if not ucx_rdma and u.transports:
-        out.append(Finding("rdma in ucx", "WARN", "the host has RDMA devices but UCX lists no rc/dc/ud transport",
-                           "use a verbs-enabled UCX (see 'ucx build'), check UCX_TLS / UCX_NET_DEVICES"))
+        out.append(
+            Finding(
+                "rdma in ucx",
+                "WARN",
+                "the host has RDMA devices but UCX lists no rc/dc/ud transport",
+                "use a verbs-enabled UCX (see 'ucx build'), check UCX_TLS / UCX_NET_DEVICES",
+            )
+        )
     elif ucx_rdma:
         out.append(Finding("rdma in ucx", "OK", f"UCX RDMA transports on {', '.join(sorted(set(ucx_rdma)))}"))
     return out
@@ -336,17 +407,34 @@ def check_dev_infiniband(p: Probe) -> list[Finding]:
     uverbs = [e for e in entries if e.startswith("uverbs")]
     if not has_sys:
         if uverbs:
-            return [Finding("/dev/infiniband", "WARN", f"/dev/infiniband has {', '.join(uverbs)} but "
-                            "/sys/class/infiniband is empty (a verbs device node without its HCA)",
-                            "check the RDMA driver (ibv_devices) or the container's device list")]
-        return [Finding("/dev/infiniband", "N/A", "no RDMA device" + (
-            f" (/dev/infiniband has only {', '.join(entries)}: no HCA behind it)" if entries else ""))]
+            return [
+                Finding(
+                    "/dev/infiniband",
+                    "WARN",
+                    f"/dev/infiniband has {', '.join(uverbs)} but "
+                    "/sys/class/infiniband is empty (a verbs device node without its HCA)",
+                    "check the RDMA driver (ibv_devices) or the container's device list",
+                )
+            ]
+        return [
+            Finding(
+                "/dev/infiniband",
+                "N/A",
+                "no RDMA device"
+                + (f" (/dev/infiniband has only {', '.join(entries)}: no HCA behind it)" if entries else ""),
+            )
+        ]
     if not uverbs:
-        return [Finding("/dev/infiniband", "FAIL",
-                        "RDMA devices exist but /dev/infiniband/uverbs* is missing: verbs cannot be opened "
-                        "(typical in a container started without the devices)",
-                        "docker run --device=/dev/infiniband (or --privileged); on Kubernetes an RDMA device "
-                        "plugin resource (e.g. rdma/hca)")]
+        return [
+            Finding(
+                "/dev/infiniband",
+                "FAIL",
+                "RDMA devices exist but /dev/infiniband/uverbs* is missing: verbs cannot be opened "
+                "(typical in a container started without the devices)",
+                "docker run --device=/dev/infiniband (or --privileged); on Kubernetes an RDMA device "
+                "plugin resource (e.g. rdma/hca)",
+            )
+        ]
     return [Finding("/dev/infiniband", "OK", f"{', '.join(uverbs)} present")]
 
 
@@ -357,11 +445,19 @@ def check_memlock(p: Probe) -> list[Finding]:
     text = "unlimited" if unlimited else f"{soft // 1024} KiB"
     if unlimited or soft >= 1 << 40:
         return [Finding("memlock", "OK", f"RLIMIT_MEMLOCK {text}")]
-    fix = ("ulimit -l unlimited (shell), LimitMEMLOCK=infinity (systemd), docker --ulimit memlock=-1:-1, "
-           "or /etc/security/limits.conf '* - memlock unlimited'")
+    fix = (
+        "ulimit -l unlimited (shell), LimitMEMLOCK=infinity (systemd), docker --ulimit memlock=-1:-1, "
+        "or /etc/security/limits.conf '* - memlock unlimited'"
+    )
     if rdma:
-        return [Finding("memlock", "WARN" if soft >= 1 << 30 else "FAIL",
-                        f"RLIMIT_MEMLOCK {text}: RDMA registration pins slot memory and fails past this", fix)]
+        return [
+            Finding(
+                "memlock",
+                "WARN" if soft >= 1 << 30 else "FAIL",
+                f"RLIMIT_MEMLOCK {text}: RDMA registration pins slot memory and fails past this",
+                fix,
+            )
+        ]
     return [Finding("memlock", "OK", f"RLIMIT_MEMLOCK {text} (only limits RDMA registration; no RDMA here)")]
 
 
@@ -371,22 +467,42 @@ def check_shm(p: Probe) -> list[Finding]:
     sm = sorted({tl for tl, _ in u.transports if tl in ("posix", "sysv", "cma", "xpmem", "knem")})
     size = p.statvfs_size("/dev/shm")
     if size is None:
-        out.append(Finding("shared memory", "WARN", "/dev/shm is missing: UCX posix shared memory cannot work",
-                           "mount a tmpfs on /dev/shm (docker: --shm-size=8g or --ipc=host)"))
+        out.append(
+            Finding(
+                "shared memory",
+                "WARN",
+                "/dev/shm is missing: UCX posix shared memory cannot work",
+                "mount a tmpfs on /dev/shm (docker: --shm-size=8g or --ipc=host)",
+            )
+        )
     elif size < 1 << 30:
-        out.append(Finding("shared memory", "WARN",
-                           f"/dev/shm is only {size >> 20} MiB (UCX sm transports: {', '.join(sm) or 'none'}): "
-                           "large same-host transfers can fail or fall back to tcp",
-                           "docker --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory on /dev/shm"))
+        out.append(
+            Finding(
+                "shared memory",
+                "WARN",
+                f"/dev/shm is only {size >> 20} MiB (UCX sm transports: {', '.join(sm) or 'none'}): "
+                "large same-host transfers can fail or fall back to tcp",
+                "docker --shm-size=8g (or --ipc=host); Kubernetes: an emptyDir with medium: Memory on /dev/shm",
+            )
+        )
     else:
-        out.append(Finding("shared memory", "OK",
-                           f"/dev/shm {size >> 30} GiB; UCX sm transports: {', '.join(sm) or 'none listed'}"))
+        out.append(
+            Finding(
+                "shared memory", "OK", f"/dev/shm {size >> 30} GiB; UCX sm transports: {', '.join(sm) or 'none listed'}"
+            )
+        )
     if "cma" in sm or not u.transports:
         scope = p.read("/proc/sys/kernel/yama/ptrace_scope")
         if scope is not None and scope.strip() not in ("0",) and not p.is_root:
-            out.append(Finding("cma", "WARN", f"kernel.yama.ptrace_scope={scope}: UCX cma (single-copy between "
-                               "processes) is refused for non-root processes; UCX uses a two-copy path",
-                               "sysctl kernel.yama.ptrace_scope=0, or grant CAP_SYS_PTRACE"))
+            out.append(
+                Finding(
+                    "cma",
+                    "WARN",
+                    f"kernel.yama.ptrace_scope={scope}: UCX cma (single-copy between "
+                    "processes) is refused for non-root processes; UCX uses a two-copy path",
+                    "sysctl kernel.yama.ptrace_scope=0, or grant CAP_SYS_PTRACE",
+                )
+            )
         else:
             out.append(Finding("cma", "OK", "cross-memory attach usable" + (" (root)" if p.is_root else "")))
     return out
@@ -397,22 +513,42 @@ def check_cuda(p: Probe) -> list[Finding]:
     u = p.ucx()
     tls = {tl for tl, _ in u.transports}
     if not ok:
-        return [Finding("cuda", "N/A", "no CUDA device visible to torch (CPU-only host or CPU torch build): "
-                        "cuda_copy / cuda_ipc / GPUDirect do not apply")]
+        return [
+            Finding(
+                "cuda",
+                "N/A",
+                "no CUDA device visible to torch (CPU-only host or CPU torch build): "
+                "cuda_copy / cuda_ipc / GPUDirect do not apply",
+            )
+        ]
     out = [Finding("cuda", "OK", f"{len(names)} GPU(s): {', '.join(names)}")]
-    for tl, what in (("cuda_copy", "host<->GPU copies inside UCX"), ("cuda_ipc", "GPU<->GPU on one host (NVLink/PCIe)")):
+    for tl, what in (
+        ("cuda_copy", "host<->GPU copies inside UCX"),
+        ("cuda_ipc", "GPU<->GPU on one host (NVLink/PCIe)"),
+    ):
         if tl in tls:
             out.append(Finding(tl, "OK", f"UCX {tl}: {what}"))
         else:
-            out.append(Finding(tl, "FAIL" if tl == "cuda_copy" else "WARN",
-                               f"UCX lists no {tl}: {what} unavailable",
-                               "use a CUDA-enabled UCX (ucxx-cu12/cu13 wheels match the CUDA major version); "
-                               "check UCX_TLS includes cuda_copy,cuda_ipc and the driver is loaded"))
+            out.append(
+                Finding(
+                    tl,
+                    "FAIL" if tl == "cuda_copy" else "WARN",
+                    f"UCX lists no {tl}: {what} unavailable",
+                    "use a CUDA-enabled UCX (ucxx-cu12/cu13 wheels match the CUDA major version); "
+                    "check UCX_TLS includes cuda_copy,cuda_ipc and the driver is loaded",
+                )
+            )
     reach = u.cuda_support
-    out.append(Finding("cuda memory in ucx", "OK" if reach and "cuda_copy" in tls else "FAIL",
-                       "UCX can send/receive CUDA memory directly" if reach and "cuda_copy" in tls
-                       else "UCX cannot reach CUDA memory: tensorwire falls back to staging through pinned host slots",
-                       "" if reach and "cuda_copy" in tls else "install the ucxx wheel matching your CUDA (cu12/cu13)"))
+    out.append(
+        Finding(
+            "cuda memory in ucx",
+            "OK" if reach and "cuda_copy" in tls else "FAIL",
+            "UCX can send/receive CUDA memory directly"
+            if reach and "cuda_copy" in tls
+            else "UCX cannot reach CUDA memory: tensorwire falls back to staging through pinned host slots",
+            "" if reach and "cuda_copy" in tls else "install the ucxx wheel matching your CUDA (cu12/cu13)",
+        )
+    )
     return out
 
 
@@ -421,12 +557,24 @@ def check_gpudirect(p: Probe) -> list[Finding]:
     rdma = bool(p.listdir("/sys/class/infiniband"))
     loaded = p.exists("/sys/module/nvidia_peermem") or "nvidia_peermem" in (p.read("/proc/modules") or "")
     if not (ok and rdma):
-        return [Finding("gpudirect rdma", "N/A", "needs both a GPU and an RDMA NIC"
-                        + (f" (nvidia_peermem {'loaded' if loaded else 'not loaded'})" if ok or rdma else ""))]
+        return [
+            Finding(
+                "gpudirect rdma",
+                "N/A",
+                "needs both a GPU and an RDMA NIC"
+                + (f" (nvidia_peermem {'loaded' if loaded else 'not loaded'})" if ok or rdma else ""),
+            )
+        ]
     if loaded:
         return [Finding("gpudirect rdma", "OK", "nvidia_peermem loaded: the NIC reads/writes GPU memory directly")]
-    return [Finding("gpudirect rdma", "WARN", "nvidia_peermem is not loaded: GPU tensors cross hosts through host memory",
-                    "modprobe nvidia_peermem (or use a dma-buf capable driver/UCX)")]
+    return [
+        Finding(
+            "gpudirect rdma",
+            "WARN",
+            "nvidia_peermem is not loaded: GPU tensors cross hosts through host memory",
+            "modprobe nvidia_peermem (or use a dma-buf capable driver/UCX)",
+        )
+    ]
 
 
 def _container(p: Probe) -> str | None:
@@ -446,11 +594,18 @@ def _container(p: Probe) -> str | None:
 def check_container(p: Probe) -> list[Finding]:
     kind = _container(p)
     if kind is None:
-        return [Finding("container", "OK", "not in a container (no IPC/PID namespace limits on shared memory / CUDA IPC)")]
-    return [Finding("container", "OK",
-                    f"running in a container ({kind}): ranks inside it share memory and CUDA IPC; peers in other "
-                    "containers on this host need a shared IPC namespace (--ipc=host; --pid=host for cma), "
-                    "else UCX falls back to tcp")]
+        return [
+            Finding("container", "OK", "not in a container (no IPC/PID namespace limits on shared memory / CUDA IPC)")
+        ]
+    return [
+        Finding(
+            "container",
+            "OK",
+            f"running in a container ({kind}): ranks inside it share memory and CUDA IPC; peers in other "
+            "containers on this host need a shared IPC namespace (--ipc=host; --pid=host for cma), "
+            "else UCX falls back to tcp",
+        )
+    ]
 
 
 def check_allocator(p: Probe) -> list[Finding]:
@@ -458,11 +613,16 @@ def check_allocator(p: Probe) -> list[Finding]:
 
     rep = expandable_segments(p.env, runtime=False)
     if rep.expandable:
-        return [Finding("expandable_segments", "WARN",
-                        f"{rep.source}: CUDA IPC handles cannot be made for caching-allocator memory; UCX cuda_ipc "
-                        "silently falls back to staging (tensorwire's own CUDA slots use cudaMalloc and are not affected)",
-                        "unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF for processes that send GPU tensors "
-                        "straight from their own allocations")]
+        return [
+            Finding(
+                "expandable_segments",
+                "WARN",
+                f"{rep.source}: CUDA IPC handles cannot be made for caching-allocator memory; UCX cuda_ipc "
+                "silently falls back to staging (tensorwire's own CUDA slots use cudaMalloc and are not affected)",
+                "unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF for processes that send GPU tensors "
+                "straight from their own allocations",
+            )
+        ]
     return [Finding("expandable_segments", "OK", "PyTorch expandable_segments not enabled")]
 
 
@@ -470,27 +630,50 @@ def check_ucx_env(p: Probe) -> list[Finding]:
     env = {k: v for k, v in sorted(p.env.items()) if k.startswith(("UCX_", "UCXPY_"))}
     u = p.ucx()
     shown = ", ".join(f"{k}={v}" for k, v in env.items()) or "none set"
-    extra = (f"; ucxx sets at import: {', '.join(f'{k}={v}' for k, v in u.env_set_by_ucxx.items())}"
-             if u.env_set_by_ucxx else "")
+    extra = (
+        f"; ucxx sets at import: {', '.join(f'{k}={v}' for k, v in u.env_set_by_ucxx.items())}"
+        if u.env_set_by_ucxx
+        else ""
+    )
     out = [Finding("UCX_* env", "OK", f"{shown}{extra}")]
     tls = env.get("UCX_TLS")
     if tls and tls.strip().lower() not in ("all", "^") and not tls.startswith("^"):
         names = {t.strip().lower() for t in tls.split(",")}
         if "tcp" not in names and not names & {"rc", "rc_x", "rc_v", "dc", "dc_x", "ud", "ud_x", "ib"}:
-            out.append(Finding("UCX_TLS", "FAIL", f"UCX_TLS={tls} has no tcp (nor an RDMA transport): UCX "
-                               "cannot reach ranks on other hosts",
-                               f"UCX_TLS={tls},tcp (keep sm/self/cuda_* as wanted)"))
+            out.append(
+                Finding(
+                    "UCX_TLS",
+                    "FAIL",
+                    f"UCX_TLS={tls} has no tcp (nor an RDMA transport): UCX cannot reach ranks on other hosts",
+                    f"UCX_TLS={tls},tcp (keep sm/self/cuda_* as wanted)",
+                )
+            )
         ok, _ = p.cuda()
         if ok and not names & {"cuda_copy", "cuda", "cuda_ipc"}:
-            out.append(Finding("UCX_TLS", "WARN", f"UCX_TLS={tls} leaves out cuda_copy/cuda_ipc on a GPU host",
-                               f"UCX_TLS={tls},cuda_copy,cuda_ipc"))
+            out.append(
+                Finding(
+                    "UCX_TLS",
+                    "WARN",
+                    f"UCX_TLS={tls} leaves out cuda_copy/cuda_ipc on a GPU host",
+                    f"UCX_TLS={tls},cuda_copy,cuda_ipc",
+                )
+            )
     nd = env.get("UCX_NET_DEVICES")
     if nd and nd != "all" and u.transports:
         known = {d for _, d in u.transports}
-        missing = [d for d in nd.split(",") if d.strip() and d.split(":")[0].strip() not in known and d.strip() not in known]
+        missing = [
+            d for d in nd.split(",") if d.strip() and d.split(":")[0].strip() not in known and d.strip() not in known
+        ]
         if missing:
-            out.append(Finding("UCX_NET_DEVICES", "WARN", f"UCX_NET_DEVICES names {', '.join(missing)}, which UCX does "
-                               f"not see (it sees {', '.join(sorted(known))})", "fix the device names (ucx_info -d)"))
+            out.append(
+                Finding(
+                    "UCX_NET_DEVICES",
+                    "WARN",
+                    f"UCX_NET_DEVICES names {', '.join(missing)}, which UCX does "
+                    f"not see (it sees {', '.join(sorted(known))})",
+                    "fix the device names (ucx_info -d)",
+                )
+            )
     return out
 
 
@@ -510,9 +693,11 @@ def check_tensorwire(p: Probe) -> list[Finding]:
     ucx = "ucx" in kinds and pref != "tcp"
     local = "ucx (shared memory, cma)" if ucx else "tcp"
     remote = "ucx" if ucx and (rdma or pref == "ucx") else "tcp"
-    detail = (f"transports here: {', '.join(kinds)}; auto picks {local} for host tensors between ranks of this "
-              f"host, {remote} to other hosts"
-              + (f", {'ucx' if 'ucx' in kinds else 'tcp (staged)'} for CUDA tensors" if ok_cuda else ""))
+    detail = (
+        f"transports here: {', '.join(kinds)}; auto picks {local} for host tensors between ranks of this "
+        f"host, {remote} to other hosts"
+        + (f", {'ucx' if 'ucx' in kinds else 'tcp (staged)'} for CUDA tensors" if ok_cuda else "")
+    )
     forced = p.env.get("TENSORWIRE_TRANSPORT")
     if forced:
         detail += f"; TENSORWIRE_TRANSPORT={forced} overrides auto"
@@ -520,12 +705,24 @@ def check_tensorwire(p: Probe) -> list[Finding]:
 
 
 CHECKS: tuple[Callable[[Probe], list[Finding]], ...] = (
-    check_ucx, check_ucx_transports, check_rdma, check_dev_infiniband, check_memlock, check_shm, check_cuda,
-    check_gpudirect, check_container, check_allocator, check_ucx_env, check_tensorwire,
+    check_ucx,
+    check_ucx_transports,
+    check_rdma,
+    check_dev_infiniband,
+    check_memlock,
+    check_shm,
+    check_cuda,
+    check_gpudirect,
+    check_container,
+    check_allocator,
+    check_ucx_env,
+    check_tensorwire,
 )
 
 
-def run_checks(probe: Probe | None = None, checks: Iterable[Callable[[Probe], list[Finding]]] = CHECKS) -> list[Finding]:
+def run_checks(
+    probe: Probe | None = None, checks: Iterable[Callable[[Probe], list[Finding]]] = CHECKS
+) -> list[Finding]:
     probe = probe or Probe()
     out: list[Finding] = []
     for check in checks:
@@ -545,16 +742,22 @@ def render(findings: list[Finding]) -> str:
     counts = {v: sum(1 for f in findings if f.verdict == v) for v in ("OK", "WARN", "FAIL", "N/A")}
     rdma = next((f for f in findings if f.check == "rdma"), None)
     lines.append("")
-    lines.append("summary: " + ", ".join(f"{n} {v}" for v, n in counts.items())
-                 + (f"; RDMA: {'yes' if rdma.verdict == 'OK' else 'NO'}" if rdma else ""))
+    lines.append(
+        "summary: "
+        + ", ".join(f"{n} {v}" for v, n in counts.items())
+        + (f"; RDMA: {'yes' if rdma.verdict == 'OK' else 'NO'}" if rdma else "")
+    )
     return "\n".join(lines) + "\n"
 
 
 def main(args: argparse.Namespace) -> int:
     findings = run_checks()
     if args.json:
-        json.dump({"findings": [f.to_dict() for f in findings],
-                   "ok": not any(f.verdict == "FAIL" for f in findings)}, sys.stdout, indent=1)
+        json.dump(
+            {"findings": [f.to_dict() for f in findings], "ok": not any(f.verdict == "FAIL" for f in findings)},
+            sys.stdout,
+            indent=1,
+        )
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render(findings))
@@ -562,7 +765,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("doctor", help="check UCX, RDMA, GPU and system settings for fast transfers",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "doctor",
+        help="check UCX, RDMA, GPU and system settings for fast transfers",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=main)

@@ -37,8 +37,19 @@ PREFIX = "TENSORWIRE_"
 DEFAULT_STAGING_CHUNK = 2 << 20
 
 _SIZE = re.compile(r"^([0-9]+)\s*(|b|k|m|g|kb|mb|gb|kib|mib|gib)$")
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-               "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+}
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
@@ -81,8 +92,9 @@ def _choice(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         text = raw.strip().lower()
         if text not in choices:
-            raise ValueError("must be " + ", ".join(repr(c) for c in choices if c) + (" or unset" if "" in choices
-                                                                                       else ""))
+            raise ValueError(
+                "must be " + ", ".join(repr(c) for c in choices if c) + (" or unset" if "" in choices else "")
+            )
         return text
 
     return parse
@@ -99,8 +111,7 @@ def _level(raw: str) -> str:
     return text
 
 
-def _var(parse: Callable[[str], Any], doc: str, default: Any, *, shown: str | None = None,
-         secret: bool = False) -> Any:
+def _var(parse: Callable[[str], Any], doc: str, default: Any, *, shown: str | None = None, secret: bool = False) -> Any:
     """A settings field read from ``TENSORWIRE_<FIELD NAME>`` with ``parse``; ``doc`` goes into the docs.
     ``secret``: left out of the settings' ``repr`` (it may end up in a log)."""
     return field(default=default, repr=not secret, metadata={"parse": parse, "doc": doc, "shown": shown})
@@ -116,52 +127,87 @@ class Settings:
 
     # -- links (tw.init / tw.Node) ---------------------------------------------------------------------
     transport: Literal["auto", "ucx", "tcp"] = _var(
-        _choice("auto", "ucx", "tcp"), "Data plane of links and of the serve daemon: `auto`, `ucx` or `tcp`.", "auto")
+        _choice("auto", "ucx", "tcp"), "Data plane of links and of the serve daemon: `auto`, `ucx` or `tcp`.", "auto"
+    )
     auto_prefer: Literal["", "ucx", "tcp"] = _var(
-        _choice("", "ucx", "tcp"), "Under `auto`, put this transport first (`ucx` or `tcp`); unset follows the rule "
-        "(UCX on one host, with CUDA specs or with RDMA, TCP otherwise).", "", shown="unset")
+        _choice("", "ucx", "tcp"),
+        "Under `auto`, put this transport first (`ucx` or `tcp`); unset follows the rule "
+        "(UCX on one host, with CUDA specs or with RDMA, TCP otherwise).",
+        "",
+        shown="unset",
+    )
     host: str | None = _var(
-        _text, "Address a rank binds and advertises (multi-node jobs); also the serve daemon's bind address.", None,
-        shown="the torchrun contract's address")
+        _text,
+        "Address a rank binds and advertises (multi-node jobs); also the serve daemon's bind address.",
+        None,
+        shown="the torchrun contract's address",
+    )
     timeout: float = _var(_seconds, "Default timeout (s) of link negotiation and transfers.", 60.0)
     peer_timeout: float = _var(_seconds, "Seconds without a sign of life after which a peer is declared lost.", 30.0)
     staging_chunk: int = _var(
-        parse_size, "Chunk (bytes; K/M/G suffixes) of CUDA tensors staged through host memory; 0 = one message. "
-        "Both ends of a link must agree.", DEFAULT_STAGING_CHUNK, shown="2M")
+        parse_size,
+        "Chunk (bytes; K/M/G suffixes) of CUDA tensors staged through host memory; 0 = one message. "
+        "Both ends of a link must agree.",
+        DEFAULT_STAGING_CHUNK,
+        shown="2M",
+    )
     link_token: str | None = _var(
-        _text, "Link secret shared by every rank of the job (the links' control plane and data handshakes prove "
+        _text,
+        "Link secret shared by every rank of the job (the links' control plane and data handshakes prove "
         "it). Unset: rank 0's random secret from the rendezvous store. Takes precedence over the store; set it on "
-        "every rank or on none.", None, shown="unset: from the rendezvous store", secret=True)
+        "every rank or on none.",
+        None,
+        shown="unset: from the rendezvous store",
+        secret=True,
+    )
     link_token_file: str | None = _var(
-        _text, "File holding the link secret (e.g. a mounted Kubernetes Secret); the same as "
-        "`TENSORWIRE_LINK_TOKEN` (give one of the two).", None, shown="unset: from the rendezvous store")
+        _text,
+        "File holding the link secret (e.g. a mounted Kubernetes Secret); the same as "
+        "`TENSORWIRE_LINK_TOKEN` (give one of the two).",
+        None,
+        shown="unset: from the rendezvous store",
+    )
     # -- UCX ---------------------------------------------------------------------------------------------
     ucx_spin_us: float = _var(_microseconds, "Microseconds a wait polls UCX before it sleeps.", 100.0)
     ucx_cuda_spin_us: float = _var(_microseconds, "The same for a wait on a transfer of CUDA memory.", 2000.0)
     ucx_error_handling: Literal["none", "peer"] = _var(
-        _choice("none", "peer"), "`peer` (the default): UCX endpoints handle a peer's death as an error, so a "
+        _choice("none", "peer"),
+        "`peer` (the default): UCX endpoints handle a peer's death as an error, so a "
         "killed peer never aborts this process; UCX then uses no shared memory or cma (host memory goes over its "
         "tcp; cuda_ipc stays). `none`: cma's single-copy speed between trusted ranks of one host, at the risk of an "
-        "abort when a peer dies mid-transfer. The listener tells the dialler its mode.", "peer")
+        "abort when a peer dies mid-transfer. The listener tells the dialler its mode.",
+        "peer",
+    )
     # -- serve client --------------------------------------------------------------------------------------
-    shm_leases: bool = _var(_switch, "Shared-memory read leases of the serve client (`0` turns them off).", True,
-                            shown="1")
-    shm_ahead: bool = _var(_switch, "Shared-memory write-ahead grants of the serve client (`0` turns them off).", True,
-                           shown="1")
+    shm_leases: bool = _var(
+        _switch, "Shared-memory read leases of the serve client (`0` turns them off).", True, shown="1"
+    )
+    shm_ahead: bool = _var(
+        _switch, "Shared-memory write-ahead grants of the serve client (`0` turns them off).", True, shown="1"
+    )
     client_transport: Literal["auto", "ucx", "tcp"] = _var(
-        _choice("auto", "ucx", "tcp"), "Data plane of the `tensorwire` client commands (put, get, ls, ...).", "auto")
-    client_tls_ca: str | None = _var(_text, "CA (PEM) of the daemon's certificate, for the client commands.", None,
-                                     shown="unset: no TLS")
-    client_tls_cert: str | None = _var(_text, "Client certificate (PEM) for mTLS, for the client commands.", None,
-                                       shown="unset")
-    client_tls_key: str | None = _var(_text, "Client key (PEM) for mTLS, for the client commands.", None,
-                                      shown="unset")
+        _choice("auto", "ucx", "tcp"), "Data plane of the `tensorwire` client commands (put, get, ls, ...).", "auto"
+    )
+    client_tls_ca: str | None = _var(
+        _text, "CA (PEM) of the daemon's certificate, for the client commands.", None, shown="unset: no TLS"
+    )
+    client_tls_cert: str | None = _var(
+        _text, "Client certificate (PEM) for mTLS, for the client commands.", None, shown="unset"
+    )
+    client_tls_key: str | None = _var(_text, "Client key (PEM) for mTLS, for the client commands.", None, shown="unset")
     token_file: str | None = _var(
-        _text, "File holding the bearer token (the daemon requires it of clients; the client commands send it).",
-        None, shown="unset: no token")
+        _text,
+        "File holding the bearer token (the daemon requires it of clients; the client commands send it).",
+        None,
+        shown="unset: no token",
+    )
     # -- all commands ----------------------------------------------------------------------------------------
-    log_level: str | None = _var(_level, "Logging level of the `tensorwire` commands (the library itself never "
-                                 "configures logging).", None, shown="WARNING (serve: INFO)")
+    log_level: str | None = _var(
+        _level,
+        "Logging level of the `tensorwire` commands (the library itself never configures logging).",
+        None,
+        shown="WARNING (serve: INFO)",
+    )
 
     def __post_init__(self) -> None:
         # Values given as keywords go through the same checks as the environment's text.
@@ -244,9 +290,15 @@ def markdown(extra: Mapping[str, tuple[str, str]] | None = None) -> str:
         shown = f.metadata["shown"] or f"`{f.default}`"
         lines.append(f"| `{env_var(f.name)}` | {shown} | {f.metadata['doc']} |")
     if extra:
-        lines += ["", "## The serve daemon (`tensorwire serve`, `ServeConfig`)", "",
-                  "Each flag `--x-y` of `tensorwire serve` can also be set as `TENSORWIRE_X_Y`.", "",
-                  "| variable | default | meaning |", "| --- | --- | --- |"]
+        lines += [
+            "",
+            "## The serve daemon (`tensorwire serve`, `ServeConfig`)",
+            "",
+            "Each flag `--x-y` of `tensorwire serve` can also be set as `TENSORWIRE_X_Y`.",
+            "",
+            "| variable | default | meaning |",
+            "| --- | --- | --- |",
+        ]
         for var, (default, doc) in extra.items():
             lines.append(f"| `{var}` | {default} | {doc} |")
     return "\n".join(lines) + "\n"

@@ -28,8 +28,19 @@ from tensorwire.errors import ShapeMismatchError, SpecError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["TensorSpec", "DTYPES", "DTYPE_CODES", "DTYPE_BY_CODE", "DEVICE_CODES", "DEVICE_BY_CODE", "MAX_RANK",
-           "MAX_NAME_LEN", "MAX_TENSOR_BYTES", "check_name", "check_same_specs"]
+__all__ = [
+    "TensorSpec",
+    "DTYPES",
+    "DTYPE_CODES",
+    "DTYPE_BY_CODE",
+    "DEVICE_CODES",
+    "DEVICE_BY_CODE",
+    "MAX_RANK",
+    "MAX_NAME_LEN",
+    "MAX_TENSOR_BYTES",
+    "check_name",
+    "check_same_specs",
+]
 
 MAX_RANK = 8
 MAX_NAME_LEN = 256
@@ -58,7 +69,14 @@ _DTYPE_TABLE: dict[str, tuple[int, int]] = {
 #: The dtypes tensorwire moves, by name.
 DTYPES: tuple[str, ...] = tuple(_DTYPE_TABLE)
 _DTYPE_BY_PROTO = {v[1]: k for k, v in _DTYPE_TABLE.items()}
-_DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "long": "int64", "int": "int32", "short": "int16"}
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "half": "float16",
+    "double": "float64",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+}
 
 DeviceKind = Literal["cpu", "cuda"]
 _DEVICE_TO_PROTO = {"cpu": 1, "cuda": 2}

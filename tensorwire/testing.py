@@ -186,6 +186,7 @@ def check_both_directions_at_once(make: PairMaker, *, steps: int = 50, nbytes: i
     """Both sides send large messages at the same time, repeatedly: no deadlock, bytes exact."""
     a, b = make()
     try:
+
         def side(me: Transport, out_tag: int, in_tag: int, seed: int) -> Callable[[], None]:
             def run() -> None:
                 bufs = [_empty(nbytes), _empty(nbytes)]
@@ -199,6 +200,7 @@ def check_both_directions_at_once(make: PairMaker, *, steps: int = 50, nbytes: i
                     got = bufs[k % 2]
                     assert int(got[0]) == k % 256, f"step {k}: got step {int(got[0])}"
                     me.post_recv(in_tag, got)
+
             return run
 
         ta = _run(side(a, 1, 2, 1), timeout=120)

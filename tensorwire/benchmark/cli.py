@@ -36,16 +36,29 @@ exit status: 0 ok, 1 a --check found corrupted data, 3 a backend failed (only wi
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backends", "-b", action="append", default=None, metavar="LIST",
-                   help="comma-separated backends or groups (repeatable; default: all)")
+    p.add_argument(
+        "--backends",
+        "-b",
+        action="append",
+        default=None,
+        metavar="LIST",
+        help="comma-separated backends or groups (repeatable; default: all)",
+    )
     p.add_argument("--min-size", default="4K", help="smallest message (default 4K)")
-    p.add_argument("--max-size", default=None,
-                   help="largest message (default 256M on CPU, 1G with --device cuda); powers of two in between")
+    p.add_argument(
+        "--max-size",
+        default=None,
+        help="largest message (default 256M on CPU, 1G with --device cuda); powers of two in between",
+    )
     p.add_argument("--sizes", default=None, help="explicit comma-separated sizes instead of --min/--max-size")
-    p.add_argument("--patterns", default="uni,rtt", help="uni (stream of sends, one ack), rtt (send + ack); default both")
+    p.add_argument(
+        "--patterns", default="uni,rtt", help="uni (stream of sends, one ack), rtt (send + ack); default both"
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the buffers live on both sides")
     p.add_argument("--check", action="store_true", help="verify every received buffer bit-exact (slower)")
-    p.add_argument("--iters-scale", type=float, default=1.0, help="multiply iteration counts (e.g. 0.1 for a quick run)")
+    p.add_argument(
+        "--iters-scale", type=float, default=1.0, help="multiply iteration counts (e.g. 0.1 for a quick run)"
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds one backend may take (default: from the bytes)")
     p.add_argument("--op-timeout", type=float, default=120.0, help="seconds one send/recv may take (default 120)")
     p.add_argument("--host", default="127.0.0.1", help="address the receiving side binds (default loopback)")
@@ -66,29 +79,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("bench", help="benchmark tensorwire against gRPC, raw sockets, UCX, torch.distributed",
-                              description=DESCRIPTION, epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark tensorwire against gRPC, raw sockets, UCX, torch.distributed",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
     from tensorwire.benchmark.backends import resolve
-    from tensorwire.benchmark.config import DEFAULT_MAX_SIZE_CPU, DEFAULT_MAX_SIZE_CUDA, BenchConfig, default_sizes, parse_size
+    from tensorwire.benchmark.config import (
+        DEFAULT_MAX_SIZE_CPU,
+        DEFAULT_MAX_SIZE_CUDA,
+        BenchConfig,
+        default_sizes,
+        parse_size,
+    )
 
     if args.sizes:
         sizes = tuple(sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()}))
     else:
-        max_size = parse_size(args.max_size) if args.max_size else (
-            DEFAULT_MAX_SIZE_CUDA if args.device == "cuda" else DEFAULT_MAX_SIZE_CPU)
+        max_size = (
+            parse_size(args.max_size)
+            if args.max_size
+            else (DEFAULT_MAX_SIZE_CUDA if args.device == "cuda" else DEFAULT_MAX_SIZE_CPU)
+        )
         sizes = default_sizes(parse_size(args.min_size), max_size)
     backends = resolve(args.backends or ["all"], device=args.device)
     return BenchConfig(
-        backends=backends, sizes=sizes, patterns=tuple(p.strip() for p in args.patterns.split(",") if p.strip()),
-        device=args.device, check=args.check, iters_scale=args.iters_scale, timeout=args.timeout,
-        op_timeout=args.op_timeout, host=args.host, grpc_chunk=parse_size(args.grpc_chunk),
-        inject_corruption=args.inject_corruption, memcheck=not args.no_memcheck,
+        backends=backends,
+        sizes=sizes,
+        patterns=tuple(p.strip() for p in args.patterns.split(",") if p.strip()),
+        device=args.device,
+        check=args.check,
+        iters_scale=args.iters_scale,
+        timeout=args.timeout,
+        op_timeout=args.op_timeout,
+        host=args.host,
+        grpc_chunk=parse_size(args.grpc_chunk),
+        inject_corruption=args.inject_corruption,
+        memcheck=not args.no_memcheck,
         grpc_max_size=parse_size(args.grpc_max_size) if args.grpc_max_size else None,
         memcheck_steps=args.memcheck_steps,
     )
@@ -99,7 +133,7 @@ def run(args: argparse.Namespace, *, argv: Sequence[str] | None = None) -> int:
     from tensorwire.benchmark.runner import Progress, execute
 
     if argv is None:
-        argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv else sys.argv[1:]
+        argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else sys.argv[1:]
     command = "tensorwire bench " + " ".join(shlex.quote(a) for a in argv)
     if args.from_json:
         with open(args.from_json) as f:

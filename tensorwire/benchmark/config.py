@@ -11,8 +11,17 @@ from typing import Any, Literal
 
 from tensorwire.errors import ConfigError
 
-__all__ = ["BenchConfig", "Steps", "schedule", "default_sizes", "parse_size", "format_size", "PATTERNS",
-           "DEFAULT_MAX_SIZE_CPU", "DEFAULT_MAX_SIZE_CUDA"]
+__all__ = [
+    "BenchConfig",
+    "Steps",
+    "schedule",
+    "default_sizes",
+    "parse_size",
+    "format_size",
+    "PATTERNS",
+    "DEFAULT_MAX_SIZE_CPU",
+    "DEFAULT_MAX_SIZE_CUDA",
+]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PATTERNS = ("uni", "rtt")
@@ -100,8 +109,9 @@ def schedule(size: int, *, scale: float = 1.0) -> Steps:
     """
     lo_rtt = MIN_RTT_ITERS if scale >= 1 else 2
     rtt = _clamp(scale * min(MAX_RTT_ITERS, RTT_BYTES / size), lo_rtt, MAX_RTT_ITERS * 100)
-    uni_total = _clamp(scale * min(MAX_UNI_MSGS, UNI_BYTES / size), 2 * UNI_REPS if scale >= 1 else UNI_REPS,
-                       MAX_UNI_MSGS * 100)
+    uni_total = _clamp(
+        scale * min(MAX_UNI_MSGS, UNI_BYTES / size), 2 * UNI_REPS if scale >= 1 else UNI_REPS, MAX_UNI_MSGS * 100
+    )
     warmup = _clamp(rtt / 10, 1, 50)
     return Steps(size=size, warmup=warmup, rtt_iters=rtt, uni_reps=UNI_REPS, uni_batch=max(1, uni_total // UNI_REPS))
 

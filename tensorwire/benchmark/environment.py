@@ -17,11 +17,31 @@ from typing import Any
 
 __all__ = ["collect", "cpu_model", "versions", "env_vars", "nvidia_smi", "ucx_env_effective"]
 
-_PKGS = ("torch", "numpy", "grpcio", "ucxx-cu12", "ucxx-cu13", "libucx-cu12", "libucx-cu13", "nixl", "nixl-cu12",
-         "nixl-cu13", "cupy-cuda12x", "cupy-cuda13x")
+_PKGS = (
+    "torch",
+    "numpy",
+    "grpcio",
+    "ucxx-cu12",
+    "ucxx-cu13",
+    "libucx-cu12",
+    "libucx-cu13",
+    "nixl",
+    "nixl-cu12",
+    "nixl-cu13",
+    "cupy-cuda12x",
+    "cupy-cuda13x",
+)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi topo underlines its header
-ENV_PREFIXES = ("UCX_", "UCXPY_", "TENSORWIRE_", "NCCL_", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_SYMM_MEM",
-                "CUDA_VISIBLE_DEVICES", "RAPIDS_LIBUCX")
+ENV_PREFIXES = (
+    "UCX_",
+    "UCXPY_",
+    "TENSORWIRE_",
+    "NCCL_",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "TORCH_SYMM_MEM",
+    "CUDA_VISIBLE_DEVICES",
+    "RAPIDS_LIBUCX",
+)
 
 
 def cpu_model() -> str:

@@ -45,8 +45,9 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store_port: int, prefix: str,
-          q: Any) -> None:
+def entry(
+    name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store_port: int, prefix: str, q: Any
+) -> None:
     """``name`` is ``memcheck-<transport>``; same reporting protocol as :func:`tensorwire.benchmark.worker.entry`."""
     item: tuple
     try:
@@ -64,8 +65,16 @@ def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store
         device = pick_device(cfg, rank)
         transport = name.split("-", 1)[1]
         store = TCPStore(store_host, store_port, 2, False, timedelta(seconds=cfg.op_timeout))
-        node = Node(rank=rank, world_size=2, store=store, host=cfg.host, transport=transport,  # type: ignore[arg-type]
-                    timeout=cfg.op_timeout, prefix=prefix, device=device if device.type == "cuda" else None)
+        node = Node(
+            rank=rank,
+            world_size=2,
+            store=store,
+            host=cfg.host,
+            transport=transport,  # type: ignore[arg-type]
+            timeout=cfg.op_timeout,
+            prefix=prefix,
+            device=device if device.type == "cuda" else None,
+        )
         try:
             a = TensorSpec("a", (cfg.memcheck_size,), "uint8", device.type)
             b = a.with_name("b")
@@ -121,15 +130,30 @@ def entry(name: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store
             # Per-step growth is what must be zero: the second half of the run must not grow RSS
             # (a one-off, e.g. UCX/CUDA pools filled on first use, shows in the first half only, and
             # is bounded by ONE_OFF_LIMIT), and the Python heap must not grow either.
-            ok = (rss_second_half <= RSS_TOLERANCE and rss_growth <= ONE_OFF_LIMIT and traced <= TRACED_TOLERANCE
-                  and cur - mid <= SLOPE_TOLERANCE and stable and in_slots)
-            item = ("result", rank, {
-                "transport": link.transport, "rss_growth": rss_growth, "rss_second_half": rss_second_half,
-                "traced_growth": traced,
-                "traced_second_half": cur - mid,
-                "traced_peak": peak - base, "slots_stable": stable, "recv_buffers": len(seen),
-                "recv_in_slots": in_slots, "verdict": "PASS" if ok else "FAIL",
-            })
+            ok = (
+                rss_second_half <= RSS_TOLERANCE
+                and rss_growth <= ONE_OFF_LIMIT
+                and traced <= TRACED_TOLERANCE
+                and cur - mid <= SLOPE_TOLERANCE
+                and stable
+                and in_slots
+            )
+            item = (
+                "result",
+                rank,
+                {
+                    "transport": link.transport,
+                    "rss_growth": rss_growth,
+                    "rss_second_half": rss_second_half,
+                    "traced_growth": traced,
+                    "traced_second_half": cur - mid,
+                    "traced_peak": peak - base,
+                    "slots_stable": stable,
+                    "recv_buffers": len(seen),
+                    "recv_in_slots": in_slots,
+                    "verdict": "PASS" if ok else "FAIL",
+                },
+            )
             link.close()
         finally:
             node.close()
@@ -147,12 +171,16 @@ def run(cfg: Any, transports: list[str], *, run_pair: Callable[..., dict[str, An
     out = []
     for t in transports:
         res = run_pair(f"memcheck-{t}", cfg, target=entry, timeout=120.0 + cfg.memcheck_steps * 0.05)
-        item: dict[str, Any] = {"transport_asked": t, "status": res["status"], "size": cfg.memcheck_size,
-                                "steps": cfg.memcheck_steps}
+        item: dict[str, Any] = {
+            "transport_asked": t,
+            "status": res["status"],
+            "size": cfg.memcheck_size,
+            "steps": cfg.memcheck_steps,
+        }
         if res["status"] == "ok":
             item["ranks"] = {"0": res["sender"], "1": res["receiver"]}
             item["transport"] = res["sender"]["transport"]
-            item["verdict"] = ("PASS" if all(r["verdict"] == "PASS" for r in item["ranks"].values()) else "FAIL")
+            item["verdict"] = "PASS" if all(r["verdict"] == "PASS" for r in item["ranks"].values()) else "FAIL"
         else:
             item["error"] = res.get("error", "")
         out.append(item)

@@ -36,8 +36,18 @@ from tensorwire.benchmark.config import format_size
 __all__ = ["summarize", "render_text", "render_markdown", "write_json", "write_csv", "plot", "TARGETS"]
 
 SHORT = {
-    "tensorwire-tcp": "tw-tcp", "tensorwire-ucx": "tw-ucx", "tensorwire-ucx-isend": "tw-ucx-isend", "grpc-unary": "grpc-unary", "grpc-stream": "grpc-stream",
-    "raw-tcp": "raw-tcp", "raw-ucxx": "raw-ucxx", "raw-ucxx-cm": "ucxx-cm", "raw-ucxx-cmnoerr": "ucxx-cmne", "torch-gloo": "gloo", "torch-nccl": "nccl", "nixl": "nixl",
+    "tensorwire-tcp": "tw-tcp",
+    "tensorwire-ucx": "tw-ucx",
+    "tensorwire-ucx-isend": "tw-ucx-isend",
+    "grpc-unary": "grpc-unary",
+    "grpc-stream": "grpc-stream",
+    "raw-tcp": "raw-tcp",
+    "raw-ucxx": "raw-ucxx",
+    "raw-ucxx-cm": "ucxx-cm",
+    "raw-ucxx-cmnoerr": "ucxx-cmne",
+    "torch-gloo": "gloo",
+    "torch-nccl": "nccl",
+    "nixl": "nixl",
 }
 MiB = 1 << 20
 
@@ -88,10 +98,14 @@ def _backend_rows(res: dict[str, Any]) -> dict[int, dict[str, float]]:
     return rows
 
 
-def _best(rows: dict[str, dict[int, dict[str, float]]], names: Iterable[str], size: int, key: str,
-          *, low: bool = False) -> tuple[str | None, float]:
-    vals = [(n, rows[n][size][key]) for n in names if n in rows and size in rows[n] and key in rows[n][size]
-            and not math.isnan(rows[n][size][key])]
+def _best(
+    rows: dict[str, dict[int, dict[str, float]]], names: Iterable[str], size: int, key: str, *, low: bool = False
+) -> tuple[str | None, float]:
+    vals = [
+        (n, rows[n][size][key])
+        for n in names
+        if n in rows and size in rows[n] and key in rows[n][size] and not math.isnan(rows[n][size][key])
+    ]
     if not vals:
         return None, math.nan
     return (min if low else max)(vals, key=lambda kv: kv[1])
@@ -140,19 +154,36 @@ def _targets(raw: dict[str, Any], rows: dict, ratios: dict, sizes: list[int], tw
             return
         worst_size, worst = min(values, key=lambda kv: kv[1])
         status = "MET" if worst >= need else "MISSED"
-        detail = (f"worst {worst:.2f}x at {format_size(worst_size)} (need >= {need}x); "
-                  + ", ".join(f"{format_size(s)}: {v:.2f}x" for s, v in values))
-        out.append({"id": tid, "target": desc, "status": status, "worst": worst, "worst_size": worst_size,
-                    "detail": f"{what}: {detail}"})
+        detail = f"worst {worst:.2f}x at {format_size(worst_size)} (need >= {need}x); " + ", ".join(
+            f"{format_size(s)}: {v:.2f}x" for s, v in values
+        )
+        out.append(
+            {
+                "id": tid,
+                "target": desc,
+                "status": status,
+                "worst": worst,
+                "worst_size": worst_size,
+                "detail": f"{what}: {detail}",
+            }
+        )
 
     big = [s for s in sizes if s >= 16 * MiB]
     grpc_names = sorted({k.split(":tw/")[1] for r in ratios.values() for k in r if ":tw/grpc-" in k})
     for g in grpc_names or ["grpc"]:
         for key, what in (("uni_GBps", "stream (uni)"), ("rtt_GBps", "send+ack (rtt)")):
-            verdict("T1", [(s, ratios[s][f"{key}:tw/{g}"]) for s in big if f"{key}:tw/{g}" in ratios[s]], 5.0,
-                    f"vs {g}, {what}")
-    verdict("T2", [(s, ratios[s]["rtt_p50_us:tw/grpc"]) for s in sizes if s == 4096 and "rtt_p50_us:tw/grpc" in ratios[s]],
-            10.0, "p50 round trip")
+            verdict(
+                "T1",
+                [(s, ratios[s][f"{key}:tw/{g}"]) for s in big if f"{key}:tw/{g}" in ratios[s]],
+                5.0,
+                f"vs {g}, {what}",
+            )
+    verdict(
+        "T2",
+        [(s, ratios[s]["rtt_p50_us:tw/grpc"]) for s in sizes if s == 4096 and "rtt_p50_us:tw/grpc" in ratios[s]],
+        10.0,
+        "p50 round trip",
+    )
     mid = [s for s in sizes if s >= MiB]
     for key, what in (("uni_GBps", "stream (uni)"), ("rtt_GBps", "send+ack (rtt)")):
         verdict("T3", [(s, ratios[s][f"{key}:tw/raw_tcp"]) for s in mid if f"{key}:tw/raw_tcp" in ratios[s]], 0.9, what)
@@ -181,11 +212,19 @@ def _auto_target(raw: dict[str, Any], rows: dict, mid: list[int]) -> dict[str, A
         faster = min(lat, key=lat.__getitem__)
     else:
         faster = None
-    detail = (f"auto picked {picked}; faster at >= 1 MiB (sizes won): "
-              + ", ".join(f"{t} {n}" for t, n in wins.items())
-              + ("; 4 KiB p50: " + ", ".join(f"{t} {v:.1f} us" for t, v in lat.items()) if lat else ""))
+    detail = (
+        f"auto picked {picked}; faster at >= 1 MiB (sizes won): "
+        + ", ".join(f"{t} {n}" for t, n in wins.items())
+        + ("; 4 KiB p50: " + ", ".join(f"{t} {v:.1f} us" for t, v in lat.items()) if lat else "")
+    )
     if len(have) < 2:
-        return {"id": "T4", "target": desc, "status": "N/A", "picked": picked, "detail": detail + " (only one transport ran)"}
+        return {
+            "id": "T4",
+            "target": desc,
+            "status": "N/A",
+            "picked": picked,
+            "detail": detail + " (only one transport ran)",
+        }
     status = "MET" if faster == picked else "MISSED"
     return {"id": "T4", "target": desc, "status": status, "picked": picked, "faster": faster, "detail": detail}
 
@@ -236,38 +275,72 @@ def _tables(raw: dict[str, Any], summary: dict[str, Any]) -> list[tuple[str, lis
 
     if "uni" in cfg["patterns"]:
         head = ["size"] + [SHORT.get(n, n) for n in names] + ["tw/gRPC", "tw/peer", "tw/raw-tcp"]
-        body = [[format_size(s)] + [_cell(raw, summary, n, s, "uni_GBps") for n in names]
-                + [ratio(s, "uni_GBps:tw/grpc"), ratio(s, "uni_GBps:tw/peer"), ratio(s, "uni_GBps:tw/raw_tcp")]
-                for s in sizes]
-        tables.append(("Unidirectional: stream of sends, one ack at the end -- GB/s (median of the batches); "
-                       "ratios: best tensorwire / best gRPC, best peer, raw TCP (>1: tensorwire faster)", head, body))
+        body = [
+            [format_size(s)]
+            + [_cell(raw, summary, n, s, "uni_GBps") for n in names]
+            + [ratio(s, "uni_GBps:tw/grpc"), ratio(s, "uni_GBps:tw/peer"), ratio(s, "uni_GBps:tw/raw_tcp")]
+            for s in sizes
+        ]
+        tables.append(
+            (
+                "Unidirectional: stream of sends, one ack at the end -- GB/s (median of the batches); "
+                "ratios: best tensorwire / best gRPC, best peer, raw TCP (>1: tensorwire faster)",
+                head,
+                body,
+            )
+        )
     if "rtt" in cfg["patterns"]:
         head = ["size"] + [SHORT.get(n, n) for n in names] + ["tw/gRPC", "tw/peer", "tw/raw-tcp"]
-        body = [[format_size(s)] + [_cell(raw, summary, n, s, "rtt") for n in names]
-                + [ratio(s, "rtt_p50_us:tw/grpc"), ratio(s, "rtt_p50_us:tw/peer"), ratio(s, "rtt_p50_us:tw/raw_tcp")]
-                for s in sizes]
-        tables.append(("Round trip: one-way send + 1-byte ack -- p50/p99 us; ratios of p50: peer / tensorwire "
-                       "(>1: tensorwire faster)", head, body))
+        body = [
+            [format_size(s)]
+            + [_cell(raw, summary, n, s, "rtt") for n in names]
+            + [ratio(s, "rtt_p50_us:tw/grpc"), ratio(s, "rtt_p50_us:tw/peer"), ratio(s, "rtt_p50_us:tw/raw_tcp")]
+            for s in sizes
+        ]
+        tables.append(
+            (
+                "Round trip: one-way send + 1-byte ack -- p50/p99 us; ratios of p50: peer / tensorwire "
+                "(>1: tensorwire faster)",
+                head,
+                body,
+            )
+        )
         head = ["size"] + [SHORT.get(n, n) for n in names] + ["tw/gRPC", "tw/peer", "tw/raw-tcp"]
-        body = [[format_size(s)] + [_cell(raw, summary, n, s, "rtt_GBps") for n in names]
-                + [ratio(s, "rtt_GBps:tw/grpc"), ratio(s, "rtt_GBps:tw/peer"), ratio(s, "rtt_GBps:tw/raw_tcp")]
-                for s in sizes]
+        body = [
+            [format_size(s)]
+            + [_cell(raw, summary, n, s, "rtt_GBps") for n in names]
+            + [ratio(s, "rtt_GBps:tw/grpc"), ratio(s, "rtt_GBps:tw/peer"), ratio(s, "rtt_GBps:tw/raw_tcp")]
+            for s in sizes
+        ]
         tables.append(("Round trip as throughput: size / p50 -- GB/s (the ANCHORS figure)", head, body))
         pick = sorted({s for s in sizes if s in (sizes[0], 4096, MiB, 16 * MiB, sizes[-1])})
         head = ["size"] + [SHORT.get(n, n) for n in names]
         body = [[format_size(s)] + [_cell(raw, summary, n, s, "first") for n in names] for s in pick]
-        tables.append(("First transfer on fresh buffers -- us (x the median round trip); registration and page "
-                       "faults are paid once, later transfers do not pay them", head, body))
+        tables.append(
+            (
+                "First transfer on fresh buffers -- us (x the median round trip); registration and page "
+                "faults are paid once, later transfers do not pay them",
+                head,
+                body,
+            )
+        )
         s0 = sizes[0]
         head = ["backend", f"p50 us at {format_size(s0)}", "wake-ups per round trip", "CPU us per round trip"]
         body = []
         for n in names:
             row = summary["rows"].get(n, {}).get(str(s0), {})
-            body.append([n, _fmt(row.get("rtt_p50_us")), _fmt(row.get("wakeups_per_rtt")),
-                         _fmt(row.get("cpu_us_per_rtt"))])
-        tables.append((f"Where a {format_size(s0)} round trip goes -- both processes: wake-ups = voluntary context "
-                       "switches (a thread went to sleep and had to be woken, ~25 us each on this kind of VM); CPU = "
-                       "user+system time (spinning backends burn CPU instead of sleeping)", head, body))
+            body.append(
+                [n, _fmt(row.get("rtt_p50_us")), _fmt(row.get("wakeups_per_rtt")), _fmt(row.get("cpu_us_per_rtt"))]
+            )
+        tables.append(
+            (
+                f"Where a {format_size(s0)} round trip goes -- both processes: wake-ups = voluntary context "
+                "switches (a thread went to sleep and had to be woken, ~25 us each on this kind of VM); CPU = "
+                "user+system time (spinning backends burn CPU instead of sleeping)",
+                head,
+                body,
+            )
+        )
     return tables
 
 
@@ -290,11 +363,13 @@ def _memcheck_lines(raw: dict[str, Any]) -> list[str]:
             out.append(
                 f"memcheck transport={m['transport_asked']} (link used {m['transport']}), rank {rank}: "
                 f"{m['steps']} steps x {format_size(m['size'])} each way: RSS {r['rss_growth']:+d} B after step 2"
-                + (f" ({r['rss_second_half']:+d} B in the 2nd half)" if "rss_second_half" in r else "") + ", "
+                + (f" ({r['rss_second_half']:+d} B in the 2nd half)" if "rss_second_half" in r else "")
+                + ", "
                 f"tracemalloc {r['traced_growth']:+d} B ({r.get('traced_second_half', 0):+d} B in the 2nd half; peak "
                 f"{r['traced_peak']} B), slot data_ptrs stable: "
                 f"{'yes' if r['slots_stable'] else 'NO'}, recv returned {r['recv_buffers']} distinct slot buffer(s)"
-                f"{'' if r['recv_in_slots'] else ' NOT IN THE SLOTS'} -> {r['verdict']}")
+                f"{'' if r['recv_in_slots'] else ' NOT IN THE SLOTS'} -> {r['verdict']}"
+            )
     return out
 
 
@@ -322,8 +397,10 @@ def render_text(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     """nccl-tests / OSU style: '#' comment lines, right-aligned columns."""
     buf = io.StringIO()
     w = buf.write
-    w(f"# tensorwire bench -- device {raw['config']['device']}, {raw.get('where', 'one host, two processes')}"
-      f"{', --check (timings include verification)' if raw['config']['check'] else ''}\n")
+    w(
+        f"# tensorwire bench -- device {raw['config']['device']}, {raw.get('where', 'one host, two processes')}"
+        f"{', --check (timings include verification)' if raw['config']['check'] else ''}\n"
+    )
     for line in _env_lines(raw):
         w(f"#   {line}\n")
     for title, head, body in _tables(raw, summary):
@@ -412,13 +489,30 @@ def as_saved(raw: dict[str, Any]) -> dict[str, Any]:
 
 def write_json(path: str, raw: dict[str, Any], summary: dict[str, Any]) -> None:
     with open(path, "w") as f:
-        json.dump(_compact({"format": "tensorwire-bench/1", **raw, "summary": summary}), f, indent=None,
-                  separators=(",", ":"), default=str)
+        json.dump(
+            _compact({"format": "tensorwire-bench/1", **raw, "summary": summary}),
+            f,
+            indent=None,
+            separators=(",", ":"),
+            default=str,
+        )
         f.write("\n")
 
 
-CSV_FIELDS = ("backend", "status", "size", "uni_GBps", "rtt_p50_us", "rtt_p99_us", "rtt_GBps", "rtt_n", "first_us",
-              "first_x", "wakeups_per_rtt", "cpu_us_per_rtt")
+CSV_FIELDS = (
+    "backend",
+    "status",
+    "size",
+    "uni_GBps",
+    "rtt_p50_us",
+    "rtt_p99_us",
+    "rtt_GBps",
+    "rtt_n",
+    "first_us",
+    "first_x",
+    "wakeups_per_rtt",
+    "cpu_us_per_rtt",
+)
 
 
 def write_csv(path: str, raw: dict[str, Any], summary: dict[str, Any]) -> None:
@@ -429,9 +523,13 @@ def write_csv(path: str, raw: dict[str, Any], summary: dict[str, Any]) -> None:
             rows = summary["rows"].get(name, {})
             for size in raw["config"]["sizes"]:
                 row = rows.get(str(size), {})
-                wr.writerow([name, res.get("status"), size] + [
-                    "" if row.get(k) is None else (f"{row[k]:.6g}" if isinstance(row[k], float) else row[k])
-                    for k in CSV_FIELDS[3:]])
+                wr.writerow(
+                    [name, res.get("status"), size]
+                    + [
+                        "" if row.get(k) is None else (f"{row[k]:.6g}" if isinstance(row[k], float) else row[k])
+                        for k in CSV_FIELDS[3:]
+                    ]
+                )
 
 
 def plot(path: str, raw: dict[str, Any], summary: dict[str, Any], *, title: str | None = None) -> str | None:
@@ -445,12 +543,20 @@ def plot(path: str, raw: dict[str, Any], summary: dict[str, Any], *, title: str 
     import matplotlib.ticker
 
     cfg = raw["config"]
-    panels = [(k, lab) for k, lab, p in (("uni_GBps", "stream of sends (uni): GB/s", "uni"),
-                                          ("rtt_p50_us", "send + 1-byte ack (rtt): p50 latency, us", "rtt"))
-              if p in cfg["patterns"]]
+    panels = [
+        (k, lab)
+        for k, lab, p in (
+            ("uni_GBps", "stream of sends (uni): GB/s", "uni"),
+            ("rtt_p50_us", "send + 1-byte ack (rtt): p50 latency, us", "rtt"),
+        )
+        if p in cfg["patterns"]
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.6), squeeze=False)
-    styles = {"tensorwire-tcp": ("C0", "-", 2.6), "tensorwire-ucx": ("C3", "-", 2.6),
-              "tensorwire-ucx-isend": ("C3", "--", 2.2)}
+    styles = {
+        "tensorwire-tcp": ("C0", "-", 2.6),
+        "tensorwire-ucx": ("C3", "-", 2.6),
+        "tensorwire-ucx-isend": ("C3", "--", 2.2),
+    }
     others = iter(["C1", "C2", "C4", "C5", "C6", "C7", "C8", "C9"])
     colors = {n: styles.get(n, (None, "--", 1.4)) for n in raw["backends"]}
     for n in colors:
@@ -485,8 +591,12 @@ def plot(path: str, raw: dict[str, Any], summary: dict[str, Any], *, title: str 
         handles = handles + [plt.Line2D([], [], color="none")]
     axes[0][0].legend(handles, labels, fontsize=8, loc="best")
     env = raw.get("environment") or {}
-    fig.suptitle(title or f"tensorwire bench -- {cfg['device']}, {raw.get('where', 'one host')}; "
-                 f"{env.get('cpu', '')}, nproc {env.get('nproc', '?')}", fontsize=11)
+    fig.suptitle(
+        title
+        or f"tensorwire bench -- {cfg['device']}, {raw.get('where', 'one host')}; "
+        f"{env.get('cpu', '')}, nproc {env.get('nproc', '?')}",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

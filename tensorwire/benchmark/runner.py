@@ -74,8 +74,14 @@ def _make_store(host: str, timeout: float):
     return TCPStore(host, 0, 2, True, timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def run_pair(name: str, cfg: BenchConfig, *, on_progress: Callable[[int, int, str], None] | None = None,
-             target: Callable[..., None] | None = None, timeout: float | None = None) -> dict[str, Any]:
+def run_pair(
+    name: str,
+    cfg: BenchConfig,
+    *,
+    on_progress: Callable[[int, int, str], None] | None = None,
+    target: Callable[..., None] | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
     """Run one backend (or ``target``, same protocol as :func:`tensorwire.benchmark.worker.entry`) in two processes.
 
     Returns ``{"status": "ok"|"failed"|"skipped", "error": str, "sender": ..., "receiver": ...}``.
@@ -87,8 +93,15 @@ def run_pair(name: str, cfg: BenchConfig, *, on_progress: Callable[[int, int, st
     store = _make_store("127.0.0.1", timeout)
     q = CTX.Queue()
     prefix = f"bench/{name}/{os.getpid()}/{time.monotonic_ns()}/"
-    procs = [CTX.Process(target=target, args=(name, r, cfg.to_dict(), "127.0.0.1", store.port, prefix, q),
-                         daemon=True, name=f"tw-bench-{name}-{r}") for r in (1, 0)]
+    procs = [
+        CTX.Process(
+            target=target,
+            args=(name, r, cfg.to_dict(), "127.0.0.1", store.port, prefix, q),
+            daemon=True,
+            name=f"tw-bench-{name}-{r}",
+        )
+        for r in (1, 0)
+    ]
     out: dict[str, Any] = {"status": "ok", "error": ""}
     results: dict[int, Any] = {}
     problems: list[tuple[str, int, str]] = []  # (kind, rank, message)
@@ -104,7 +117,9 @@ def run_pair(name: str, cfg: BenchConfig, *, on_progress: Callable[[int, int, st
             limit = deadline if grace_end is None else min(deadline, grace_end)
             if now >= limit:
                 if grace_end is None or now >= deadline:
-                    problems.append(("error", -1, f"timed out after {timeout:.0f} s (last progress: {last_label or 'none'})"))
+                    problems.append(
+                        ("error", -1, f"timed out after {timeout:.0f} s (last progress: {last_label or 'none'})")
+                    )
                 break
             try:
                 msg = q.get(timeout=min(0.5, limit - now))
@@ -161,8 +176,12 @@ def run_pair(name: str, cfg: BenchConfig, *, on_progress: Callable[[int, int, st
     return out
 
 
-def run_all(cfg: BenchConfig, *, progress: Progress | None = None,
-            after_each: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> dict[str, dict[str, Any]]:
+def run_all(
+    cfg: BenchConfig,
+    *,
+    progress: Progress | None = None,
+    after_each: Callable[[dict[str, dict[str, Any]]], None] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Every backend of ``cfg``, in order (``after_each`` sees the results so far, e.g. to save them)."""
     out: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(cfg.backends):
@@ -177,8 +196,14 @@ def run_all(cfg: BenchConfig, *, progress: Progress | None = None,
     return out
 
 
-def execute(cfg: BenchConfig, *, progress: Progress | None = None, where: str = "one host, two processes, loopback",
-            command: str | None = None, checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def execute(
+    cfg: BenchConfig,
+    *,
+    progress: Progress | None = None,
+    where: str = "one host, two processes, loopback",
+    command: str | None = None,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """The whole run: environment, every backend, the memory check. Returns the raw result for :mod:`.report`.
 
     ``checkpoint(raw)`` is called after each backend with what is known so far (a run cut short still
@@ -193,14 +218,24 @@ def execute(cfg: BenchConfig, *, progress: Progress | None = None, where: str = 
         "environment": environment.collect(device=cfg.device),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
     def partial(done: dict[str, dict[str, Any]]) -> None:
         if checkpoint:
-            checkpoint({**raw, "backends": {n: done.get(n, {"status": "skipped", "error": "not run (cut short)"})
-                                             for n in cfg.backends}})
+            checkpoint(
+                {
+                    **raw,
+                    "backends": {
+                        n: done.get(n, {"status": "skipped", "error": "not run (cut short)"}) for n in cfg.backends
+                    },
+                }
+            )
 
     raw["backends"] = run_all(cfg, progress=progress, after_each=partial)
-    ucx_env = {n: raw["backends"][n]["sender"].get("ucx_env") for n in ("raw-ucxx", "raw-ucxx-cm", "nixl")
-               if n in raw["backends"] and raw["backends"][n].get("sender")}
+    ucx_env = {
+        n: raw["backends"][n]["sender"].get("ucx_env")
+        for n in ("raw-ucxx", "raw-ucxx-cm", "nixl")
+        if n in raw["backends"] and raw["backends"][n].get("sender")
+    }
     if ucx_env:
         # what a UCX-using backend's process really ran with (ucxx writes some UCX_* at import)
         first = next(iter(ucx_env.items()))
@@ -208,8 +243,12 @@ def execute(cfg: BenchConfig, *, progress: Progress | None = None, where: str = 
     if cfg.memcheck:
         transports = ["auto"] + [t for t in ("tcp", "ucx") if f"tensorwire-{t}" in cfg.backends]
         if progress and progress.enabled:
-            print(f"memory check: {cfg.memcheck_steps} steps x {cfg.memcheck_size} B through a Link "
-                  f"({', '.join(transports)}) ...", file=progress.stream, flush=True)
+            print(
+                f"memory check: {cfg.memcheck_steps} steps x {cfg.memcheck_size} B through a Link "
+                f"({', '.join(transports)}) ...",
+                file=progress.stream,
+                flush=True,
+            )
         raw["memcheck"] = memcheck.run(cfg, transports, run_pair=run_pair)
     raw["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     raw["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

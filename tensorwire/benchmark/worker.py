@@ -135,8 +135,11 @@ class Sink:
         if t.numel() != size or t.dtype != torch.uint8:
             raise CheckError(f"size {size} message {seq}: got {t.dtype}[{t.numel()}]")
         stamp = _stamp_bytes(seq, t.device)
-        ok = (torch.equal(t[STAMP:-STAMP], want[STAMP:-STAMP]) and torch.equal(t[:STAMP], stamp)
-              and torch.equal(t[-STAMP:], stamp))
+        ok = (
+            torch.equal(t[STAMP:-STAMP], want[STAMP:-STAMP])
+            and torch.equal(t[:STAMP], stamp)
+            and torch.equal(t[-STAMP:], stamp)
+        )
         if ok:
             return
         full = want.clone()
@@ -146,7 +149,8 @@ class Sink:
         first = int(diff[0])
         raise CheckError(
             f"size {size} message {seq}: {diff.numel()} byte(s) differ, first at offset {first} "
-            f"(got {int(t[first]):#04x}, sent {int(full[first]):#04x})")
+            f"(got {int(t[first]):#04x}, sent {int(full[first]):#04x})"
+        )
 
     def report(self) -> dict[str, Any]:
         switches, cpu = {}, {}
@@ -158,8 +162,15 @@ class Sink:
         return {"messages": self.seen, "switches_per_rtt": switches, "cpu_s_per_rtt": cpu}
 
 
-def run_sender(tx: "Sender", cfg: BenchConfig, steps: list[Steps], device: "torch.device",
-               progress: Callable[[int, int, str], None], *, corrupt: bool = False) -> dict[str, Any]:
+def run_sender(
+    tx: "Sender",
+    cfg: BenchConfig,
+    steps: list[Steps],
+    device: "torch.device",
+    progress: Callable[[int, int, str], None],
+    *,
+    corrupt: bool = False,
+) -> dict[str, Any]:
     """Rank 0's driver: for each size, a first transfer on fresh buffers, warm-up, then the patterns."""
     perf = time.perf_counter
     sizes_out = []
@@ -197,8 +208,11 @@ def run_sender(tx: "Sender", cfg: BenchConfig, steps: list[Steps], device: "torc
                     rtt_once(prepare)
                     times.append(perf() - t0)
                 sw1, cpu1 = usage()
-                entry["rtt"] = {"seconds": times, "switches_per_rtt": (sw1 - sw0) / st.rtt_iters,
-                                "cpu_s_per_rtt": (cpu1 - cpu0) / st.rtt_iters}
+                entry["rtt"] = {
+                    "seconds": times,
+                    "switches_per_rtt": (sw1 - sw0) / st.rtt_iters,
+                    "cpu_s_per_rtt": (cpu1 - cpu0) / st.rtt_iters,
+                }
         tx.close_size()
         del src
         sizes_out.append(entry)
@@ -227,8 +241,9 @@ def finish(q: Any, item: tuple) -> None:
     q.join_thread()
 
 
-def entry(backend: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store_port: int, prefix: str,
-          q: Any) -> None:
+def entry(
+    backend: str, rank: int, cfg_dict: dict[str, Any], store_host: str, store_port: int, prefix: str, q: Any
+) -> None:
     """Process entry point of one side of a pair. Reports on ``q``; always ends with ``os._exit``.
 
     Messages: ``("progress", i, n, label)``, then one of ``("result", rank, payload)``,
@@ -254,8 +269,14 @@ def entry(backend: str, rank: int, cfg_dict: dict[str, Any], store_host: str, st
         if rank == 0:
             tx = sender_cls(ctx, arg)
             try:
-                result = run_sender(tx, cfg, steps, device, lambda i, n, label: q.put(("progress", i, n, label)),
-                                    corrupt=cfg.inject_corruption == backend)
+                result = run_sender(
+                    tx,
+                    cfg,
+                    steps,
+                    device,
+                    lambda i, n, label: q.put(("progress", i, n, label)),
+                    corrupt=cfg.inject_corruption == backend,
+                )
             finally:
                 tx.close()
             item = ("result", rank, result)

@@ -163,8 +163,15 @@ class SendWork(Work):
 class RecvWork(Work):
     """``irecv``: done once the message is in the tensor (checked against the sender's signature)."""
 
-    def __init__(self, peer: "Peer", chan: "_RecvChannel", tensor: torch.Tensor, sig: Signature,
-                 staging: torch.Tensor | None, **kw: Any) -> None:
+    def __init__(
+        self,
+        peer: "Peer",
+        chan: "_RecvChannel",
+        tensor: torch.Tensor,
+        sig: Signature,
+        staging: torch.Tensor | None,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         self._peer = peer
         self._chan = chan
@@ -184,7 +191,8 @@ class RecvWork(Work):
         if not theirs.fills(mine) or got.nbytes != mine.nbytes:
             exc = SignatureMismatch(
                 f"rank {self._peer.peer} sent {theirs.describe()} on tag {self._chan.tag - 1}; "
-                f"rank {self._peer.rank} receives into {mine.describe()} (group {self._peer.group!r})")
+                f"rank {self._peer.rank} receives into {mine.describe()} (group {self._peer.group!r})"
+            )
             self._release()
             self._finish(self._peer.fail(exc, ""))
             return
@@ -321,8 +329,9 @@ class _SendChannel:
         with self.cond:
             self.pending.append((work, tensor, sig, hdr, ev))
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, daemon=True,
-                                               name=f"tw-dist-send-{peer.peer}-{self.tag - 1}")
+                self.thread = threading.Thread(
+                    target=self._run, daemon=True, name=f"tw-dist-send-{peer.peer}-{self.tag - 1}"
+                )
                 self.thread.start()
             elif self.parked:
                 self.cond.notify()
@@ -410,8 +419,9 @@ class _SendChannel:
 class Peer:
     """Everything between this rank and one other rank of the group: the link, channels, notices."""
 
-    def __init__(self, link: "Link", *, rank: int, group: str, timeout: float, pool: SlotPool,
-                 completer: Completer) -> None:
+    def __init__(
+        self, link: "Link", *, rank: int, group: str, timeout: float, pool: SlotPool, completer: Completer
+    ) -> None:
         self.link = link
         self.transport: "Transport" = link.connection
         self.peer = link.peer
@@ -435,7 +445,13 @@ class Peer:
     def isend(self, tensor: torch.Tensor, tag: int) -> SendWork:
         sig, hdr = signature_of(tensor)
         peer = self.peer
-        work = SendWork(self, what=lambda: f"isend of {sig.describe()} to rank {peer} (tag {tag})", timeout=self.timeout, tensors=[tensor], completer=self.completer)
+        work = SendWork(
+            self,
+            what=lambda: f"isend of {sig.describe()} to rank {peer} (tag {tag})",
+            timeout=self.timeout,
+            tensors=[tensor],
+            completer=self.completer,
+        )
         if self.error is not None:
             work._finish(self.error)
             return work
@@ -463,9 +479,18 @@ class Peer:
             # The buffer may be written as soon as it is posted: work queued on it must be done.
             torch.cuda.current_stream(tensor.device).synchronize()
         peer = self.peer
-        work = RecvWork(self, chan, tensor, sig, staging,
-                        what=lambda: f"irecv of {sig.describe()} from rank {peer} (tag {tag})", timeout=self.timeout, tensors=[tensor],
-                        source=self.peer, completer=self.completer)
+        work = RecvWork(
+            self,
+            chan,
+            tensor,
+            sig,
+            staging,
+            what=lambda: f"irecv of {sig.describe()} from rank {peer} (tag {tag})",
+            timeout=self.timeout,
+            tensors=[tensor],
+            source=self.peer,
+            completer=self.completer,
+        )
         if self.error is not None:
             work._finish(self.error)
             return work
@@ -480,8 +505,15 @@ class Peer:
         if self.error is not None:
             raise self.error
 
-    def fail(self, exc: BaseException, context: str, *, tag: int | None = None, sig: Signature | None = None,
-             work: RecvWork | None = None) -> BaseException:
+    def fail(
+        self,
+        exc: BaseException,
+        context: str,
+        *,
+        tag: int | None = None,
+        sig: Signature | None = None,
+        work: RecvWork | None = None,
+    ) -> BaseException:
         """Record the pair's first fatal error, close the connection, fail every pending work; returns the error."""
         if isinstance(exc, ProtocolError) and not isinstance(exc, SignatureMismatch) and tag is not None:
             exc = self._mismatch_from(exc, tag, sig, work) or exc
@@ -507,15 +539,20 @@ class Peer:
                         break
         return err
 
-    def _mismatch_from(self, exc: ProtocolError, tag: int, sig: Signature | None,
-                       work: RecvWork | None) -> SignatureMismatch | None:
+    def _mismatch_from(
+        self, exc: ProtocolError, tag: int, sig: Signature | None, work: RecvWork | None
+    ) -> SignatureMismatch | None:
         text = str(exc)
         if "do not fit" in text and sig is not None:  # UCX: refused on this (sending) side
-            return SignatureMismatch(f"rank {self.rank} sends {sig.describe()} on tag {tag - 1}; rank {self.peer} "
-                                     f"posted a receive of another size ({text}) (group {self.group!r})")
+            return SignatureMismatch(
+                f"rank {self.rank} sends {sig.describe()} on tag {tag - 1}; rank {self.peer} "
+                f"posted a receive of another size ({text}) (group {self.group!r})"
+            )
         if f"bytes on tag {tag};" in text and work is not None:  # TCP: refused on this (receiving) side
-            return SignatureMismatch(f"rank {self.peer} sent more bytes on tag {tag - 1} than rank {self.rank}'s "
-                                     f"receive {work._sig.describe()} holds ({text}) (group {self.group!r})")
+            return SignatureMismatch(
+                f"rank {self.peer} sent more bytes on tag {tag - 1} than rank {self.rank}'s "
+                f"receive {work._sig.describe()} holds ({text}) (group {self.group!r})"
+            )
         return None
 
     def _send_notice(self, tag: int, sig: Signature) -> None:
@@ -544,9 +581,13 @@ class Peer:
                 chan = self._recv.get(tag)
                 head = chan.fifo[0] if chan is not None and chan.fifo else None
                 mine = head._sig.describe() if head is not None else "no receive posted"
-                self.fail(SignatureMismatch(
-                    f"rank {self.peer} sent {theirs.describe()} on tag {tag - 1}; rank {self.rank} receives into "
-                    f"{mine} (group {self.group!r})"), "")
+                self.fail(
+                    SignatureMismatch(
+                        f"rank {self.peer} sent {theirs.describe()} on tag {tag - 1}; rank {self.rank} receives into "
+                        f"{mine} (group {self.group!r})"
+                    ),
+                    "",
+                )
         finally:
             self._notice_lock.release()
 

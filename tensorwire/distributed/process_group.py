@@ -74,8 +74,17 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         ConfigError: bad transport choice or environment.
     """
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, *, group_id: str = "",
-                 transport: str | None = None, host: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        *,
+        group_id: str = "",
+        transport: str | None = None,
+        host: str | None = None,
+    ) -> None:
         super().__init__(rank, size)
         self._store = store
         self._rank = rank
@@ -92,35 +101,53 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._pool = SlotPool()
         self._completer = Completer(str(rank))
         self._peers: dict[int, Peer] = {}
-        self._node = Node(rank=rank, world_size=size, store=store, host=host or _host(),
-                          transport=transport, timeout=self._timeout, prefix=self._prefix)  # type: ignore[arg-type]
+        self._node = Node(
+            rank=rank,
+            world_size=size,
+            store=store,
+            host=host or _host(),
+            transport=transport,  # type: ignore[arg-type]  # checked by Node
+            timeout=self._timeout,
+            prefix=self._prefix,
+        )
         try:
             for peer in range(size):
                 if peer != rank:
                     link = self._node.link(peer, name="pg", timeout=self._timeout)
-                    self._peers[peer] = Peer(link, rank=rank, group=self._prefix, timeout=self._timeout,
-                                             pool=self._pool, completer=self._completer)
+                    self._peers[peer] = Peer(
+                        link,
+                        rank=rank,
+                        group=self._prefix,
+                        timeout=self._timeout,
+                        pool=self._pool,
+                        completer=self._completer,
+                    )
         except BaseException:
             self._node.close()
             raise
         kinds = sorted({p.transport.kind for p in self._peers.values()})
-        log.info("tensorwire.distributed: rank %d/%d connected to %d peers over %s", rank, size,
-                 len(self._peers), ",".join(kinds) or "-")
+        log.info(
+            "tensorwire.distributed: rank %d/%d connected to %d peers over %s",
+            rank,
+            size,
+            len(self._peers),
+            ",".join(kinds) or "-",
+        )
 
     # -- identity ----------------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's names
+    def setGroupName(self, name: str) -> None:
         self._group_name = name
 
-    def getGroupName(self) -> str:  # noqa: N802
+    def getGroupName(self) -> str:
         return getattr(self, "_group_name", "")
 
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+    def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return getattr(self, "_group_desc", "")
 
     @property
@@ -140,12 +167,12 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             raise ConfigError(f"{what}: rank {rank} is not another rank of this group of {self._size}")
         return peer
 
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:  # noqa: N803 - torch's names
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:
         if len(tensors) != 1:
             raise ConfigError(f"send takes exactly one tensor, got {len(tensors)}")
         return self._peer(dstRank, "send").isend(tensors[0], check_tag(tag))
 
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:
         if len(tensors) != 1:
             raise ConfigError(f"recv takes exactly one tensor, got {len(tensors)}")
         return self._peer(srcRank, "recv").irecv(tensors[0], check_tag(tag))
@@ -153,7 +180,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
         raise ConfigError(
             "backend 'tensorwire' receives from a given rank only: pass src= to recv/irecv (or use P2POp with a "
-            "peer); to take whichever message comes first, post an irecv per possible source and wait on them")
+            "peer); to take whichever message comes first, post an irecv per possible source and wait on them"
+        )
 
     # -- collectives: the inner gloo / NCCL group ----------------------------------
     def _inner_for(self, device_type: str) -> Any:
@@ -205,8 +233,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         inner = self._inner.get("cuda") if "cpu" not in self._inner and "cuda" in self._inner else None
         return (inner or self._inner_for("cpu")).barrier(opts)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> Any:
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         opts = dist.AllgatherOptions() if opts is None else opts
         return self._inner_of(input_tensors).allgather(output_tensors, input_tensors, opts)
 
@@ -214,23 +243,27 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         opts = dist.AllgatherOptions() if opts is None else opts
         return self._inner_of(input)._allgather_base(output, input, opts)
 
-    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> Any:
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         opts = dist.AllgatherOptions() if opts is None else opts
         return self._inner_of(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts)
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-               opts: Any = None) -> Any:
+    def gather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         opts = dist.GatherOptions() if opts is None else opts
         return self._inner_of(input_tensors).gather(output_tensors, input_tensors, opts)
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                opts: Any = None) -> Any:
+    def scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
         opts = dist.ScatterOptions() if opts is None else opts
         return self._inner_of(output_tensors).scatter(output_tensors, input_tensors, opts)
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                       opts: Any = None) -> Any:
+    def reduce_scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         return self._inner_of(output_tensors).reduce_scatter(output_tensors, input_tensors, opts)
 
@@ -238,18 +271,24 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         opts = dist.ReduceScatterOptions() if opts is None else opts
         return self._inner_of(output)._reduce_scatter_base(output, input, opts)
 
-    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> Any:
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         opts = dist.ReduceScatterOptions() if opts is None else opts
         return self._inner_of(outputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> Any:
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = dist.AllToAllOptions() if opts is None else opts
         return self._inner_of(input_tensors).alltoall(output_tensors, input_tensors, opts)
 
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
-                      input_split_sizes: list[int], opts: Any = None) -> Any:
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - the name torch gives this argument
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
         opts = dist.AllToAllOptions() if opts is None else opts
         return self._inner_of(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
@@ -269,8 +308,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             self._closed = True
             inner = list(self._inner.values())
             self._inner.clear()
-        reason = GroupClosed(f"the tensorwire process group (rank {self._rank}) was "
-                             f"{'aborted' if abort else 'shut down'}")
+        reason = GroupClosed(
+            f"the tensorwire process group (rank {self._rank}) was {'aborted' if abort else 'shut down'}"
+        )
         for peer in self._peers.values():
             try:
                 peer.close(reason)
@@ -324,4 +364,3 @@ def create(store: Any, rank: int, size: int, timeout: timedelta, *, group_id: st
         return ProcessGroupTensorwire(store, rank, size, timeout, group_id=group_id)
     except Exception as exc:
         raise translate(exc, f"creating the tensorwire process group (rank {rank} of {size})") from exc
-

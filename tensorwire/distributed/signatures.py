@@ -64,8 +64,11 @@ class Signature:
         """
         if self == other:
             return True
-        return (self.dtype == other.dtype and self.device == other.device
-                and math.prod(self.shape) == 1 == math.prod(other.shape))
+        return (
+            self.dtype == other.dtype
+            and self.device == other.device
+            and math.prod(self.shape) == 1 == math.prod(other.shape)
+        )
 
     def encode(self) -> tuple[int, ...]:
         """The eight header words (see the module docstring).
@@ -108,7 +111,7 @@ def decode(words: tuple[int, ...] | None) -> Signature:
         raise ProtocolError(f"peer speaks signature version {version}, this build {WIRE_VERSION}")
     if code not in _NAMES or device not in _DEVICE_NAMES or ndim > MAX_RANK:
         raise ProtocolError(f"bad signature header {words!r}")
-    dims = list(words[1:1 + ndim]) if ndim < MAX_RANK else list(words[1:7]) + [words[7] >> 32, words[7] & 0xFFFFFFFF]
+    dims = list(words[1 : 1 + ndim]) if ndim < MAX_RANK else list(words[1:7]) + [words[7] >> 32, words[7] & 0xFFFFFFFF]
     return Signature(_NAMES[code], tuple(dims), _DEVICE_NAMES[device])
 
 

@@ -37,8 +37,15 @@ class Work(dist._Work):
     deadline) and may override :meth:`_poll` (non-blocking progress).
     """
 
-    def __init__(self, *, what: "str | Callable[[], str]", timeout: float, tensors: list[torch.Tensor],
-                 source: int = -1, completer: "Completer | None" = None) -> None:
+    def __init__(
+        self,
+        *,
+        what: "str | Callable[[], str]",
+        timeout: float,
+        tensors: list[torch.Tensor],
+        source: int = -1,
+        completer: "Completer | None" = None,
+    ) -> None:
         super().__init__()
         # Completion is a flag; an Event is made only for a thread that has to sleep on it (most
         # works complete in the thread that waits on them: no Event, no wake-up).
@@ -132,7 +139,7 @@ class Work(dist._Work):
     def is_success(self) -> bool:
         return self._is_done and self._exc is None
 
-    def exception(self) -> BaseException | None:  # type: ignore[override]
+    def exception(self) -> BaseException | None:
         return self._exc
 
     def source_rank(self) -> int:
@@ -184,8 +191,7 @@ class Completer:
                 return
             self._queue.append(work)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"tw-dist-completer-{self._name}",
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._run, name=f"tw-dist-completer-{self._name}", daemon=True)
                 self._thread.start()
             self._cond.notify()
 

@@ -48,8 +48,15 @@ __all__ = ["init", "reachable_address", "published_addresses"]
 log = logging.getLogger(__name__)
 
 
-def init(*, transport: TransportChoice | None = None, timeout: float | None = None, host: str | None = None,
-         peer_timeout: float | None = None, env: Mapping[str, str] | None = None, **kwargs: Any) -> Node:
+def init(
+    *,
+    transport: TransportChoice | None = None,
+    timeout: float | None = None,
+    host: str | None = None,
+    peer_timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> Node:
     """Build this worker's :class:`Node` from the torchrun contract.
 
     Args:
@@ -93,15 +100,35 @@ def init(*, transport: TransportChoice | None = None, timeout: float | None = No
 
     if "device" not in kwargs:
         kwargs["device"] = _pick_device(tr)
-    store = bootstrap_store(master_addr=tr.master_addr, master_port=tr.master_port, rank=tr.rank,
-                            world_size=tr.world_size, use_agent_store=tr.use_agent_store, timeout=node_timeout)
+    store = bootstrap_store(
+        master_addr=tr.master_addr,
+        master_port=tr.master_port,
+        rank=tr.rank,
+        world_size=tr.world_size,
+        use_agent_store=tr.use_agent_store,
+        timeout=node_timeout,
+    )
     prefix = store_prefix(tr.run_id, tr.restart_count)
-    node = Node(rank=tr.rank, world_size=tr.world_size, store=store, host=bind, transport=transport,
-                timeout=node_timeout, peer_timeout=peer_timeout, prefix=prefix, **kwargs)
+    node = Node(
+        rank=tr.rank,
+        world_size=tr.world_size,
+        store=store,
+        host=bind,
+        transport=transport,
+        timeout=node_timeout,
+        peer_timeout=peer_timeout,
+        prefix=prefix,
+        **kwargs,
+    )
     try:
         record = {
-            "rank": tr.rank, "local_rank": tr.local_rank, "group_rank": tr.group_rank, "host": bind,
-            "pid": os.getpid(), "restart_count": tr.restart_count, "control": node.control_address,
+            "rank": tr.rank,
+            "local_rank": tr.local_rank,
+            "group_rank": tr.group_rank,
+            "host": bind,
+            "pid": os.getpid(),
+            "restart_count": tr.restart_count,
+            "control": node.control_address,
             "data": {kind: _join(*lst.address) for kind, lst in node._listeners.items()},
         }
         store.set(prefix + f"addr/{tr.rank}", json.dumps(record, sort_keys=True))
@@ -118,8 +145,16 @@ def init(*, transport: TransportChoice | None = None, timeout: float | None = No
         node.close()
         raise
     node.torchrun = tr  # type: ignore[attr-defined]
-    log.info("tensorwire: rank %d/%d (local %d, node %d, attempt %d) bound to %s, store prefix %s",
-             tr.rank, tr.world_size, tr.local_rank, tr.group_rank, tr.restart_count, bind, prefix)
+    log.info(
+        "tensorwire: rank %d/%d (local %d, node %d, attempt %d) bound to %s, store prefix %s",
+        tr.rank,
+        tr.world_size,
+        tr.local_rank,
+        tr.group_rank,
+        tr.restart_count,
+        bind,
+        prefix,
+    )
     return node
 
 
@@ -147,8 +182,12 @@ def _pick_device(tr: TorchrunEnv) -> Any:
     if index >= count:
         # e.g. CUDA_VISIBLE_DEVICES narrowed to one GPU per process, or more workers than GPUs.
         if count > 1:
-            log.warning("tensorwire: LOCAL_RANK=%d but only %d CUDA devices are visible; using cuda:%d",
-                        tr.local_rank, count, tr.local_rank % count)
+            log.warning(
+                "tensorwire: LOCAL_RANK=%d but only %d CUDA devices are visible; using cuda:%d",
+                tr.local_rank,
+                count,
+                tr.local_rank % count,
+            )
         index = tr.local_rank % count
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
@@ -172,11 +211,15 @@ def _check_host(host: str, tr: TorchrunEnv, *, source: str) -> str:
             raise ConfigError(f"{source}={host!r} does not resolve: {exc}") from exc
         ip = ipaddress.ip_address(host.split("%", 1)[0])
     if ip.is_unspecified:
-        raise ConfigError(f"{source}={host!r} is a wildcard address; tensorwire advertises the bound address to "
-                          "peers, so give the address this node is reachable on")
+        raise ConfigError(
+            f"{source}={host!r} is a wildcard address; tensorwire advertises the bound address to "
+            "peers, so give the address this node is reachable on"
+        )
     if ip.is_loopback and tr.multi_node:
-        raise ConfigError(f"{source}={host!r} is a loopback address but this job spans several nodes "
-                          f"(WORLD_SIZE={tr.world_size}, LOCAL_WORLD_SIZE={tr.local_world_size})")
+        raise ConfigError(
+            f"{source}={host!r} is a loopback address but this job spans several nodes "
+            f"(WORLD_SIZE={tr.world_size}, LOCAL_WORLD_SIZE={tr.local_world_size})"
+        )
     return host
 
 
@@ -203,12 +246,14 @@ def reachable_address(tr: TorchrunEnv) -> str:
             raise ConfigError(
                 f"MASTER_ADDR={tr.master_addr!r} resolves to loopback ({sockaddr[0]}) but the job spans several "
                 "nodes: set TENSORWIRE_HOST (or tw.init(host=...)) to this node's address, or give torchrun "
-                "--local-addr / --master-addr with a routable address")
+                "--local-addr / --master-addr with a routable address"
+            )
         return "127.0.0.1" if family == socket.AF_INET else "::1"
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
             s.connect((sockaddr[0], 9))  # no packet is sent: this only asks the routing table
         except OSError as exc:
-            raise ConfigError(f"no route to MASTER_ADDR={tr.master_addr!r} ({sockaddr[0]}): {exc}; "
-                              "set TENSORWIRE_HOST") from exc
+            raise ConfigError(
+                f"no route to MASTER_ADDR={tr.master_addr!r} ({sockaddr[0]}): {exc}; set TENSORWIRE_HOST"
+            ) from exc
         return s.getsockname()[0]

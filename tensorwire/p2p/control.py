@@ -69,8 +69,9 @@ class ControlServer:
     #: Seconds between two WARNINGs about refused callers.
     LOG_EVERY = 10.0
 
-    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, max_workers: int = 16,
-                 secret: bytes | None = None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", *, port: int = 0, max_workers: int = 16, secret: bytes | None = None
+    ) -> None:
         import grpc
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -86,8 +87,9 @@ class ControlServer:
         self.refused = 0
         self._quiet = 0
         self._logged_at = -1e9
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tw-control"),
-                                   options=_OPTIONS)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tw-control"), options=_OPTIONS
+        )
         control_pb2_grpc.add_ControlServicer_to_server(_Servicer(self), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -192,10 +194,10 @@ class _Servicer:
     def __init__(self, owner: ControlServer) -> None:
         self._owner = owner
 
-    def Negotiate(self, request: "control_pb2.NegotiateRequest", context: "grpc.ServicerContext") -> "control_pb2.NegotiateResponse":
+    def Negotiate(
+        self, request: "control_pb2.NegotiateRequest", context: "grpc.ServicerContext"
+    ) -> "control_pb2.NegotiateResponse":
         import grpc
-
-        from tensorwire.v1 import control_pb2
 
         offer = request.offer
         owner = self._owner
@@ -212,30 +214,38 @@ class _Servicer:
             if owner._secret is not None:
                 owner._done(bytes(offer.nonce), answered=answered)
 
-    def _answer(self, request: "control_pb2.NegotiateRequest", context: "grpc.ServicerContext") -> "control_pb2.NegotiateResponse":
+    def _answer(
+        self, request: "control_pb2.NegotiateRequest", context: "grpc.ServicerContext"
+    ) -> "control_pb2.NegotiateResponse":
         import grpc
 
         from tensorwire.v1 import control_pb2
 
         offer = request.offer
         if offer.protocol_version != PROTOCOL_VERSION:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"protocol version {offer.protocol_version} not supported; this node speaks {PROTOCOL_VERSION}")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol version {offer.protocol_version} not supported; this node speaks {PROTOCOL_VERSION}",
+            )
         remaining = context.time_remaining()
         timeout = 60.0 if remaining is None else max(0.0, remaining - 0.05)
         mine = self._owner._wait_declared(offer.from_rank, offer.link_name, timeout)
         if mine is None:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"rank {offer.to_rank} did not declare link {offer.link_name!r} to rank {offer.from_rank} in time")
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"rank {offer.to_rank} did not declare link {offer.link_name!r} to rank {offer.from_rank} in time",
+            )
         secret = self._owner._secret
         if secret is not None:
             context.set_trailing_metadata(
-                ((MAC_METADATA, offer_mac(secret, mine, role=b"answer", bound=bytes(offer.nonce))),))
+                ((MAC_METADATA, offer_mac(secret, mine, role=b"answer", bound=bytes(offer.nonce))),)
+            )
         return control_pb2.NegotiateResponse(offer=mine)
 
 
-def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float,
-              secret: bytes | None = None) -> "control_pb2.LinkOffer":
+def negotiate(
+    address: str, offer: "control_pb2.LinkOffer", *, timeout: float, secret: bytes | None = None
+) -> "control_pb2.LinkOffer":
     """Send our declaration to the peer's control server; return the peer's.
 
     Retries while the peer's server is not up yet, until ``timeout``. With
@@ -263,14 +273,17 @@ def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float,
             if rem <= 0:
                 raise ConnectTimeout(f"control plane of peer at {address} did not answer within {timeout:.1f}s")
             try:
-                reply, call = stub.Negotiate.with_call(control_pb2.NegotiateRequest(offer=offer), timeout=rem,
-                                                       wait_for_ready=True, metadata=metadata)
+                reply, call = stub.Negotiate.with_call(
+                    control_pb2.NegotiateRequest(offer=offer), timeout=rem, wait_for_ready=True, metadata=metadata
+                )
                 break
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAUTHENTICATED:
-                    raise AuthError(f"peer at {address} refused to negotiate link {offer.link_name!r}: "
-                                    f"{exc.details()} (do both ranks hold the same link secret?)") from exc
+                    raise AuthError(
+                        f"peer at {address} refused to negotiate link {offer.link_name!r}: "
+                        f"{exc.details()} (do both ranks hold the same link secret?)"
+                    ) from exc
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise VersionMismatchError(f"peer at {address}: {exc.details()}") from exc
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -288,7 +301,9 @@ def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float,
         if not mac_matches(secret, peer, mac, role=b"answer", bound=bytes(offer.nonce)):
             raise AuthError(f"peer at {address} answered without proof of this job's link secret")
     if peer.protocol_version != PROTOCOL_VERSION:
-        raise VersionMismatchError(f"peer at {address} speaks protocol {peer.protocol_version}, this is {PROTOCOL_VERSION}")
+        raise VersionMismatchError(
+            f"peer at {address} speaks protocol {peer.protocol_version}, this is {PROTOCOL_VERSION}"
+        )
     if peer.from_rank != offer.to_rank or peer.to_rank != offer.from_rank or peer.link_name != offer.link_name:
         raise ProtocolError(
             f"peer at {address} answered for link {peer.from_rank}->{peer.to_rank} {peer.link_name!r}, "
@@ -297,17 +312,36 @@ def negotiate(address: str, offer: "control_pb2.LinkOffer", *, timeout: float,
     return peer
 
 
-def make_offer(*, run_id: str, from_rank: int, to_rank: int, link_name: str, send: Sequence[TensorSpec],
-               recv: Sequence[TensorSpec], data: Mapping[str, tuple[str, int]], transport: str, nonce: bytes,
-               has_cuda: bool, host_id: str) -> "control_pb2.LinkOffer":
+def make_offer(
+    *,
+    run_id: str,
+    from_rank: int,
+    to_rank: int,
+    link_name: str,
+    send: Sequence[TensorSpec],
+    recv: Sequence[TensorSpec],
+    data: Mapping[str, tuple[str, int]],
+    transport: str,
+    nonce: bytes,
+    has_cuda: bool,
+    host_id: str,
+) -> "control_pb2.LinkOffer":
     """This side's declaration of a link: its specs and its data listeners (kind -> (host, port))."""
     from tensorwire.v1 import control_pb2, types_pb2
 
     return control_pb2.LinkOffer(
-        protocol_version=PROTOCOL_VERSION, run_id=run_id, from_rank=from_rank, to_rank=to_rank,
-        link_name=link_name, send=[spec_to_proto(s) for s in send], recv=[spec_to_proto(s) for s in recv],
+        protocol_version=PROTOCOL_VERSION,
+        run_id=run_id,
+        from_rank=from_rank,
+        to_rank=to_rank,
+        link_name=link_name,
+        send=[spec_to_proto(s) for s in send],
+        recv=[spec_to_proto(s) for s in recv],
         data=[types_pb2.TransportAddress(kind=k, host=h, port=p) for k, (h, p) in data.items()],
-        transport=transport, nonce=nonce, has_cuda=has_cuda, host_id=host_id,
+        transport=transport,
+        nonce=nonce,
+        has_cuda=has_cuda,
+        host_id=host_id,
     )
 
 

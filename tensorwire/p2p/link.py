@@ -88,9 +88,19 @@ class Link:
     the current stream, one message with the shape in its header).
     """
 
-    def __init__(self, *, node_rank: int, peer: int, name: str, transport: Transport,
-                 send: Sequence[TensorSpec], recv: Sequence[TensorSpec], timeout: float,
-                 device: "torch.device | None", depth: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        node_rank: int,
+        peer: int,
+        name: str,
+        transport: Transport,
+        send: Sequence[TensorSpec],
+        recv: Sequence[TensorSpec],
+        timeout: float,
+        device: "torch.device | None",
+        depth: Mapping[str, int] | None = None,
+    ) -> None:
         self.peer = peer
         self.name = name
         self.rank = node_rank
@@ -110,13 +120,23 @@ class Link:
         h2d = lambda dev: self._copy_stream(dev, "h2d")  # noqa: E731
         # One prepared path per tensor (tensorwire.p2p.paths): send/recv call it and branch on nothing.
         self._send: dict[str, SendPath] = {
-            n: send_path(self.send_specs[n], tag, transport, self._queue, device=device, staging=self._staging,
-                         side=d2h)
-            for tag, n in enumerate(sorted(self.send_specs))}
+            n: send_path(
+                self.send_specs[n], tag, transport, self._queue, device=device, staging=self._staging, side=d2h
+            )
+            for tag, n in enumerate(sorted(self.send_specs))
+        }
         self._recv: dict[str, RecvPath] = {
-            n: recv_path(self.recv_specs[n], tag, transport, device=device, depth=(depth or {}).get(n, 2),
-                         staging=self._staging, side=h2d)
-            for tag, n in enumerate(sorted(self.recv_specs))}
+            n: recv_path(
+                self.recv_specs[n],
+                tag,
+                transport,
+                device=device,
+                depth=(depth or {}).get(n, 2),
+                staging=self._staging,
+                side=h2d,
+            )
+            for tag, n in enumerate(sorted(self.recv_specs))
+        }
 
     def _staging(self) -> tuple[Any, int]:
         """(CudaOps, chunk) of the chunk-staged specs, made once."""
@@ -136,8 +156,10 @@ class Link:
 
     # -- info -------------------------------------------------------------------
     def __repr__(self) -> str:
-        return (f"Link(rank {self.rank} <-> {self.peer}, {self.transport}, send={sorted(self.send_specs)}, "
-                f"recv={sorted(self.recv_specs)})")
+        return (
+            f"Link(rank {self.rank} <-> {self.peer}, {self.transport}, send={sorted(self.send_specs)}, "
+            f"recv={sorted(self.recv_specs)})"
+        )
 
     def depth(self, name: str) -> int:
         """How many ``recv`` calls of ``name`` a returned slot outlives, plus one (2 unless ``depth`` raised it).

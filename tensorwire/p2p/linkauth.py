@@ -37,8 +37,15 @@ from typing import Any, Mapping
 from tensorwire.errors import ConfigError, ConnectTimeout
 from tensorwire.settings import env_var, setting
 
-__all__ = ["SECRET_KEY", "SECRET_BYTES", "MIN_TOKEN_CHARS", "MAC_METADATA", "resolve_link_secret", "offer_mac",
-           "mac_matches"]
+__all__ = [
+    "SECRET_KEY",
+    "SECRET_BYTES",
+    "MIN_TOKEN_CHARS",
+    "MAC_METADATA",
+    "resolve_link_secret",
+    "offer_mac",
+    "mac_matches",
+]
 
 #: Store key (under the node's prefix) of the job's link secret.
 SECRET_KEY = "link/secret"
@@ -55,13 +62,21 @@ _MAC_DOMAIN = b"tensorwire-control-v1\0"
 def _from_token(token: bytes, *, source: str) -> bytes:
     token = token.strip()
     if len(token) < MIN_TOKEN_CHARS:
-        raise ConfigError(f"{source}: a link token needs at least {MIN_TOKEN_CHARS} characters "
-                          f"(e.g. the output of `openssl rand -hex 32`), got {len(token)}")
+        raise ConfigError(
+            f"{source}: a link token needs at least {MIN_TOKEN_CHARS} characters "
+            f"(e.g. the output of `openssl rand -hex 32`), got {len(token)}"
+        )
     return hashlib.sha256(_TOKEN_DOMAIN + token).digest()
 
 
-def resolve_link_secret(*, store: Any, key: str, explicit: bytes | str | None = None,
-                        environ: Mapping[str, str] | None = None, timeout: float = 60.0) -> bytes:
+def resolve_link_secret(
+    *,
+    store: Any,
+    key: str,
+    explicit: bytes | str | None = None,
+    environ: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+) -> bytes:
     """The job's link secret (see the module docstring for the order).
 
     Args:
@@ -108,8 +123,10 @@ def _from_store(store: Any, key: str, timeout: float) -> bytes:
             delay = min(2 * delay, 1.0)
             continue
         if len(got) != SECRET_BYTES:
-            raise ConfigError(f"the rendezvous store holds a malformed link secret under {key!r} "
-                              f"({len(got)} bytes, expected {SECRET_BYTES})")
+            raise ConfigError(
+                f"the rendezvous store holds a malformed link secret under {key!r} "
+                f"({len(got)} bytes, expected {SECRET_BYTES})"
+            )
         return got
 
 
@@ -126,8 +143,7 @@ def offer_mac(secret: bytes, offer: Any, *, role: bytes, bound: bytes = b"") -> 
     return h.digest()
 
 
-def mac_matches(secret: bytes, offer: Any, mac: bytes | None, *, role: bytes,
-                bound: bytes = b"") -> bool:
+def mac_matches(secret: bytes, offer: Any, mac: bytes | None, *, role: bytes, bound: bytes = b"") -> bool:
     """Constant-time check of a declaration's MAC."""
     if not mac:
         return False

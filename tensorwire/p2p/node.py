@@ -104,10 +104,20 @@ class Node:
         TransportError: a listener or the control server could not bind.
     """
 
-    def __init__(self, *, rank: int, world_size: int, store: Any = None, host: str = "127.0.0.1",
-                 transport: TransportChoice | None = None, timeout: float | None = None,
-                 peer_timeout: float | None = None, prefix: str = "tensorwire/default/0/",
-                 device: "torch.device | str | None" = None, link_secret: bytes | str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        store: Any = None,
+        host: str = "127.0.0.1",
+        transport: TransportChoice | None = None,
+        timeout: float | None = None,
+        peer_timeout: float | None = None,
+        prefix: str = "tensorwire/default/0/",
+        device: "torch.device | str | None" = None,
+        link_secret: bytes | str | None = None,
+    ) -> None:
         if not isinstance(rank, int) or not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
         if transport is None:
@@ -117,8 +127,7 @@ class Node:
         self.world_size = world_size
         self.host = host
         self.timeout = float(timeout) if timeout is not None else setting("timeout")
-        self.peer_timeout = (float(peer_timeout) if peer_timeout is not None
-                             else setting("peer_timeout"))
+        self.peer_timeout = float(peer_timeout) if peer_timeout is not None else setting("peer_timeout")
         self.prefix = prefix
         self.device = device
         self._closed = False
@@ -131,8 +140,9 @@ class Node:
         from tensorwire.p2p.control import ControlServer
 
         try:
-            self._secret = resolve_link_secret(store=store, key=self._key(SECRET_KEY), explicit=link_secret,
-                                               timeout=self.timeout)
+            self._secret = resolve_link_secret(
+                store=store, key=self._key(SECRET_KEY), explicit=link_secret, timeout=self.timeout
+            )
         except BaseException:
             self.close()
             raise
@@ -143,8 +153,13 @@ class Node:
         except BaseException:
             self.close()
             raise
-        log.info("tensorwire node rank %d/%d: control %s, data %s", rank, world_size, self._control.address,
-                 ", ".join(f"{k}://{h}:{p}" for k, (h, p) in ((k, v.address) for k, v in self._listeners.items())))
+        log.info(
+            "tensorwire node rank %d/%d: control %s, data %s",
+            rank,
+            world_size,
+            self._control.address,
+            ", ".join(f"{k}://{h}:{p}" for k, (h, p) in ((k, v.address) for k, v in self._listeners.items())),
+        )
 
     def _key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -158,21 +173,27 @@ class Node:
         except ValueError:
             raise ConfigError(f"MASTER_PORT={port!r} is not a port number") from None
         self._owns_store = True
-        return bootstrap_store(master_addr=addr, master_port=port_n, rank=self.rank, world_size=self.world_size,
-                               use_agent_store=None, timeout=self.timeout)
+        return bootstrap_store(
+            master_addr=addr,
+            master_port=port_n,
+            rank=self.rank,
+            world_size=self.world_size,
+            use_agent_store=None,
+            timeout=self.timeout,
+        )
 
     def _open_listeners(self) -> None:
         kinds = ["tcp"] if self.transport == "tcp" else (["ucx"] if self.transport == "ucx" else ["ucx", "tcp"])
         for kind in kinds:
             try:
                 factory = get_factory(kind)
-                self._listeners[kind] = factory(self.host, port=0, peer_timeout=self.peer_timeout,
-                                                secret=self._secret)
+                self._listeners[kind] = factory(self.host, port=0, peer_timeout=self.peer_timeout, secret=self._secret)
             except ImportError as exc:
                 if self.transport == kind:
                     raise ConfigError(f"transport {kind!r} requested but unavailable: {exc}") from exc
-                log.warning("tensorwire: %s transport unavailable (%s); links from rank %d will use TCP",
-                            kind, exc, self.rank)
+                log.warning(
+                    "tensorwire: %s transport unavailable (%s); links from rank %d will use TCP", kind, exc, self.rank
+                )
             except TensorWireError:
                 raise
             except Exception as exc:
@@ -184,9 +205,16 @@ class Node:
     def control_address(self) -> str:
         return self._control.address
 
-    def link(self, peer: int, *, send: Iterable[TensorSpec] = (), recv: Iterable[TensorSpec] = (),
-             timeout: float | None = None, name: str = "default",
-             depth: "int | Mapping[str, int] | None" = None) -> Link:
+    def link(
+        self,
+        peer: int,
+        *,
+        send: Iterable[TensorSpec] = (),
+        recv: Iterable[TensorSpec] = (),
+        timeout: float | None = None,
+        name: str = "default",
+        depth: "int | Mapping[str, int] | None" = None,
+    ) -> Link:
         """Negotiate a link with ``peer``; both ranks must call this with mirrored specs.
 
         Args:
@@ -227,23 +255,34 @@ class Node:
 
         nonce = new_nonce()
         mine = control.make_offer(
-            run_id=self.prefix, from_rank=self.rank, to_rank=peer, link_name=name, send=send_l, recv=recv_l,
+            run_id=self.prefix,
+            from_rank=self.rank,
+            to_rank=peer,
+            link_name=name,
+            send=send_l,
+            recv=recv_l,
             data={k: lst.address for k, lst in self._listeners.items()},
-            transport=self.transport, nonce=nonce, has_cuda=cuda_available(), host_id=host_id(),
+            transport=self.transport,
+            nonce=nonce,
+            has_cuda=cuda_available(),
+            host_id=host_id(),
         )
         for lst in self._listeners.values():
             lst.expect(nonce)
         self._control.declare(mine)
         try:
             peer_addr = self._lookup(peer, deadline)
-            theirs = control.negotiate(peer_addr, mine, timeout=max(0.1, deadline - time.monotonic()),
-                                       secret=self._secret)
+            theirs = control.negotiate(
+                peer_addr, mine, timeout=max(0.1, deadline - time.monotonic()), secret=self._secret
+            )
             if theirs.run_id != mine.run_id:
                 raise ProtocolError(f"rank {peer} belongs to run {theirs.run_id!r}, this rank to {mine.run_id!r}")
             peer_send, peer_recv = control.offer_specs(theirs)
             errors = []
-            for a, b, what in ((send_l, peer_recv, f"rank {self.rank} sends -> rank {peer} receives"),
-                               (peer_send, recv_l, f"rank {peer} sends -> rank {self.rank} receives")):
+            for a, b, what in (
+                (send_l, peer_recv, f"rank {self.rank} sends -> rank {peer} receives"),
+                (peer_send, recv_l, f"rank {peer} sends -> rank {self.rank} receives"),
+            ):
                 try:
                     check_same_specs(a, b, what=what)
                 except ShapeMismatchError as exc:
@@ -261,14 +300,30 @@ class Node:
             for lst in self._listeners.values():
                 lst.forget(nonce)
         try:
-            link = Link(node_rank=self.rank, peer=peer, name=name, transport=transport, send=send_l, recv=recv_l,
-                        timeout=self.timeout, device=self.device, depth=depths)
+            link = Link(
+                node_rank=self.rank,
+                peer=peer,
+                name=name,
+                transport=transport,
+                send=send_l,
+                recv=recv_l,
+                timeout=self.timeout,
+                device=self.device,
+                depth=depths,
+            )
         except BaseException:
             transport.abort()
             raise
         self._links.append(link)
-        log.info("tensorwire: link rank %d <-> %d (%s) over %s: %d send, %d recv slots", self.rank, peer, name,
-                 transport.describe(), len(send_l), len(recv_l))
+        log.info(
+            "tensorwire: link rank %d <-> %d (%s) over %s: %d send, %d recv slots",
+            self.rank,
+            peer,
+            name,
+            transport.describe(),
+            len(send_l),
+            len(recv_l),
+        )
         return link
 
     def _lookup(self, peer: int, deadline: float) -> str:
@@ -281,8 +336,7 @@ class Node:
         except (RuntimeError, TimeoutError) as exc:  # torch raises DistStoreError (a RuntimeError)
             raise ConnectTimeout(f"rank {peer} did not publish its control address in time: {exc}") from exc
 
-    def _connect(self, order: list[str], mine: "LinkOffer", theirs: "LinkOffer",
-                 deadline: float) -> Transport:
+    def _connect(self, order: list[str], mine: "LinkOffer", theirs: "LinkOffer", deadline: float) -> Transport:
         """Lower rank dials, higher rank accepts; under auto, UCX failure falls back to TCP loudly."""
         dial = self.rank < theirs.from_rank
         last: BaseException | None = None
@@ -296,8 +350,12 @@ class Node:
                     except ConnectTimeout:
                         continue
                     if kind != order[0]:
-                        log.warning("tensorwire: link with rank %d fell back to %s (peer could not connect over %s)",
-                                    theirs.from_rank, kind, order[0])
+                        log.warning(
+                            "tensorwire: link with rank %d fell back to %s (peer could not connect over %s)",
+                            theirs.from_rank,
+                            kind,
+                            order[0],
+                        )
                     return t
             raise ConnectTimeout(f"rank {theirs.from_rank} did not connect a data channel in time")
         addrs = {d.kind: d for d in theirs.data}
@@ -305,17 +363,33 @@ class Node:
             addr = addrs[kind]
             try:
                 factory = get_factory(kind)
-                per_try = max(0.1, deadline - time.monotonic()) if i == len(order) - 1 else min(
-                    10.0, max(0.1, deadline - time.monotonic()))
-                return factory.connect(addr.host, addr.port, theirs.nonce, timeout=per_try,
-                                       peer_timeout=self.peer_timeout, secret=self._secret)
+                per_try = (
+                    max(0.1, deadline - time.monotonic())
+                    if i == len(order) - 1
+                    else min(10.0, max(0.1, deadline - time.monotonic()))
+                )
+                return factory.connect(
+                    addr.host,
+                    addr.port,
+                    theirs.nonce,
+                    timeout=per_try,
+                    peer_timeout=self.peer_timeout,
+                    secret=self._secret,
+                )
             except AuthError:
                 raise  # the peer does not hold our secret: no other transport will do better
             except (TensorWireError, ImportError, OSError) as exc:
                 last = exc
                 if i + 1 < len(order):
-                    log.warning("tensorwire: %s connection to rank %d at %s:%d failed (%s); falling back to %s",
-                                kind, theirs.from_rank, addr.host, addr.port, exc, order[i + 1])
+                    log.warning(
+                        "tensorwire: %s connection to rank %d at %s:%d failed (%s); falling back to %s",
+                        kind,
+                        theirs.from_rank,
+                        addr.host,
+                        addr.port,
+                        exc,
+                        order[i + 1],
+                    )
         assert last is not None
         if isinstance(last, TensorWireError):
             raise last

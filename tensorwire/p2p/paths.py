@@ -41,8 +41,20 @@ from tensorwire.transport.base import Transport
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["CudaSend", "HostSend", "IsendQueue", "RecvPath", "SendHandle", "SendPath", "SlotRecv", "StagedRecv",
-           "StagedSend", "WholeStagedRecv", "recv_path", "send_path"]
+__all__ = [
+    "CudaSend",
+    "HostSend",
+    "IsendQueue",
+    "RecvPath",
+    "SendHandle",
+    "SendPath",
+    "SlotRecv",
+    "StagedRecv",
+    "StagedSend",
+    "WholeStagedRecv",
+    "recv_path",
+    "send_path",
+]
 
 
 def _uint8() -> torch.dtype:
@@ -56,8 +68,14 @@ class SendHandle:
 
     __slots__ = ("_future", "_name", "_op", "_t")
 
-    def __init__(self, future: concurrent.futures.Future[Any] | None, name: str, *, op: Any = None,
-                 transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        future: concurrent.futures.Future[Any] | None,
+        name: str,
+        *,
+        op: Any = None,
+        transport: Transport | None = None,
+    ) -> None:
         self._future = future
         self._name = name
         self._op = op  # a transport send op (async_send transports): the message is already posted
@@ -82,7 +100,7 @@ class SendHandle:
         """
         if self._op is not None:
             assert self._t is not None
-            self._t.wait_send(self._op, timeout=timeout)  # type: ignore[attr-defined]
+            self._t.wait_send(self._op, timeout=timeout)
             return
         assert self._future is not None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -94,7 +112,7 @@ class SendHandle:
             raise TransferTimeout(f"isend of {self._name!r} not complete within {timeout}s") from None
         if self._t is not None:  # the link's thread posted it (CUDA isend): now wait for the bytes to leave
             self._op = op
-            self._t.wait_send(op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))  # type: ignore[attr-defined]
+            self._t.wait_send(op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 class IsendQueue:
@@ -182,8 +200,12 @@ class SendPath:
                 data = as_bytes(tensor)
             else:
                 data = self._stage(tensor, shape)
-            self._send(self.tag, data[:nbytes] if data.numel() != nbytes else data,
-                       shape=shape if spec.is_dynamic else None, timeout=timeout)
+            self._send(
+                self.tag,
+                data[:nbytes] if data.numel() != nbytes else data,
+                shape=shape if spec.is_dynamic else None,
+                timeout=timeout,
+            )
         self.sent += nbytes
 
     def _stage(self, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -227,7 +249,7 @@ class SendPath:
 
     def _post(self, data: torch.Tensor, timeout: float) -> Any:
         """Post ``data`` as the next message (waiting only for a credit); returns the send op."""
-        op = self._t.start_send(self.tag, data, timeout=timeout)  # type: ignore[attr-defined]
+        op = self._t.start_send(self.tag, data, timeout=timeout)
         self.sent += self.nbytes
         return op
 
@@ -269,8 +291,13 @@ class CudaSend(SendPath):
         self._whole = self._t.any_dtype
 
     def send(self, tensor: torch.Tensor, timeout: float, stream: Any = None) -> None:
-        if (tensor.dtype is self.dtype and tensor.shape == self.shape and tensor.is_cuda and self.nbytes
-                and tensor.is_contiguous()):
+        if (
+            tensor.dtype is self.dtype
+            and tensor.shape == self.shape
+            and tensor.is_cuda
+            and self.nbytes
+            and tensor.is_contiguous()
+        ):
             # The caller's stream (isend passes the one current in the calling thread) is synchronized
             # first: the transport reads the bytes only after the work queued there is done.
             if tensor.requires_grad:
@@ -296,8 +323,7 @@ class CudaSend(SendPath):
 
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(tensor.device))
-            return SendHandle(self._q.submit(self._post_after_event, data, ev, timeout), self.name,
-                              transport=self._t)
+            return SendHandle(self._q.submit(self._post_after_event, data, ev, timeout), self.name, transport=self._t)
         # Nothing queued before it and nothing pending on the stream: post right here.
         return SendHandle(None, self.name, op=self._post(data, timeout), transport=self._t)
 
@@ -329,14 +355,22 @@ class StagedSend(SendPath):
 
                 with torch.cuda.stream(current):  # ordered after the writes to ``tensor``; freed after all reads
                     src = as_bytes(tensor.contiguous())
-            self._step = self.stager.send(self._t, self.tag, src, step=self._step, timeout=timeout,
-                                          current=current, side=self._side(device))
+            self._step = self.stager.send(
+                self._t, self.tag, src, step=self._step, timeout=timeout, current=current, side=self._side(device)
+            )
         self.sent += self.nbytes
 
 
-def send_path(spec: TensorSpec, tag: int, transport: Transport, queue: IsendQueue, *, device: Any,
-              staging: Callable[[], tuple[Any, int]],
-              side: Callable[[torch.device], Any]) -> SendPath:
+def send_path(
+    spec: TensorSpec,
+    tag: int,
+    transport: Transport,
+    queue: IsendQueue,
+    *,
+    device: Any,
+    staging: Callable[[], tuple[Any, int]],
+    side: Callable[[torch.device], Any],
+) -> SendPath:
     """The send path of ``spec`` over ``transport`` (its slot allocated here).
 
     ``staging()`` gives (CudaOps, chunk) for chunk-staged specs; ``side(device)`` the link's d2h copy stream.
@@ -352,8 +386,7 @@ def send_path(spec: TensorSpec, tag: int, transport: Transport, queue: IsendQueu
     if not on_host:
         return CudaSend(*args)
     ops, chunk = staging()
-    return StagedSend(*args, stager=StagedSender(slot.raw, chunk_plan(spec.nbytes, chunk), ops=ops), ops=ops,
-                      side=side)
+    return StagedSend(*args, stager=StagedSender(slot.raw, chunk_plan(spec.nbytes, chunk), ops=ops), ops=ops, side=side)
 
 
 # -- receive -------------------------------------------------------------------------
@@ -442,8 +475,9 @@ class SlotRecv:
             # Static spec (the common case): the slot's full typed view, no shape work per message.
             if got.nbytes != self._nbytes:
                 self._release(idx)
-                raise ProtocolError(f"peer sent {got.nbytes} bytes for {self.name!r} {self.spec.shape}, "
-                                    f"expected {slot.nbytes}")
+                raise ProtocolError(
+                    f"peer sent {got.nbytes} bytes for {self.name!r} {self.spec.shape}, expected {slot.nbytes}"
+                )
             self.received += got.nbytes
             return self._deliver(idx, slot.tensor, self.spec.shape, out)
         shape = got.shape if got.shape is not None else self.spec.shape
@@ -460,8 +494,7 @@ class SlotRecv:
         self.received += got.nbytes
         return self._deliver(idx, view, shape, out)
 
-    def _deliver(self, idx: int, view: torch.Tensor, shape: tuple[int, ...],
-                 out: torch.Tensor | None) -> torch.Tensor:
+    def _deliver(self, idx: int, view: torch.Tensor, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         if out is None:
             self.held.append((idx, None))
             return view
@@ -493,23 +526,22 @@ class SlotRecv:
 
 
 def _out_mismatch(name: str, out: torch.Tensor, view: torch.Tensor) -> ShapeMismatchError:
-    return ShapeMismatchError(f"out= for {name!r} is {out.dtype}{list(out.shape)}, received "
-                              f"{view.dtype}{list(view.shape)}")
+    return ShapeMismatchError(
+        f"out= for {name!r} is {out.dtype}{list(out.shape)}, received {view.dtype}{list(view.shape)}"
+    )
 
 
 class WholeStagedRecv(SlotRecv):
     """A dynamic CUDA spec over a host-only transport: two host slots, one copy into the device slot."""
 
-    def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], transport: Transport,
-                 device_slot: Slot) -> None:
+    def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], transport: Transport, device_slot: Slot) -> None:
         super().__init__(spec, tag, slots, transport)
         self.device_slot = device_slot
 
     def all_slots(self) -> list[Slot]:
         return [*self.slots, self.device_slot]
 
-    def _deliver(self, idx: int, view: torch.Tensor, shape: tuple[int, ...],
-                 out: torch.Tensor | None) -> torch.Tensor:
+    def _deliver(self, idx: int, view: torch.Tensor, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         import torch
 
         dev_view = self.device_slot.view(shape)
@@ -529,8 +561,18 @@ class StagedRecv:
 
     depth = 2  # what recv returns is the one device slot, valid until the next recv
 
-    def __init__(self, spec: TensorSpec, tag: int, slots: list[Slot], transport: Transport, device_slot: Slot, *,
-                 stager: Any, ops: Any, side: Callable[[torch.device], Any]) -> None:
+    def __init__(
+        self,
+        spec: TensorSpec,
+        tag: int,
+        slots: list[Slot],
+        transport: Transport,
+        device_slot: Slot,
+        *,
+        stager: Any,
+        ops: Any,
+        side: Callable[[torch.device], Any],
+    ) -> None:
         self.spec = spec
         self.name = spec.name
         self.tag = tag
@@ -559,8 +601,9 @@ class StagedRecv:
 
     def recv(self, out: torch.Tensor | None, timeout: float) -> torch.Tensor:
         device = self._device
-        self.received += self.stager.recv(self._t, self.tag, timeout=timeout, current=self._ops.current_stream(device),
-                                          side=self._side(device))
+        self.received += self.stager.recv(
+            self._t, self.tag, timeout=timeout, current=self._ops.current_stream(device), side=self._side(device)
+        )
         view = self.device_slot.tensor
         if out is None:
             return view
@@ -573,8 +616,16 @@ class StagedRecv:
 RecvPath = SlotRecv | StagedRecv
 
 
-def recv_path(spec: TensorSpec, tag: int, transport: Transport, *, device: Any, depth: int,
-              staging: Callable[[], tuple[Any, int]], side: Callable[[torch.device], Any]) -> RecvPath:
+def recv_path(
+    spec: TensorSpec,
+    tag: int,
+    transport: Transport,
+    *,
+    device: Any,
+    depth: int,
+    staging: Callable[[], tuple[Any, int]],
+    side: Callable[[torch.device], Any],
+) -> RecvPath:
     """The receive path of ``spec`` over ``transport``: its slots allocated and posted here.
 
     ``depth``: slots when the transport fills them directly (2 when staged through host memory).

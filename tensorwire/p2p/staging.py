@@ -66,9 +66,9 @@ STAGING_CHUNK_ALIGN = 64 << 10
 STAGING_CHUNK_ENV = "TENSORWIRE_STAGING_CHUNK"
 
 
-
-def chunk_plan(nbytes: int, chunk: int = DEFAULT_CHUNK, *,
-               max_chunks: int = MAX_STAGING_CHUNKS) -> tuple[tuple[int, int], ...]:
+def chunk_plan(
+    nbytes: int, chunk: int = DEFAULT_CHUNK, *, max_chunks: int = MAX_STAGING_CHUNKS
+) -> tuple[tuple[int, int], ...]:
     """How a staged message of ``nbytes`` is cut into wire messages: ``((offset, length), ...)``.
 
     Pure and deterministic: sender and receiver each compute it from the
@@ -91,7 +91,6 @@ def chunk_plan(nbytes: int, chunk: int = DEFAULT_CHUNK, *,
         chunk = -(-nbytes // max_chunks)
         chunk = -(-chunk // STAGING_CHUNK_ALIGN) * STAGING_CHUNK_ALIGN
     return tuple((off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk))
-
 
 
 def staging_chunk(env: Mapping[str, str] | None = None) -> int:
@@ -142,8 +141,13 @@ class CudaOps:
         Anything else, or a runtime call that fails, takes torch's way.
         """
         memcpy = memcpy_async()
-        if (memcpy is not None and dst.dtype == src.dtype and dst.numel() == src.numel()
-                and dst.is_contiguous() and src.is_contiguous()):
+        if (
+            memcpy is not None
+            and dst.dtype == src.dtype
+            and dst.numel() == src.numel()
+            and dst.is_contiguous()
+            and src.is_contiguous()
+        ):
             if memcpy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(), stream):
                 return
         import torch
@@ -196,8 +200,17 @@ class StagedSender:
             ev = self._events[device] = (self.ops.new_event(), [self.ops.new_event() for _ in self.plan])
         return ev
 
-    def send(self, transport: Any, tag: int, src: "torch.Tensor", *, step: int, timeout: float | None,
-             current: Any, side: Any) -> int:
+    def send(
+        self,
+        transport: Any,
+        tag: int,
+        src: "torch.Tensor",
+        *,
+        step: int,
+        timeout: float | None,
+        current: Any,
+        side: Any,
+    ) -> int:
         """Send the flat uint8 device tensor ``src``; messages carry steps ``step+1 ...``; returns the last step.
 
         ``current``: the stream the caller's writes to ``src`` were queued on;
@@ -251,8 +264,14 @@ class StagedReceiver:
     call resumes at the chunk it was waiting for.
     """
 
-    def __init__(self, hosts: "list[torch.Tensor]", device_buf: "torch.Tensor", plan: tuple[tuple[int, int], ...],
-                 *, ops: Any = None) -> None:
+    def __init__(
+        self,
+        hosts: "list[torch.Tensor]",
+        device_buf: "torch.Tensor",
+        plan: tuple[tuple[int, int], ...],
+        *,
+        ops: Any = None,
+    ) -> None:
         if len(hosts) != 2 or not plan or any(sum(n for _, n in plan) != h.numel() for h in (*hosts, device_buf)):
             raise ValueError("StagedReceiver needs two host slots and a device slot, all covered by the plan")
         self.plan = plan
@@ -298,8 +317,10 @@ class StagedReceiver:
             got = transport.wait_recv(tag, timeout=left if left is None else max(0.0, left))
             n = self.plan[i][1]
             if got.nbytes != n:
-                msg = (f"staged receive on tag {tag}: chunk {i} of {len(self.plan)} carried {got.nbytes} bytes, "
-                       f"expected {n} (is {STAGING_CHUNK_ENV} the same on both sides?)")
+                msg = (
+                    f"staged receive on tag {tag}: chunk {i} of {len(self.plan)} carried {got.nbytes} bytes, "
+                    f"expected {n} (is {STAGING_CHUNK_ENV} the same on both sides?)"
+                )
                 _break(transport, msg)
                 raise ProtocolError(msg)
             ops.copy(self.dev_chunks[i], host[i], side)

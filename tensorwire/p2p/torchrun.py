@@ -47,8 +47,17 @@ from tensorwire.errors import ConfigError, ConnectTimeout
 __all__ = ["TorchrunEnv", "bootstrap_store", "store_prefix", "REQUIRED_VARS"]
 
 #: The variables :meth:`TorchrunEnv.from_environ` requires.
-REQUIRED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+REQUIRED_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+)
 _REQUIRED = REQUIRED_VARS  # backwards-compatible alias
 
 _TRUE = ("true", "1", "yes")
@@ -217,5 +226,7 @@ def bootstrap_store(
         return TCPStore(master_addr, master_port, world_size, rank == 0, td, wait_for_workers=False, multi_tenant=True)
     except (RuntimeError, TimeoutError, OSError) as exc:  # torch raises DistStoreError / DistNetworkError
         role = "host" if (rank == 0 and not use_agent_store) else "reach"
-        raise ConnectTimeout(f"cannot {role} the bootstrap store at {master_addr}:{master_port} "
-                             f"(TORCHELASTIC_USE_AGENT_STORE={use_agent_store}): {exc}") from exc
+        raise ConnectTimeout(
+            f"cannot {role} the bootstrap store at {master_addr}:{master_port} "
+            f"(TORCHELASTIC_USE_AGENT_STORE={use_agent_store}): {exc}"
+        ) from exc

@@ -48,7 +48,9 @@ def register(subparsers: Any) -> None:
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
 
-    ls = subparsers.add_parser("ls", help="list the tensors of a daemon", description=CLIENT_ENV_NOTE, formatter_class=fmt)
+    ls = subparsers.add_parser(
+        "ls", help="list the tensors of a daemon", description=CLIENT_ENV_NOTE, formatter_class=fmt
+    )
     ls.add_argument("address", help="host:port of the daemon")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _client_arguments(ls)
@@ -78,26 +80,51 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from tensorwire.serve.daemon.config import DEFAULT_PORT
 
     E = "TENSORWIRE_"
-    p.add_argument("--host", default=None, help=_h("address to bind; non-loopback needs auth or --insecure", E + "HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=None, help=_h("gRPC control port, 0 = any free port", E + "PORT", DEFAULT_PORT))
-    p.add_argument("--data-port", type=int, default=None, help=_h("data-plane port, 0 = any free port", E + "DATA_PORT", 0))
+    p.add_argument(
+        "--host",
+        default=None,
+        help=_h("address to bind; non-loopback needs auth or --insecure", E + "HOST", "127.0.0.1"),
+    )
+    p.add_argument(
+        "--port", type=int, default=None, help=_h("gRPC control port, 0 = any free port", E + "PORT", DEFAULT_PORT)
+    )
+    p.add_argument(
+        "--data-port", type=int, default=None, help=_h("data-plane port, 0 = any free port", E + "DATA_PORT", 0)
+    )
     p.add_argument(
         "--transport",
         choices=("auto", "ucx", "tcp"),
         default=None,
-        help=_h("data plane: auto = UCX where it beats a socket (RDMA device), else TCP; UCX unusable = TCP with a warning", E + "TRANSPORT", "auto"),
+        help=_h(
+            "data plane: auto = UCX where it beats a socket (RDMA device), else TCP; UCX unusable = TCP with a warning",
+            E + "TRANSPORT",
+            "auto",
+        ),
     )
     p.add_argument(
         "--max-bytes",
         default=None,
         metavar="SIZE",
-        help=_h("memory tensors may reserve (each reserves 2x: double buffer); e.g. 64GiB, 500MB, 1048576",
-                E + "MAX_BYTES", "half of RAM"),
+        help=_h(
+            "memory tensors may reserve (each reserves 2x: double buffer); e.g. 64GiB, 500MB, 1048576",
+            E + "MAX_BYTES",
+            "half of RAM",
+        ),
     )
-    p.add_argument("--token-file", default=None, metavar="F", help=_h("file with the bearer token clients must present", E + "TOKEN_FILE"))
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="F",
+        help=_h("file with the bearer token clients must present", E + "TOKEN_FILE"),
+    )
     p.add_argument("--tls-cert", default=None, metavar="F", help=_h("server certificate (PEM) for TLS", E + "TLS_CERT"))
     p.add_argument("--tls-key", default=None, metavar="F", help=_h("server private key (PEM)", E + "TLS_KEY"))
-    p.add_argument("--tls-ca", default=None, metavar="F", help=_h("require client certificates signed by this CA (mTLS)", E + "TLS_CA"))
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="F",
+        help=_h("require client certificates signed by this CA (mTLS)", E + "TLS_CA"),
+    )
     p.add_argument(
         "--insecure",
         action="store_const",
@@ -105,41 +132,116 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=_h("allow a non-loopback bind without authentication", E + "INSECURE=1", "off"),
     )
-    p.add_argument("--metrics-port", type=int, default=None, metavar="N", help=_h("serve Prometheus metrics on this port", E + "METRICS_PORT", "off"))
-    p.add_argument("--snapshot-dir", default=None, metavar="DIR", help=_h("snapshot the store here (safetensors) on shutdown and on demand; restored on start", E + "SNAPSHOT_DIR"))
-    p.add_argument("--ready-file", default=None, metavar="F", help=_h("write the ready line (JSON with the bound ports) to F", E + "READY_FILE"))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help=_h("serve Prometheus metrics on this port", E + "METRICS_PORT", "off"),
+    )
+    p.add_argument(
+        "--snapshot-dir",
+        default=None,
+        metavar="DIR",
+        help=_h(
+            "snapshot the store here (safetensors) on shutdown and on demand; restored on start", E + "SNAPSHOT_DIR"
+        ),
+    )
+    p.add_argument(
+        "--ready-file",
+        default=None,
+        metavar="F",
+        help=_h("write the ready line (JSON with the bound ports) to F", E + "READY_FILE"),
+    )
     p.add_argument(
         "--max-sessions-per-client",
         type=int,
         default=None,
         metavar="N",
-        help=_h("sessions one client may hold at once (a client: its certificate under mTLS, else its local user "
-                "on loopback, else its IP address)", E + "MAX_SESSIONS_PER_CLIENT", 64),
+        help=_h(
+            "sessions one client may hold at once (a client: its certificate under mTLS, else its local user "
+            "on loopback, else its IP address)",
+            E + "MAX_SESSIONS_PER_CLIENT",
+            64,
+        ),
     )
-    p.add_argument("--drain-timeout", type=float, default=None, metavar="S", help=_h("seconds in-flight transfers get on shutdown", E + "DRAIN_TIMEOUT", 10))
-    p.add_argument("--hello-timeout", type=float, default=None, metavar="S",
-                   help=_h("seconds a data connection may take to present its credential", E + "HELLO_TIMEOUT", 3))
-    p.add_argument("--max-pending-connections", type=int, default=None, metavar="N",
-                   help=_h("data connections without a credential yet, at most (the oldest is evicted)",
-                           E + "MAX_PENDING_CONNECTIONS", 512))
-    p.add_argument("--max-pending-per-peer", type=int, default=None, metavar="N",
-                   help=_h("the same, from one peer address", E + "MAX_PENDING_PER_PEER", 64))
-    p.add_argument("--max-waiting-calls", type=int, default=None, metavar="N",
-                   help=_h("control-plane threads that may wait for other clients' transfers (0 = workers/4)",
-                           E + "MAX_WAITING_CALLS", 0))
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=_h("seconds in-flight transfers get on shutdown", E + "DRAIN_TIMEOUT", 10),
+    )
+    p.add_argument(
+        "--hello-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=_h("seconds a data connection may take to present its credential", E + "HELLO_TIMEOUT", 3),
+    )
+    p.add_argument(
+        "--max-pending-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help=_h(
+            "data connections without a credential yet, at most (the oldest is evicted)",
+            E + "MAX_PENDING_CONNECTIONS",
+            512,
+        ),
+    )
+    p.add_argument(
+        "--max-pending-per-peer",
+        type=int,
+        default=None,
+        metavar="N",
+        help=_h("the same, from one peer address", E + "MAX_PENDING_PER_PEER", 64),
+    )
+    p.add_argument(
+        "--max-waiting-calls",
+        type=int,
+        default=None,
+        metavar="N",
+        help=_h(
+            "control-plane threads that may wait for other clients' transfers (0 = workers/4)",
+            E + "MAX_WAITING_CALLS",
+            0,
+        ),
+    )
     p.add_argument(
         "--shm",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=_h("keep tensors in /dev/shm so that clients on this host copy them directly (one memcpy, no socket); "
-                "--no-shm: ordinary memory, data connection only", E + "SHM=0|1", "on"),
+        help=_h(
+            "keep tensors in /dev/shm so that clients on this host copy them directly (one memcpy, no socket); "
+            "--no-shm: ordinary memory, data connection only",
+            E + "SHM=0|1",
+            "on",
+        ),
     )
 
 
 _SERVE_FLAGS = (
-    "host", "port", "data_port", "transport", "max_bytes", "token_file", "tls_cert", "tls_key", "tls_ca",
-    "insecure", "metrics_port", "snapshot_dir", "ready_file", "drain_timeout", "shm", "max_sessions_per_client",
-    "hello_timeout", "max_pending_connections", "max_pending_per_peer", "max_waiting_calls",
+    "host",
+    "port",
+    "data_port",
+    "transport",
+    "max_bytes",
+    "token_file",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "insecure",
+    "metrics_port",
+    "snapshot_dir",
+    "ready_file",
+    "drain_timeout",
+    "shm",
+    "max_sessions_per_client",
+    "hello_timeout",
+    "max_pending_connections",
+    "max_pending_per_peer",
+    "max_waiting_calls",
 )
 
 
@@ -180,14 +282,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _client_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token-file", default=None, metavar="F", help="file with the bearer token (env TENSORWIRE_TOKEN_FILE)")
-    p.add_argument("--tls-ca", default=None, metavar="F", help="CA of the server certificate (env TENSORWIRE_CLIENT_TLS_CA)")
-    p.add_argument("--tls-cert", default=None, metavar="F", help="client certificate for mTLS (env TENSORWIRE_CLIENT_TLS_CERT)")
+    p.add_argument(
+        "--token-file", default=None, metavar="F", help="file with the bearer token (env TENSORWIRE_TOKEN_FILE)"
+    )
+    p.add_argument(
+        "--tls-ca", default=None, metavar="F", help="CA of the server certificate (env TENSORWIRE_CLIENT_TLS_CA)"
+    )
+    p.add_argument(
+        "--tls-cert", default=None, metavar="F", help="client certificate for mTLS (env TENSORWIRE_CLIENT_TLS_CERT)"
+    )
     p.add_argument("--tls-key", default=None, metavar="F", help="client key for mTLS (env TENSORWIRE_CLIENT_TLS_KEY)")
     p.add_argument("--tls", action="store_true", help="use TLS with the system roots (implied by --tls-*)")
-    p.add_argument("--transport", choices=("auto", "shm", "ucx", "tcp"), default=None,
-                   help="data plane (default auto: shared memory with a daemon on this host, else UCX/TCP; "
-                        "env TENSORWIRE_CLIENT_TRANSPORT)")
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "ucx", "tcp"),
+        default=None,
+        help="data plane (default auto: shared memory with a daemon on this host, else UCX/TCP; "
+        "env TENSORWIRE_CLIENT_TRANSPORT)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per operation (default 300)")
     p.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a terminal")
 
@@ -196,8 +308,13 @@ def _open_client(args: argparse.Namespace) -> Any:
     from tensorwire.serve.client.client import Client
     from tensorwire.errors import ConfigError
 
-    env = Settings.from_env(token_file=args.token_file, client_tls_ca=args.tls_ca, client_tls_cert=args.tls_cert,
-                            client_tls_key=args.tls_key, client_transport=args.transport)
+    env = Settings.from_env(
+        token_file=args.token_file,
+        client_tls_ca=args.tls_ca,
+        client_tls_cert=args.tls_cert,
+        client_tls_key=args.tls_key,
+        client_transport=args.transport,
+    )
     token = None
     token_file = env.token_file
     if token_file:
@@ -275,8 +392,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with _open_client(args) as c:
         stats = c.stats()
     if args.json:
-        print(json.dumps({n: {"dtype": s.spec.dtype, "shape": list(s.spec.shape), "version": s.version, "nbytes": s.nbytes}
-                          for n, s in stats.items()}, indent=2))
+        print(
+            json.dumps(
+                {
+                    n: {"dtype": s.spec.dtype, "shape": list(s.spec.shape), "version": s.version, "nbytes": s.nbytes}
+                    for n, s in stats.items()
+                },
+                indent=2,
+            )
+        )
         return 0
     rows = [("NAME", "DTYPE", "SHAPE", "VERSION", "SIZE")]
     for n, s in stats.items():
@@ -293,7 +417,9 @@ def cmd_get(args: argparse.Namespace) -> int:
     with _open_client(args) as c:
         st = c.stat(args.name)
         start = c.bytes_moved()
-        with Progress(f"get {args.name}", st.nbytes, lambda: c.bytes_moved() - start, enabled=_progress_enabled(args, st.nbytes)):
+        with Progress(
+            f"get {args.name}", st.nbytes, lambda: c.bytes_moved() - start, enabled=_progress_enabled(args, st.nbytes)
+        ):
             t = c.get(args.name)
         from tensorwire.buffers import as_bytes
 
@@ -325,7 +451,9 @@ def cmd_put(args: argparse.Namespace) -> int:
     with _open_client(args) as c:
         # TCP counts sent bytes when a send completes: the bar jumps at the end of each transfer.
         start = c.bytes_moved()
-        with Progress(f"put {args.name}", nbytes, lambda: c.bytes_moved() - start, enabled=_progress_enabled(args, nbytes)):
+        with Progress(
+            f"put {args.name}", nbytes, lambda: c.bytes_moved() - start, enabled=_progress_enabled(args, nbytes)
+        ):
             st = c.put(args.name, tensor)
     print(f"{args.name}: {st.spec.describe()} version {st.version}", file=sys.stderr)
     return 0
@@ -335,9 +463,14 @@ def main(argv: Any = None) -> int:
     """``python -m tensorwire.serve [serve flags]``: the daemon without the rest of the CLI."""
     from tensorwire import errors
 
-    parser = argparse.ArgumentParser(prog="python -m tensorwire.serve", description="Run the tensorwire daemon.\n\n" + ENV_NOTE,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR; env TENSORWIRE_LOG_LEVEL")
+    parser = argparse.ArgumentParser(
+        prog="python -m tensorwire.serve",
+        description="Run the tensorwire daemon.\n\n" + ENV_NOTE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR; env TENSORWIRE_LOG_LEVEL"
+    )
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
     level = (args.log_level or setting("log_level") or "WARNING").upper()

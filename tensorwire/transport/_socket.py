@@ -15,8 +15,15 @@ from tensorwire.transport.base import remaining as _remaining
 __all__ = ["dial", "tune_socket"]
 
 
-def dial(host: str, port: int, deadline: float | None, *, retry: tuple[type[OSError], ...] = (ConnectionRefusedError,),
-         timeout_without_deadline: float | None = None, what: str = "connection to") -> socket.socket:
+def dial(
+    host: str,
+    port: int,
+    deadline: float | None,
+    *,
+    retry: tuple[type[OSError], ...] = (ConnectionRefusedError,),
+    timeout_without_deadline: float | None = None,
+    what: str = "connection to",
+) -> socket.socket:
     """Connect to ``host:port``, retrying the ``retry`` errors (a listener not up yet) with
     backoff (50 ms doubling to 1 s) until ``deadline``. Each attempt waits at most what is left
     of the deadline (``timeout_without_deadline`` when there is none).
@@ -29,8 +36,9 @@ def dial(host: str, port: int, deadline: float | None, *, retry: tuple[type[OSEr
     while True:
         rem = _remaining(deadline)
         try:
-            return socket.create_connection((host, port), timeout=timeout_without_deadline if rem is None
-                                            else max(0.01, rem))
+            return socket.create_connection(
+                (host, port), timeout=timeout_without_deadline if rem is None else max(0.01, rem)
+            )
         except socket.gaierror as exc:
             raise PeerLostError(f"cannot resolve {host}: {exc}") from exc
         except retry as exc:

@@ -40,7 +40,7 @@ import hmac
 import os
 import secrets
 import time
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from tensorwire.errors import ConfigError
 
@@ -129,6 +129,35 @@ class Transport(abc.ABC):
     #: credit is there, returns without waiting for the bytes) and ``wait_send(op, *, timeout)``.
     async_send: ClassVar[bool] = False
 
+    def start_send(
+        self,
+        tag: int,
+        buf: "torch.Tensor",
+        *,
+        step: int | None = None,
+        shape: tuple[int, ...] | None = None,
+        timeout: float | None,
+    ) -> Any:
+        """Post ``buf`` as the next message on ``tag`` once a credit is there, without waiting for its bytes.
+
+        Only transports with :attr:`async_send`; :meth:`wait_send` completes the returned operation, and
+        ``buf`` must stay untouched until it returned.
+
+        Raises:
+            NotImplementedError: this transport has no asynchronous send (``async_send`` is False).
+            TransferTimeout, PeerLostError, ClosedError: as :meth:`send`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no start_send (async_send is False)")
+
+    def wait_send(self, op: Any, *, timeout: float | None) -> None:
+        """Wait until the message posted by :meth:`start_send` is out of its buffer.
+
+        Raises:
+            NotImplementedError: this transport has no asynchronous send.
+            TransferTimeout, PeerLostError, ClosedError: as :meth:`send`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no wait_send (async_send is False)")
+
     @abc.abstractmethod
     def post_recv(self, tag: int, buf: "torch.Tensor", *, header: bool = False) -> None:
         """Post ``buf`` to receive the next unfilled message on ``tag``.
@@ -153,8 +182,9 @@ class Transport(abc.ABC):
             PeerLostError, ProtocolError, ClosedError.
         """
 
-    def repost_and_wait(self, tag: int, buf: "torch.Tensor", *, header: bool = False,
-                        timeout: float | None) -> Received:
+    def repost_and_wait(
+        self, tag: int, buf: "torch.Tensor", *, header: bool = False, timeout: float | None
+    ) -> Received:
         """Post ``buf`` on ``tag`` again, then wait for the oldest posted buffer on ``tag``.
 
         What a receiver does every step with double-buffered slots (the slot it
@@ -238,16 +268,25 @@ class Listener(abc.ABC):
 
     kind: ClassVar[str]
 
-    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0,
-                 secret: bytes | None = None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0, secret: bytes | None = None
+    ) -> None:
         """Bind ``host:port`` (0: any free port; :attr:`address` has the real one) and start accepting.
         ``peer_timeout``: seconds without a sign of life before a connection's peer is declared lost.
         ``secret``: the link secret a dialler must prove it holds (:func:`link_proof`), checked before
         its nonce; ``None``: the nonce alone admits."""
 
     @classmethod
-    def connect(cls, host: str, port: int, nonce: bytes, *, timeout: float | None,
-                peer_timeout: float = 30.0, secret: bytes | None = None) -> Transport:
+    def connect(
+        cls,
+        host: str,
+        port: int,
+        nonce: bytes,
+        *,
+        timeout: float | None,
+        peer_timeout: float = 30.0,
+        secret: bytes | None = None,
+    ) -> Transport:
         """Dial a listener of this kind at ``host:port`` and present ``nonce`` (learned over the control plane)
         and the proof of ``secret``, the link secret.
 

@@ -76,8 +76,15 @@ class MemoryTransport(Transport):
                     raise TransferTimeout(f"receive on tag {tag} timed out")
                 self._s.cond.wait(rem)
 
-    def send(self, tag: int, buf: "torch.Tensor", *, step: int | None = None,
-             shape: tuple[int, ...] | None = None, timeout: float | None) -> None:
+    def send(
+        self,
+        tag: int,
+        buf: "torch.Tensor",
+        *,
+        step: int | None = None,
+        shape: tuple[int, ...] | None = None,
+        timeout: float | None,
+    ) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._s.cond:
             while True:

@@ -24,8 +24,16 @@ from typing import Literal, Mapping, Protocol, Sequence
 from tensorwire.errors import ConfigError
 from tensorwire.settings import setting
 
-__all__ = ["TransportChoice", "CHOICES", "check_choice", "ucx_has_rdma", "host_id", "auto_preference",
-           "same_host", "choose_transport"]
+__all__ = [
+    "TransportChoice",
+    "CHOICES",
+    "check_choice",
+    "ucx_has_rdma",
+    "host_id",
+    "auto_preference",
+    "same_host",
+    "choose_transport",
+]
 
 TransportChoice = Literal["auto", "ucx", "tcp"]
 
@@ -44,6 +52,8 @@ class Offer(Protocol):
     def host_id(self) -> str: ...
     @property
     def data(self) -> Sequence[_Address]: ...
+
+
 CHOICES = ("auto", "ucx", "tcp")
 
 
@@ -124,8 +134,6 @@ def choose_transport(mine: Offer, theirs: Offer, *, needs_cuda: bool) -> list[st
     # handling (TENSORWIRE_UCX_ERROR_HANDLING=none); with it (the default, so that a peer's death never aborts
     # this process) host memory goes over UCX's own tcp, slower than this package's socket transport.
     same_host_fast = same_host(mine, theirs) and setting("ucx_error_handling") == "none"
-    prefer_ucx = "ucx" in common and pref != "tcp" and (
-        needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host_fast
-    )
+    prefer_ucx = "ucx" in common and pref != "tcp" and (needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host_fast)
     order = ["ucx", "tcp"] if prefer_ucx else ["tcp"]
     return [k for k in order if k in common]

@@ -102,7 +102,6 @@ _PEER_GONE = (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ECONNABORTED
 _POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
-
 def _poll_ms(deadline: float | None, cap: float = 0.5) -> int:
     """Milliseconds to poll: bounded so closed/broken state is noticed promptly."""
     if deadline is None:
@@ -486,8 +485,11 @@ class TcpTransport(Transport):
                 if n < 0:
                     return False
                 if n == 0:
-                    raise ClosedError("transport closed") if self._closed else PeerLostError(
-                        f"peer {self._peer} closed the connection")
+                    raise (
+                        ClosedError("transport closed")
+                        if self._closed
+                        else PeerLostError(f"peer {self._peer} closed the connection")
+                    )
                 self._roff += n
                 if self._roff < FRAME.size:
                     continue
@@ -673,8 +675,16 @@ class TcpListener(Listener):
     #: Seconds between two WARNINGs about dropped connections (the others are counted and summed up).
     LOG_EVERY = 10.0
 
-    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0, backlog: int = 1024,
-                 limits: AdmissionLimits | None = None, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        port: int = 0,
+        peer_timeout: float = 30.0,
+        backlog: int = 1024,
+        limits: AdmissionLimits | None = None,
+        secret: bytes | None = None,
+    ) -> None:
         """``secret``: the link secret a dialler must prove it holds (checked before its nonce);
         ``None`` (the serve daemon): the nonce alone admits. See the module docstring."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -704,7 +714,9 @@ class TcpListener(Listener):
         self.rejected = 0
         self._quiet = 0  # drops not logged since the last WARNING
         self._logged_at = -1e9
-        self._thread = threading.Thread(target=self._accept_loop, name=f"tensorwire-tcp-accept:{self._port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"tensorwire-tcp-accept:{self._port}", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -934,7 +946,13 @@ class TcpListener(Listener):
 
     @classmethod
     def connect(
-        cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0,
+        cls,
+        host: str,
+        port: int,
+        nonce: bytes,
+        *,
+        timeout: float | None,
+        peer_timeout: float = 30.0,
         secret: bytes | None = None,
     ) -> TcpTransport:
         """Dial a listener and present ``nonce`` (and the proof of ``secret``, the link secret).
@@ -962,15 +980,17 @@ class TcpListener(Listener):
                     if isinstance(exc, _Busy):
                         raise ResourceExhaustedError(
                             f"data listener {host}:{port} was too busy to take the connection within {timeout}s "
-                            f"(too many connections without a hello; retry later): {exc}") from None
+                            f"(too many connections without a hello; retry later): {exc}"
+                        ) from None
                     raise PeerLostError(f"data listener {host}:{port}: {exc}") from None
                 wait = max(delay, getattr(exc, "retry_after", 0.0))
                 time.sleep(wait if rem is None else max(0.0, min(wait, rem - 0.01)))
                 delay = min(delay * 2, 0.5)
 
     @staticmethod
-    def _connect_once(host: str, port: int, nonce: bytes, proof: bytes, deadline: float | None,
-                      peer_timeout: float) -> TcpTransport:
+    def _connect_once(
+        host: str, port: int, nonce: bytes, proof: bytes, deadline: float | None, peer_timeout: float
+    ) -> TcpTransport:
         sock = dial(host, port, deadline)
         try:
             sock.settimeout(_remaining(deadline))
@@ -986,10 +1006,13 @@ class TcpListener(Listener):
                 raise _Busy("BUSY", retry_after=min(value, 5000) / 1000.0)
             if word == _NO[:4]:
                 if value != PROTOCOL_VERSION:
-                    raise VersionMismatchError(f"data listener {host}:{port} speaks data protocol v{value}, "
-                                               f"this is v{PROTOCOL_VERSION}")
-                raise AuthError(f"data listener {host}:{port} refused the credential (unknown nonce, or a wrong or "
-                                "missing link secret)")
+                    raise VersionMismatchError(
+                        f"data listener {host}:{port} speaks data protocol v{value}, this is v{PROTOCOL_VERSION}"
+                    )
+                raise AuthError(
+                    f"data listener {host}:{port} refused the credential (unknown nonce, or a wrong or "
+                    "missing link secret)"
+                )
             if word != HELLO_OK:
                 raise ProtocolError(f"unexpected hello reply {reply!r} from {host}:{port}")
             tune_socket(sock, peer_timeout=peer_timeout)

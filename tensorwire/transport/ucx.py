@@ -240,6 +240,8 @@ __all__ = ["UcxTransport", "UcxListener"]
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 3
+
+
 #: Microseconds a waiting thread polls the worker (yielding in between) before it sleeps.
 def _env_us(name: str, default: float) -> float:
     """A non-negative number of microseconds from the environment (ConfigError naming it otherwise)."""
@@ -297,7 +299,6 @@ CLOSE_ACK_S = 5.0
 assert HELLO.size == 52 and REPLY.size == 24 and HDR.size == 88 and CRED.size == 16
 
 
-
 def _error_handling() -> bool:
     """Whether this process's UCX listeners make their endpoints with peer error handling.
 
@@ -347,8 +348,13 @@ class _Cai:
     __slots__ = ("__cuda_array_interface__",)
 
     def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 #: (data_ptr, nbytes, is_cuda) -> ucxx Array describing that memory by address only (see _as_array).
@@ -431,8 +437,12 @@ class _Engine:
         # Liveness (process-wide: the first listener/connection's peer_timeout decides),
         # like the TCP transport's keepalive: idle peer_timeout/3, probes every idle/2, 3 of them.
         idle = max(1, int(peer_timeout / 3))
-        for name, value in (("KEEPALIVE_INTERVAL", f"{KEEPALIVE_S}s"), ("TCP_KEEPIDLE", f"{idle}s"),
-                            ("TCP_KEEPINTVL", f"{max(1, idle // 2)}s"), ("TCP_KEEPCNT", "3")):
+        for name, value in (
+            ("KEEPALIVE_INTERVAL", f"{KEEPALIVE_S}s"),
+            ("TCP_KEEPIDLE", f"{idle}s"),
+            ("TCP_KEEPINTVL", f"{max(1, idle // 2)}s"),
+            ("TCP_KEEPCNT", "3"),
+        ):
             if f"UCX_{name}" not in os.environ:
                 config[name] = value
         self.untrusted = untrusted
@@ -480,15 +490,17 @@ class _Engine:
         self._ctrl_scan_at = 0.0
         self.stopped = False
         self._rids = itertools.count(secrets.randbelow(_RID_MASK))
-        self._ticker = threading.Thread(target=_tick, args=(weakref.ref(self),), daemon=True,
-                                        name="tensorwire-ucx-tick")
+        self._ticker = threading.Thread(
+            target=_tick, args=(weakref.ref(self),), daemon=True, name="tensorwire-ucx-tick"
+        )
         self._ticker.start()
 
     def self_endpoint(self) -> Any:
         """Under the lock: an endpoint to this process's own worker (see UcxTransport._release_receives)."""
         if self._self_ep is None:
             self._self_ep = _ucx.UCXEndpoint.create_from_worker_address(
-                self.worker, _ucx.UCXAddress.create_from_buffer(self.address), False)
+                self.worker, _ucx.UCXAddress.create_from_buffer(self.address), False
+            )
         return self._self_ep
 
     def new_rid(self) -> int:
@@ -847,8 +859,18 @@ class UcxTransport(Transport):
     any_dtype = True
     async_send = True
 
-    def __init__(self, eng: _Engine, ep: Any, state: _EpState, *, rid: int, peer_rid: int, peer: str,
-                 peer_timeout: float = 30.0, peer_errors: bool = True) -> None:
+    def __init__(
+        self,
+        eng: _Engine,
+        ep: Any,
+        state: _EpState,
+        *,
+        rid: int,
+        peer_rid: int,
+        peer: str,
+        peer_timeout: float = 30.0,
+        peer_errors: bool = True,
+    ) -> None:
         # Called with the engine lock held.
         self._eng = eng
         self._eh = peer_errors  # the endpoint was made with UCX peer error handling
@@ -992,8 +1014,9 @@ class UcxTransport(Transport):
             raise TransferTimeout(f"receive on tag {tag} timed out after {timeout}s (peer {self._peer})")
         return out[0]
 
-    def _try_post(self, tag: int, keep: Any, arr: Any, n: int, step: int | None, shape: tuple[int, ...] | None,
-                  reqs: list[Any]) -> bool:
+    def _try_post(
+        self, tag: int, keep: Any, arr: Any, n: int, step: int | None, shape: tuple[int, ...] | None, reqs: list[Any]
+    ) -> bool:
         """Under the lock: spend a credit on ``tag`` and post the message (True), or find none (False)."""
         self._check_usable()
         if self._bye_at is not None:
@@ -1022,8 +1045,9 @@ class UcxTransport(Transport):
         return True
 
     @staticmethod
-    def _prepare_send(tag: int, buf: Any, shape: tuple[int, ...] | None,
-                      timeout: float | None) -> tuple[float | None, Any, Any, int]:
+    def _prepare_send(
+        tag: int, buf: Any, shape: tuple[int, ...] | None, timeout: float | None
+    ) -> tuple[float | None, Any, Any, int]:
         """What send and start_send check first: (deadline, keep-alive, ucxx Array, nbytes)."""
         _check_tag(tag)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -1077,7 +1101,8 @@ class UcxTransport(Transport):
         if not ok:
             if not reqs:
                 raise TransferTimeout(
-                    f"no credit to send on tag {tag} within {timeout}s (peer {self._peer} posted no buffer)")
+                    f"no credit to send on tag {tag} within {timeout}s (peer {self._peer} posted no buffer)"
+                )
             # The message is on its way and cannot be recalled: the link is broken.
             with self._eng.op():
                 self._fail(PeerLostError(f"send on tag {tag} to {self._peer} stalled past its timeout"))
@@ -1115,7 +1140,8 @@ class UcxTransport(Transport):
 
         if not self._eng.wait(posted, deadline, spin=_CUDA_SPIN if _is_cuda(keep) else None):
             raise TransferTimeout(
-                f"no credit to send on tag {tag} within {timeout}s (peer {self._peer} posted no buffer)")
+                f"no credit to send on tag {tag} within {timeout}s (peer {self._peer} posted no buffer)"
+            )
         return _SendOp(tag, reqs, n, _is_cuda(keep))
 
     def wait_send(self, op: "_SendOp", *, timeout: float | None) -> None:
@@ -1131,19 +1157,28 @@ class UcxTransport(Transport):
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            ok = self._eng.wait(lambda: self._sent(op.tag, op.reqs), deadline,
-                                spin=_CUDA_SPIN if op.cuda else None)
+            ok = self._eng.wait(lambda: self._sent(op.tag, op.reqs), deadline, spin=_CUDA_SPIN if op.cuda else None)
         except TensorWireError as exc:
             op.error = exc
             raise
         if not ok:
-            raise TransferTimeout(f"send on tag {op.tag} not complete within {timeout}s (peer {self._peer}); "
-                                  "it goes on")
+            raise TransferTimeout(
+                f"send on tag {op.tag} not complete within {timeout}s (peer {self._peer}); it goes on"
+            )
         op.finished = True
         self.bytes_sent += op.n
 
-    def _post_send(self, tag: int, credit: tuple[int, int], keep: Any, arr: Any, n: int, step: int | None,
-                   shape: tuple[int, ...] | None, reqs: list[Any]) -> None:
+    def _post_send(
+        self,
+        tag: int,
+        credit: tuple[int, int],
+        keep: Any,
+        arr: Any,
+        n: int,
+        step: int | None,
+        shape: tuple[int, ...] | None,
+        reqs: list[Any],
+    ) -> None:
         """Spend ``credit``: post the header (if the receiver wants one) and the payload."""
         cap, flags = credit
         want_header = bool(flags & F_HEADER)
@@ -1151,7 +1186,8 @@ class UcxTransport(Transport):
             self._credits[tag].appendleft(credit)
             raise ProtocolError(
                 f"{n} bytes do not fit the peer's {cap}-byte buffer on tag {tag}"
-                + ("" if want_header else " (a tag without header takes exactly its buffer's size)"))
+                + ("" if want_header else " (a tag without header takes exactly its buffer's size)")
+            )
         s = self._send_steps[tag] = self._send_steps[tag] + 1
         tags = self._tag_objs.get(tag) or self._tags(tag)
         try:
@@ -1163,8 +1199,7 @@ class UcxTransport(Transport):
                     dims = tuple(int(d) for d in shape) + (0,) * (HEADER_DIMS - len(shape))
                     HDR.pack_into(hbuf, 0, s if step is None else step, n, len(shape), *dims)
                 harr = _Array(hbuf)
-                reqs.append((self._ep.tag_send(harr, tag=tags.hdr_tx),
-                             (hbuf, harr)))
+                reqs.append((self._ep.tag_send(harr, tag=tags.hdr_tx), (hbuf, harr)))
             reqs.append((self._ep.tag_send(arr, tag=tags.data_tx), (keep, arr)))
         except _ucx.UCXError as exc:
             raise self._fail_from(exc, f"send on tag {tag}") from exc
@@ -1530,8 +1565,12 @@ class UcxTransport(Transport):
         if self._error is None:
             self._poll_ctrl()
             lost = self._lost_at
-            if (self._error is None and self._bye_at is None and lost is not None
-                    and time.monotonic() - lost >= LOST_GRACE_S):
+            if (
+                self._error is None
+                and self._bye_at is None
+                and lost is not None
+                and time.monotonic() - lost >= LOST_GRACE_S
+            ):
                 self._error = PeerLostError(f"peer {self._peer} lost (its connection closed or timed out)")
         err = self._error
         if err is not None:
@@ -1626,9 +1665,13 @@ class _AddressCheck:
 
         eng = _engine()
         tls = eng.ctx.config.get("TLS", "") if hasattr(eng.ctx, "config") else ""
-        proc = subprocess.Popen([sys.executable, "-m", "tensorwire.transport.ucx_addrcheck", tls],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                close_fds=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tensorwire.transport.ucx_addrcheck", tls],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+        )
         self.started += 1
         return proc
 
@@ -1694,8 +1737,15 @@ class UcxListener(Listener):
     kind = "ucx"
     HELLO_TIMEOUT = 5.0
 
-    def __init__(self, host: str = "127.0.0.1", *, port: int = 0, peer_timeout: float = 30.0,
-                 untrusted: bool = False, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        port: int = 0,
+        peer_timeout: float = 30.0,
+        untrusted: bool = False,
+        secret: bytes | None = None,
+    ) -> None:
         """
         Args:
             untrusted: the peers are not trusted (serve clients): this process's UCX
@@ -1801,8 +1851,9 @@ class UcxListener(Listener):
             self._count += 1
             sock.setblocking(False)
             fd = sock.fileno()
-            self._conns[fd] = _Pending(sock, time.monotonic() + self.HELLO_TIMEOUT,
-                                       f"ucx-client#{self._count}@{addr[0]}:{addr[1]}")
+            self._conns[fd] = _Pending(
+                sock, time.monotonic() + self.HELLO_TIMEOUT, f"ucx-client#{self._count}@{addr[0]}:{addr[1]}"
+            )
             self._eng.watch_fd(fd, lambda ev, fd=fd: self._on_hello(fd))
             self._eng.servicing.add(self)
 
@@ -1869,7 +1920,7 @@ class UcxListener(Listener):
         if pend.need == HELLO.size:
             pend.need += alen  # now read the worker address
             return
-        addr = bytes(pend.buf[HELLO.size:])
+        addr = bytes(pend.buf[HELLO.size :])
         if self._check is None:
             self._complete(fd, pend, nonce, client_rid, addr)
             return
@@ -1917,8 +1968,16 @@ class UcxListener(Listener):
             _close_ep(ep)
             self._reject(pend, f"answering failed: {exc}")
             return
-        t = UcxTransport(eng, ep, _watch(ep), rid=rid, peer_rid=client_rid, peer=pend.peer,
-                         peer_timeout=self._peer_timeout, peer_errors=eh)
+        t = UcxTransport(
+            eng,
+            ep,
+            _watch(ep),
+            rid=rid,
+            peer_rid=client_rid,
+            peer=pend.peer,
+            peer_timeout=self._peer_timeout,
+            peer_errors=eh,
+        )
         t._attach_liveness(pend.sock)
         self._parked[nonce] = t
         eng.notify()
@@ -1926,7 +1985,13 @@ class UcxListener(Listener):
     # -- dialling --------------------------------------------------------------------
     @classmethod
     def connect(
-        cls, host: str, port: int, nonce: bytes, *, timeout: float | None, peer_timeout: float = 30.0,
+        cls,
+        host: str,
+        port: int,
+        nonce: bytes,
+        *,
+        timeout: float | None,
+        peer_timeout: float = 30.0,
         secret: bytes | None = None,
     ) -> UcxTransport:
         """Dial a UCX data listener and present ``nonce`` (and the proof of ``secret``, the link secret).
@@ -1951,15 +2016,23 @@ class UcxListener(Listener):
             with eng.op():
                 rid = eng.new_rid()
                 mine = eng.address
-            sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, rid, bytes(nonce), link_proof(secret, bytes(nonce)),
-                                    len(mine)) + mine)
+            sock.sendall(
+                HELLO.pack(
+                    HELLO_MAGIC, PROTOCOL_VERSION, rid, bytes(nonce), link_proof(secret, bytes(nonce)), len(mine)
+                )
+                + mine
+            )
             magic, version, server_rid, flags, alen = REPLY.unpack(_recv_exact(sock, REPLY.size, deadline))
             if magic == REPLY_NO:
                 if version != PROTOCOL_VERSION:
                     raise VersionMismatchError(f"peer speaks data protocol v{version}, this is v{PROTOCOL_VERSION}")
                 raise AuthError(f"UCX data listener {peer} refused the connection (bad credential)")
-            if magic != REPLY_OK or version != PROTOCOL_VERSION or not 0 < server_rid <= _RID_MASK \
-                    or not 0 < alen <= MAX_ADDRESS:
+            if (
+                magic != REPLY_OK
+                or version != PROTOCOL_VERSION
+                or not 0 < server_rid <= _RID_MASK
+                or not 0 < alen <= MAX_ADDRESS
+            ):
                 raise ProtocolError(f"unexpected hello reply from {peer}")
             addr = _recv_exact(sock, alen, deadline)
         except socket.timeout:
@@ -1974,11 +2047,20 @@ class UcxListener(Listener):
         with eng.op():
             try:
                 ep = _ucx.UCXEndpoint.create_from_worker_address(
-                    eng.worker, _ucx.UCXAddress.create_from_buffer(addr), bool(flags & R_PEER_ERRORS))
+                    eng.worker, _ucx.UCXAddress.create_from_buffer(addr), bool(flags & R_PEER_ERRORS)
+                )
             except _ucx.UCXError as exc:
                 sock.close()
                 raise TransportError(f"cannot create a UCX endpoint to {peer}: {exc}") from exc
-            t = UcxTransport(eng, ep, _watch(ep), rid=rid, peer_rid=server_rid, peer=peer, peer_timeout=peer_timeout,
-                             peer_errors=bool(flags & R_PEER_ERRORS))
+            t = UcxTransport(
+                eng,
+                ep,
+                _watch(ep),
+                rid=rid,
+                peer_rid=server_rid,
+                peer=peer,
+                peer_timeout=peer_timeout,
+                peer_errors=bool(flags & R_PEER_ERRORS),
+            )
             t._attach_liveness(sock)
         return t

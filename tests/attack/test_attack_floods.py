@@ -72,8 +72,9 @@ def test_the_oldest_idle_connection_is_evicted_with_busy_and_a_real_client_gets_
         nonce = new_nonce()
         lst.expect(nonce)
         out: dict = {}
-        th = threading.Thread(target=lambda: out.setdefault("c", TcpListener.connect("127.0.0.1", lst.address[1], nonce,
-                                                                                     timeout=10)))
+        th = threading.Thread(
+            target=lambda: out.setdefault("c", TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10))
+        )
         th.start()
         server = lst.accept(nonce, timeout=10)
         th.join(10)
@@ -156,7 +157,9 @@ def test_an_idle_flood_on_the_grpc_port_does_not_slow_the_control_plane():
                 assert "x" in c2.list()
                 assert torch.equal(c2.get("x"), torch.ones(16))
             loaded = time.monotonic() - t0
-        assert loaded < 5.0, f"a new client took {loaded:.2f}s under 1000 idle gRPC connections (list alone: {base:.3f}s)"
+        assert loaded < 5.0, (
+            f"a new client took {loaded:.2f}s under 1000 idle gRPC connections (list alone: {base:.3f}s)"
+        )
         assert d.proc.poll() is None, d.log()
 
 
@@ -173,10 +176,12 @@ def _waiting_begin_puts(address: str, n: int, name: str) -> tuple[list, list]:
     spec = spec_to_proto(TensorSpec(name, (1024,), "float32"))
     futs = []
     for _ in range(n):
-        sid = stub.OpenSession(store_pb2.OpenSessionRequest(protocol_version=STORE_PROTOCOL, transport="tcp"),
-                               timeout=10).session_id
-        futs.append(stub.BeginPut.future(store_pb2.BeginPutRequest(session_id=sid, spec=spec, timeout_ms=60_000),
-                                         timeout=70))
+        sid = stub.OpenSession(
+            store_pb2.OpenSessionRequest(protocol_version=STORE_PROTOCOL, transport="tcp"), timeout=10
+        ).session_id
+        futs.append(
+            stub.BeginPut.future(store_pb2.BeginPutRequest(session_id=sid, spec=spec, timeout_ms=60_000), timeout=70)
+        )
     return [ch], futs
 
 
@@ -189,9 +194,12 @@ def test_begin_put_calls_waiting_on_a_reserved_name_leave_the_control_plane_answ
             from tensorwire.v1 import store_pb2
 
             sid, _ = holder._session()
-            holder._stub.BeginPut(store_pb2.BeginPutRequest(
-                session_id=sid, spec=spec_to_proto(tw.TensorSpec("hot", (1024,), "float32")), timeout_ms=60_000),
-                timeout=10)
+            holder._stub.BeginPut(
+                store_pb2.BeginPutRequest(
+                    session_id=sid, spec=spec_to_proto(tw.TensorSpec("hot", (1024,), "float32")), timeout_ms=60_000
+                ),
+                timeout=10,
+            )
             chans, futs = _waiting_begin_puts(s.address, 40, "hot")
             time.sleep(1.0)  # the waiters are in: before the fix they held every handler thread
             t0 = time.monotonic()

@@ -61,7 +61,8 @@ def test_row_buffers_of_many_sessions_are_charged_to_max_bytes_and_freed_when_th
             assert len(refused) < 8, "no session could read rows at all"
             assert grown <= (max_bytes - base_reserved) + 24 * MiB, (
                 f"RSS grew by {grown / MiB:.0f} MiB with {max_bytes / MiB:.0f} MiB --max-bytes "
-                f"({base_reserved / MiB:.0f} MiB reserved before)")
+                f"({base_reserved / MiB:.0f} MiB reserved before)"
+            )
             assert metric(mport, "tensorwire_session_buffer_bytes") > 0
             # while the buffers hold what is left, a new tensor is refused cleanly, not allocated
             with pytest.raises(tw.ResourceExhaustedError, match="max-bytes"):
@@ -71,10 +72,13 @@ def test_row_buffers_of_many_sessions_are_charged_to_max_bytes_and_freed_when_th
                 c.close()
         # closed sessions give everything back at once (not at the next garbage collection)
         assert _wait_for(lambda: metric(mport, "tensorwire_reserved_bytes") == base_reserved), (
-            metric(mport, "tensorwire_reserved_bytes"), base_reserved)
+            metric(mport, "tensorwire_reserved_bytes"),
+            base_reserved,
+        )
         assert metric(mport, "tensorwire_session_buffer_bytes") == 0
         assert _wait_for(lambda: rss_bytes(d.proc.pid) - base_rss <= 24 * MiB), (
-            f"RSS stayed {(rss_bytes(d.proc.pid) - base_rss) / MiB:.0f} MiB above its level before the sessions")
+            f"RSS stayed {(rss_bytes(d.proc.pid) - base_rss) / MiB:.0f} MiB above its level before the sessions"
+        )
         with tw.Client(d.address, transport="tcp") as c:  # and the memory is usable again
             assert torch.equal(c.get_rows("table", every[:16]), table[:16])
         assert d.proc.poll() is None, d.log()

@@ -9,7 +9,6 @@ plane (an HMAC of its declaration) and in every data hello (an HMAC of the nonce
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -25,8 +24,8 @@ from tensorwire.p2p.linkauth import resolve_link_secret
 from tensorwire.settings import Settings
 from tensorwire.transport.base import get_factory, new_nonce
 
-from harness import run_ranks  # noqa: E402
-from serve_common import ROOT, clean_env, ucx_usable  # noqa: E402
+from harness import run_ranks
+from serve_common import ROOT, clean_env, ucx_usable
 
 pytestmark = pytest.mark.attack
 
@@ -95,8 +94,14 @@ def test_a_stranger_gets_auth_error_everywhere_and_the_real_ranks_link_meanwhile
         nonce = bytes(n1._control._declared[(0, "default")].nonce)
         ports = {k: lst.address[1] for k, lst in n1._listeners.items()}
         assert set(ports) == set(KINDS)
-        p = subprocess.run([sys.executable, "-c", _STRANGER, n1.control_address, nonce.hex(), json.dumps(ports)],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=clean_env())
+        p = subprocess.run(
+            [sys.executable, "-c", _STRANGER, n1.control_address, nonce.hex(), json.dumps(ports)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env=clean_env(),
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         res = json.loads(p.stdout.strip().splitlines()[-1])
         expected = ["negotiate-no-secret", "negotiate-wrong-secret"]
@@ -136,8 +141,10 @@ def test_a_leaked_nonce_without_the_proof_is_refused_and_not_used_up(kind):
             with pytest.raises(tw.AuthError):
                 factory.connect("127.0.0.1", port, nonce, timeout=10, secret=wrong)
         out: dict = {}
-        dialler = threading.Thread(target=lambda: out.setdefault(
-            "t", factory.connect("127.0.0.1", port, nonce, timeout=20, secret=secret)), daemon=True)
+        dialler = threading.Thread(
+            target=lambda: out.setdefault("t", factory.connect("127.0.0.1", port, nonce, timeout=20, secret=secret)),
+            daemon=True,
+        )
         dialler.start()
         server = lst.accept(nonce, timeout=20)
         dialler.join(20)
@@ -163,8 +170,10 @@ def test_a_tcp_listener_without_a_secret_still_admits_a_nonce_alone():
         nonce = new_nonce()
         lst.expect(nonce)
         out: dict = {}
-        th = threading.Thread(target=lambda: out.setdefault(
-            "t", factory.connect("127.0.0.1", lst.address[1], nonce, timeout=10)), daemon=True)
+        th = threading.Thread(
+            target=lambda: out.setdefault("t", factory.connect("127.0.0.1", lst.address[1], nonce, timeout=10)),
+            daemon=True,
+        )
         th.start()
         lst.accept(nonce, timeout=10).close()
         th.join(10)
@@ -174,9 +183,19 @@ def test_a_tcp_listener_without_a_secret_still_admits_a_nonce_alone():
 
 
 def _offer(frm: int, to: int, nonce: bytes) -> object:
-    return control.make_offer(run_id="r/", from_rank=frm, to_rank=to, link_name="l", send=[SPEC], recv=[],
-                              data={"tcp": ("127.0.0.1", 9)}, transport="tcp", nonce=nonce, has_cuda=False,
-                              host_id="h")
+    return control.make_offer(
+        run_id="r/",
+        from_rank=frm,
+        to_rank=to,
+        link_name="l",
+        send=[SPEC],
+        recv=[],
+        data={"tcp": ("127.0.0.1", 9)},
+        transport="tcp",
+        nonce=nonce,
+        has_cuda=False,
+        host_id="h",
+    )
 
 
 def test_a_replayed_negotiate_request_is_refused():
@@ -212,8 +231,14 @@ def test_a_job_with_a_token_file_links_and_a_rank_with_another_token_gets_auth_e
     bad.write_text(secrets.token_hex(32) + "\n")
     from auth_workers import token_file_job
 
-    res = run_ranks(token_file_job, world=3, timeout=100, expect_fail=False, token_file=str(good),
-                    per_rank={2: {"token_file": str(bad)}})
+    res = run_ranks(
+        token_file_job,
+        world=3,
+        timeout=100,
+        expect_fail=False,
+        token_file=str(good),
+        per_rank={2: {"token_file": str(bad)}},
+    )
     assert res[1]["bytes_ok"] is True
     assert res[0]["other"] == "AuthError" and res[2]["other"] == "AuthError"
     assert not any(r["store_secret"] for r in res.values())  # the token file took precedence over the store
@@ -234,8 +259,9 @@ def test_link_secret_sources_and_their_errors(tmp_path, monkeypatch):
     via_file = resolve_link_secret(store=store, key="p/link/secret", environ={"TENSORWIRE_LINK_TOKEN_FILE": str(path)})
     assert via_env == via_file != a
     with pytest.raises(tw.ConfigError, match="both"):
-        resolve_link_secret(store=store, key="k", environ={"TENSORWIRE_LINK_TOKEN": token,
-                                                           "TENSORWIRE_LINK_TOKEN_FILE": str(path)})
+        resolve_link_secret(
+            store=store, key="k", environ={"TENSORWIRE_LINK_TOKEN": token, "TENSORWIRE_LINK_TOKEN_FILE": str(path)}
+        )
     with pytest.raises(tw.ConfigError, match="at least 16"):
         resolve_link_secret(store=store, key="k", environ={"TENSORWIRE_LINK_TOKEN": "short"})
     with pytest.raises(tw.ConfigError, match="cannot be read"):

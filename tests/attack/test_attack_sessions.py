@@ -225,8 +225,12 @@ def test_max_sessions_per_client_comes_from_flag_or_env_and_is_validated():
 
     assert ServeConfig.resolve({}, {}).max_sessions_per_client == 64
     assert ServeConfig.resolve({}, {"TENSORWIRE_MAX_SESSIONS_PER_CLIENT": "5"}).max_sessions_per_client == 5
-    assert ServeConfig.resolve({"max_sessions_per_client": 7}, {"TENSORWIRE_MAX_SESSIONS_PER_CLIENT": "5"}) \
-        .max_sessions_per_client == 7
+    assert (
+        ServeConfig.resolve(
+            {"max_sessions_per_client": 7}, {"TENSORWIRE_MAX_SESSIONS_PER_CLIENT": "5"}
+        ).max_sessions_per_client
+        == 7
+    )
     assert ServeConfig(max_sessions=10, max_sessions_per_client=64).max_sessions_per_client == 10
     for bad in (0, -1, True):
         with pytest.raises(tw.ConfigError, match="max_sessions_per_client"):
@@ -236,8 +240,9 @@ def test_max_sessions_per_client_comes_from_flag_or_env_and_is_validated():
 @pytest.mark.timeout(60)
 def test_under_mtls_a_client_is_counted_by_its_certificate(tmp_path):
     pki = make_pki(tmp_path)
-    with in_process(tls_cert=pki["server.pem"], tls_key=pki["server.key"], tls_ca=pki["ca1.pem"],
-                    max_sessions_per_client=1) as s:
+    with in_process(
+        tls_cert=pki["server.pem"], tls_key=pki["server.key"], tls_ca=pki["ca1.pem"], max_sessions_per_client=1
+    ) as s:
         tls = {"ca": pki["ca1.pem"], "cert": pki["client.pem"], "key": pki["client.key"]}
         with Client(s.address, tls=tls, transport="tcp") as c:
             c.put("m", torch.zeros(2))

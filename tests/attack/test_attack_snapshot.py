@@ -60,8 +60,10 @@ def test_a_tensor_named_metadata_is_refused_at_put_and_the_snapshot_stays_readab
     x = torch.arange(12.0)
     with in_process(snapshot_dir=str(snap)) as s, Client(s.address, transport="tcp") as c:
         c.put("good", x)
-        for call in (lambda: c.put("__metadata__", torch.ones(4)),
-                     lambda: c.declare(tw.TensorSpec("__metadata__", (4,)))):
+        for call in (
+            lambda: c.put("__metadata__", torch.ones(4)),
+            lambda: c.declare(tw.TensorSpec("__metadata__", (4,))),
+        ):
             with pytest.raises(tw.SpecError, match="reserved by the snapshot format"):
                 call()
         assert "__metadata__" not in c.list()
@@ -148,8 +150,11 @@ def _write_store(directory, tensors: dict[str, torch.Tensor]) -> None:
     store = Store(1 << 30)
     try:
         for name, t in tensors.items():
-            store.restore(tw.TensorSpec(name, tuple(t.shape), t.dtype),
-                          1, lambda raw, t=t: raw.copy_(t.reshape(-1).view(torch.uint8)))
+            store.restore(
+                tw.TensorSpec(name, tuple(t.shape), t.dtype),
+                1,
+                lambda raw, t=t: raw.copy_(t.reshape(-1).view(torch.uint8)),
+            )
         write_snapshot(store, str(directory))
     finally:
         store.close()
@@ -171,9 +176,27 @@ def test_a_flipped_data_bit_refuses_to_start_names_file_and_tensor_and_keeps_the
 
     from serve_common import ROOT, clean_env
 
-    proc = subprocess.run([sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--transport", "tcp",
-                           "--snapshot-dir", str(snap), "--no-shm"], cwd=ROOT, env=clean_env(), capture_output=True,
-                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tensorwire",
+            "serve",
+            "--port",
+            "0",
+            "--transport",
+            "tcp",
+            "--snapshot-dir",
+            str(snap),
+            "--no-shm",
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == EXIT_SNAPSHOT_UNREADABLE, proc.stderr
     assert not proc.stdout.strip(), "it must not report ready"
     assert str(path) in proc.stderr and "'w'" in proc.stderr and "corrupt" in proc.stderr
@@ -202,8 +225,8 @@ def test_restore_verifies_every_tensor_and_the_header(tmp_path, damage):
         raw = path.read_bytes()
         sums = json.loads(h["__metadata__"]["tensorwire.checksums"])
         i = raw.index(sums["a"].encode(), 8, 8 + n)
-        new = b"0" if raw[i:i + 1] != b"0" else b"1"
-        path.write_bytes(raw[:i] + new + raw[i + 1:])
+        new = b"0" if raw[i : i + 1] != b"0" else b"1"
+        path.write_bytes(raw[:i] + new + raw[i + 1 :])
         match = "corrupt"
     elif damage == "truncated":
         raw = path.read_bytes()
@@ -213,7 +236,7 @@ def test_restore_verifies_every_tensor_and_the_header(tmp_path, damage):
         raw = path.read_bytes()
         n, _ = _header(path)
         i = raw.index(b'"shape":[64]', 8, 8 + n)
-        path.write_bytes(raw[:i] + b'"shape":[16]' + raw[i + 12:])
+        path.write_bytes(raw[:i] + b'"shape":[16]' + raw[i + 12 :])
         match = "snapshot"
     before = path.read_bytes()
     store = Store(1 << 30)

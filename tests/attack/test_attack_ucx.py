@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("ucxx")
 
-from serve_common import ROOT, Daemon, clean_env  # noqa: E402
+from serve_common import ROOT, Daemon, clean_env
 
 pytestmark = pytest.mark.attack
 
@@ -78,8 +78,15 @@ while True:
 
 
 def _py(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, cwd=ROOT, env=clean_env(env), text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=clean_env(env),
+        text=True,
+    )
 
 
 def _reap(*procs: subprocess.Popen) -> None:
@@ -166,8 +173,7 @@ def test_serve_daemon_refuses_garbage_worker_addresses_from_an_authorized_client
                 assert [a.kind for a in sess.data] == ["ucx"], sess
                 addr = bytes(rng.getrandbits(8) for _ in range(size))
                 with socket.create_connection(("127.0.0.1", _ucx_port(d)), timeout=10) as s:
-                    s.sendall(U.HELLO.pack(U.HELLO_MAGIC, U.PROTOCOL_VERSION, 7, sess.nonce, bytes(16), size)
-                              + addr)
+                    s.sendall(U.HELLO.pack(U.HELLO_MAGIC, U.PROTOCOL_VERSION, 7, sess.nonce, bytes(16), size) + addr)
                     s.settimeout(30)
                     reply = s.recv(U.REPLY.size)
                 assert reply[:8] in (U.REPLY_NO, b""), reply
@@ -214,8 +220,10 @@ def test_malformed_hellos_on_the_ucx_listener_are_dropped():
         with pytest.raises(AuthError):  # the right nonce without the secret
             U.UcxListener.connect("127.0.0.1", port, good, timeout=10)
         box: list = []
-        th = threading.Thread(target=lambda: box.append(
-            U.UcxListener.connect("127.0.0.1", port, good, timeout=20, secret=secret)), daemon=True)
+        th = threading.Thread(
+            target=lambda: box.append(U.UcxListener.connect("127.0.0.1", port, good, timeout=20, secret=secret)),
+            daemon=True,
+        )
         th.start()
         t = lst.accept(good, timeout=20)
         th.join(20)

@@ -427,7 +427,12 @@ def test_naming_contract() -> None:
 
     # positional tensor leaves are numbered in flattened order, non-tensors skipped
     assert [s.name for s in plan.inputs] == [
-        "input.0", "input.1", "input.2", "input.extra.0", "input.extra.1", "input.label",
+        "input.0",
+        "input.1",
+        "input.2",
+        "input.extra.0",
+        "input.extra.1",
+        "input.label",
     ]
     for spec, t in zip(plan.inputs, [a, b, c, *extra, label]):
         assert_matches(spec, t)
@@ -436,7 +441,11 @@ def test_naming_contract() -> None:
     for spec, t in zip(plan.outputs, truth):
         assert_matches(spec, t)
     assert [s.name for s in plan.grads_of_inputs] == [
-        "grad.input.0", "grad.input.1", "grad.input.2", "grad.input.extra.0", "grad.input.extra.1",
+        "grad.input.0",
+        "grad.input.1",
+        "grad.input.2",
+        "grad.input.extra.0",
+        "grad.input.extra.1",
     ]
     assert [s.name for s in plan.grads_of_outputs] == ["grad.output.0", "grad.output.1"]
     for g in plan.grads_of_inputs + plan.grads_of_outputs:
@@ -445,7 +454,9 @@ def test_naming_contract() -> None:
 
     assert [s.name for s in plan.params] == ["param.frozen", "param.enc.weight", "param.enc.bias", "param.dec.bias"]
     assert [s.name for s in plan.grads_of_params] == [
-        "grad.param.enc.weight", "grad.param.enc.bias", "grad.param.dec.bias",
+        "grad.param.enc.weight",
+        "grad.param.enc.bias",
+        "grad.param.dec.bias",
     ]
     assert [s.name for s in plan.buffers] == ["buffer.step"]  # non-persistent buffers are not state
     assert list(plan.all) == [s.name for g in Plan.groups for s in plan.group(g)]
@@ -492,8 +503,15 @@ def test_dynamic_forms_are_equivalent() -> None:
     ref = discover_call(TwoInputs(), (x,), {"mask": mask}, dynamic=0, methods=("meta",))
     assert [s.dynamic for s in ref.inputs] == [(True, False), (True, False)]
     assert ref["output.0"].dynamic == (True, False)
-    for form in ([0], (-2,), {0: 0, "mask": [0]}, {0: [0], "input.mask": 0}, {"input.0": -2, "mask": 0}, {"batch": 0},
-                 {"batch": {0: 0, "mask": 0}}):
+    for form in (
+        [0],
+        (-2,),
+        {0: 0, "mask": [0]},
+        {0: [0], "input.mask": 0},
+        {"input.0": -2, "mask": 0},
+        {"batch": 0},
+        {"batch": {0: 0, "mask": 0}},
+    ):
         assert discover_call(TwoInputs(), (x,), {"mask": mask}, dynamic=form, methods=("meta",)) == ref, form
     # one input only
     only_x = discover_call(TwoInputs(), (x,), {"mask": mask[:1]}, dynamic={0: [0]}, methods=("meta",))

@@ -38,8 +38,9 @@ PACKAGE = ROOT / "tensorwire"
 
 pytestmark = pytest.mark.timeout(60)
 
-LEAVES = frozenset({"tensorwire.errors", "tensorwire.spec", "tensorwire.buffers", "tensorwire.settings",
-                    "tensorwire.cuda"})
+LEAVES = frozenset(
+    {"tensorwire.errors", "tensorwire.spec", "tensorwire.buffers", "tensorwire.settings", "tensorwire.cuda"}
+)
 STUBS = "tensorwire.v1"
 # Who may import the generated stubs, besides the stubs themselves.
 STUB_USERS = ("tensorwire.p2p.control", "tensorwire.serve", "tensorwire._proto")
@@ -92,7 +93,8 @@ def is_package(name: str) -> bool:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _walk(node: ast.AST, *, local: bool, type_only: bool) -> Iterator[tuple[ast.AST, bool, bool]]:
@@ -175,21 +177,33 @@ def test_leaves_import_only_leaves():
 
 
 def test_transport_imports_only_leaves_and_transport():
-    bad = [imp for imp in all_imports() if under(imp.importer, "tensorwire.transport")
-           and not (imp.target in LEAVES or under(imp.target, "tensorwire.transport"))]
+    bad = [
+        imp
+        for imp in all_imports()
+        if under(imp.importer, "tensorwire.transport")
+        and not (imp.target in LEAVES or under(imp.target, "tensorwire.transport"))
+    ]
     report(bad, "transport/** imports something above it (p2p, serve, staging, ...)")
 
 
 def test_ucx_does_not_import_tcp():
-    bad = [imp for imp in all_imports() if under(imp.importer, "tensorwire.transport.ucx")
-           and under(imp.target, "tensorwire.transport.tcp")]
+    bad = [
+        imp
+        for imp in all_imports()
+        if under(imp.importer, "tensorwire.transport.ucx") and under(imp.target, "tensorwire.transport.tcp")
+    ]
     report(bad, "transport/ucx imports transport/tcp (shared socket code belongs in transport/_socket.py)")
 
 
 def test_serve_protocol_imports_neither_client_nor_daemon():
-    bad = [imp for imp in all_imports() if under(imp.importer, "tensorwire.serve.protocol")
-           and under(imp.target, "tensorwire.serve.client", "tensorwire.serve.daemon", "tensorwire.serve.cli",
-                     "tensorwire.p2p")]
+    bad = [
+        imp
+        for imp in all_imports()
+        if under(imp.importer, "tensorwire.serve.protocol")
+        and under(
+            imp.target, "tensorwire.serve.client", "tensorwire.serve.daemon", "tensorwire.serve.cli", "tensorwire.p2p"
+        )
+    ]
     report(bad, "serve/protocol imports the client, the daemon or p2p")
 
 
@@ -270,7 +284,7 @@ def test_the_runtime_import_graph_has_no_cycle():
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                loop = stack[stack.index(nxt):] + [nxt]
+                loop = stack[stack.index(nxt) :] + [nxt]
                 cycles.append(" -> ".join(str(lines[(a, b)]) for a, b in zip(loop, loop[1:])))
             elif nxt not in state:
                 visit(nxt)
@@ -285,12 +299,18 @@ def test_the_runtime_import_graph_has_no_cycle():
 
 def test_function_local_imports_of_tensorwire_modules_have_a_reason():
     bad = [
-        imp for imp in all_imports(runtime=True)
-        if imp.local and not under(imp.importer, *LOCAL_IMPORT_ALLOWED)
-        and imp.target in MODULES and not loads_third_party(imp.target)
+        imp
+        for imp in all_imports(runtime=True)
+        if imp.local
+        and not under(imp.importer, *LOCAL_IMPORT_ALLOWED)
+        and imp.target in MODULES
+        and not loads_third_party(imp.target)
     ]
-    report(bad, "function-local import of a tensorwire module that loads nothing heavy "
-                "(import it at module level, or add the importer to LOCAL_IMPORT_ALLOWED with a reason)")
+    report(
+        bad,
+        "function-local import of a tensorwire module that loads nothing heavy "
+        "(import it at module level, or add the importer to LOCAL_IMPORT_ALLOWED with a reason)",
+    )
 
 
 # -- the checker checks ---------------------------------------------------------------
@@ -324,22 +344,30 @@ def test_the_rules_fail_on_a_violation(monkeypatch):
     """Each rule, fed one bad edge, fails (so a green run means the graph is clean)."""
     planted = {
         test_leaves_import_only_leaves: Import("tensorwire.spec", "tensorwire.transport.base", (), 1, False, False),
-        test_transport_imports_only_leaves_and_transport: Import("tensorwire.transport.tcp", "tensorwire.p2p.staging",
-                                                                 (), 1, False, False),
-        test_ucx_does_not_import_tcp: Import("tensorwire.transport.ucx", "tensorwire.transport.tcp", ("dial",), 1,
-                                             False, False),
+        test_transport_imports_only_leaves_and_transport: Import(
+            "tensorwire.transport.tcp", "tensorwire.p2p.staging", (), 1, False, False
+        ),
+        test_ucx_does_not_import_tcp: Import(
+            "tensorwire.transport.ucx", "tensorwire.transport.tcp", ("dial",), 1, False, False
+        ),
         test_serve_protocol_imports_neither_client_nor_daemon: Import(
-            "tensorwire.serve.protocol.wire", "tensorwire.serve.daemon.config", (), 1, False, False),
+            "tensorwire.serve.protocol.wire", "tensorwire.serve.daemon.config", (), 1, False, False
+        ),
         test_serve_client_and_daemon_import_neither_each_other_nor_p2p: Import(
-            "tensorwire.serve.client.client", "tensorwire.serve.daemon.config", ("TLSConfig",), 1, False, True),
-        test_only_control_and_serve_import_the_generated_stubs: Import("tensorwire.p2p.node", "tensorwire.v1",
-                                                                       ("control_pb2",), 1, True, False),
-        test_no_private_name_is_imported_across_modules: Import("tensorwire.p2p.link", "tensorwire.cuda",
-                                                                ("_memcpy_async",), 1, False, False),
-        test_the_runtime_import_graph_has_no_cycle: Import("tensorwire.errors", "tensorwire.p2p.node", (), 1, True,
-                                                           False),
+            "tensorwire.serve.client.client", "tensorwire.serve.daemon.config", ("TLSConfig",), 1, False, True
+        ),
+        test_only_control_and_serve_import_the_generated_stubs: Import(
+            "tensorwire.p2p.node", "tensorwire.v1", ("control_pb2",), 1, True, False
+        ),
+        test_no_private_name_is_imported_across_modules: Import(
+            "tensorwire.p2p.link", "tensorwire.cuda", ("_memcpy_async",), 1, False, False
+        ),
+        test_the_runtime_import_graph_has_no_cycle: Import(
+            "tensorwire.errors", "tensorwire.p2p.node", (), 1, True, False
+        ),
         test_function_local_imports_of_tensorwire_modules_have_a_reason: Import(
-            "tensorwire.p2p.node", "tensorwire.errors", ("ConfigError",), 1, True, False),
+            "tensorwire.p2p.node", "tensorwire.errors", ("ConfigError",), 1, True, False
+        ),
     }
     for rule, imp in planted.items():
         monkeypatch.setitem(GRAPH, imp.importer, [*GRAPH[imp.importer], imp])

@@ -17,9 +17,19 @@ def test_generated_stubs_match_proto_sources(tmp_path):
     protos = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
     assert protos, "no .proto files found"
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--python_out={tmp_path}",
-         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *protos],
-        check=True, cwd=ROOT / "proto", timeout=100,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'proto'}",
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            *protos,
+        ],
+        check=True,
+        cwd=ROOT / "proto",
+        timeout=100,
     )
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
     assert generated
@@ -35,7 +45,8 @@ def test_generated_stubs_match_proto_sources(tmp_path):
 
 def test_no_pickle_in_the_package():
     offenders = [
-        str(p.relative_to(ROOT)) for p in (ROOT / "tensorwire").rglob("*.py")
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tensorwire").rglob("*.py")
         if "import pickle" in p.read_text() or "pickle.loads" in p.read_text()
     ]
     assert offenders == []

@@ -21,7 +21,8 @@ def test_cli_help_is_fast_and_lists_commands():
     import time
 
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "tensorwire", "--help"], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=True
+    )
     assert "demo" in out.stdout
     assert time.monotonic() - t0 < 10

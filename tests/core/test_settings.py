@@ -33,20 +33,42 @@ def test_keyword_beats_environment_beats_default():
 def test_every_field_reads_its_own_variable():
     for f in dataclasses.fields(Settings):
         assert env_var(f.name) == "TENSORWIRE_" + f.name.upper()
-    env = {"TENSORWIRE_STAGING_CHUNK": "512KiB", "TENSORWIRE_SHM_AHEAD": "off", "TENSORWIRE_UCX_SPIN_US": "0",
-           "TENSORWIRE_AUTO_PREFER": "ucx", "TENSORWIRE_LOG_LEVEL": "debug", "TENSORWIRE_HOST": " 10.0.0.2 "}
+    env = {
+        "TENSORWIRE_STAGING_CHUNK": "512KiB",
+        "TENSORWIRE_SHM_AHEAD": "off",
+        "TENSORWIRE_UCX_SPIN_US": "0",
+        "TENSORWIRE_AUTO_PREFER": "ucx",
+        "TENSORWIRE_LOG_LEVEL": "debug",
+        "TENSORWIRE_HOST": " 10.0.0.2 ",
+    }
     s = Settings.from_env(env)
     assert (s.staging_chunk, s.shm_ahead, s.ucx_spin_us, s.auto_prefer, s.log_level, s.host) == (
-        512 << 10, False, 0.0, "ucx", "DEBUG", "10.0.0.2")
+        512 << 10,
+        False,
+        0.0,
+        "ucx",
+        "DEBUG",
+        "10.0.0.2",
+    )
 
 
-@pytest.mark.parametrize("var, raw", [
-    ("TENSORWIRE_TIMEOUT", "soon"), ("TENSORWIRE_TIMEOUT", "0"), ("TENSORWIRE_PEER_TIMEOUT", "inf"),
-    ("TENSORWIRE_PEER_TIMEOUT", "nan"), ("TENSORWIRE_TRANSPORT", "rdma"), ("TENSORWIRE_AUTO_PREFER", "fastest"),
-    ("TENSORWIRE_STAGING_CHUNK", "1.5M"), ("TENSORWIRE_STAGING_CHUNK", "-1"), ("TENSORWIRE_UCX_SPIN_US", "-3"),
-    ("TENSORWIRE_UCX_ERROR_HANDLING", "sometimes"), ("TENSORWIRE_SHM_LEASES", "maybe"),
-    ("TENSORWIRE_LOG_LEVEL", "LOUD"),
-])
+@pytest.mark.parametrize(
+    "var, raw",
+    [
+        ("TENSORWIRE_TIMEOUT", "soon"),
+        ("TENSORWIRE_TIMEOUT", "0"),
+        ("TENSORWIRE_PEER_TIMEOUT", "inf"),
+        ("TENSORWIRE_PEER_TIMEOUT", "nan"),
+        ("TENSORWIRE_TRANSPORT", "rdma"),
+        ("TENSORWIRE_AUTO_PREFER", "fastest"),
+        ("TENSORWIRE_STAGING_CHUNK", "1.5M"),
+        ("TENSORWIRE_STAGING_CHUNK", "-1"),
+        ("TENSORWIRE_UCX_SPIN_US", "-3"),
+        ("TENSORWIRE_UCX_ERROR_HANDLING", "sometimes"),
+        ("TENSORWIRE_SHM_LEASES", "maybe"),
+        ("TENSORWIRE_LOG_LEVEL", "LOUD"),
+    ],
+)
 def test_an_invalid_variable_is_a_config_error_naming_it_and_its_value(var, raw):
     with pytest.raises(ConfigError, match=re.escape(f"{var}={raw!r}")):
         Settings.from_env({var: raw})
@@ -78,7 +100,9 @@ def test_docs_configuration_md_is_generated_from_the_code():
     from tensorwire.configdoc import render
 
     committed = (ROOT / "docs" / "configuration.md").read_text()
-    assert committed == render(), "docs/configuration.md is stale: python -m tensorwire.configdoc > docs/configuration.md"
+    assert committed == render(), (
+        "docs/configuration.md is stale: python -m tensorwire.configdoc > docs/configuration.md"
+    )
 
 
 def test_every_variable_the_package_names_is_documented():

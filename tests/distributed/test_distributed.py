@@ -112,8 +112,9 @@ def test_peer_killed_mid_step_fails_pending_works_with_peer_lost(transport):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule,transport", [("gpipe", "tcp"), ("1f1b", "ucx"), ("interleaved1f1b", "tcp"),
-                                                ("gpipe", "ucx")])
+@pytest.mark.parametrize(
+    "schedule,transport", [("gpipe", "tcp"), ("1f1b", "ucx"), ("interleaved1f1b", "tcp"), ("gpipe", "ucx")]
+)
 def test_pipelining_matches_single_process_training(schedule, transport):
     res = run_ranks(W.pipeline, 2, timeout=200, transport=transport, schedule=schedule)
     for r in res.values():
@@ -146,8 +147,20 @@ def test_real_torchrun_init_process_group_tensorwire(tmp_path, transport, nproc,
     support = Path(__file__).resolve().parent.parent / "support"
     script.write_text(_TORCHRUN_WORKER.format(tests=str(support), transport=transport, schedule=schedule))
     port = free_port()
-    cmd = [*TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", str(script)]
+    cmd = [
+        *TORCHRUN,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--max-restarts",
+        "0",
+        str(script),
+    ]
     t0 = time.monotonic()
     rc, out = run(cmd, env=child_env(), log=tmp_path / "torchrun.log", timeout=200)
     assert rc == 0, tail(out)
@@ -195,11 +208,34 @@ def test_two_network_namespace_nodes_torchrun_nnodes_2_pipelining(tmp_path):
         try:
             for i in (0, 1):
                 env = child_env(TENSORWIRE_HOST=net.addr[i], TENSORWIRE_TRANSPORT="tcp")
-                cmd = [*net.prefix(i), *TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", f"{net.addr[0]}:29437", "--rdzv-id", "tw-dist-netns",
-                       "--local-addr", net.addr[i], "--rdzv-conf", f"is_host={1 if i == 0 else 0}",
-                       "--max-restarts", "0", "--monitor-interval", "0.2", str(example), "--backend", "tensorwire",
-                       "--schedule", "1f1b", "--check"]
+                cmd = [
+                    *net.prefix(i),
+                    *TORCHRUN,
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "2",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"{net.addr[0]}:29437",
+                    "--rdzv-id",
+                    "tw-dist-netns",
+                    "--local-addr",
+                    net.addr[i],
+                    "--rdzv-conf",
+                    f"is_host={1 if i == 0 else 0}",
+                    "--max-restarts",
+                    "0",
+                    "--monitor-interval",
+                    "0.2",
+                    str(example),
+                    "--backend",
+                    "tensorwire",
+                    "--schedule",
+                    "1f1b",
+                    "--check",
+                ]
                 procs.append(Proc(cmd, env=env, log=tmp_path / f"agent{i}.log"))
                 if i == 0:
                     time.sleep(0.5)

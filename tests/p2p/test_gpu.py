@@ -34,7 +34,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-HAVE_UCX = importlib.util.find_spec("ucxx") is not None and importlib.util.find_spec("tensorwire.transport.ucx") is not None
+HAVE_UCX = (
+    importlib.util.find_spec("ucxx") is not None and importlib.util.find_spec("tensorwire.transport.ucx") is not None
+)
 TRANSPORTS = [pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")), "tcp"]
 
 
@@ -265,8 +267,12 @@ def staged_tcp_slots(rank, world, store, transport):
             return {"transport": link.transport, "pinned": [s.pinned for s in link.slots() if not s.is_cuda]}
         link = node.link(0, recv=[spec])
         got = link.recv("x")
-        return {"transport": link.transport, "ok": bool(torch.equal(_bits(got), _bits(_pattern(spec, 7, dev)))),
-                "device": got.device.type, "pinned": [s.pinned for s in link.slots() if not s.is_cuda]}
+        return {
+            "transport": link.transport,
+            "ok": bool(torch.equal(_bits(got), _bits(_pattern(spec, 7, dev)))),
+            "device": got.device.type,
+            "pinned": [s.pinned for s in link.slots() if not s.is_cuda],
+        }
 
 
 def _set_chunk(chunk) -> None:
@@ -287,8 +293,15 @@ def _staged_specs(chunk: int):
 
     c = chunk or DEFAULT_CHUNK
     specs = [tw.TensorSpec(f"d.{d}", (1000, 1037), d, "cuda") for d in DTYPES]  # 1.04e6 elements: 1..8 chunks of 1 MiB
-    for label, n in (("empty", 0), ("one", 1), ("below", c - 1), ("exact", c), ("above", c + 1),
-                     ("three_and_a_bit", 3 * c + 12345), ("many", 64 * c + 3)):
+    for label, n in (
+        ("empty", 0),
+        ("one", 1),
+        ("below", c - 1),
+        ("exact", c),
+        ("above", c + 1),
+        ("three_and_a_bit", 3 * c + 12345),
+        ("many", 64 * c + 3),
+    ):
         specs.append(tw.TensorSpec(f"u8.{label}", (n,), "uint8", "cuda"))
     specs.append(tw.TensorSpec("scalar", (), "float64", "cuda"))
     specs.append(tw.TensorSpec("dyn", (64, 4099), "float32", "cuda", dynamic=[0]))
@@ -323,8 +336,7 @@ def staged_every_dtype_and_size(rank, world, store, transport, chunk=None, steps
                 else:
                     got = link.recv(s.name)
                     link.send("echo." + s.name, got)
-                if (got.device.type != "cuda" or got.shape != want.shape
-                        or not torch.equal(_bits(got), _bits(want))):
+                if got.device.type != "cuda" or got.shape != want.shape or not torch.equal(_bits(got), _bits(want)):
                     bad.append((step, s.name))
         return {"transport": link.transport, "bad": bad, "plans": plans}
 
@@ -403,8 +415,12 @@ def staged_receive_war(rank, world, store, transport, numel=(3 << 20) + 4097, st
             acc.add_(got)
         want = float(sum(range(1, steps + 1)))
         link.send("done", torch.ones(1, dtype=torch.uint8))
-        return {"min": float(acc.min()), "max": float(acc.max()), "want": want,
-                "chunks": len(link.staging_plan("x") or ())}
+        return {
+            "min": float(acc.min()),
+            "max": float(acc.max()),
+            "want": want,
+            "chunks": len(link.staging_plan("x") or ()),
+        }
 
 
 def staged_no_new_allocations(rank, world, store, transport, steps=100):
@@ -425,8 +441,12 @@ def staged_no_new_allocations(rank, world, store, transport, steps=100):
         def counters():
             d = torch.cuda.memory_stats(dev)
             h = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-            return (d.get("allocation.all.allocated", 0), d.get("segment.all.allocated", 0),
-                    h.get("active_requests.allocated", 0), h.get("num_host_alloc", 0))
+            return (
+                d.get("allocation.all.allocated", 0),
+                d.get("segment.all.allocated", 0),
+                h.get("active_requests.allocated", 0),
+                h.get("num_host_alloc", 0),
+            )
 
         def step(k):  # both ranks send, then receive: both directions at once, never a deadlock
             x.fill_(float(k % 200))
@@ -445,8 +465,12 @@ def staged_no_new_allocations(rank, world, store, transport, steps=100):
             grew = [g + (q - p) for g, p, q in zip(grew, c0, c1)]
             wrong += int(float(got[0]) != float(k % 200) or float(got[-1]) != float(k % 200))
         torch.cuda.synchronize(dev)
-        return {"grew": grew, "wrong": wrong, "moved": ptrs != sorted(s.data_ptr for s in link.slots()),
-                "chunks": len(link.staging_plan(mine.name) or ())}
+        return {
+            "grew": grew,
+            "wrong": wrong,
+            "moved": ptrs != sorted(s.data_ptr for s in link.slots()),
+            "chunks": len(link.staging_plan(mine.name) or ()),
+        }
 
 
 def staged_under_expandable_segments(rank, world, store, transport):
@@ -477,8 +501,13 @@ def staged_under_expandable_segments(rank, world, store, transport):
             link.recv("done")
         else:
             link.send("done", torch.ones(1, dtype=torch.uint8))
-        return {"source": cuda_slot_source(), "outside": after == before, "ok": ok,
-                "aligned": all(s.data_ptr % PAGE == 0 for s in cuda_slots), "n_cuda": len(cuda_slots)}
+        return {
+            "source": cuda_slot_source(),
+            "outside": after == before,
+            "ok": ok,
+            "aligned": all(s.data_ptr % PAGE == 0 for s in cuda_slots),
+            "n_cuda": len(cuda_slots),
+        }
 
 
 # -- tests -------------------------------------------------------------------------------------------
@@ -566,10 +595,14 @@ def test_expandable_segments_detected_and_cudamalloc_slots_stay_ipc_capable():
     import json
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", _EXPANDABLE_CHILD], capture_output=True, text=True, env=env,
-                         timeout=100)
+    env = dict(
+        os.environ,
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+        PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _EXPANDABLE_CHILD], capture_output=True, text=True, env=env, timeout=100
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["expandable"] is True
@@ -598,8 +631,10 @@ def test_staged_tcp_every_dtype_and_size_bit_exact(chunk):
     from tensorwire.p2p.staging import DEFAULT_CHUNK, chunk_plan
 
     wire_chunk = DEFAULT_CHUNK if chunk is None else chunk
-    want = {s.name: None if s.is_dynamic else len(chunk_plan(s.nbytes, wire_chunk))
-            for s in _staged_specs(wire_chunk or DEFAULT_CHUNK)}
+    want = {
+        s.name: None if s.is_dynamic else len(chunk_plan(s.nbytes, wire_chunk))
+        for s in _staged_specs(wire_chunk or DEFAULT_CHUNK)
+    }
     assert res[0]["plans"] == want
     assert want["dyn"] is None  # dynamic specs keep the whole-message path
     if chunk == 0:
@@ -671,8 +706,9 @@ def test_staging_engines_with_real_streams_in_one_process():
     receiver = StagedReceiver(pinned[1:], slot, plan)
     receiver.post_all(rx, 0)
     steps = 8
-    want = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
-            for k in range(steps)]
+    want = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(k)) for k in range(steps)
+    ]
     errors = []
 
     def send_all():
@@ -685,8 +721,7 @@ def test_staging_engines_with_real_streams_in_one_process():
             for k in range(steps):
                 torch.cuda._sleep(20_000_000)
                 src.copy_(staged[k])  # queued behind the sleep on this thread's current stream
-                step = sender.send(tx, 0, src, step=step, timeout=30, current=torch.cuda.current_stream(dev),
-                                   side=side)
+                step = sender.send(tx, 0, src, step=step, timeout=30, current=torch.cuda.current_stream(dev), side=side)
                 src.zero_()  # bytes are out: the tensor may change at once
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)

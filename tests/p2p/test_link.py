@@ -11,9 +11,13 @@ import workers
 
 TRANSPORTS = [
     "tcp",
-    pytest.param("ucx", marks=pytest.mark.skipif(importlib.util.find_spec("tensorwire.transport.ucx") is None
-                                                 or importlib.util.find_spec("ucxx") is None,
-                                                 reason="UCX transport not available")),
+    pytest.param(
+        "ucx",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("tensorwire.transport.ucx") is None or importlib.util.find_spec("ucxx") is None,
+            reason="UCX transport not available",
+        ),
+    ),
 ]
 
 

@@ -46,17 +46,44 @@ def net():
         yield pair
 
 
-def start_agents(net: NetnsPair, tmp_path, example_args: list[str], *, transport: str, extra_env: dict | None = None,
-                 rdzv_conf: str = "") -> list[Proc]:
+def start_agents(
+    net: NetnsPair,
+    tmp_path,
+    example_args: list[str],
+    *,
+    transport: str,
+    extra_env: dict | None = None,
+    rdzv_conf: str = "",
+) -> list[Proc]:
     procs = []
     for i in (0, 1):
         env = child_env(TENSORWIRE_HOST=net.addr[i], TENSORWIRE_TRANSPORT=transport, **(extra_env or {}))
         if transport == "ucx":
             env.update(UCX_TLS="tcp,self", UCX_NET_DEVICES=net.dev[i])
-        cmd = [*net.prefix(i), *TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"{net.addr[0]}:{RDZV_PORT}", "--rdzv-id", "tw-netns", "--local-addr", net.addr[i],
-               "--rdzv-conf", f"is_host={1 if i == 0 else 0}{rdzv_conf}", "--max-restarts", "0",
-               "--monitor-interval", "0.2", str(EXAMPLE), *example_args]
+        cmd = [
+            *net.prefix(i),
+            *TORCHRUN,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{net.addr[0]}:{RDZV_PORT}",
+            "--rdzv-id",
+            "tw-netns",
+            "--local-addr",
+            net.addr[i],
+            "--rdzv-conf",
+            f"is_host={1 if i == 0 else 0}{rdzv_conf}",
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            "0.2",
+            str(EXAMPLE),
+            *example_args,
+        ]
         procs.append(Proc(cmd, env=env, log=tmp_path / f"agent{i}.log"))
         if i == 0:
             time.sleep(0.5)  # let the host agent open the rendezvous store first
@@ -74,8 +101,11 @@ def logs(procs: list[Proc]) -> str:
 
 TRANSPORTS = [
     pytest.param("tcp", id="tcp"),
-    pytest.param("ucx", id="ucx", marks=pytest.mark.skipif(_ucx_missing() is not None,
-                                                            reason=f"UCX transport unavailable: {_ucx_missing()}")),
+    pytest.param(
+        "ucx",
+        id="ucx",
+        marks=pytest.mark.skipif(_ucx_missing() is not None, reason=f"UCX transport unavailable: {_ucx_missing()}"),
+    ),
 ]
 
 
@@ -106,9 +136,13 @@ def test_two_nodes_train_to_the_single_process_loss(net, tmp_path, transport):
 
 CUT_TRANSPORTS = [
     pytest.param("tcp", id="tcp"),
-    pytest.param("ucx", id="ucx", marks=[
-        pytest.mark.skipif(_ucx_missing() is not None, reason=f"UCX transport unavailable: {_ucx_missing()}"),
-    ]),
+    pytest.param(
+        "ucx",
+        id="ucx",
+        marks=[
+            pytest.mark.skipif(_ucx_missing() is not None, reason=f"UCX transport unavailable: {_ucx_missing()}"),
+        ],
+    ),
 ]
 
 
@@ -117,8 +151,16 @@ CUT_TRANSPORTS = [
 def test_cutting_the_link_fails_every_rank_with_peer_lost_and_torchrun_exits_nonzero(net, tmp_path, transport):
     timeout = 10.0
     env = {"TENSORWIRE_TIMEOUT": str(timeout), "TENSORWIRE_PEER_TIMEOUT": "5"}
-    args = ["--steps", "100000000", "--microbatches", str(MICROBATCHES), "--log-every", "20",
-            "--connect-timeout", "120"]
+    args = [
+        "--steps",
+        "100000000",
+        "--microbatches",
+        str(MICROBATCHES),
+        "--log-every",
+        "20",
+        "--connect-timeout",
+        "120",
+    ]
     procs = start_agents(net, tmp_path, args, transport=transport, extra_env=env)
     try:
         deadline = time.monotonic() + 150
@@ -138,8 +180,10 @@ def test_cutting_the_link_fails_every_rank_with_peer_lost_and_torchrun_exits_non
             if len(set(re.findall(r"tensorwire-failure rank=(\d+)", text))) == 4:
                 break
             time.sleep(0.2)
-        fails = {int(m.group(1)): (m.group(2), float(m.group(3)))
-                 for m in re.finditer(r"tensorwire-failure rank=(\d+) error=(\w+) t=([\d.]+)", text)}
+        fails = {
+            int(m.group(1)): (m.group(2), float(m.group(3)))
+            for m in re.finditer(r"tensorwire-failure rank=(\d+) error=(\w+) t=([\d.]+)", text)
+        }
         assert set(fails) == {0, 1, 2, 3}, f"every rank must report its failure: {fails}\n{logs(procs)}"
         for rank, (_err, t) in sorted(fails.items()):  # ... within the configured timeout (no hang) ...
             assert 0 <= t - t_cut <= timeout + 0.5, f"rank {rank} noticed after {t - t_cut:.1f}s (> {timeout}s)"

@@ -56,8 +56,9 @@ def _pair(kind: str):
     nonce = new_nonce()
     lst.expect(nonce)
     box: list = []
-    th = threading.Thread(target=lambda: box.append(L.connect("127.0.0.1", lst.address[1], nonce, timeout=10)),
-                          daemon=True)
+    th = threading.Thread(
+        target=lambda: box.append(L.connect("127.0.0.1", lst.address[1], nonce, timeout=10)), daemon=True
+    )
     th.start()
     server = lst.accept(nonce, timeout=10)
     th.join(10)

@@ -79,8 +79,20 @@ CASES = [
 @pytest.mark.parametrize("nproc,transport,overlap", CASES)
 def test_pipeline_matches_single_process_training(tmp_path, nproc, transport, overlap):
     out = tmp_path / "params"
-    cmd = torchrun_standalone(nproc, "--steps", str(STEPS), "--microbatches", str(MICROBATCHES),
-                              "--transport", transport, "--overlap", overlap, "--check", "--save-params", str(out))
+    cmd = torchrun_standalone(
+        nproc,
+        "--steps",
+        str(STEPS),
+        "--microbatches",
+        str(MICROBATCHES),
+        "--transport",
+        transport,
+        "--overlap",
+        overlap,
+        "--check",
+        "--save-params",
+        str(out),
+    )
     rc, log = run(cmd, env=child_env(TENSORWIRE_TIMEOUT="60"), log=tmp_path / "torchrun.log", timeout=150)
     assert rc == 0, tail(log)
     # every rank's own --check passed, the last rank printed every step's loss, both ends their throughput
@@ -108,11 +120,30 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     tensorwire re-bootstraps under restart count 1, the stages agree on checkpoint step 6 and finish."""
     steps, die_at, every = 12, 7, 3
     out, ckpt = tmp_path / "params", tmp_path / "ckpt"
-    cmd = torchrun_standalone(2, "--steps", str(steps), "--microbatches", str(MICROBATCHES), "--transport", "tcp",
-                              "--ckpt-dir", str(ckpt), "--ckpt-every", str(every), "--die-at-step", str(die_at),
-                              "--save-params", str(out), max_restarts=1)
-    rc, log = run(cmd, env=child_env(TENSORWIRE_TIMEOUT="60", TENSORWIRE_PEER_TIMEOUT="10"),
-                  log=tmp_path / "torchrun.log", timeout=200)
+    cmd = torchrun_standalone(
+        2,
+        "--steps",
+        str(steps),
+        "--microbatches",
+        str(MICROBATCHES),
+        "--transport",
+        "tcp",
+        "--ckpt-dir",
+        str(ckpt),
+        "--ckpt-every",
+        str(every),
+        "--die-at-step",
+        str(die_at),
+        "--save-params",
+        str(out),
+        max_restarts=1,
+    )
+    rc, log = run(
+        cmd,
+        env=child_env(TENSORWIRE_TIMEOUT="60", TENSORWIRE_PEER_TIMEOUT="10"),
+        log=tmp_path / "torchrun.log",
+        timeout=200,
+    )
     assert rc == 0, tail(log, 120)
     assert f"--die-at-step {die_at}: SIGKILL self (attempt 0)" in log, tail(log)
     first = re.findall(r"\[rank (\d)\] attempt 0 prefix (\S+) .*? start at step 0;", log)
@@ -137,9 +168,27 @@ def test_gpu_pipeline_bench_dry_run_on_cpu(tmp_path):
 
     bench = EXAMPLE.parents[1] / "bench" / "bench_pipeline_gpu.py"
     out = tmp_path / "pipe.json"
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.2", str(bench),
-           "--hidden", "64", "--batch", "32", "--steps", "2", "--warmup", "1",
-           "--variants", "tensorwire,tensorwire-blocking,nccl,grpc", "--out-json", str(out)]
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.2",
+        str(bench),
+        "--hidden",
+        "64",
+        "--batch",
+        "32",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--variants",
+        "tensorwire,tensorwire-blocking,nccl,grpc",
+        "--out-json",
+        str(out),
+    ]
     rc, log = run(cmd, env=child_env(TENSORWIRE_TIMEOUT="60"), log=tmp_path / "torchrun.log", timeout=120)
     assert rc == 0, tail(log)
     import json

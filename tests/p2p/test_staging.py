@@ -97,9 +97,20 @@ def test_chunk_plan_properties(n, chunk, max_chunks):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("raw,want", [(None, DEFAULT_CHUNK), ("", DEFAULT_CHUNK), ("0", 0), ("1048576", 1 << 20),
-                                      ("4M", 4 << 20), ("512KiB", 512 << 10), ("1g", 1 << 30), (" 2 MB ", 2 << 20),
-                                      ("7b", 7)])
+@pytest.mark.parametrize(
+    "raw,want",
+    [
+        (None, DEFAULT_CHUNK),
+        ("", DEFAULT_CHUNK),
+        ("0", 0),
+        ("1048576", 1 << 20),
+        ("4M", 4 << 20),
+        ("512KiB", 512 << 10),
+        ("1g", 1 << 30),
+        (" 2 MB ", 2 << 20),
+        ("7b", 7),
+    ],
+)
 def test_staging_chunk_from_environment(raw, want):
     env = {} if raw is None else {STAGING_CHUNK_ENV: raw}
     assert staging_chunk(env) == want
@@ -209,8 +220,9 @@ def pair(listener):
     nonce = new_nonce()
     listener.expect(nonce)
     out: dict[str, Any] = {}
-    th = threading.Thread(target=lambda: out.setdefault("c", TcpListener.connect(
-        "127.0.0.1", listener.address[1], nonce, timeout=20)))
+    th = threading.Thread(
+        target=lambda: out.setdefault("c", TcpListener.connect("127.0.0.1", listener.address[1], nonce, timeout=20))
+    )
     th.start()
     server = listener.accept(nonce, timeout=20)
     th.join(20)
@@ -252,8 +264,9 @@ def _run_sender(tx: Any, specs: list[tuple[int, tuple]], steps: int, side: Side,
         errors.append(exc)
 
 
-def _receive_all(rx_t: Any, specs: list[tuple[int, tuple]], steps: int, side: Side,
-                 *, defer_reads: bool = True) -> dict[tuple[int, int], "torch.Tensor"]:
+def _receive_all(
+    rx_t: Any, specs: list[tuple[int, tuple]], steps: int, side: Side, *, defer_reads: bool = True
+) -> dict[tuple[int, int], "torch.Tensor"]:
     """Receive every message; each one is read by work queued on the current stream (run late)."""
     receivers = []
     for tag, (n, plan) in enumerate(specs):
@@ -382,8 +395,12 @@ def _mismatched_chunks(pair, send_chunk: int, recv_chunk: int):
     n = 4 * 4096
     side_s, side_r = Side(), Side()
     sender = StagedSender(torch.zeros(n, dtype=torch.uint8), chunk_plan(n, send_chunk), ops=side_s.ops)
-    r = StagedReceiver([torch.zeros(n, dtype=torch.uint8) for _ in range(2)], torch.zeros(n, dtype=torch.uint8),
-                       chunk_plan(n, recv_chunk), ops=side_r.ops)
+    r = StagedReceiver(
+        [torch.zeros(n, dtype=torch.uint8) for _ in range(2)],
+        torch.zeros(n, dtype=torch.uint8),
+        chunk_plan(n, recv_chunk),
+        ops=side_r.ops,
+    )
     r.post_all(rx, 0)
     errors: list = []
 
@@ -452,10 +469,14 @@ def test_send_returns_the_last_step_and_numbers_chunks_consecutively():
     side = Side()
     sender = StagedSender(torch.zeros(n, dtype=torch.uint8), chunk_plan(n, 4096), ops=side.ops)
     t = FlakyTransport(100)
-    assert sender.send(t, 0, torch.ones(n, dtype=torch.uint8), step=0, timeout=1, current=side.current,
-                       side=side.side) == 3
-    assert sender.send(t, 0, torch.ones(n, dtype=torch.uint8), step=3, timeout=1, current=side.current,
-                       side=side.side) == 6
+    assert (
+        sender.send(t, 0, torch.ones(n, dtype=torch.uint8), step=0, timeout=1, current=side.current, side=side.side)
+        == 3
+    )
+    assert (
+        sender.send(t, 0, torch.ones(n, dtype=torch.uint8), step=3, timeout=1, current=side.current, side=side.side)
+        == 6
+    )
     assert t.sent == [1, 2, 3, 4, 5, 6]
 
 
@@ -464,5 +485,9 @@ def test_engines_refuse_plans_that_do_not_cover_their_slots():
     with pytest.raises(ValueError):
         StagedSender(torch.zeros(10, dtype=torch.uint8), chunk_plan(9, 4), ops=LazyOps())
     with pytest.raises(ValueError):
-        StagedReceiver([torch.zeros(10, dtype=torch.uint8)] * 2, torch.zeros(11, dtype=torch.uint8),
-                       chunk_plan(10, 4), ops=LazyOps())
+        StagedReceiver(
+            [torch.zeros(10, dtype=torch.uint8)] * 2,
+            torch.zeros(11, dtype=torch.uint8),
+            chunk_plan(10, 4),
+            ops=LazyOps(),
+        )

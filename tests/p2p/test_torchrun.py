@@ -20,9 +20,17 @@ from netns import TORCHRUN, child_env, free_port, run
 
 def good_env(**over: str) -> dict[str, str]:
     env = {
-        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500",
-        "TORCHELASTIC_RUN_ID": "job-7", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "2",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "job-7",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
     env.update(over)
@@ -73,18 +81,35 @@ def test_all_missing_variables_are_named_at_once():
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("name,value", [
-    ("RANK", "one"), ("RANK", "1.0"), ("RANK", "-1"), ("RANK", "4"),
-    ("LOCAL_RANK", "x"), ("LOCAL_RANK", "2"),
-    ("WORLD_SIZE", "0"), ("WORLD_SIZE", "four"),
-    ("LOCAL_WORLD_SIZE", "0"), ("LOCAL_WORLD_SIZE", "5"),
-    ("GROUP_RANK", "-2"), ("GROUP_RANK", "2"), ("GROUP_WORLD_SIZE", "0"), ("GROUP_WORLD_SIZE", "many"),
-    ("MASTER_PORT", "0"), ("MASTER_PORT", "65536"), ("MASTER_PORT", "http"), ("MASTER_PORT", "-5"),
-    ("MASTER_ADDR", "local host"), ("TORCHELASTIC_RUN_ID", "a b"),
-    ("TORCHELASTIC_RESTART_COUNT", "-1"), ("TORCHELASTIC_RESTART_COUNT", "again"),
-    ("TORCHELASTIC_MAX_RESTARTS", "lots"),
-    ("TORCHELASTIC_USE_AGENT_STORE", "maybe"),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("RANK", "one"),
+        ("RANK", "1.0"),
+        ("RANK", "-1"),
+        ("RANK", "4"),
+        ("LOCAL_RANK", "x"),
+        ("LOCAL_RANK", "2"),
+        ("WORLD_SIZE", "0"),
+        ("WORLD_SIZE", "four"),
+        ("LOCAL_WORLD_SIZE", "0"),
+        ("LOCAL_WORLD_SIZE", "5"),
+        ("GROUP_RANK", "-2"),
+        ("GROUP_RANK", "2"),
+        ("GROUP_WORLD_SIZE", "0"),
+        ("GROUP_WORLD_SIZE", "many"),
+        ("MASTER_PORT", "0"),
+        ("MASTER_PORT", "65536"),
+        ("MASTER_PORT", "http"),
+        ("MASTER_PORT", "-5"),
+        ("MASTER_ADDR", "local host"),
+        ("TORCHELASTIC_RUN_ID", "a b"),
+        ("TORCHELASTIC_RESTART_COUNT", "-1"),
+        ("TORCHELASTIC_RESTART_COUNT", "again"),
+        ("TORCHELASTIC_MAX_RESTARTS", "lots"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "maybe"),
+    ],
+)
 def test_malformed_values_are_named(name, value):
     with pytest.raises(tw.ConfigError) as ei:
         TorchrunEnv.from_environ(good_env(**{name: value}))
@@ -92,8 +117,9 @@ def test_malformed_values_are_named(name, value):
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("raw,expected", [("True", True), ("true", True), ("1", True), ("False", False),
-                                          ("0", False), (None, False)])
+@pytest.mark.parametrize(
+    "raw,expected", [("True", True), ("true", True), ("1", True), ("False", False), ("0", False), (None, False)]
+)
 def test_use_agent_store_flag(raw, expected):
     env = good_env(TORCHELASTIC_USE_AGENT_STORE=raw) if raw is not None else good_env()
     if raw is None:
@@ -116,8 +142,9 @@ def test_single_node_and_prefix_per_attempt():
 def test_loopback_master_gives_loopback_on_one_node():
     tr = TorchrunEnv.from_environ(good_env(WORLD_SIZE="2", GROUP_WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"))
     assert reachable_address(tr) == "127.0.0.1"
-    tr = TorchrunEnv.from_environ(good_env(WORLD_SIZE="2", GROUP_WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
-                                           MASTER_ADDR="127.0.0.1"))
+    tr = TorchrunEnv.from_environ(
+        good_env(WORLD_SIZE="2", GROUP_WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    )
     assert reachable_address(tr) == "127.0.0.1"
 
 
@@ -129,8 +156,9 @@ def test_loopback_master_in_a_multi_node_job_asks_for_tensorwire_host():
 
 @pytest.mark.timeout(10)
 def test_unresolvable_master_addr_is_a_config_error():
-    tr = TorchrunEnv.from_environ(good_env(MASTER_ADDR="no-such-host.invalid", GROUP_WORLD_SIZE="1",
-                                           WORLD_SIZE="2", RANK="0", LOCAL_RANK="0"))
+    tr = TorchrunEnv.from_environ(
+        good_env(MASTER_ADDR="no-such-host.invalid", GROUP_WORLD_SIZE="1", WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    )
     with pytest.raises(tw.ConfigError, match="MASTER_ADDR"):
         reachable_address(tr)
 
@@ -147,8 +175,9 @@ def _agent_store():
 @pytest.mark.timeout(30)
 def test_agent_store_is_used_as_a_client_on_master_port():
     agent = _agent_store()
-    s = bootstrap_store(master_addr="127.0.0.1", master_port=agent.port, rank=0, world_size=2, use_agent_store=True,
-                        timeout=5)
+    s = bootstrap_store(
+        master_addr="127.0.0.1", master_port=agent.port, rank=0, world_size=2, use_agent_store=True, timeout=5
+    )
     s.set("k", "v")
     assert agent.get("k") == b"v"
 
@@ -158,10 +187,12 @@ def test_without_agent_store_rank0_hosts_on_master_port_shared_with_torch_distri
     from torch.distributed import TCPStore
 
     port = free_port()
-    host = bootstrap_store(master_addr="127.0.0.1", master_port=port, rank=0, world_size=2, use_agent_store=False,
-                           timeout=5)
-    client = bootstrap_store(master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, use_agent_store=False,
-                             timeout=5)
+    host = bootstrap_store(
+        master_addr="127.0.0.1", master_port=port, rank=0, world_size=2, use_agent_store=False, timeout=5
+    )
+    client = bootstrap_store(
+        master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, use_agent_store=False, timeout=5
+    )
     client.set("from-1", "x")
     assert host.get("from-1") == b"x"
     # What init_process_group("env://") does on rank 0 without the agent store: same port, multi-tenant.
@@ -177,16 +208,25 @@ def test_without_agent_store_rank0_hosts_on_master_port_shared_with_torch_distri
 def test_unreachable_store_is_a_connect_timeout_naming_the_address():
     port = free_port()
     with pytest.raises(tw.ConnectTimeout, match=f"127.0.0.1:{port}"):
-        bootstrap_store(master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, use_agent_store=True,
-                        timeout=1)
+        bootstrap_store(
+            master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, use_agent_store=True, timeout=1
+        )
 
 
 # -- tw.init in this process (world of one) -----------------------------------------------------------------
 
 
 def _init_env(port: int, **over: str) -> dict[str, str]:
-    base = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_WORLD_SIZE="1",
-                MASTER_ADDR="localhost", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+    base = dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_WORLD_SIZE="1",
+        MASTER_ADDR="localhost",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RESTART_COUNT="0",
+    )
     base.update(over)
     return good_env(**base)
 
@@ -264,8 +304,9 @@ def test_gpu_is_picked_from_local_rank(monkeypatch, local_rank, count, expected)
     monkeypatch.setattr(tensorwire.buffers, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: chosen.append(i))
-    tr = TorchrunEnv.from_environ(good_env(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE="8", WORLD_SIZE="8",
-                                           RANK=str(local_rank)))
+    tr = TorchrunEnv.from_environ(
+        good_env(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE="8", WORLD_SIZE="8", RANK=str(local_rank))
+    )
     dev = _pick_device(tr)
     assert dev == torch.device("cuda", expected) and chosen == [expected]
 
@@ -278,7 +319,7 @@ def test_init_outside_torchrun_names_the_missing_variables():
 
 # -- what torchrun 2.x really sets, end to end -----------------------------------------------------------------
 
-PROBE = r'''
+PROBE = r"""
 import json, os, sys
 import tensorwire as tw
 from tensorwire.p2p.bootstrap import published_addresses
@@ -298,14 +339,28 @@ sys.stdout.write("PROBE " + json.dumps({"rank": node.rank, "got": got, "prefix":
       if k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_", "LOCAL_")) or k in ("RANK", "WORLD_SIZE")}}) + "\n")
 sys.stdout.flush()  # one write per line: torchrun runs workers with python -u
 node.close()
-'''
+"""
 
 
 def _probe(tmp_path, extra_args, **env):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    rc, out = run([*TORCHRUN, *extra_args, "--nproc-per-node", "2", "--max-restarts", "0", "--monitor-interval", "0.2",
-                   str(script)], env=child_env(**env), log=tmp_path / "log.txt", timeout=90)
+    rc, out = run(
+        [
+            *TORCHRUN,
+            *extra_args,
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            "0.2",
+            str(script),
+        ],
+        env=child_env(**env),
+        log=tmp_path / "log.txt",
+        timeout=90,
+    )
     assert rc == 0, out[-4000:]
     recs = {}
     for line in out.splitlines():
@@ -343,8 +398,11 @@ def test_real_torchrun_c10d_agent_store_is_not_the_rendezvous_endpoint(tmp_path)
 @pytest.mark.timeout(120)
 def test_real_torchrun_without_shared_store_rank0_hosts_it(tmp_path):
     port = free_port()
-    recs = _probe(tmp_path, ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                             "--rdzv-id", "probe-job"], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    recs = _probe(
+        tmp_path,
+        ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "probe-job"],
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     assert not any(r["use_agent_store"] for r in recs.values())
     assert recs[0]["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
     assert recs[0]["prefix"] == "tensorwire/probe-job/0/"

@@ -225,8 +225,14 @@ _DIES_MID_WRITE = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_a_client_killed_while_writing_a_grant_leaves_the_last_version(srv):
-    proc = subprocess.Popen([sys.executable, "-c", _DIES_MID_WRITE, srv.address], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=clean_env(None), cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DIES_MID_WRITE, srv.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(None),
+        cwd=ROOT,
+    )
     try:
         out, err = proc.communicate(timeout=60)
     finally:
@@ -256,11 +262,13 @@ def test_write_ahead_commit_format():
     req = wire.parse_request(_request(wire.OP_COMMIT, flags=wire.FLAG_AHEAD, shape=(42,)))
     assert req.ahead == 42 and not req.shm
     assert wire.parse_request(_request(wire.OP_COMMIT)).ahead == 0
-    for bad in (dict(op=wire.OP_COMMIT, flags=wire.FLAG_AHEAD),  # no ticket
-                dict(op=wire.OP_COMMIT, flags=wire.FLAG_AHEAD, shape=(0,)),  # ticket 0
-                dict(op=wire.OP_COMMIT, flags=wire.FLAG_AHEAD, shape=(1, 2)),
-                dict(op=wire.OP_COMMIT, flags=wire.FLAG_AHEAD | wire.FLAG_SHM, shape=(1,)),
-                dict(op=wire.OP_PUT, flags=wire.FLAG_AHEAD),
-                dict(op=wire.OP_COMMIT, shape=(1,))):
+    for bad in (
+        dict(op=wire.OP_COMMIT, flags=wire.FLAG_AHEAD),  # no ticket
+        dict(op=wire.OP_COMMIT, flags=wire.FLAG_AHEAD, shape=(0,)),  # ticket 0
+        dict(op=wire.OP_COMMIT, flags=wire.FLAG_AHEAD, shape=(1, 2)),
+        dict(op=wire.OP_COMMIT, flags=wire.FLAG_AHEAD | wire.FLAG_SHM, shape=(1,)),
+        dict(op=wire.OP_PUT, flags=wire.FLAG_AHEAD),
+        dict(op=wire.OP_COMMIT, shape=(1,)),
+    ):
         with pytest.raises(wire.MalformedRequest):
             wire.parse_request(_request(**bad))

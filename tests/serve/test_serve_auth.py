@@ -55,8 +55,10 @@ def test_every_control_call_needs_the_token_and_nothing_is_served(token_server):
         # the health service stays open for probes
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     with Client(token_server.address, token=TOKEN, transport="tcp") as c:
         assert set(c.list()) == {"secret"} and torch.equal(c.get("secret"), torch.arange(10))
 
@@ -102,8 +104,11 @@ def test_mtls_requires_a_client_certificate_from_the_ca(pki):
         with pytest.raises(tw.AuthError):
             Client(s.address, tls={"ca": pki["ca1.pem"]}, transport="tcp")  # no client certificate
         with pytest.raises(tw.AuthError):
-            Client(s.address, tls={"ca": pki["ca2.pem"], "cert": pki["client.pem"], "key": pki["client.key"]},
-                   transport="tcp")
+            Client(
+                s.address,
+                tls={"ca": pki["ca2.pem"], "cert": pki["client.pem"], "key": pki["client.key"]},
+                transport="tcp",
+            )
 
 
 @pytest.mark.timeout(90)
@@ -111,8 +116,9 @@ def test_daemon_with_token_and_tls_on_a_public_bind(tmp_path, pki):
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    with Daemon("--host", "0.0.0.0", "--token-file", str(token), "--tls-cert", pki["server.pem"],
-                "--tls-key", pki["server.key"]) as d:
+    with Daemon(
+        "--host", "0.0.0.0", "--token-file", str(token), "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"]
+    ) as d:
         addr = f"localhost:{d.port}"
         with Client(addr, token=TOKEN, tls={"ca": pki["ca1.pem"]}, transport="tcp") as c:
             c.put("p", torch.arange(4))

@@ -31,8 +31,18 @@ def client(srv, request):
             c.delete(name)
 
 
-ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
-              torch.int64, torch.uint8, torch.bool]
+ALL_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def _rand(shape, dtype, seed=0):
@@ -41,8 +51,11 @@ def _rand(shape, dtype, seed=0):
         return torch.randint(0, 2, shape, generator=g).bool()
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(-100, 100, shape, generator=g).to(dtype) if dtype != torch.uint8 else \
-        torch.randint(0, 255, shape, generator=g).to(dtype)
+    return (
+        torch.randint(-100, 100, shape, generator=g).to(dtype)
+        if dtype != torch.uint8
+        else torch.randint(0, 255, shape, generator=g).to(dtype)
+    )
 
 
 @pytest.mark.timeout(60)
@@ -214,14 +227,24 @@ def test_health_and_metrics(srv, client):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(srv.address) as ch:
-        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="tensorwire.v1.Store"), timeout=5)
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="tensorwire.v1.Store"), timeout=5
+        )
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
     client.put("metric", torch.ones(1000))
     client.get("metric")
     body = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
-    for name in ("tensorwire_bytes_total", "tensorwire_operations_total", "tensorwire_operation_seconds_bucket",
-                 "tensorwire_memory_bytes", "tensorwire_slots", "tensorwire_errors_total", "tensorwire_sessions",
-                 "tensorwire_transfer_seconds_bucket", "tensorwire_reserved_bytes"):
+    for name in (
+        "tensorwire_bytes_total",
+        "tensorwire_operations_total",
+        "tensorwire_operation_seconds_bucket",
+        "tensorwire_memory_bytes",
+        "tensorwire_slots",
+        "tensorwire_errors_total",
+        "tensorwire_sessions",
+        "tensorwire_transfer_seconds_bucket",
+        "tensorwire_reserved_bytes",
+    ):
         assert name in body, name
     assert f'tensorwire_bytes_total{{direction="in",transport="{client.data_path}"}}' in body
     assert 'tensorwire_operations_total{op="Get",status="ok"}' in body

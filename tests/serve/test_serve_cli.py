@@ -51,9 +51,26 @@ def test_put_ls_get_roundtrip_through_safetensors_files(tmp_path):
 @pytest.mark.timeout(240)
 def test_embedding_example_trains_and_finishes_by_itself():
     r = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "embedding_server.py"), "--rows", "20000", "--dim", "16",
-         "--batch", "512", "--steps", "12", "--transport", "tcp"],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=200, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "embedding_server.py"),
+            "--rows",
+            "20000",
+            "--dim",
+            "16",
+            "--batch",
+            "512",
+            "--steps",
+            "12",
+            "--transport",
+            "tcp",
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=200,
+        stdin=subprocess.DEVNULL,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     losses = [float(line.split()[3]) for line in r.stdout.splitlines() if line.startswith("step")]

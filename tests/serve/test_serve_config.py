@@ -13,8 +13,16 @@ from serve_common import run_cli
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     "text, value",
-    [("64GiB", 64 << 30), ("500MB", 500 * 10**6), ("4096", 4096), ("1.5g", int(1.5 * (1 << 30))), ("2 KiB", 2048),
-     ("10kb", 10_000), ("7b", 7), (123, 123)],
+    [
+        ("64GiB", 64 << 30),
+        ("500MB", 500 * 10**6),
+        ("4096", 4096),
+        ("1.5g", int(1.5 * (1 << 30))),
+        ("2 KiB", 2048),
+        ("10kb", 10_000),
+        ("7b", 7),
+        (123, 123),
+    ],
 )
 def test_parse_size_accepts_units_and_plain_bytes(text, value):
     assert parse_size(text) == value
@@ -83,8 +91,13 @@ def test_is_loopback():
 
 @pytest.mark.timeout(10)
 def test_precedence_flag_over_env_over_default():
-    env = {"TENSORWIRE_PORT": "7200", "TENSORWIRE_MAX_BYTES": "2GiB", "TENSORWIRE_TRANSPORT": "tcp",
-           "TENSORWIRE_INSECURE": "yes", "TENSORWIRE_DRAIN_TIMEOUT": "3.5"}
+    env = {
+        "TENSORWIRE_PORT": "7200",
+        "TENSORWIRE_MAX_BYTES": "2GiB",
+        "TENSORWIRE_TRANSPORT": "tcp",
+        "TENSORWIRE_INSECURE": "yes",
+        "TENSORWIRE_DRAIN_TIMEOUT": "3.5",
+    }
     c = ServeConfig.resolve({"port": 7300, "max_bytes": None}, env)
     assert c.port == 7300  # flag wins
     assert c.max_bytes == 2 << 30 and c.transport == "tcp" and c.insecure and c.drain_timeout == 3.5  # env

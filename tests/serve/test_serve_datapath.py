@@ -68,8 +68,10 @@ def _wait_closed(srv, sid: str, timeout: float = 10.0) -> None:
 def test_both_paths_give_the_same_results(srv, kind):
     tab = torch.randn(20_000, 64)  # 5 MiB: a 4,096-row get_rows is 1 MiB, sent in chunks
     idx = torch.randint(0, 20_000, (4096,), generator=torch.Generator().manual_seed(1))
-    with Client(srv.address, transport=kind) as fast, \
-            Client(srv.address, transport=_socket(kind), data_requests=False) as slow:
+    with (
+        Client(srv.address, transport=kind) as fast,
+        Client(srv.address, transport=_socket(kind), data_requests=False) as slow,
+    ):
         assert fast._dp and not slow._dp and fast.shm == (kind == "shm") and not slow.shm
         for c, name in ((fast, f"same-fast-{kind}"), (slow, f"same-slow-{kind}")):
             st1 = c.put(name, tab)
@@ -99,8 +101,11 @@ def test_both_paths_give_the_same_results(srv, kind):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("chunk_bytes, parallel_min", [(0, 1 << 40), (0, 1024), (4096, 1 << 40), (3000, 1 << 40)],
-                         ids=["one-message", "two-threads", "chunked", "chunked-odd"])
+@pytest.mark.parametrize(
+    "chunk_bytes, parallel_min",
+    [(0, 1 << 40), (0, 1024), (4096, 1 << 40), (3000, 1 << 40)],
+    ids=["one-message", "two-threads", "chunked", "chunked-odd"],
+)
 def test_get_rows_gathers_right_whatever_the_split(srv, kind, monkeypatch, chunk_bytes, parallel_min):
     from tensorwire.serve.daemon import datapath
 
@@ -150,15 +155,24 @@ def _check_splits(srv, kind):
 @pytest.mark.timeout(120)
 def test_every_dtype_and_rank_through_requests(srv, kind):
     with Client(srv.address, transport=kind) as c:
-        for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
-                      torch.int64, torch.uint8, torch.bool):
+        for dtype in (
+            torch.float16,
+            torch.bfloat16,
+            torch.float64,
+            torch.int8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.uint8,
+            torch.bool,
+        ):
             x = (torch.rand(6, 2, 3) * 100).to(dtype)
             name = f"dt/{kind}/{dtype}"
             c.put(name, x)
             assert torch.equal(c.get(name), x)
             assert torch.equal(c.get_rows(name, [5, 0]), x[[5, 0]])
             c.delete(name)
-        x = torch.arange(2.0 ** 8).reshape((2,) * 8)  # rank 8, the maximum
+        x = torch.arange(2.0**8).reshape((2,) * 8)  # rank 8, the maximum
         c.put(f"rank8/{kind}", x)
         assert torch.equal(c.get(f"rank8/{kind}"), x)
 
@@ -447,13 +461,24 @@ def test_parse_request_accepts_or_names_the_fault(data):
 
 def test_reply_roundtrip_and_cut_message():
     buf = bytearray(wire.REPLY_BYTES)
-    wire.pack_reply(memoryview(buf), status=wire.ERROR, op=wire.OP_GET, req_id=7, error="NotFoundError",
-                    message="ü" * 400)
+    wire.pack_reply(
+        memoryview(buf), status=wire.ERROR, op=wire.OP_GET, req_id=7, error="NotFoundError", message="ü" * 400
+    )
     rep = wire.parse_reply(memoryview(buf))
     assert rep.status == wire.ERROR and rep.req_id == 7 and rep.error == "NotFoundError"
     assert rep.message.endswith("...") and len(rep.message.encode()) <= wire.MAX_MESSAGE
-    wire.pack_reply(memoryview(buf), status=wire.OK, op=wire.OP_GET_ROWS, req_id=8, version=3, step=9,
-                    nbytes=100, chunk=50, dtype=1, shape=(10, 5))
+    wire.pack_reply(
+        memoryview(buf),
+        status=wire.OK,
+        op=wire.OP_GET_ROWS,
+        req_id=8,
+        version=3,
+        step=9,
+        nbytes=100,
+        chunk=50,
+        dtype=1,
+        shape=(10, 5),
+    )
     rep = wire.parse_reply(memoryview(buf))
     assert (rep.version, rep.step, rep.nbytes, rep.chunk, rep.shape, rep.message) == (3, 9, 100, 50, (10, 5), "")
     with pytest.raises(ValueError):

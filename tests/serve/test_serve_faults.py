@@ -48,8 +48,14 @@ c.put("victim", torch.full((1 << 20,), 2.0))
 @pytest.mark.timeout(120)
 def test_client_killed_mid_put_leaves_previous_version_and_daemon_serving():
     with Daemon() as d:
-        child = subprocess.Popen([sys.executable, "-c", _MID_PUT_CLIENT, d.address], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, cwd=ROOT, env=clean_env(), text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _MID_PUT_CLIENT, d.address],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env=clean_env(),
+            text=True,
+        )
         try:
             line = child.stdout.readline()
             assert line.strip() == "MIDPUT", child.stderr.read()
@@ -143,7 +149,9 @@ def test_garbage_on_data_and_control_ports_is_dropped_and_daemon_keeps_serving()
             rng = torch.Generator().manual_seed(0)
             payloads = [
                 torch.randint(0, 256, (4096,), generator=rng, dtype=torch.uint8).numpy().tobytes(),  # noise
-                HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, b"\x00" * 16, b"\x00" * 16),  # a well-formed hello, wrong nonce
+                HELLO.pack(
+                    HELLO_MAGIC, PROTOCOL_VERSION, b"\x00" * 16, b"\x00" * 16
+                ),  # a well-formed hello, wrong nonce
                 HELLO_HEAD.pack(HELLO_MAGIC, 99, os.urandom(16)),  # wrong version
                 HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, os.urandom(16), bytes(16))[:10],  # half a hello
                 b"",  # connect and close
@@ -174,8 +182,12 @@ def test_garbage_on_data_and_control_ports_is_dropped_and_daemon_keeps_serving()
 # -- fuzzing the control messages ----------------------------------------------------------------
 
 ALLOWED = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.PERMISSION_DENIED,
 }
 
@@ -194,8 +206,10 @@ def _spec(draw_names=_names):
     )
 
 
-_index = st.one_of(st.binary(max_size=4096), st.lists(st.integers(-5, 300), max_size=64).map(
-    lambda v: torch.tensor(v, dtype=torch.int64).numpy().tobytes()))
+_index = st.one_of(
+    st.binary(max_size=4096),
+    st.lists(st.integers(-5, 300), max_size=64).map(lambda v: torch.tensor(v, dtype=torch.int64).numpy().tobytes()),
+)
 
 
 @pytest.fixture(scope="module")
@@ -235,37 +249,83 @@ def test_fuzzed_control_messages_are_rejected_cleanly(fuzz_target, data):
 def _fuzz_one(stub, live_sid, data):
     sids = st.one_of(st.just(live_sid), st.just(live_sid), st.sampled_from(["", "0" * 32]), st.text(max_size=40))
     timeouts = st.integers(0, 200)
-    method = data.draw(st.sampled_from(["Declare", "BeginPut", "PutRows", "CommitPut", "AbortPut", "Get", "GetRows",
-                                        "List", "Stat", "Delete", "OpenSession", "CloseSession"]))
+    method = data.draw(
+        st.sampled_from(
+            [
+                "Declare",
+                "BeginPut",
+                "PutRows",
+                "CommitPut",
+                "AbortPut",
+                "Get",
+                "GetRows",
+                "List",
+                "Stat",
+                "Delete",
+                "OpenSession",
+                "CloseSession",
+            ]
+        )
+    )
     if method == "Declare":
         _call(stub.Declare, store_pb2.DeclareRequest(session_id=data.draw(sids), spec=data.draw(_spec())))
     elif method == "BeginPut":
-        _call(stub.BeginPut, store_pb2.BeginPutRequest(session_id=data.draw(sids), spec=data.draw(_spec()),
-                                                       timeout_ms=data.draw(timeouts)))
+        _call(
+            stub.BeginPut,
+            store_pb2.BeginPutRequest(
+                session_id=data.draw(sids), spec=data.draw(_spec()), timeout_ms=data.draw(timeouts)
+            ),
+        )
     elif method == "PutRows":
-        _call(stub.PutRows, store_pb2.PutRowsRequest(
-            session_id=data.draw(sids), name=data.draw(_names), index=data.draw(_index), values=data.draw(_spec()),
-            add=data.draw(st.booleans()), timeout_ms=data.draw(timeouts)))
+        _call(
+            stub.PutRows,
+            store_pb2.PutRowsRequest(
+                session_id=data.draw(sids),
+                name=data.draw(_names),
+                index=data.draw(_index),
+                values=data.draw(_spec()),
+                add=data.draw(st.booleans()),
+                timeout_ms=data.draw(timeouts),
+            ),
+        )
     elif method in ("CommitPut", "AbortPut"):
-        req = getattr(store_pb2, f"{method}Request")(session_id=data.draw(sids), op_id=data.draw(st.integers(0, 2**64 - 1)))
+        req = getattr(store_pb2, f"{method}Request")(
+            session_id=data.draw(sids), op_id=data.draw(st.integers(0, 2**64 - 1))
+        )
         _call(getattr(stub, method), req)
     elif method == "Get":
-        _call(stub.Get, store_pb2.GetRequest(session_id=data.draw(sids), name=data.draw(_names), timeout_ms=data.draw(timeouts)))
+        _call(
+            stub.Get,
+            store_pb2.GetRequest(session_id=data.draw(sids), name=data.draw(_names), timeout_ms=data.draw(timeouts)),
+        )
     elif method == "GetRows":
-        _call(stub.GetRows, store_pb2.GetRowsRequest(session_id=data.draw(sids), name=data.draw(_names),
-                                                     index=data.draw(_index), timeout_ms=data.draw(timeouts)))
+        _call(
+            stub.GetRows,
+            store_pb2.GetRowsRequest(
+                session_id=data.draw(sids),
+                name=data.draw(_names),
+                index=data.draw(_index),
+                timeout_ms=data.draw(timeouts),
+            ),
+        )
     elif method == "List":
-        _call(stub.List, store_pb2.ListRequest(page_token=data.draw(st.text(max_size=300)),
-                                               page_size=data.draw(st.integers(0, 2**32 - 1))))
+        _call(
+            stub.List,
+            store_pb2.ListRequest(
+                page_token=data.draw(st.text(max_size=300)), page_size=data.draw(st.integers(0, 2**32 - 1))
+            ),
+        )
     elif method == "Stat":
         _call(stub.Stat, store_pb2.StatRequest(name=data.draw(_names)))
     elif method == "Delete":
         name = data.draw(_names.filter(lambda n: n not in ("t", "tab")))
         _call(stub.Delete, store_pb2.DeleteRequest(name=name))
     elif method == "OpenSession":
-        req = store_pb2.OpenSessionRequest(protocol_version=data.draw(st.integers(0, 5)),
-                                           transport=data.draw(st.sampled_from(["", "tcp", "ucx", "rdma", "auto"])),
-                                           client=data.draw(st.text(max_size=500)))
+        req = store_pb2.OpenSessionRequest(
+            protocol_version=data.draw(st.integers(0, 5)),
+            transport=data.draw(st.sampled_from(["", "tcp", "ucx", "rdma", "auto"])),
+            client=data.draw(st.text(max_size=500)),
+        )
         try:
             resp = stub.OpenSession(req, timeout=10)
             stub.CloseSession(store_pb2.CloseSessionRequest(session_id=resp.session_id), timeout=10)
@@ -277,8 +337,10 @@ def _fuzz_one(stub, live_sid, data):
 
 @pytest.mark.timeout(120)
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(method=st.sampled_from(["Declare", "BeginPut", "PutRows", "Get", "GetRows", "List", "Stat", "OpenSession"]),
-       payload=st.binary(max_size=2048))
+@given(
+    method=st.sampled_from(["Declare", "BeginPut", "PutRows", "Get", "GetRows", "List", "Stat", "OpenSession"]),
+    payload=st.binary(max_size=2048),
+)
 def test_undecodable_bytes_to_every_method_are_rejected(fuzz_target, method, payload):
     srv, _, _ = fuzz_target
     with grpc.insecure_channel(srv.address) as ch:

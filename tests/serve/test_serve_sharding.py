@@ -64,15 +64,27 @@ def test_row_split_parts_and_gather_restore_the_callers_order():
 
 def test_dns_address_resolves_every_address_ordered_by_reverse_name(monkeypatch):
     ips = ["10.0.0.7", "10.0.0.3", "10.0.0.12"]
-    names = {"10.0.0.7": "tw-2.tw.ns.svc.cluster.local.", "10.0.0.3": "tw-10.tw.ns.svc.cluster.local",
-             "10.0.0.12": "tw-0.tw.ns.svc.cluster.local"}
-    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port, **kw: [
-        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips + ips])
+    names = {
+        "10.0.0.7": "tw-2.tw.ns.svc.cluster.local.",
+        "10.0.0.3": "tw-10.tw.ns.svc.cluster.local",
+        "10.0.0.12": "tw-0.tw.ns.svc.cluster.local",
+    }
+    monkeypatch.setattr(
+        socket,
+        "getaddrinfo",
+        lambda host, port, **kw: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips + ips],
+    )
     monkeypatch.setattr(socket, "getnameinfo", lambda sa, flags: (names[sa[0]], str(sa[1])))
     assert sharding.resolve_daemons("dns:///tw.ns.svc:7100") == [
-        "tw-0.tw.ns.svc.cluster.local:7100", "tw-2.tw.ns.svc.cluster.local:7100", "tw-10.tw.ns.svc.cluster.local:7100"]
+        "tw-0.tw.ns.svc.cluster.local:7100",
+        "tw-2.tw.ns.svc.cluster.local:7100",
+        "tw-10.tw.ns.svc.cluster.local:7100",
+    ]
     assert sharding.resolve_daemons("dns:///tw.ns.svc:7100", reverse=False) == [
-        "10.0.0.3:7100", "10.0.0.7:7100", "10.0.0.12:7100"]
+        "10.0.0.3:7100",
+        "10.0.0.7:7100",
+        "10.0.0.12:7100",
+    ]
 
     def no_ptr(sa, flags):
         raise socket.gaierror("no PTR")
@@ -88,8 +100,9 @@ def test_layout_travels_in_data_plane_requests_and_bad_ones_are_malformed():
     assert (la.row_start, la.row_stop) == (5, 11) and ShardLayout.unpack(la.pack()) == la
     assert ShardLayout.from_json(la.to_json()) == la and ShardLayout.from_proto(la.to_proto()) == la
     buf = bytearray(wire.request_size(3, 2, layout=True))
-    off = wire.pack_request(memoryview(buf), op=wire.OP_GET_ROWS, req_id=1, name=b"emb", nindex=2,
-                            flags=wire.FLAG_LAYOUT, layout=la.pack())
+    off = wire.pack_request(
+        memoryview(buf), op=wire.OP_GET_ROWS, req_id=1, name=b"emb", nindex=2, flags=wire.FLAG_LAYOUT, layout=la.pack()
+    )
     assert off == wire.REQUEST.size + 8 + LAYOUT_BYTES
     req = wire.parse_request(memoryview(bytes(buf)))
     assert req.layout == la and req.index_offset == off and req.name == "emb"
@@ -117,9 +130,20 @@ class Cluster:
     def start(self, i: int, port: int = 0) -> Daemon:
         snap = self.tmp / f"snap{i}"
         snap.mkdir(exist_ok=True)
-        return Daemon("--token-file", str(self.token), "--tls-cert", self.pki["server.pem"], "--tls-key",
-                      self.pki["server.key"], "--max-bytes", MAX_BYTES[i], "--snapshot-dir", str(snap),
-                      transport="tcp", port=port)
+        return Daemon(
+            "--token-file",
+            str(self.token),
+            "--tls-cert",
+            self.pki["server.pem"],
+            "--tls-key",
+            self.pki["server.key"],
+            "--max-bytes",
+            MAX_BYTES[i],
+            "--snapshot-dir",
+            str(snap),
+            transport="tcp",
+            port=port,
+        )
 
     @property
     def addresses(self) -> list[str]:
@@ -230,13 +254,20 @@ def test_another_order_or_one_daemon_fewer_is_refused_and_touches_nothing(cluste
     t = torch.arange(3000 * 8, dtype=torch.float32).view(3000, 8)
     client.put("tab", t, shard="rows")
     before = client.stat("tab")
-    for addrs in (cluster.addresses[::-1], cluster.addresses[:2], [cluster.addresses[1], cluster.addresses[0],
-                                                                  cluster.addresses[2]]):
+    for addrs in (
+        cluster.addresses[::-1],
+        cluster.addresses[:2],
+        [cluster.addresses[1], cluster.addresses[0], cluster.addresses[2]],
+    ):
         with cluster.client(addrs) as other:
-            for op in (lambda: other.get_rows("tab", [0, 1500, 2999]), lambda: other.get("tab"),
-                       lambda: other.add_rows("tab", [0, 2999], torch.ones(2, 8)),
-                       lambda: other.put_rows("tab", [10], torch.ones(1, 8)),
-                       lambda: other.put("tab", t, shard="rows"), lambda: other.delete("tab")):
+            for op in (
+                lambda: other.get_rows("tab", [0, 1500, 2999]),
+                lambda: other.get("tab"),
+                lambda: other.add_rows("tab", [0, 2999], torch.ones(2, 8)),
+                lambda: other.put_rows("tab", [10], torch.ones(1, 8)),
+                lambda: other.put("tab", t, shard="rows"),
+                lambda: other.delete("tab"),
+            ):
                 with pytest.raises(tw.LayoutMismatchError, match="daemon list differs"):
                     op()
     # the daemons refuse on their own, on both request paths, when a client skips its own check
@@ -246,9 +277,13 @@ def test_another_order_or_one_daemon_fewer_is_refused_and_touches_nothing(cluste
             with pytest.raises(tw.LayoutMismatchError, match="whole tensor was refused"):
                 p.get_rows("tab", [0])  # a client over no list: a shard is not a whole tensor
             p.expect_layout("tab", wrong)
-            for op in (lambda: p.get_rows("tab", [0]), lambda: p.get("tab"),
-                       lambda: p.add_rows("tab", [0], torch.ones(1, 8)), lambda: p.put("tab", t[:1000]),
-                       lambda: p.delete("tab")):
+            for op in (
+                lambda: p.get_rows("tab", [0]),
+                lambda: p.get("tab"),
+                lambda: p.add_rows("tab", [0], torch.ones(1, 8)),
+                lambda: p.put("tab", t[:1000]),
+                lambda: p.delete("tab"),
+            ):
                 with pytest.raises(tw.LayoutMismatchError):
                     op()
     after = client.stat("tab")
@@ -302,8 +337,12 @@ def test_a_killed_daemon_is_contained_and_the_same_client_recovers_from_its_snap
     mine = torch.tensor([0, 10, rows - 1])  # rows of the other two shards
     assert torch.equal(client.get_rows("kt", mine), t[mine])
     assert torch.equal(client.get(whole), torch.arange(5.0))
-    for op in (lambda: client.get_rows("kt", [0, a + 5]), lambda: client.get("kt"),
-               lambda: client.add_rows("kt", [a], torch.ones(1, 16)), lambda: client.get(on_victim)):
+    for op in (
+        lambda: client.get_rows("kt", [0, a + 5]),
+        lambda: client.get("kt"),
+        lambda: client.add_rows("kt", [a], torch.ones(1, 16)),
+        lambda: client.get(on_victim),
+    ):
         t0 = time.monotonic()
         with pytest.raises(tw.PeerLostError) as ei:
             op()
@@ -340,8 +379,9 @@ def test_one_element_list_is_the_plain_client_and_dns_names_one_daemon(cluster):
         assert c.stat("solo").layout is None
         c.delete("solo")
     port = cluster.daemons[0].port
-    with tw.Client(f"dns:///127.0.0.1:{port}", token=TOKEN, tls={"ca": cluster.pki["ca1.pem"]}, timeout=TIMEOUT,
-                   reverse_dns=False) as c:
+    with tw.Client(
+        f"dns:///127.0.0.1:{port}", token=TOKEN, tls={"ca": cluster.pki["ca1.pem"]}, timeout=TIMEOUT, reverse_dns=False
+    ) as c:
         assert isinstance(c, ShardedClient) and c.addresses == [cluster.addresses[0]]
         x = torch.randn(100, 4)
         c.put("dnst", x, shard="rows")

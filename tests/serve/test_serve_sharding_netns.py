@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.netns]
 TOKEN = "netns-sharded-token-0123456789"
 PORT = 7100  # each daemon in its own namespace: the same port everywhere
 
-CLIENT = textwrap.dedent('''
+CLIENT = textwrap.dedent("""
     import json, subprocess, sys, time
     import torch
     import tensorwire as tw
@@ -67,7 +67,7 @@ CLIENT = textwrap.dedent('''
     c.delete("emb")
     c.close()
     print("RESULT " + json.dumps(out), flush=True)
-''')
+""")
 
 
 @pytest.mark.timeout(240)
@@ -88,11 +88,35 @@ def test_three_daemons_in_network_namespaces_behind_one_sharded_client(tmp_path)
             for i in range(3):
                 rf = tmp_path / f"ready{i}.json"
                 ready.append(rf)
-                procs.append(Proc([*net.prefix(i), sys.executable, "-m", "tensorwire", "serve", "--host", net.addr[i],
-                                   "--port", str(PORT), "--transport", "tcp", "--token-file", str(token),
-                                   "--tls-cert", pki["server.pem"], "--tls-key", pki["server.key"],
-                                   "--max-bytes", "256MiB", "--ready-file", str(rf)],
-                                  env=child_env(), log=tmp_path / f"daemon{i}.log"))
+                procs.append(
+                    Proc(
+                        [
+                            *net.prefix(i),
+                            sys.executable,
+                            "-m",
+                            "tensorwire",
+                            "serve",
+                            "--host",
+                            net.addr[i],
+                            "--port",
+                            str(PORT),
+                            "--transport",
+                            "tcp",
+                            "--token-file",
+                            str(token),
+                            "--tls-cert",
+                            pki["server.pem"],
+                            "--tls-key",
+                            pki["server.key"],
+                            "--max-bytes",
+                            "256MiB",
+                            "--ready-file",
+                            str(rf),
+                        ],
+                        env=child_env(),
+                        log=tmp_path / f"daemon{i}.log",
+                    )
+                )
             deadline = time.monotonic() + 60
             while not all(r.exists() for r in ready):
                 for p in procs:
@@ -101,14 +125,17 @@ def test_three_daemons_in_network_namespaces_behind_one_sharded_client(tmp_path)
                 time.sleep(0.1)
             daemons = [f"{a}:{PORT}" for a in net.addr]
             cfg = {"daemons": daemons, "token": TOKEN, "ca": pki["ca1.pem"], "ns": list(net.ns), "dev": list(net.dev)}
-            client = Proc([*net.client_prefix(), sys.executable, str(script), json.dumps(cfg)], env=child_env(),
-                          log=tmp_path / "client.log")
+            client = Proc(
+                [*net.client_prefix(), sys.executable, str(script), json.dumps(cfg)],
+                env=child_env(),
+                log=tmp_path / "client.log",
+            )
             procs.append(client)
             rc = client.wait(180)
             text = client.output()
             assert rc == 0, tail(text) + "".join(tail(p.output(), 20) for p in procs[:3])
             line = next(ln for ln in text.splitlines() if ln.startswith("RESULT "))
-            res = json.loads(line[len("RESULT "):])
+            res = json.loads(line[len("RESULT ") :])
             assert res["paths"] == ["tcp"]
             assert res["get_rows"] and res["add_rows"]
             assert res["cut"] == daemons[2], res

@@ -22,8 +22,18 @@ from tensorwire.serve.protocol.common import TAG_REQUEST
 
 from serve_common import ROOT, Daemon, clean_env, in_process, shm_room
 
-ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
-              torch.int64, torch.uint8, torch.bool]
+ALL_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 
 # A container's default /dev/shm (64 MiB) cannot hold these tests' regions: the daemon would (correctly)
 # serve from ordinary memory over the socket, and the assertions that bytes went through shm would fail.
@@ -227,8 +237,14 @@ else:
 @pytest.mark.parametrize("op", ["put", "add_rows"])
 def test_client_killed_mid_write_over_shm_leaves_previous_version(op):
     with Daemon("--transport", "auto") as d:
-        child = subprocess.Popen([sys.executable, "-c", _MID_WRITE_CLIENT, d.address, op], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, cwd=ROOT, env=clean_env(), text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _MID_WRITE_CLIENT, d.address, op],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env=clean_env(),
+            text=True,
+        )
         try:
             line = child.stdout.readline()
             assert line.strip() == "MIDWRITE", child.stderr.read()
@@ -252,11 +268,15 @@ def test_client_killed_mid_write_over_shm_leaves_previous_version(op):
 
 @pytest.mark.timeout(60)
 def test_an_uncommitted_shm_write_is_dropped_by_the_reaper():
-    with in_process() as s, Client(s.address, transport="shm", timeout=1.0) as c, \
-            Client(s.address, transport="shm") as other:
+    with (
+        in_process() as s,
+        Client(s.address, transport="shm", timeout=1.0) as c,
+        Client(s.address, transport="shm") as other,
+    ):
         _, t = c._session()
-        rep = c._dp_call(t, _Progress(), wire.OP_PUT, "stuck", dtype=wire.dtype_code("float32"), shape=(4,),
-                         flags=wire.FLAG_SHM)
+        rep = c._dp_call(
+            t, _Progress(), wire.OP_PUT, "stuck", dtype=wire.dtype_code("float32"), shape=(4,), flags=wire.FLAG_SHM
+        )
         assert rep.status == wire.SHM  # reserved; never committed
         sid = c._sid
         assert other.stat("stuck").version == 0
@@ -389,8 +409,10 @@ def test_regions_are_0600_unlinked_after_delete_and_at_shutdown_and_scratch_is_c
             assert scratch is not None and os.path.exists(scratch.path)
             assert s.service.store.reserved == reserved + scratch.size  # charged against --max-bytes
             c.delete("life")
-            _wait_for(lambda: not any(os.path.exists(os.path.join(shm.SHM_DIR, n)) for n in slots),
-                      what="the deleted tensor's regions to be unlinked")
+            _wait_for(
+                lambda: not any(os.path.exists(os.path.join(shm.SHM_DIR, n)) for n in slots),
+                what="the deleted tensor's regions to be unlinked",
+            )
             assert os.path.exists(scratch.path)  # the session's, until it closes
         _wait_for(lambda: not os.path.exists(scratch.path), what="the scratch region to go with its session")
         assert s.service.store.reserved == 0
@@ -450,8 +472,13 @@ def test_stale_cleanup_spares_live_daemons_and_other_files(tmp_path):
 
 def test_client_maps_only_region_names():
     maps = shm.ClientMaps()
-    for bad in ("../../etc/passwd", "/dev/shm/tensorwire-1-00000000-000000000000000000000000", "tensorwire-1-x-y",
-                "tensorwire-1-00000000-000000000000000000000000/../../x", ""):
+    for bad in (
+        "../../etc/passwd",
+        "/dev/shm/tensorwire-1-00000000-000000000000000000000000",
+        "tensorwire-1-x-y",
+        "tensorwire-1-00000000-000000000000000000000000/../../x",
+        "",
+    ):
         assert not shm.valid_name(bad)
         with pytest.raises(shm.ShmError):
             maps.get(bad, 0, 1)
@@ -472,8 +499,9 @@ def _request(op: int, name: bytes, *, flags: int = 0, shape: tuple[int, ...] = (
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["flag without shm", "commit without shm", "release without shm",
-                                  "release of nothing"])
+@pytest.mark.parametrize(
+    "case", ["flag without shm", "commit without shm", "release without shm", "release of nothing"]
+)
 def test_shm_requests_out_of_place_close_only_their_session(srv, case, caplog):
     caplog.set_level("WARNING", logger="tensorwire.serve.daemon.session")
     kind = "shm" if case == "release of nothing" else "tcp"
@@ -496,23 +524,35 @@ def test_shm_requests_out_of_place_close_only_their_session(srv, case, caplog):
 def test_wire_checks_of_the_shm_fields():
     ok = wire.parse_request(memoryview(_request(wire.OP_GET_ROWS, b"t", flags=wire.FLAG_SHM, shape=(5,))))
     assert ok.shm and ok.shape == (5,) and ok.nindex == 0
-    for bad in (_request(wire.OP_GET_ROWS, b"t", flags=wire.FLAG_SHM),  # no row count
-                _request(wire.OP_GET_ROWS, b"t", flags=wire.FLAG_SHM, shape=(-1,)),
-                _request(wire.OP_GET, b"t", flags=0x02),  # unknown flag
-                _request(wire.OP_RELEASE, b"t", flags=wire.FLAG_SHM),
-                _request(wire.OP_GET, b"t", shape=(3,))):
+    for bad in (
+        _request(wire.OP_GET_ROWS, b"t", flags=wire.FLAG_SHM),  # no row count
+        _request(wire.OP_GET_ROWS, b"t", flags=wire.FLAG_SHM, shape=(-1,)),
+        _request(wire.OP_GET, b"t", flags=0x02),  # unknown flag
+        _request(wire.OP_RELEASE, b"t", flags=wire.FLAG_SHM),
+        _request(wire.OP_GET, b"t", shape=(3,)),
+    ):
         with pytest.raises(wire.MalformedRequest):
             wire.parse_request(memoryview(bad))
     buf = bytearray(wire.REPLY_BYTES)
-    wire.pack_reply(memoryview(buf), status=wire.SHM, op=wire.OP_GET, req_id=3, nbytes=10, chunk=4096,
-                    message="tensorwire-1-00000000-000000000000000000000000")
+    wire.pack_reply(
+        memoryview(buf),
+        status=wire.SHM,
+        op=wire.OP_GET,
+        req_id=3,
+        nbytes=10,
+        chunk=4096,
+        message="tensorwire-1-00000000-000000000000000000000000",
+    )
     rep = wire.parse_reply(memoryview(buf))
     assert (rep.status, rep.nbytes, rep.chunk) == (wire.SHM, 10, 4096) and shm.valid_name(rep.message)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("parallel_bytes,helpers,torch_gather", [(0, 1, True), (0, 5, False), (1 << 40, 1, True)],
-                         ids=["split", "split-5-helpers-numpy-gather", "one-thread"])
+@pytest.mark.parametrize(
+    "parallel_bytes,helpers,torch_gather",
+    [(0, 1, True), (0, 5, False), (1 << 40, 1, True)],
+    ids=["split", "split-5-helpers-numpy-gather", "one-thread"],
+)
 def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_bytes, helpers, torch_gather):
     monkeypatch.setattr(shm.Copier, "TORCH_GATHER", torch_gather)
     monkeypatch.setattr(shm.Copier, "TORCH_GATHER_MIN_CPUS", 1)

@@ -52,8 +52,19 @@ def _client_run(address: str, cid: int, errors: list, counts: list) -> None:
             seq = 0
             for _ in range(OPS):
                 op = rng.choice(
-                    ["put", "get", "get_out", "get_rows", "put_rows", "add_rows", "put_shared", "get_shared",
-                     "stat", "list", "delete_reput"]
+                    [
+                        "put",
+                        "get",
+                        "get_out",
+                        "get_rows",
+                        "put_rows",
+                        "add_rows",
+                        "put_shared",
+                        "get_shared",
+                        "stat",
+                        "list",
+                        "delete_reput",
+                    ]
                 )
                 if op == "put":
                     local = torch.randn(64, 32, generator=g)

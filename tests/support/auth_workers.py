@@ -28,8 +28,13 @@ def token_file_job(rank, world, store, token_file, transport="tcp"):
             link.close()
         if rank in (0, 2):
             try:
-                node.link(2 - rank, send=[spec] if rank == 0 else [], recv=[spec] if rank == 2 else [],
-                          name="other", timeout=20)
+                node.link(
+                    2 - rank,
+                    send=[spec] if rank == 0 else [],
+                    recv=[spec] if rank == 2 else [],
+                    name="other",
+                    timeout=20,
+                )
                 out["other"] = "linked"
             except tw.TensorWireError as exc:
                 out["other"] = type(exc).__name__

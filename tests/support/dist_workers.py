@@ -14,14 +14,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import tensorwire  # noqa: F401 - registers backend "tensorwire"
+import tensorwire
 
-PAYLOAD_DTYPES = ["float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
-                  "complex64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+PAYLOAD_DTYPES = [
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+    "complex64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+]
 
 
-def _init(rank: int, world: int, store: Any, transport: str, *, backend: str = "tensorwire",
-          timeout: float = 60.0) -> None:
+def _init(
+    rank: int, world: int, store: Any, transport: str, *, backend: str = "tensorwire", timeout: float = 60.0
+) -> None:
     os.environ["TENSORWIRE_TRANSPORT"] = transport
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
 
@@ -38,8 +54,11 @@ def _pattern(dtype_name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    )
 
 
 def p2p_suite(rank: int, world: int, store: Any, transport: str) -> dict:
@@ -298,8 +317,9 @@ def _pipeline_model(n_layers: int, d: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
-def pipeline(rank: int, world: int, store: Any, transport: str, schedule: str, steps: int = 3,
-             backend: str = "tensorwire") -> dict:
+def pipeline(
+    rank: int, world: int, store: Any, transport: str, schedule: str, steps: int = 3, backend: str = "tensorwire"
+) -> dict:
     """torch.distributed.pipelining training matches single-process training (parameters within 1e-5)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -320,8 +340,10 @@ def pipeline(rank: int, world: int, store: Any, transport: str, schedule: str, s
     n_stages = 2 * world if interleaved else world
     my_stages = [rank, rank + world] if interleaved else [rank]
     per = 2 * n_layers // n_stages
-    stages = [PipelineStage(torch.nn.Sequential(*full[s * per:(s + 1) * per]), s, n_stages, torch.device("cpu"))
-              for s in my_stages]
+    stages = [
+        PipelineStage(torch.nn.Sequential(*full[s * per : (s + 1) * per]), s, n_stages, torch.device("cpu"))
+        for s in my_stages
+    ]
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}[schedule]
     sched = cls(stages if interleaved else stages[0], n_microbatches=n_mb, loss_fn=loss_fn)
     mine = [p for st in stages for p in st.submod.parameters()]
@@ -341,11 +363,13 @@ def pipeline(rank: int, world: int, store: Any, transport: str, schedule: str, s
         ref_opt.step()
     worst = 0.0
     for s in my_stages:
-        got = list(full[s * per:(s + 1) * per].parameters())
-        want = list(ref[s * per:(s + 1) * per].parameters())
+        got = list(full[s * per : (s + 1) * per].parameters())
+        want = list(ref[s * per : (s + 1) * per].parameters())
         for a, b in zip(got, want):
             worst = max(worst, (a - b).abs().max().item())
-    moved = max((a - b).abs().max().item() for a, b in zip(full.parameters(), _pipeline_model(n_layers, d).parameters()))
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(full.parameters(), _pipeline_model(n_layers, d).parameters())
+    )
     backend_name = dist.group.WORLD.name()
     dist.destroy_process_group()
     assert worst <= 1e-5, f"parameters differ from single-process training by {worst}"

@@ -43,8 +43,15 @@ def _entry(target: Callable[..., Any], rank: int, world: int, port: int, q: Any,
         q.put((rank, type(exc).__name__, str(exc), traceback.format_exc()))
 
 
-def run_ranks(target: Callable[..., Any], world: int = 2, *, timeout: float = 120, expect_fail: bool = False,
-              per_rank: dict[int, dict] | None = None, **kwargs: Any) -> dict[int, Any]:
+def run_ranks(
+    target: Callable[..., Any],
+    world: int = 2,
+    *,
+    timeout: float = 120,
+    expect_fail: bool = False,
+    per_rank: dict[int, dict] | None = None,
+    **kwargs: Any,
+) -> dict[int, Any]:
     """Run ``target(rank=, world=, store=, **kwargs)`` in ``world`` processes; return {rank: result}.
 
     With ``expect_fail`` exceptions are returned as ``("error", etype, message)`` instead of raised.
@@ -76,7 +83,9 @@ def run_ranks(target: Callable[..., Any], world: int = 2, *, timeout: float = 12
                                 raise AssertionError(f"rank {r} died with exit code {p.exitcode}") from None
                             results[r] = ("died", p.exitcode, "")
                 if now > deadline:
-                    raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s") from None
+                    raise AssertionError(
+                        f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s"
+                    ) from None
                 continue
             if status == "ok":
                 results[rank] = value

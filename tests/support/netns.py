@@ -27,10 +27,24 @@ EXAMPLE = REPO / "examples" / "pipeline_parallel.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 # Variables a torchrun worker inherits that must not leak from the test's own environment.
-_SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
-          "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
-          "TENSORWIRE_HOST", "TENSORWIRE_TRANSPORT", "TENSORWIRE_TIMEOUT", "TENSORWIRE_PEER_TIMEOUT",
-          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+_SCRUB = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TENSORWIRE_HOST",
+    "TENSORWIRE_TRANSPORT",
+    "TENSORWIRE_TIMEOUT",
+    "TENSORWIRE_PEER_TIMEOUT",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -59,8 +73,15 @@ class Proc:
         self.log = log
         log.write_bytes(b"")
         self._fh = open(log, "ab")  # O_APPEND: whole lines from concurrent writers stay whole
-        self.popen = subprocess.Popen(self.cmd, env=env, cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self.popen = subprocess.Popen(
+            self.cmd,
+            env=env,
+            cwd=cwd,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.pgid = self.popen.pid  # session leader: its pid is the group id
 
     def output(self) -> str:
@@ -155,8 +176,18 @@ def tail(text: str, n: int = 60) -> str:
 
 
 def torchrun_standalone(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
-    return [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.2", str(EXAMPLE), *args]
+    return [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        str(EXAMPLE),
+        *args,
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -206,8 +237,20 @@ class NetnsPair:
         try:
             for ns in self.ns:
                 _ip("netns", "add", ns)
-            _ip("link", "add", self.dev[0], "netns", self.ns[0], "type", "veth", "peer", "name", self.dev[1],
-                "netns", self.ns[1])
+            _ip(
+                "link",
+                "add",
+                self.dev[0],
+                "netns",
+                self.ns[0],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.dev[1],
+                "netns",
+                self.ns[1],
+            )
             for i, ns in enumerate(self.ns):
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "addr", "add", f"{self.addr[i]}/24", "dev", self.dev[i])
@@ -231,8 +274,11 @@ class NetnsPair:
         if shutil.which("ping") is None:
             return
         while time.monotonic() < deadline:
-            r = subprocess.run(["ip", "netns", "exec", self.ns[0], "ping", "-c", "1", "-W", "1", self.addr[1]],
-                               capture_output=True, timeout=10)
+            r = subprocess.run(
+                ["ip", "netns", "exec", self.ns[0], "ping", "-c", "1", "-W", "1", self.addr[1]],
+                capture_output=True,
+                timeout=10,
+            )
             if r.returncode == 0:
                 return
             time.sleep(0.1)
@@ -304,8 +350,9 @@ class NetnsStar:
             while True:
                 if shutil.which("ping") is None:
                     break
-                r = subprocess.run([*self.client_prefix(), "ping", "-c", "1", "-W", "1", a], capture_output=True,
-                                   timeout=10)
+                r = subprocess.run(
+                    [*self.client_prefix(), "ping", "-c", "1", "-W", "1", a], capture_output=True, timeout=10
+                )
                 if r.returncode == 0:
                     break
                 if time.monotonic() > deadline:

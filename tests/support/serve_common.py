@@ -62,13 +62,26 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 class Daemon:
     """``tensorwire serve`` in a subprocess; ``info`` is its ready line."""
 
-    def __init__(self, *args: str, transport: str = "tcp", env: dict[str, str] | None = None,
-                 timeout: float = 60.0, port: int = 0, preexec_fn: Any = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        transport: str = "tcp",
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        port: int = 0,
+        preexec_fn: Any = None,
+    ) -> None:
         self.cmd = [sys.executable, "-m", "tensorwire", "serve", "--port", str(port), "--transport", transport, *args]
         self._err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.PIPE, stderr=self._err, stdin=subprocess.DEVNULL, cwd=ROOT,
-            env=clean_env(env), text=True, preexec_fn=preexec_fn,
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            env=clean_env(env),
+            text=True,
+            preexec_fn=preexec_fn,
         )
         try:
             line = self._first_line(timeout)
@@ -149,8 +162,13 @@ def in_process(**config: Any) -> Iterator[Any]:
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tensorwire", *args], cwd=ROOT, env=clean_env(env), capture_output=True, text=True,
-        timeout=timeout, stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "tensorwire", *args],
+        cwd=ROOT,
+        env=clean_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -165,7 +183,9 @@ def make_pki(directory: pathlib.Path) -> dict[str, str]:
         if shutil.which("openssl") is None:
             pytest.skip("neither the cryptography package nor the openssl CLI is available")
         _pki_openssl(directory)
-    return {n: str(directory / n) for n in ("ca1.pem", "ca2.pem", "server.pem", "server.key", "client.pem", "client.key")}
+    return {
+        n: str(directory / n) for n in ("ca1.pem", "ca2.pem", "server.pem", "server.key", "client.pem", "client.key")
+    }
 
 
 def _pki_cryptography(d: pathlib.Path) -> None:
@@ -180,27 +200,47 @@ def _pki_cryptography(d: pathlib.Path) -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def pem_key(k: Any) -> bytes:
-        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        return k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     def builder(subject: Any, issuer: Any, pub: Any) -> Any:
-        return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(pub)
-                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-                .not_valid_after(now + datetime.timedelta(days=2)))
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(pub)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+        )
 
     cas = {}
     for name in ("ca1", "ca2"):
         k = ec.generate_private_key(ec.SECP256R1())
         subj = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"tensorwire test {name}")])
-        c = builder(subj, subj, k.public_key()).add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(k, hashes.SHA256())
+        c = (
+            builder(subj, subj, k.public_key())
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(k, hashes.SHA256())
+        )
         (d / f"{name}.pem").write_bytes(c.public_bytes(serialization.Encoding.PEM))
         cas[name] = (k, c)
     cak, cac = cas["ca1"]
     for name, san in (("server", True), ("client", False)):
         k = ec.generate_private_key(ec.SECP256R1())
-        b = builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost" if san else "client")]), cac.subject, k.public_key())
+        b = builder(
+            x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost" if san else "client")]),
+            cac.subject,
+            k.public_key(),
+        )
         if san:
-            b = b.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            b = b.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
         c = b.sign(cak, hashes.SHA256())
         (d / f"{name}.pem").write_bytes(c.public_bytes(serialization.Encoding.PEM))
         (d / f"{name}.key").write_bytes(pem_key(k))
@@ -211,15 +251,56 @@ def _pki_openssl(d: pathlib.Path) -> None:  # pragma: no cover - used where cryp
         subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True, timeout=60)
 
     for name in ("ca1", "ca2"):
-        run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key",
-            "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN=tensorwire test {name}")
+        run(
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=tensorwire test {name}",
+        )
     (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     for name, cn in (("server", "localhost"), ("client", "client")):
-        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr", "-subj", f"/CN={cn}")
+        run(
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={cn}",
+        )
         extra = ["-extfile", "san.cnf"] if name == "server" else []
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca1.pem", "-CAkey", "ca1.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", *extra)
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca1.pem",
+            "-CAkey",
+            "ca1.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            *extra,
+        )
 
 
 @pytest.mark.timeout(60)

@@ -22,7 +22,11 @@ def _pattern(spec: tw.TensorSpec, seed: int) -> torch.Tensor:
     raw = torch.randint(0, 256, (spec.nbytes,), dtype=torch.uint8, generator=g)
     if spec.dtype == "bool":
         raw = raw % 2
-    return raw.view(spec.torch_dtype).reshape(spec.shape) if spec.nbytes else torch.empty(spec.shape, dtype=spec.torch_dtype)
+    return (
+        raw.view(spec.torch_dtype).reshape(spec.shape)
+        if spec.nbytes
+        else torch.empty(spec.shape, dtype=spec.torch_dtype)
+    )
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -187,7 +191,11 @@ def memory_after_first_step(rank, world, store, transport, steps=1000):
         rss1 = rss()
         tracemalloc.stop()
         growth = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
-        return {"rss_growth": rss1 - rss0, "py_growth": growth, "slots_moved": ptrs != sorted(s.data_ptr for s in link.slots())}
+        return {
+            "rss_growth": rss1 - rss0,
+            "py_growth": growth,
+            "slots_moved": ptrs != sorted(s.data_ptr for s in link.slots()),
+        }
 
 
 def dynamic_shapes(rank, world, store, transport):

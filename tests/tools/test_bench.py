@@ -24,8 +24,14 @@ FAST = ["--sizes", "4K,64K", "--iters-scale", "0.02", "--no-progress", "--timeou
 
 def _bench(*args: str, timeout: float = 100) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "tensorwire", "bench", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "tensorwire", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _no_children_left() -> None:
@@ -73,24 +79,59 @@ def _fake_raw(rates: dict[str, float], *, failed: str | None = None) -> dict:
         entries = []
         for s in sizes:
             t = s / (rate * 1e9)
-            entries.append({"size": s, "first_s": 3 * t, "warmup": 1,
-                            "uni": {"batch": 4, "seconds": [4 * t] * 3},
-                            "rtt": {"seconds": [t] * 10, "switches_per_rtt": 1.0}})
-        backends[name] = {"status": "ok", "error": "", "sender": {"sizes": entries, "transport": None},
-                          "receiver": {"switches_per_rtt": {str(s): 1.0 for s in sizes}}}
+            entries.append(
+                {
+                    "size": s,
+                    "first_s": 3 * t,
+                    "warmup": 1,
+                    "uni": {"batch": 4, "seconds": [4 * t] * 3},
+                    "rtt": {"seconds": [t] * 10, "switches_per_rtt": 1.0},
+                }
+            )
+        backends[name] = {
+            "status": "ok",
+            "error": "",
+            "sender": {"sizes": entries, "transport": None},
+            "receiver": {"switches_per_rtt": {str(s): 1.0 for s in sizes}},
+        }
     if failed:
-        backends[failed] = {"status": "failed", "error": "rank 0: PeerLostError: boom", "sender": None, "receiver": None}
+        backends[failed] = {
+            "status": "failed",
+            "error": "rank 0: PeerLostError: boom",
+            "sender": None,
+            "receiver": None,
+        }
     cfg = BenchConfig(backends=tuple(backends), sizes=tuple(sizes)).to_dict()
-    memcheck = [{"transport_asked": "auto", "status": "ok", "transport": "tcp", "size": 1 << 20, "steps": 10,
-                 "verdict": "PASS", "ranks": {r: {"rss_growth": 0, "traced_growth": 0, "traced_peak": 0,
-                                                  "slots_stable": True, "recv_buffers": 2, "recv_in_slots": True,
-                                                  "verdict": "PASS"} for r in ("0", "1")}}]
+    memcheck = [
+        {
+            "transport_asked": "auto",
+            "status": "ok",
+            "transport": "tcp",
+            "size": 1 << 20,
+            "steps": 10,
+            "verdict": "PASS",
+            "ranks": {
+                r: {
+                    "rss_growth": 0,
+                    "traced_growth": 0,
+                    "traced_peak": 0,
+                    "slots_stable": True,
+                    "recv_buffers": 2,
+                    "recv_in_slots": True,
+                    "verdict": "PASS",
+                }
+                for r in ("0", "1")
+            },
+        }
+    ]
     return {"config": cfg, "backends": backends, "memcheck": memcheck, "environment": {"cpu": "test"}}
 
 
 def test_summary_ratios_and_targets():
-    raw = _fake_raw({"tensorwire-tcp": 3.0, "tensorwire-ucx": 1.0, "grpc-unary": 0.3, "grpc-stream": 0.5,
-                     "raw-tcp": 3.2}, failed="raw-ucxx")
+    raw = _fake_raw(
+        {"tensorwire-tcp": 3.0, "tensorwire-ucx": 1.0, "grpc-unary": 0.3, "grpc-stream": 0.5, "raw-tcp": 3.2},
+        failed="raw-ucxx",
+    )
     s = report.summarize(raw)
     r16 = s["ratios"][str(16 << 20)]
     assert r16["uni_GBps:tw/grpc"] == pytest.approx(6.0) and r16["uni_GBps:grpc_best"] == "grpc-stream"
@@ -121,12 +162,34 @@ def test_plot_writes_a_png(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_bench_tiny_run_with_check_json_csv_table(tmp_path):
-    out = _bench("--backends", "raw-tcp,tensorwire-tcp,grpc-unary,grpc-stream", "--check", "--memcheck-steps", "50",
-                 "--json", str(tmp_path / "b.json"), "--csv", str(tmp_path / "b.csv"), *FAST)
+    out = _bench(
+        "--backends",
+        "raw-tcp,tensorwire-tcp,grpc-unary,grpc-stream",
+        "--check",
+        "--memcheck-steps",
+        "50",
+        "--json",
+        str(tmp_path / "b.json"),
+        "--csv",
+        str(tmp_path / "b.csv"),
+        *FAST,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
-    for needle in ("# Unidirectional", "# Round trip", "tw-tcp", "grpc-stream", "raw-tcp", "tw/gRPC", "4 KiB",
-                   "64 KiB", "# Targets", "# Memory check", "First transfer", "wake-ups per round trip"):
+    for needle in (
+        "# Unidirectional",
+        "# Round trip",
+        "tw-tcp",
+        "grpc-stream",
+        "raw-tcp",
+        "tw/gRPC",
+        "4 KiB",
+        "64 KiB",
+        "# Targets",
+        "# Memory check",
+        "First transfer",
+        "wake-ups per round trip",
+    ):
         assert needle in text, needle
     data = json.load(open(tmp_path / "b.json"))
     assert data["format"] == "tensorwire-bench/1" and data["config"]["check"] is True
@@ -158,8 +221,15 @@ def test_check_with_messages_in_flight_isend(tmp_path):
     depth 4) no message may still be reading it -- this used to time out (the stamp of message k+1 landed in
     message k; the receiver's check failed and the sender waited for an ack forever)."""
     pytest.importorskip("ucxx")
-    out = _bench("--backends", "tensorwire-ucx-isend,tensorwire-ucx-isend4", "--check", "--no-memcheck",
-                 "--json", str(tmp_path / "i.json"), *FAST)
+    out = _bench(
+        "--backends",
+        "tensorwire-ucx-isend,tensorwire-ucx-isend4",
+        "--check",
+        "--no-memcheck",
+        "--json",
+        str(tmp_path / "i.json"),
+        *FAST,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.load(open(tmp_path / "i.json"))
     for name in ("tensorwire-ucx-isend", "tensorwire-ucx-isend4"):
@@ -171,8 +241,17 @@ def test_check_with_messages_in_flight_isend(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_check_catches_a_corrupted_byte(tmp_path):
-    out = _bench("--backends", "raw-tcp", "--check", "--inject-corruption", "raw-tcp", "--no-memcheck",
-                 "--json", str(tmp_path / "c.json"), *FAST)
+    out = _bench(
+        "--backends",
+        "raw-tcp",
+        "--check",
+        "--inject-corruption",
+        "raw-tcp",
+        "--no-memcheck",
+        "--json",
+        str(tmp_path / "c.json"),
+        *FAST,
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     res = json.load(open(tmp_path / "c.json"))["backends"]["raw-tcp"]
     assert res["status"] == "failed" and res["check_failed"]
@@ -185,8 +264,17 @@ def test_check_catches_a_corrupted_byte(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_check_catches_corruption_through_grpc_server(tmp_path):
-    out = _bench("--backends", "grpc-stream", "--check", "--inject-corruption", "grpc-stream", "--no-memcheck",
-                 "--json", str(tmp_path / "g.json"), *FAST)
+    out = _bench(
+        "--backends",
+        "grpc-stream",
+        "--check",
+        "--inject-corruption",
+        "grpc-stream",
+        "--no-memcheck",
+        "--json",
+        str(tmp_path / "g.json"),
+        *FAST,
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     res = json.load(open(tmp_path / "g.json"))["backends"]["grpc-stream"]
     assert res["status"] == "failed" and "CHECK FAILED" in res["error"]
@@ -231,6 +319,10 @@ def test_hanging_backend_times_out_and_is_killed():
 
 @pytest.mark.timeout(60)
 def test_wrapper_script_help():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_transports.py"), "--help"],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "bench_transports.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0 and "--max-size" in out.stdout and "--check" in out.stdout

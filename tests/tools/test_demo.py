@@ -56,7 +56,7 @@ def test_default_rows_run_back_to_back_and_a_stale_slot_is_caught():
         # a slot is reused a round later: two consecutive rounds must expect different bytes everywhere
         seen = [demo._value(i, p, rnd, k, n) for p in range(3) for rnd in (7, 8) for k in range(n)]
         for p in range(3):
-            two_rounds = seen[p * 2 * n: (p + 1) * 2 * n]
+            two_rounds = seen[p * 2 * n : (p + 1) * 2 * n]
             assert len(set(two_rounds)) == 2 * n
 
 
@@ -99,23 +99,32 @@ def test_no_round_of_back_to_back_exchanges_includes_the_check(small_run):
         for p in demo.PATHS:
             for clock in (small_run.sender, small_run.receiver):
                 times = clock[i][p]
-                rounds = [sum(times[k: k + row.exchanges]) for k in range(0, len(times), row.exchanges)]
+                rounds = [sum(times[k : k + row.exchanges]) for k in range(0, len(times), row.exchanges)]
                 assert len(rounds) >= 2
                 assert statistics.median(rounds) < PAUSE / 2, (row.label, p, rounds)
-                assert statistics.median(times[::row.exchanges]) < PAUSE / 2, (row.label, p, times)
+                assert statistics.median(times[:: row.exchanges]) < PAUSE / 2, (row.label, p, times)
 
 
 def test_table_has_one_row_per_size_and_a_column_per_path():
     mib = demo.DEFAULT_ROWS[1].messages * 2**20  # bytes per exchange of the 1 MiB stream
     res = demo.DemoResult(
-        rows=demo.DEFAULT_ROWS, paths=demo.PATHS, transport="ucx",
-        sender=[{"tensorwire": [1e-5], "raw socket": [2e-5], "gRPC": [4e-4]},
-                {"tensorwire": [mib / 4e9], "raw socket": [mib / 2e9], "gRPC": [mib / 0.5e9]},
-                {"tensorwire": [2 * 2**26 / 8e9], "raw socket": [2 * 2**26 / 4e9], "gRPC": [2 * 2**26 / 1e9]}],
-        receiver=[{"tensorwire": [1e-5], "raw socket": [2e-5], "gRPC": [5e-4]},
-                  {"tensorwire": [1e-3], "raw socket": [2e-3], "gRPC": [8e-3]},
-                  {"tensorwire": [1e-2], "raw socket": [2e-2], "gRPC": [8e-2]}],
-        bad={p: 0 for p in demo.PATHS}, checked_bytes=1, pids={})
+        rows=demo.DEFAULT_ROWS,
+        paths=demo.PATHS,
+        transport="ucx",
+        sender=[
+            {"tensorwire": [1e-5], "raw socket": [2e-5], "gRPC": [4e-4]},
+            {"tensorwire": [mib / 4e9], "raw socket": [mib / 2e9], "gRPC": [mib / 0.5e9]},
+            {"tensorwire": [2 * 2**26 / 8e9], "raw socket": [2 * 2**26 / 4e9], "gRPC": [2 * 2**26 / 1e9]},
+        ],
+        receiver=[
+            {"tensorwire": [1e-5], "raw socket": [2e-5], "gRPC": [5e-4]},
+            {"tensorwire": [1e-3], "raw socket": [2e-3], "gRPC": [8e-3]},
+            {"tensorwire": [1e-2], "raw socket": [2e-2], "gRPC": [8e-2]},
+        ],
+        bad={p: 0 for p in demo.PATHS},
+        checked_bytes=1,
+        pids={},
+    )
     lines = demo.format_table(res)
     assert re.search(r"tensorwire \(ucx\)\s+raw socket\s+gRPC", lines[0])
     assert re.search(r"^4 KiB round trip\s+10\.0 µs\s+20\.0 µs\s+400\.0 µs$", lines[1])
@@ -130,8 +139,14 @@ def test_table_has_one_row_per_size_and_a_column_per_path():
 @pytest.mark.timeout(240)
 def test_cli_demo_prints_progress_and_the_table():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, "-m", "tensorwire", "demo", "--rounds", "1", "--timeout", "200"],
-                         capture_output=True, text=True, timeout=230, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "demo", "--rounds", "1", "--timeout", "200"],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        cwd=ROOT,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     num = r"\d+\.\d+ (?:µs|ms|GB/s)"
     for label in ("4 KiB round trip", "1 MiB stream", "64 MiB stream"):

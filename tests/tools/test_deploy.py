@@ -48,8 +48,18 @@ K8S_VERSIONS = ("1.29.0", kv.latest_version())
 
 # `tensorwire serve` flags (see the CLI), and the global --log-level.
 SERVE_FLAGS = {
-    "--host", "--port", "--data-port", "--transport", "--max-bytes", "--token-file",
-    "--tls-cert", "--tls-key", "--tls-ca", "--insecure", "--metrics-port", "--snapshot-dir",
+    "--host",
+    "--port",
+    "--data-port",
+    "--transport",
+    "--max-bytes",
+    "--token-file",
+    "--tls-cert",
+    "--tls-key",
+    "--tls-ca",
+    "--insecure",
+    "--metrics-port",
+    "--snapshot-dir",
 }
 VALUELESS_FLAGS = {"--insecure"}
 ENV_NAMES = {"TENSORWIRE_" + f[2:].upper().replace("-", "_") for f in SERVE_FLAGS} | {"TENSORWIRE_LOG_LEVEL"}
@@ -117,19 +127,27 @@ def crd_embedded_objects(doc: dict) -> list[tuple[str, dict]]:
     out = [("metadata", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]})]
     if doc["kind"] == "PyTorchJob":
         for rtype, rspec in doc["spec"]["pytorchReplicaSpecs"].items():
-            out.append((
-                f"pytorchReplicaSpecs.{rtype}.template",
-                {"apiVersion": "v1", "kind": "PodTemplate",
-                 "metadata": {"name": f"{name}-{rtype.lower()}"}, "template": rspec["template"]},
-            ))
+            out.append(
+                (
+                    f"pytorchReplicaSpecs.{rtype}.template",
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": f"{name}-{rtype.lower()}"},
+                        "template": rspec["template"],
+                    },
+                )
+            )
     elif doc["kind"] == "JobSet":
         for rj in doc["spec"]["replicatedJobs"]:
             meta = dict(rj["template"].get("metadata") or {})
             meta.setdefault("name", f"{name}-{rj['name']}")
-            out.append((
-                f"replicatedJobs[{rj['name']}].template",
-                {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": rj["template"]["spec"]},
-            ))
+            out.append(
+                (
+                    f"replicatedJobs[{rj['name']}].template",
+                    {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": rj["template"]["spec"]},
+                )
+            )
     else:  # pragma: no cover - guarded by MANIFESTS
         raise AssertionError(doc["kind"])
     return out
@@ -211,8 +229,23 @@ def env_of(container: dict) -> dict[str, str]:
 
 
 _QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?|k|m)?$")
-_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_FACTORS = {
+    None: 1,
+    "m": 1e-3,
+    "k": 1e3,
+    "K": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def quantity(q) -> float:
@@ -361,14 +394,31 @@ def test_embedded_pod_template_typo_is_rejected():
     [
         ("PyTorchJob", lambda d: d["spec"].__setitem__("pytorchReplicaSpec", d["spec"].pop("pytorchReplicaSpecs"))),
         ("PyTorchJob", lambda d: d["spec"]["pytorchReplicaSpecs"]["Worker"].__setitem__("replicas", -1)),
-        ("PyTorchJob", lambda d: d["spec"]["pytorchReplicaSpecs"].__setitem__("Leader", d["spec"]["pytorchReplicaSpecs"]["Worker"])),
-        ("PyTorchJob", lambda d: d["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].__setitem__("name", "main")),
+        (
+            "PyTorchJob",
+            lambda d: d["spec"]["pytorchReplicaSpecs"].__setitem__(
+                "Leader", d["spec"]["pytorchReplicaSpecs"]["Worker"]
+            ),
+        ),
+        (
+            "PyTorchJob",
+            lambda d: d["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].__setitem__(
+                "name", "main"
+            ),
+        ),
         ("JobSet", lambda d: d["spec"].__setitem__("replicatedJob", d["spec"].pop("replicatedJobs"))),
         ("JobSet", lambda d: d["spec"]["network"].__setitem__("subdomain", "Not_A_DNS_Label")),
         ("JobSet", lambda d: d["spec"]["successPolicy"].__setitem__("operator", "Most")),
     ],
-    ids=["spec-typo", "negative-replicas", "unknown-replica-type", "container-not-pytorch",
-         "jobset-spec-typo", "bad-subdomain", "bad-enum"],
+    ids=[
+        "spec-typo",
+        "negative-replicas",
+        "unknown-replica-type",
+        "container-not-pytorch",
+        "jobset-spec-typo",
+        "bad-subdomain",
+        "bad-enum",
+    ],
 )
 def test_crd_schemas_reject_broken_objects(kind, mutate):
     (item,) = [i for i in CRD_DOCS if i[1]["kind"] == kind]
@@ -462,8 +512,12 @@ def test_torchrun_accepts_the_command_lines(tmp_path, monkeypatch):
                 assert args.training_script == TRAIN_SCRIPT and not args.training_script_args
                 assert cmd_args[-1] == TRAIN_SCRIPT
                 params = RendezvousParameters(
-                    backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-                    min_nodes=config.min_nodes, max_nodes=config.max_nodes, **config.rdzv_configs,
+                    backend=config.rdzv_backend,
+                    endpoint=config.rdzv_endpoint,
+                    run_id=config.run_id,
+                    min_nodes=config.min_nodes,
+                    max_nodes=config.max_nodes,
+                    **config.rdzv_configs,
                 )
                 if doc["kind"] == "JobSet":
                     assert params.get_as_bool("is_host") is (index == 0)
@@ -531,8 +585,11 @@ def test_serve_ports_service_and_labels_agree():
     sts, svc, _secret, pod, container = serve_parts()
     flags = serve_flags(container)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": int(flags["--port"]), "data": int(flags["--data-port"]),
-                     "metrics": int(flags["--metrics-port"])}
+    assert ports == {
+        "grpc": int(flags["--port"]),
+        "data": int(flags["--data-port"]),
+        "metrics": int(flags["--metrics-port"]),
+    }
     assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
     assert svc["spec"]["clusterIP"] == "None"
     labels = pod["metadata"]["labels"]
@@ -627,7 +684,9 @@ def test_systemd_unit_has_the_required_settings():
 def _verify(path: Path) -> list[str]:
     proc = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", str(path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     problems = [ln for ln in (proc.stdout + proc.stderr).splitlines() if path.name in ln]
     if proc.returncode != 0:
@@ -716,8 +775,14 @@ def test_dockerfile_extra_exists_in_pyproject():
 
 def test_dockerfile_documents_the_run_flags():
     comments = "\n".join(ln for ln in DOCKERFILE.read_text().splitlines() if ln.lstrip().startswith("#"))
-    for flag in ("--ipc=host", "--ulimit memlock=-1", "--device /dev/infiniband", "--cap-add IPC_LOCK",
-                 "--network host", "--shm-size"):
+    for flag in (
+        "--ipc=host",
+        "--ulimit memlock=-1",
+        "--device /dev/infiniband",
+        "--cap-add IPC_LOCK",
+        "--network host",
+        "--shm-size",
+    ):
         assert flag in comments, flag
 
 
@@ -726,10 +791,20 @@ def test_dockerfile_documents_the_run_flags():
 
 def test_readme_covers_the_ucx_settings_and_the_files():
     text = (DEPLOY / "README.md").read_text()
-    for needle in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_IB_GPU_DIRECT_RDMA", "UCX_RNDV_THRESH",
-                   "UCX_MEMTYPE_CACHE", "UCX_MAX_RNDV_RAILS", "UCX_IB_GID_INDEX", "memlock", "--ipc=host",
-                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "rc,tcp,sm,self,cuda_copy,cuda_ipc",
-                   "tcp,sm,self,cuda_copy,cuda_ipc"):
+    for needle in (
+        "UCX_TLS",
+        "UCX_NET_DEVICES",
+        "UCX_IB_GPU_DIRECT_RDMA",
+        "UCX_RNDV_THRESH",
+        "UCX_MEMTYPE_CACHE",
+        "UCX_MAX_RNDV_RAILS",
+        "UCX_IB_GID_INDEX",
+        "memlock",
+        "--ipc=host",
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        "rc,tcp,sm,self,cuda_copy,cuda_ipc",
+        "tcp,sm,self,cuda_copy,cuda_ipc",
+    ):
         assert needle in text, needle
     for ref in re.findall(r"`((?:k8s|systemd)/[\w./-]+|Dockerfile)`", text):
         assert (DEPLOY / ref).exists(), ref

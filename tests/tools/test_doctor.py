@@ -15,13 +15,30 @@ from tensorwire.doctor import Probe, UcxInfo, run_checks
 
 pytestmark = pytest.mark.timeout(120)
 
-UCX_CPU = UcxInfo(version="1.21.0", ucxx_version="0.52.0", configured="--without-verbs --with-cuda=/usr/local/cuda",
-                  transports=[("self", "memory"), ("tcp", "lo"), ("tcp", "eth0"), ("posix", "memory"),
-                              ("sysv", "memory"), ("cma", "memory")], source="fake", cuda_support=True)
-UCX_GPU_RDMA = UcxInfo(version="1.21.0", ucxx_version="0.52.0", configured="--with-verbs --with-cuda",
-                       transports=UCX_CPU.transports + [("rc_mlx5", "mlx5_0:1"), ("cuda_copy", "cuda"),
-                                                        ("cuda_ipc", "cuda")],
-                       modules=["libuct_ib.so", "libuct_cuda.so"], source="fake", cuda_support=True)
+UCX_CPU = UcxInfo(
+    version="1.21.0",
+    ucxx_version="0.52.0",
+    configured="--without-verbs --with-cuda=/usr/local/cuda",
+    transports=[
+        ("self", "memory"),
+        ("tcp", "lo"),
+        ("tcp", "eth0"),
+        ("posix", "memory"),
+        ("sysv", "memory"),
+        ("cma", "memory"),
+    ],
+    source="fake",
+    cuda_support=True,
+)
+UCX_GPU_RDMA = UcxInfo(
+    version="1.21.0",
+    ucxx_version="0.52.0",
+    configured="--with-verbs --with-cuda",
+    transports=UCX_CPU.transports + [("rc_mlx5", "mlx5_0:1"), ("cuda_copy", "cuda"), ("cuda_ipc", "cuda")],
+    modules=["libuct_ib.so", "libuct_cuda.so"],
+    source="fake",
+    cuda_support=True,
+)
 
 
 def _write(root, rel: str, text: str = "") -> None:
@@ -95,12 +112,15 @@ def test_pip_ucx_without_verbs_warns_only_where_rdma_exists(tmp_path):
     assert _by(findings, "rdma in ucx").verdict == "WARN"
 
 
-@pytest.mark.parametrize(("soft", "rdma", "verdict"), [
-    (64 * 1024, True, "FAIL"),
-    (8 << 30, True, "WARN"),
-    (resource.RLIM_INFINITY, True, "OK"),
-    (64 * 1024, False, "OK"),
-])
+@pytest.mark.parametrize(
+    ("soft", "rdma", "verdict"),
+    [
+        (64 * 1024, True, "FAIL"),
+        (8 << 30, True, "WARN"),
+        (resource.RLIM_INFINITY, True, "OK"),
+        (64 * 1024, False, "OK"),
+    ],
+)
 def test_memlock_matters_only_with_rdma(tmp_path, soft, rdma, verdict):
     if rdma:
         _rdma_host(tmp_path)
@@ -128,8 +148,9 @@ def test_unknown_net_device_warns(tmp_path):
 
 
 def test_expandable_segments_warns(tmp_path):
-    f = _by(run_checks(_probe(tmp_path, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})),
-            "expandable_segments")
+    f = _by(
+        run_checks(_probe(tmp_path, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})), "expandable_segments"
+    )
     assert f.verdict == "WARN" and "cuda_ipc" in f.detail
     assert _by(run_checks(_probe(tmp_path)), "expandable_segments").verdict == "OK"
 
@@ -183,19 +204,29 @@ def test_a_crashing_check_does_not_hide_the_others(tmp_path):
 
 
 def test_parse_ucx_info_and_context_info():
-    text = ("# Memory domain: tcp\n#     Component: tcp\n#      Transport: tcp\n#         Device: lo\n"
-            "#      Transport: tcp\n#         Device: eth0\n# Memory domain: posix\n#      Transport: posix\n"
-            "#         Device: memory\n")
+    text = (
+        "# Memory domain: tcp\n#     Component: tcp\n#      Transport: tcp\n#         Device: lo\n"
+        "#      Transport: tcp\n#         Device: eth0\n# Memory domain: posix\n#      Transport: posix\n"
+        "#         Device: memory\n"
+    )
     assert doctor.parse_ucx_info_d(text) == [("tcp", "lo"), ("tcp", "eth0"), ("posix", "memory")]
-    ctx = "#      resource 1  :  md 1  dev 1  flags -- tcp/eth0\n#      resource 5  :  md 4  dev 0  flags -- cma/memory\n"
+    ctx = (
+        "#      resource 1  :  md 1  dev 1  flags -- tcp/eth0\n#      resource 5  :  md 4  dev 0  flags -- cma/memory\n"
+    )
     assert doctor.parse_context_info(ctx) == [("tcp", "eth0"), ("cma", "memory")]
 
 
 def test_doctor_cli_on_this_host_json():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "tensorwire", "doctor", "--json"], capture_output=True, text=True,
-                         timeout=100, env=env, cwd=root)
+    out = subprocess.run(
+        [sys.executable, "-m", "tensorwire", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        cwd=root,
+    )
     data = json.loads(out.stdout)
     checks = {f["check"]: f for f in data["findings"]}
     assert {"ucx", "rdma", "memlock", "shared memory", "cuda", "UCX_* env", "tensorwire"} <= set(checks)

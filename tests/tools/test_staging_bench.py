@@ -16,8 +16,9 @@ SCRIPT = os.path.join(ROOT, "bench", "bench_staged_gpu.py")
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 @pytest.mark.timeout(120)
@@ -33,8 +34,22 @@ def test_bench_exits_non_zero_with_a_clear_message_without_cuda(tmp_path):
 @pytest.mark.timeout(300)
 def test_bench_cpu_dry_run_writes_the_side_by_side_table(tmp_path):
     out, js = tmp_path / "staged.md", tmp_path / "staged.json"
-    res = _run("--cpu-dry-run", "--sizes", "64K,256K", "--budget", "1M", "--max-iters", "5", "--timeout", "200",
-               "--out", str(out), "--json", str(js), timeout=280)
+    res = _run(
+        "--cpu-dry-run",
+        "--sizes",
+        "64K,256K",
+        "--budget",
+        "1M",
+        "--max-iters",
+        "5",
+        "--timeout",
+        "200",
+        "--out",
+        str(out),
+        "--json",
+        str(js),
+        timeout=280,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     text = out.read_text()
     assert "CPU DRY RUN" in text

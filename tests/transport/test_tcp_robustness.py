@@ -30,8 +30,9 @@ def _good_pair(listener):
     nonce = new_nonce()
     listener.expect(nonce)
     out = {}
-    th = threading.Thread(target=lambda: out.setdefault("c", TcpListener.connect(
-        "127.0.0.1", listener.address[1], nonce, timeout=10)))
+    th = threading.Thread(
+        target=lambda: out.setdefault("c", TcpListener.connect("127.0.0.1", listener.address[1], nonce, timeout=10))
+    )
     th.start()
     server = listener.accept(nonce, timeout=10)
     th.join(10)

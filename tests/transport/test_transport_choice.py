@@ -17,8 +17,10 @@ pytestmark = pytest.mark.timeout(60)
 
 def _offer(transport: str = "auto", kinds=("ucx", "tcp"), hid: str = "h1") -> control_pb2.LinkOffer:
     return control_pb2.LinkOffer(
-        transport=transport, host_id=hid,
-        data=[types_pb2.TransportAddress(kind=k, host="127.0.0.1", port=1) for k in kinds])
+        transport=transport,
+        host_id=hid,
+        data=[types_pb2.TransportAddress(kind=k, host="127.0.0.1", port=1) for k in kinds],
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +94,11 @@ def test_a_bad_auto_preference_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("value", ["abc", "-5", "nan"])
 def test_bad_ucx_spin_settings_are_clear_errors_at_import(value):
     code = "import tensorwire.transport.ucx"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "TENSORWIRE_UCX_CUDA_SPIN_US": value})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TENSORWIRE_UCX_CUDA_SPIN_US": value},
+    )
     assert r.returncode != 0 and "ConfigError" in r.stderr and "TENSORWIRE_UCX_CUDA_SPIN_US" in r.stderr, r.stderr

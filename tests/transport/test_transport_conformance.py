@@ -24,12 +24,14 @@ def _tcp_maker(listener: TcpListener):
         nonce = new_nonce()
         listener.expect(nonce)
         out = {}
-        th = threading.Thread(target=lambda: out.setdefault("c", TcpListener.connect(
-            "127.0.0.1", listener.address[1], nonce, timeout=10)))
+        th = threading.Thread(
+            target=lambda: out.setdefault("c", TcpListener.connect("127.0.0.1", listener.address[1], nonce, timeout=10))
+        )
         th.start()
         server = listener.accept(nonce, timeout=10)
         th.join(10)
         return out["c"], server
+
     return make
 
 

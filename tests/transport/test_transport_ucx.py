@@ -86,8 +86,14 @@ def test_import_leaves_environment_alone() -> None:
         "assert not u._ENGINES; print('ok')"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
@@ -102,8 +108,13 @@ def test_missing_ucxx_is_an_import_error() -> None:
         "else:\n    raise SystemExit('imported without ucxx')\n"
         "from tensorwire.transport.base import available_kinds; assert 'ucx' not in available_kinds(); print('ok')"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
@@ -175,10 +186,20 @@ def test_many_links_many_threads_share_one_worker(listener: UcxListener) -> None
         for i, (a, b) in enumerate(pairs):
             for size, (ta, tb) in ((64, (1, 2)), (300_000, (3, 4))):
                 seed = 2 * (4 * i + ta)  # a sends seed, b sends seed ^ 1: each side checks the other's
-                threads.append(threading.Thread(target=_catch, args=(errs, lambda a=a, ta=ta, tb=tb, size=size, seed=seed:
-                                                                        side(a, ta, tb, size, seed)), daemon=True))
-                threads.append(threading.Thread(target=_catch, args=(errs, lambda b=b, ta=ta, tb=tb, size=size, seed=seed:
-                                                                        side(b, tb, ta, size, seed ^ 1)), daemon=True))
+                threads.append(
+                    threading.Thread(
+                        target=_catch,
+                        args=(errs, lambda a=a, ta=ta, tb=tb, size=size, seed=seed: side(a, ta, tb, size, seed)),
+                        daemon=True,
+                    )
+                )
+                threads.append(
+                    threading.Thread(
+                        target=_catch,
+                        args=(errs, lambda b=b, ta=ta, tb=tb, size=size, seed=seed: side(b, tb, ta, size, seed ^ 1)),
+                        daemon=True,
+                    )
+                )
         for th in threads:
             th.start()
         for th in threads:
@@ -381,8 +402,11 @@ def test_garbage_and_wrong_nonce_are_dropped_listener_keeps_serving() -> None:
         socks.append(silent)
         # the good peer still gets through
         nonce_box: list = []
-        th = threading.Thread(target=_catch, args=(nonce_box, lambda: nonce_box.append(
-            UcxListener.connect("127.0.0.1", port, good, timeout=10))), daemon=True)
+        th = threading.Thread(
+            target=_catch,
+            args=(nonce_box, lambda: nonce_box.append(UcxListener.connect("127.0.0.1", port, good, timeout=10))),
+            daemon=True,
+        )
         th.start()
         t = lst.accept(good, timeout=15)
         th.join(10)

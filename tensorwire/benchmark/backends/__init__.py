@@ -18,18 +18,32 @@ __all__ = ["BACKENDS", "ALIASES", "resolve", "load", "default_backends", "is_ten
 BACKENDS: dict[str, tuple[str, str | None, str]] = {
     "tensorwire-tcp": ("tw", "tcp", "tensorwire Node/Link, TCP transport"),
     "tensorwire-ucx": ("tw", "ucx", "tensorwire Node/Link, UCX transport (ucxx)"),
-    "tensorwire-ucx-isend": ("tw", "ucx-isend", "as tensorwire-ucx, the stream pattern through Link.isend: up to "
-                             "2 messages in flight (the receiver's slots per name), as torch-nccl's send returns "
-                             "once queued on a stream; round trips are the same as tensorwire-ucx"),
-    "tensorwire-ucx-isend4": ("tw", "ucx-isend4", "as tensorwire-ucx-isend with node.link(..., depth=4) on the "
-                              "receiver: up to 4 messages in flight"),
+    "tensorwire-ucx-isend": (
+        "tw",
+        "ucx-isend",
+        "as tensorwire-ucx, the stream pattern through Link.isend: up to "
+        "2 messages in flight (the receiver's slots per name), as torch-nccl's send returns "
+        "once queued on a stream; round trips are the same as tensorwire-ucx",
+    ),
+    "tensorwire-ucx-isend4": (
+        "tw",
+        "ucx-isend4",
+        "as tensorwire-ucx-isend with node.link(..., depth=4) on the receiver: up to 4 messages in flight",
+    ),
     "grpc-unary": ("grpcb", "unary", "gRPC unary call carrying the bytes (limits raised), response = ack"),
     "grpc-stream": ("grpcb", "stream", "gRPC client-streaming in chunks into a preallocated buffer"),
     "raw-tcp": ("rawtcp", None, "plain TCP socket: sendall / recv_into, 1-byte ack"),
-    "raw-ucxx": ("rawucx", None, "ucxx core API tag send/recv, polling progress, endpoints by worker address "
-                 "(shared memory + cma on one host)"),
-    "raw-ucxx-cm": ("rawucx", "cm", "as raw-ucxx, connected through a UCX listener (sockaddr CM, peer error "
-                    "handling): what ucxx.create_listener and tensorwire's UCX transport do"),
+    "raw-ucxx": (
+        "rawucx",
+        None,
+        "ucxx core API tag send/recv, polling progress, endpoints by worker address (shared memory + cma on one host)",
+    ),
+    "raw-ucxx-cm": (
+        "rawucx",
+        "cm",
+        "as raw-ucxx, connected through a UCX listener (sockaddr CM, peer error "
+        "handling): what ucxx.create_listener and tensorwire's UCX transport do",
+    ),
     "raw-ucxx-cmnoerr": ("rawucx", "cmnoerr", "as raw-ucxx-cm, endpoints without peer error handling"),
     "torch-gloo": ("torchdist", "gloo", "torch.distributed send/recv, gloo (CPU)"),
     "torch-nccl": ("torchdist", "nccl", "torch.distributed send/recv, NCCL (CUDA)"),
@@ -51,8 +65,17 @@ def is_tensorwire(name: str) -> bool:
 
 def default_backends(device: str) -> tuple[str, ...]:
     torch_b = "torch-nccl" if device == "cuda" else "torch-gloo"
-    return ("tensorwire-tcp", "tensorwire-ucx", "grpc-unary", "grpc-stream", "raw-tcp", "raw-ucxx", "raw-ucxx-cm",
-            torch_b, "nixl")
+    return (
+        "tensorwire-tcp",
+        "tensorwire-ucx",
+        "grpc-unary",
+        "grpc-stream",
+        "raw-tcp",
+        "raw-ucxx",
+        "raw-ucxx-cm",
+        torch_b,
+        "nixl",
+    )
 
 
 def resolve(names: Iterable[str], *, device: str) -> tuple[str, ...]:
@@ -75,8 +98,9 @@ def resolve(names: Iterable[str], *, device: str) -> tuple[str, ...]:
             elif name in BACKENDS:
                 expanded = (name,)
             else:
-                raise ConfigError(f"unknown backend {name!r}; known: all, {', '.join(sorted(ALIASES))}, torch, "
-                                  f"{', '.join(BACKENDS)}")
+                raise ConfigError(
+                    f"unknown backend {name!r}; known: all, {', '.join(sorted(ALIASES))}, torch, {', '.join(BACKENDS)}"
+                )
             out.extend(b for b in expanded if b not in out)
     if not out:
         raise ConfigError("no backend selected")

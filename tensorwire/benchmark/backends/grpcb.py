@@ -218,10 +218,13 @@ class Receiver(_Receiver):
         from concurrent import futures
 
         self.sink = sink
-        handlers = grpc.method_handlers_generic_handler(_SERVICE, {
-            "Put": grpc.unary_unary_rpc_method_handler(self._put),
-            "Stream": grpc.stream_unary_rpc_method_handler(self._stream),
-        })
+        handlers = grpc.method_handlers_generic_handler(
+            _SERVICE,
+            {
+                "Put": grpc.unary_unary_rpc_method_handler(self._put),
+                "Stream": grpc.stream_unary_rpc_method_handler(self._stream),
+            },
+        )
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=_OPTIONS)
         server.add_generic_rpc_handlers((handlers,))
         port = server.add_insecure_port(f"{self.ctx.cfg.host}:0")

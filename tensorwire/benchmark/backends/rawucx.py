@@ -128,7 +128,10 @@ class Receiver(_Receiver):
         else:
             eps: list[Any] = []
             self.listener = self.ucx.u.UCXListener.create(
-                self.ucx.worker, 0, lambda req: eps.append(self.listener.create_endpoint_from_conn_request(req, arg == "cm")))
+                self.ucx.worker,
+                0,
+                lambda req: eps.append(self.listener.create_endpoint_from_conn_request(req, arg == "cm")),
+            )
             ctx.publish("ucxx/port", str(self.listener.port))
             deadline = time.monotonic() + ctx.timeout
             while not eps:

@@ -35,8 +35,9 @@ class _Group:
         self.nccl = backend == "nccl"
         store = dist.PrefixStore(ctx.key("pg/"), ctx.store)
         kwargs = {"device_id": ctx.device} if self.nccl else {}
-        dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=ctx.timeout), **kwargs)
+        dist.init_process_group(
+            backend, store=store, rank=ctx.rank, world_size=2, timeout=datetime.timedelta(seconds=ctx.timeout), **kwargs
+        )
         self.ack = torch.ones(1, dtype=torch.uint8, device=ctx.device)
         self.peer = 1 - ctx.rank
 

@@ -33,9 +33,16 @@ if TYPE_CHECKING:  # pragma: no cover
 def _node(ctx: PairContext, transport: str) -> "Node":
     from tensorwire.p2p.node import Node
 
-    return Node(rank=ctx.rank, world_size=2, store=ctx.store, host=ctx.cfg.host, transport=transport,  # type: ignore[arg-type]
-                timeout=ctx.timeout, prefix=ctx.key("tw/"),
-                device=ctx.device if ctx.device.type == "cuda" else None)
+    return Node(
+        rank=ctx.rank,
+        world_size=2,
+        store=ctx.store,
+        host=ctx.cfg.host,
+        transport=transport,  # type: ignore[arg-type]
+        timeout=ctx.timeout,
+        prefix=ctx.key("tw/"),
+        device=ctx.device if ctx.device.type == "cuda" else None,
+    )
 
 
 def _specs(size: int, ctx: PairContext):
@@ -121,8 +128,9 @@ class Receiver(_Receiver):
 
     def open(self, size: int) -> None:
         data, ack = _specs(size, self.ctx)
-        self.link = self.node.link(0, send=[ack], recv=[data], name=f"bench-{size}",
-                                   depth=self.depth if self.depth > 2 else None)
+        self.link = self.node.link(
+            0, send=[ack], recv=[data], name=f"bench-{size}", depth=self.depth if self.depth > 2 else None
+        )
 
     def recv(self) -> "torch.Tensor":
         assert self.link is not None

@@ -145,8 +145,7 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
 
 
 def _stat(info: Any) -> TensorStat:
-    return TensorStat(spec_from_proto(info.spec), int(info.version), int(info.nbytes),
-                      ShardLayout.from_field(info))
+    return TensorStat(spec_from_proto(info.spec), int(info.version), int(info.nbytes), ShardLayout.from_field(info))
 
 
 def _use_count(t: "torch.Tensor") -> int | None:
@@ -384,7 +383,9 @@ class Client:
         self._page: Any = None  # shm.SessionPage: lease-read counts for the daemon, the write-ahead ticket
         # write-ahead grant (see tensorwire.serve.protocol.shm.PageLock), or None
         self._use_ahead = _ahead_wanted()
-        self._ahead: tuple[str, tuple[int, tuple[int, ...]], str, int] | None = None  # name, (dtype, shape), region, ticket
+        self._ahead: tuple[str, tuple[int, tuple[int, ...]], str, int] | None = (
+            None  # name, (dtype, shape), region, ticket
+        )
         #: Puts written into a write-ahead grant's slot (one round trip instead of two; all sessions).
         self.ahead_puts = 0
         #: Reads served from a read lease, without a request (all sessions), and leases found stale.
@@ -406,8 +407,9 @@ class Client:
         delay = 0.005
         while True:
             try:
-                return getattr(self._stub, method)(request, timeout=max(0.01, deadline - time.monotonic()),
-                                                   metadata=self._md)
+                return getattr(self._stub, method)(
+                    request, timeout=max(0.01, deadline - time.monotonic()), metadata=self._md
+                )
             except grpc.RpcError as exc:
                 err = rpc_error(exc, method, tls=self._tls is not None, connecting=method == "OpenSession")
                 if isinstance(err, Busy) and deadline - time.monotonic() > delay:
@@ -424,7 +426,6 @@ class Client:
     def _open_session(self) -> None:
         from tensorwire.v1 import store_pb2
 
-
         kinds: list[str]
         if self._want == "tcp":
             kinds = ["tcp"]
@@ -440,11 +441,15 @@ class Client:
         last: BaseException | None = None
         for kind in kinds:
             offer_shm = self._want in ("auto", "shm") and self._want_dp and not self._shm_broken
-            req = store_pb2.OpenSessionRequest(protocol_version=PROTOCOL_VERSION, transport=kind, client=self._name,
-                                               host_id=host_id(),
-                                               data_requests=DATA_REQUESTS_VERSION if self._want_dp else 0,
-                                               shm=(SHM_VERSION if self._use_ahead else LEASE_VERSION)
-                                               if offer_shm else 0, layouts=1)
+            req = store_pb2.OpenSessionRequest(
+                protocol_version=PROTOCOL_VERSION,
+                transport=kind,
+                client=self._name,
+                host_id=host_id(),
+                data_requests=DATA_REQUESTS_VERSION if self._want_dp else 0,
+                shm=(SHM_VERSION if self._use_ahead else LEASE_VERSION) if offer_shm else 0,
+                layouts=1,
+            )
             resp = self._rpc("OpenSession", req, timeout=self._connect_timeout + 5)
             if not resp.data:
                 raise ProtocolError("the server offered no data listener")
@@ -479,7 +484,9 @@ class Client:
             elif not offer_shm:
                 self._shm_why = self._shm_why or "data_requests=False (shared memory rides on data-plane requests)"
             elif not (self._dp and resp.shm >= 1 and resp.shm_hello):
-                self._shm_why = "the daemon offers no shared memory (--no-shm, an older daemon, or /dev/shm unusable there)"
+                self._shm_why = (
+                    "the daemon offers no shared memory (--no-shm, an older daemon, or /dev/shm unusable there)"
+                )
             else:
                 self._shm_hello(t, resp.shm_hello, resp.shm)
             if self._want == "shm" and not self._shm:
@@ -504,8 +511,10 @@ class Client:
         try:
             nonce = shm.read_hello(hello)
         except shm.ShmError as exc:
-            log.debug("shared memory: the daemon's region is not reachable from this process (%s); "
-                      "using the data connection", exc)
+            log.debug(
+                "shared memory: the daemon's region is not reachable from this process (%s); using the data connection",
+                exc,
+            )
             self._shm_why = f"the daemon's shared memory is not reachable from this process ({exc})"
             return
         pr = _Progress()
@@ -576,23 +585,31 @@ class Client:
         self._req_id = req_id
         t.send(TAG_REQUEST, buf[:size], step=req_id, timeout=self._timeout)
 
-    def _shm_read(self, t: "Transport", pr: "_Progress", rep: "wire.Reply", name: str,
-                  use: Callable[["torch.Tensor"], Any]) -> Any:
+    def _shm_read(
+        self, t: "Transport", pr: "_Progress", rep: "wire.Reply", name: str, use: Callable[["torch.Tensor"], Any]
+    ) -> Any:
         """Run ``use(bytes)`` on the region an SHM read reply names; its pin goes back with the next request
         (or the helper's RELEASE once this client is idle: :data:`_RELEASE_AFTER`)."""
         view = self._shm_view(pr, rep, name)
         try:
             result = use(view)
             if rep.lease and self._lease_tab is not None and rep.lease < self._lease_tab.size:
-                self._leases[name] = (rep.lease, rep.step, rep.message, rep.chunk, rep.nbytes,
-                                      self._reply_spec(name, rep))
+                self._leases[name] = (
+                    rep.lease,
+                    rep.step,
+                    rep.message,
+                    rep.chunk,
+                    rep.nbytes,
+                    self._reply_spec(name, rep),
+                )
             return result
         finally:
             with self._rel_cond:
                 self._pin, self._pin_at = name, time.monotonic()
                 if self._releaser is None:
-                    self._releaser = threading.Thread(target=self._release_loop, name="tensorwire-client-release",
-                                                      daemon=True)
+                    self._releaser = threading.Thread(
+                        target=self._release_loop, name="tensorwire-client-release", daemon=True
+                    )
                     self._releaser.start()
                 elif self._rel_parked:
                     self._rel_cond.notify()
@@ -668,8 +685,16 @@ class Client:
             finally:
                 self._lock.release()
 
-    def _shm_write(self, t: "Transport", pr: "_Progress", op: int, rep: "wire.Reply", name: str, nbytes: int,
-                   fill: Callable[["torch.Tensor"], None]) -> TensorStat:
+    def _shm_write(
+        self,
+        t: "Transport",
+        pr: "_Progress",
+        op: int,
+        rep: "wire.Reply",
+        name: str,
+        nbytes: int,
+        fill: Callable[["torch.Tensor"], None],
+    ) -> TensorStat:
         """After an SHM reply to a write: ``fill`` the region, COMMIT, return the committed stat."""
         if rep.nbytes != nbytes:
             raise self._lost(pr, f"the server reserved {rep.nbytes} bytes, this client has {nbytes}")
@@ -701,15 +726,20 @@ class Client:
         ok = done.message and done.step > 0 and done.nbytes == nbytes and self._page is not None and self._use_ahead
         self._ahead = (name, (done.dtype, tuple(done.shape)), done.message, int(done.step)) if ok else None
 
-    def _put_ahead(self, t: "Transport", pr: "_Progress", spec: TensorSpec,
-                   fill: Callable[["torch.Tensor", str], None]) -> "TensorStat | None":
+    def _put_ahead(
+        self, t: "Transport", pr: "_Progress", spec: TensorSpec, fill: Callable[["torch.Tensor", str], None]
+    ) -> "TensorStat | None":
         """A put into the slot of the session's write-ahead grant: one copy, one COMMIT. None: not this put
         (another name or spec: the daemon's answer to the ordinary request is what the caller gets), or the
         grant has ended (nothing was written that anyone will see); put the ordinary way."""
         grant, self._ahead = self._ahead, None
         page, name, nbytes = self._page, spec.name, spec.nbytes
-        if (grant is None or page is None or grant[0] != name
-                or grant[1] != (wire.dtype_code(spec.dtype), tuple(spec.shape))):
+        if (
+            grant is None
+            or page is None
+            or grant[0] != name
+            or grant[1] != (wire.dtype_code(spec.dtype), tuple(spec.shape))
+        ):
             return None
         region, ticket = grant[2], grant[3]
         if not page.lock.try_lock():  # the daemon is revoking it right now
@@ -838,8 +868,18 @@ class Client:
         if not self._replies_posted:
             self._post_reply(t, pr)
 
-    def _dp_call(self, t: "Transport", pr: "_Progress", op: int, name: str, *, index: "torch.Tensor | None" = None,
-                 dtype: int = 0, shape: tuple[int, ...] = (), flags: int = 0) -> "wire.Reply":
+    def _dp_call(
+        self,
+        t: "Transport",
+        pr: "_Progress",
+        op: int,
+        name: str,
+        *,
+        index: "torch.Tensor | None" = None,
+        dtype: int = 0,
+        shape: tuple[int, ...] = (),
+        flags: int = 0,
+    ) -> "wire.Reply":
         """Send one data-plane request; returns its first reply (OK, or GO for a write).
 
         Raises:
@@ -855,9 +895,18 @@ class Client:
         size = wire.request_size(len(nb), n, layout=bool(layout))
         buf = self._request_buffer(size)
         req_id = self._req_id + 1
-        off = wire.pack_request(memoryview(buf.numpy()), op=op, req_id=req_id, name=nb,
-                                timeout_ms=self._timeout_ms(), dtype=dtype, shape=shape, nindex=n, flags=flags,
-                                layout=layout)
+        off = wire.pack_request(
+            memoryview(buf.numpy()),
+            op=op,
+            req_id=req_id,
+            name=nb,
+            timeout_ms=self._timeout_ms(),
+            dtype=dtype,
+            shape=shape,
+            nindex=n,
+            flags=flags,
+            layout=layout,
+        )
         if n:
             assert index is not None
             buf[off : off + 8 * n].view(torch.int64).copy_(index)
@@ -885,8 +934,9 @@ class Client:
             buf = self._replies_posted.popleft()
             self._replies += 1
             if r.nbytes != wire.REPLY_BYTES or (r.step is not None and r.step != self._replies):
-                raise ProtocolError(f"reply of {r.nbytes} bytes (step {r.step}); expected {wire.REPLY_BYTES} "
-                                    f"(step {self._replies})")
+                raise ProtocolError(
+                    f"reply of {r.nbytes} bytes (step {r.step}); expected {wire.REPLY_BYTES} (step {self._replies})"
+                )
             try:
                 rep = wire.parse_reply(memoryview(buf.numpy()))
             except ValueError as exc:
@@ -941,8 +991,9 @@ class Client:
                 finally:
                     t.forget_buffer(part)
                 if r.nbytes != part.numel() or (r.step is not None and r.step != rep.step + i):
-                    raise ProtocolError(f"received {r.nbytes} bytes (step {r.step}); expected {part.numel()} "
-                                        f"(step {rep.step + i})")
+                    raise ProtocolError(
+                        f"received {r.nbytes} bytes (step {r.step}); expected {part.numel()} (step {rep.step + i})"
+                    )
         except TensorWireError as exc:
             pr.lost = exc
             raise
@@ -951,12 +1002,14 @@ class Client:
         """Receive and discard a read's bytes (keeps the session in step)."""
         self._dp_receive(t, pr, rep, self._pool("", "discard").acquire(rep.nbytes))
 
-    def _dp_write(self, t: "Transport", pr: "_Progress", op: int, rep: "wire.Reply", src: "torch.Tensor",
-                  name: str) -> TensorStat:
+    def _dp_write(
+        self, t: "Transport", pr: "_Progress", op: int, rep: "wire.Reply", src: "torch.Tensor", name: str
+    ) -> TensorStat:
         """After a GO reply: send ``src`` on tag 2, return the committed stat from the final reply."""
         if rep.status != wire.GO or rep.nbytes != src.numel():
-            raise self._lost(pr, f"the server expects {rep.nbytes} bytes (status {rep.status}), this client has "
-                                 f"{src.numel()}")
+            raise self._lost(
+                pr, f"the server expects {rep.nbytes} bytes (status {rep.status}), this client has {src.numel()}"
+            )
         pr.sent = True  # from here on the daemon may commit: never repeated
         self._prepost_reply(t, pr)  # for the final reply
         try:
@@ -1032,8 +1085,9 @@ class Client:
                 if not isinstance(rpc_error(exc, "CommitPut"), Busy):
                     raise
                 # the bytes are still arriving: ask again (with backoff) until they are in
-                resp = self._rpc("CommitPut", store_pb2.CommitPutRequest(session_id=sid, op_id=tr.op_id),
-                                 timeout=self._timeout + 10)
+                resp = self._rpc(
+                    "CommitPut", store_pb2.CommitPutRequest(session_id=sid, op_id=tr.op_id), timeout=self._timeout + 10
+                )
         except grpc.RpcError as exc:
             err = rpc_error(exc, "CommitPut", tls=self._tls is not None)
             if not isinstance(err, (NotFoundError, SessionLost)):
@@ -1086,8 +1140,9 @@ class Client:
             raise SpecError("declare needs a TensorSpec")
         with self._lock:
             self._check_open()
-            resp = self._rpc("Declare", store_pb2.DeclareRequest(spec=spec_to_proto(spec),
-                                                                  layout=self._expect_pb.get(spec.name)))
+            resp = self._rpc(
+                "Declare", store_pb2.DeclareRequest(spec=spec_to_proto(spec), layout=self._expect_pb.get(spec.name))
+            )
         st = _stat(resp.info)
         self._specs[st.name] = st.spec
         return st
@@ -1109,8 +1164,12 @@ class Client:
 
         def op(sid: str, t: "Transport") -> TensorStat:
             src = self._source(name, tensor)
-            req = store_pb2.BeginPutRequest(session_id=sid, spec=spec_to_proto(spec), timeout_ms=self._timeout_ms(),
-                                            layout=self._expect_pb.get(name))
+            req = store_pb2.BeginPutRequest(
+                session_id=sid,
+                spec=spec_to_proto(spec),
+                timeout_ms=self._timeout_ms(),
+                layout=self._expect_pb.get(name),
+            )
             resp = self._rpc("BeginPut", req, timeout=self._timeout + 10, data_op=True)
             return self._send_commit(sid, t, resp.transfer, src)
 
@@ -1129,8 +1188,9 @@ class Client:
                 st = self._put_ahead(t, pr, spec, fill)
                 if st is not None:
                     return st
-            rep = self._dp_call(t, pr, wire.OP_PUT, name, dtype=wire.dtype_code(spec.dtype), shape=spec.shape,
-                                flags=self._shm_flag())
+            rep = self._dp_call(
+                t, pr, wire.OP_PUT, name, dtype=wire.dtype_code(spec.dtype), shape=spec.shape, flags=self._shm_flag()
+            )
             if rep.status == wire.SHM:
                 return self._shm_write(t, pr, wire.OP_PUT, rep, name, spec.nbytes, lambda dst: fill(dst, rep.message))
             return self._dp_write(t, pr, wire.OP_PUT, rep, self._source(name, tensor), name)
@@ -1177,8 +1237,13 @@ class Client:
             return result
 
         def op(sid: str, t: "Transport") -> "torch.Tensor":
-            resp = self._rpc("Get", store_pb2.GetRequest(session_id=sid, name=name, timeout_ms=self._timeout_ms(),
-                                                         layout=self._expect_pb.get(name)), data_op=True)
+            resp = self._rpc(
+                "Get",
+                store_pb2.GetRequest(
+                    session_id=sid, name=name, timeout_ms=self._timeout_ms(), layout=self._expect_pb.get(name)
+                ),
+                data_op=True,
+            )
             spec = spec_from_proto(resp.info.spec)
             self._specs[name] = spec
             tr = resp.transfer
@@ -1244,11 +1309,14 @@ class Client:
     def _chunk_rows(self, spec: TensorSpec) -> int:
         if not spec.shape:
             raise SpecError(f"{spec.name}: a 0-d tensor has no rows")
-        row_bytes = max(1, spec.nbytes // spec.shape[0]) if spec.shape[0] else max(1, spec.itemsize * math.prod(spec.shape[1:]))
+        row_bytes = (
+            max(1, spec.nbytes // spec.shape[0]) if spec.shape[0] else max(1, spec.itemsize * math.prod(spec.shape[1:]))
+        )
         return max(1, min(MAX_INDEX_ROWS, MAX_ROWS_BYTES // row_bytes))
 
-    def _rows_dest(self, name: str, got: TensorSpec, n: int,
-                   out: "torch.Tensor | None") -> tuple["torch.Tensor", "torch.Tensor", int]:
+    def _rows_dest(
+        self, name: str, got: TensorSpec, n: int, out: "torch.Tensor | None"
+    ) -> tuple["torch.Tensor", "torch.Tensor", int]:
         """Where get_rows puts ``n`` rows of ``got``: ``(typed tensor, its bytes, bytes per row)``.
 
         ``out`` itself when it is a contiguous host tensor, else a pooled buffer (copied into ``out`` by
@@ -1270,9 +1338,13 @@ class Client:
             return out
         return result
 
-    def _rows_in_parts(self, name: str, idx: "torch.Tensor", out: "torch.Tensor | None",
-                       fetch: Callable[["torch.Tensor"], tuple[TensorSpec, int, Callable[..., None],
-                                                               Callable[[], None]]]) -> "torch.Tensor":
+    def _rows_in_parts(
+        self,
+        name: str,
+        idx: "torch.Tensor",
+        out: "torch.Tensor | None",
+        fetch: Callable[["torch.Tensor"], tuple[TensorSpec, int, Callable[..., None], Callable[[], None]]],
+    ) -> "torch.Tensor":
         """get_rows over a connection: the index in parts (each read whole), the rows received into one result.
 
         ``fetch(part)`` asks for one part and returns ``(spec, nbytes, receive, drain)``:
@@ -1325,7 +1397,10 @@ class Client:
             def fetch(part: "torch.Tensor") -> tuple[TensorSpec, int, Callable[..., None], Callable[[], None]]:
                 nonlocal first
                 req = store_pb2.GetRowsRequest(
-                    session_id=sid, name=name, index=encode_index(part), timeout_ms=self._timeout_ms(),
+                    session_id=sid,
+                    name=name,
+                    index=encode_index(part),
+                    timeout_ms=self._timeout_ms(),
                     layout=self._expect_pb.get(name),
                 )
                 resp = self._rpc("GetRows", req, data_op=True)
@@ -1334,8 +1409,12 @@ class Client:
                 if first:
                     self._specs[name] = got
                     first = False
-                return (got, tr.nbytes, lambda _rows, _row_bytes, dest: self._recv(t, tr, dest),
-                        lambda: self._drain(t, tr))
+                return (
+                    got,
+                    tr.nbytes,
+                    lambda _rows, _row_bytes, dest: self._recv(t, tr, dest),
+                    lambda: self._drain(t, tr),
+                )
 
             return self._rows_in_parts(name, idx, out, fetch)
 
@@ -1368,7 +1447,9 @@ class Client:
                 if rep.status == wire.SHM:
                     got = self._reply_spec(name, rep)
                     if rep.nbytes != got.nbytes:
-                        raise self._lost(pr, f"get_rows {name}: the server names {rep.nbytes} bytes of {got.describe()}")
+                        raise self._lost(
+                            pr, f"get_rows {name}: the server names {rep.nbytes} bytes of {got.describe()}"
+                        )
                     return self._shm_read(t, pr, rep, name, lambda src: gather(got, src, rep.message))
                 if rep.status != wire.FALLBACK:
                     raise self._lost(pr, f"get_rows {name}: reply status {rep.status} to a shared-memory request")
@@ -1379,8 +1460,9 @@ class Client:
 
                 def receive(rows: int, row_bytes: int, dest: "torch.Tensor") -> None:
                     if rep.nbytes != rows * row_bytes:
-                        raise self._lost(pr, f"get_rows {name}: the server sends {rep.nbytes} bytes for {rows} "
-                                             f"rows of {row_bytes}")
+                        raise self._lost(
+                            pr, f"get_rows {name}: the server sends {rep.nbytes} bytes for {rows} rows of {row_bytes}"
+                        )
                     self._dp_receive(t, pr, rep, dest)
 
                 return self._reply_spec(name, rep), rep.nbytes, receive, lambda: self._dp_drain(t, pr, rep)
@@ -1421,8 +1503,11 @@ class Client:
             for start in range(0, max(n, 1), chunk):
                 part = idx[start : start + chunk]
                 k = part.numel()
-                yield part, TensorSpec(name, (k, *values.shape[1:]), values.dtype), \
-                    src[start * row_bytes : (start + k) * row_bytes]
+                yield (
+                    part,
+                    TensorSpec(name, (k, *values.shape[1:]), values.dtype),
+                    src[start * row_bytes : (start + k) * row_bytes],
+                )
 
         def op(sid: str, t: "Transport") -> TensorStat:
             st: TensorStat | None = None
@@ -1446,11 +1531,26 @@ class Client:
         def dp(t: "Transport", pr: _Progress) -> TensorStat:
             st: TensorStat | None = None
             for part, vspec, data in parts():
-                rep = self._dp_call(t, pr, wop, name, index=part, dtype=wire.dtype_code(vspec.dtype),
-                                    shape=vspec.shape, flags=self._shm_flag())
+                rep = self._dp_call(
+                    t,
+                    pr,
+                    wop,
+                    name,
+                    index=part,
+                    dtype=wire.dtype_code(vspec.dtype),
+                    shape=vspec.shape,
+                    flags=self._shm_flag(),
+                )
                 if rep.status == wire.SHM:  # the values into the session's scratch region; the daemon applies them
-                    st = self._shm_write(t, pr, wop, rep, name, data.numel(),
-                                         lambda dst, d=data: self._copier.copy(dst.numpy(), d.numpy()))
+                    st = self._shm_write(
+                        t,
+                        pr,
+                        wop,
+                        rep,
+                        name,
+                        data.numel(),
+                        lambda dst, d=data: self._copier.copy(dst.numpy(), d.numpy()),
+                    )
                     continue
                 st = self._dp_write(t, pr, wop, rep, data, name)
             assert st is not None

@@ -42,7 +42,6 @@ class SnapshotInfo:
     seconds: float
 
 
-
 def parse_address(address: str) -> tuple[str, int]:
     """``host:port``, ``[v6]:port``, ``host`` (port 7100), optionally ``grpc://``-prefixed."""
     if not isinstance(address, str) or not address.strip():

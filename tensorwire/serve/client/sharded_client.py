@@ -208,8 +208,10 @@ class ShardedClient:
         if not timeout or timeout <= 0:
             raise ConfigError("timeout must be positive")
         if single is None:
-            raise ConfigError("make a sharded client with tw.Client([address, ...]) (it passes the one-daemon "
-                              "client class as single=)")
+            raise ConfigError(
+                "make a sharded client with tw.Client([address, ...]) (it passes the one-daemon "
+                "client class as single=)"
+            )
         self._single = single
         #: The ordered daemon list (normalised ``host:port``).
         self.addresses: list[str] = resolve_daemons(daemons, reverse=reverse_dns)
@@ -217,8 +219,15 @@ class ShardedClient:
         #: The list's fingerprint: every shard this client writes records it.
         self.fingerprint: bytes = fingerprint(self.addresses)
         self._n = n = len(self.addresses)
-        self._kw: dict[str, Any] = dict(token=token, tls=TLSConfig.coerce(tls), transport=transport, timeout=timeout,
-                                        connect_timeout=connect_timeout, name=name, data_requests=data_requests)
+        self._kw: dict[str, Any] = dict(
+            token=token,
+            tls=TLSConfig.coerce(tls),
+            transport=transport,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            name=name,
+            data_requests=data_requests,
+        )
         self._clients: list[Client | None] = [None] * n
         self._connecting = [threading.Lock() for _ in range(n)]
         self._tables: dict[str, _Table | None] = {}  # name -> sharded table, or None: a whole tensor
@@ -256,8 +265,10 @@ class ShardedClient:
                     raise self._lost(k, exc) from exc
                 if not c.layout_checks:
                     c.close()
-                    raise ConfigError(f"daemon {self.addresses[k]} does not record shard layouts (an older "
-                                      f"tensorwire serve): a client over several daemons needs every one to")
+                    raise ConfigError(
+                        f"daemon {self.addresses[k]} does not record shard layouts (an older "
+                        f"tensorwire serve): a client over several daemons needs every one to"
+                    )
                 self._clients[k] = c
             return c
 
@@ -270,8 +281,9 @@ class ShardedClient:
         except TransportError as exc:
             raise self._lost(k, exc) from exc
 
-    def _fan(self, tasks: list[tuple[int, Callable[[Client], Any]]], *, settle: bool = False,
-             read: bool = False) -> list[Any]:
+    def _fan(
+        self, tasks: list[tuple[int, Callable[[Client], Any]]], *, settle: bool = False, read: bool = False
+    ) -> list[Any]:
         """Run ``fn`` on each daemon of ``tasks`` (in parallel when more than one); their results, in order.
 
         Every task runs to its end; then the first error is raised (``settle``: returned in its place).
@@ -349,8 +361,9 @@ class ShardedClient:
             self._remember(name, None)
             return None
         rows = st.layout.rows
-        check_layout(name, st.layout, ShardLayout.of(self.fingerprint, self._n, k, rows),
-                     where=f"daemon {self.addresses[k]}")
+        check_layout(
+            name, st.layout, ShardLayout.of(self.fingerprint, self._n, k, rows), where=f"daemon {self.addresses[k]}"
+        )
         t = _Table(TensorSpec(name, (rows, *st.spec.shape[1:]), st.spec.dtype), self._layouts(rows))
         t.versions[k] = st.version
         self._remember(name, t)
@@ -358,20 +371,24 @@ class ShardedClient:
 
     def _whole(self, name: str, fn: Callable[[Client], Any]) -> Any:
         """``fn`` on the owner of whole tensor ``name``, expecting a whole tensor there."""
+
         def call(c: Client) -> Any:
             c.expect_layout(name, None)
             return fn(c)
 
         return self._on(owner(name, self.addresses), call)
 
-    def _sharded(self, name: str, t: _Table, tasks: list[tuple[int, Callable[[Client], Any]]], *,
-                 read: bool = False) -> list[Any]:
+    def _sharded(
+        self, name: str, t: _Table, tasks: list[tuple[int, Callable[[Client], Any]]], *, read: bool = False
+    ) -> list[Any]:
         """Run per-shard tasks of table ``t``, each client expecting its shard's layout; a layout refusal makes
         this client forget what it knew of ``name`` (the next call asks again)."""
+
         def bind(k: int, fn: Callable[[Client], Any]) -> Callable[[Client], Any]:
             def call(c: Client) -> Any:
                 c.expect_layout(name, t.layouts[k])
                 return fn(c)
+
             return call
 
         try:
@@ -422,8 +439,9 @@ class ShardedClient:
         if tensor.dim() < 1:
             raise SpecError(f"{name}: a 0-d tensor has no rows to shard")
         t = self._declare_all(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
-        stats = self._sharded(name, t, [(k, lambda c, k=k: c.put(name, tensor[t.ranges[k][0]:t.ranges[k][1]]))
-                                        for k in range(self._n)])
+        stats = self._sharded(
+            name, t, [(k, lambda c, k=k: c.put(name, tensor[t.ranges[k][0] : t.ranges[k][1]])) for k in range(self._n)]
+        )
         t.versions = [s.version for s in stats]
         self._remember(name, t)
         return self._sharded_stat(t, stats)
@@ -437,20 +455,25 @@ class ShardedClient:
             raise ConfigError("declare: shard must be None or 'rows' (with at least one dimension)")
         t = self._declare_all(spec)
         self._remember(spec.name, t)
-        return self._sharded_stat(t, [TensorStat(t.shard_spec(k), v, t.shard_spec(k).nbytes, t.layouts[k])
-                                      for k, v in enumerate(t.versions)])
+        return self._sharded_stat(
+            t, [TensorStat(t.shard_spec(k), v, t.shard_spec(k).nbytes, t.layouts[k]) for k, v in enumerate(t.versions)]
+        )
 
     def _declare_all(self, spec: TensorSpec) -> _Table:
         """Declare every shard of ``spec`` (each daemon checks the layout and reserves its memory under
         ``--max-bytes``). If one refuses, the shards declared here that hold no data are deleted again."""
         name = spec.name
         t = _Table(spec, self._layouts(spec.shape[0]))
-        declared = self._fan([(k, _bound(t, name, k, lambda c, k=k: c.declare(t.shard_spec(k))))
-                              for k in range(self._n)], settle=True)
+        declared = self._fan(
+            [(k, _bound(t, name, k, lambda c, k=k: c.declare(t.shard_spec(k)))) for k in range(self._n)], settle=True
+        )
         failed = [e for e in declared if isinstance(e, BaseException)]
         if failed:
-            undo = [(k, _bound(t, name, k, lambda c: c.delete(name))) for k, st in enumerate(declared)
-                    if isinstance(st, TensorStat) and st.version == 0]
+            undo = [
+                (k, _bound(t, name, k, lambda c: c.delete(name)))
+                for k, st in enumerate(declared)
+                if isinstance(st, TensorStat) and st.version == 0
+            ]
             if undo:
                 self._fan(undo, settle=True)
             self._forget(name)
@@ -492,7 +515,6 @@ class ShardedClient:
         idx = as_index(index)
 
         def sharded(t: _Table) -> "torch.Tensor":
-            import torch
 
             spec = t.spec
             split = RowSplit(idx, t.rows, self._n, t.starts)
@@ -507,11 +529,18 @@ class ShardedClient:
                 # rows in shard order (a scratch buffer of this call), then into the caller's order
                 dest = self._bufs.take((name, "sorted", threading.get_ident()), shape, dtype)
             if split.parts:
-                self._sharded(name, t, [(k, lambda c, k=k, local=local, a=a, b=b: c.get_rows(name, local, out=dest[a:b]))
-                                        for k, local, a, b in split.parts], read=True)
+                self._sharded(
+                    name,
+                    t,
+                    [
+                        (k, lambda c, k=k, local=local, a=a, b=b: c.get_rows(name, local, out=dest[a:b]))
+                        for k, local, a, b in split.parts
+                    ],
+                    read=True,
+                )
             if split.order is not None:
                 if direct:
-                    return split.gather(dest, out)  # type: ignore[arg-type]
+                    return split.gather(dest, out)
                 result = split.gather(dest, self._bufs.take((name, "rows"), shape, dtype))
                 del dest
             else:
@@ -546,9 +575,14 @@ class ShardedClient:
         split = RowSplit(idx, t.rows, self._n, t.starts)
         vals = split.sort(values)
         parts = split.parts or [(0, idx, 0, 0)]  # nothing to write: shard 0 still checks the values' spec
-        stats = self._sharded(name, t, [
-            (k, lambda c, k=k, local=local, a=a, b=b: (c.add_rows if add else c.put_rows)(name, local, vals[a:b]))
-            for k, local, a, b in parts])
+        stats = self._sharded(
+            name,
+            t,
+            [
+                (k, lambda c, k=k, local=local, a=a, b=b: (c.add_rows if add else c.put_rows)(name, local, vals[a:b]))
+                for k, local, a, b in parts
+            ],
+        )
         for (k, *_), s in zip(parts, stats):
             t.versions[k] = s.version
         return t.stat()
@@ -604,7 +638,7 @@ class ShardedClient:
             out[nm] = self._sharded_stat(t, [got[k] for k in ks], ks)
         return dict(sorted(out.items()))
 
-    def list(self) -> dict[str, TensorSpec]:  # noqa: A003 - the Client's word
+    def list(self) -> dict[str, TensorSpec]:
         """Every name the daemons hold, with its spec (a sharded table's: the whole table's)."""
         return {k: v.spec for k, v in self.stats().items()}
 
@@ -682,6 +716,7 @@ class _Failed:
 
 def _bound(t: _Table, name: str, k: int, fn: Callable[[Client], Any]) -> Callable[[Client], Any]:
     """``fn`` with daemon k's client expecting shard k of ``t``."""
+
     def call(c: Client) -> Any:
         c.expect_layout(name, t.layouts[k])
         return fn(c)
@@ -701,6 +736,7 @@ def _check_out(spec: TensorSpec, out: "torch.Tensor", shape: tuple[int, ...]) ->
     if not isinstance(out, torch.Tensor):
         raise SpecError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape) or out.dtype != spec.torch_dtype:
-        raise ShapeMismatchError(f"{spec.name}: out= is {str(out.dtype).removeprefix('torch.')}{list(out.shape)}, "
-                                 f"the stored tensor gives {spec.dtype}{list(shape)}")
-
+        raise ShapeMismatchError(
+            f"{spec.name}: out= is {str(out.dtype).removeprefix('torch.')}{list(out.shape)}, "
+            f"the stored tensor gives {spec.dtype}{list(shape)}"
+        )

@@ -63,13 +63,14 @@ def resolve_daemons(address: "str | Sequence[str]", *, reverse: bool = True) -> 
         a = address.strip()
         if not a.startswith(DNS_SCHEME):
             raise ConfigError(f"{address!r}: write a DNS address as {DNS_SCHEME}name:port")
-        host, port = _split_host_port(a[len(DNS_SCHEME):], address)
+        host, port = _split_host_port(a[len(DNS_SCHEME) :], address)
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
             raise ConfigError(f"{address!r}: {host!r} does not resolve: {exc}") from exc
-        ips = sorted({i[4][0] for i in infos}, key=lambda ip: (ipaddress.ip_address(ip).version,
-                                                                ipaddress.ip_address(ip)))
+        ips = sorted(
+            {i[4][0] for i in infos}, key=lambda ip: (ipaddress.ip_address(ip).version, ipaddress.ip_address(ip))
+        )
         if not ips:
             raise ConfigError(f"{address!r}: {host!r} resolves to no address")
         names = ips
@@ -119,8 +120,10 @@ def _reverse(ip: str, port: int) -> str | None:
 def scores(name: str, daemons: Sequence[str]) -> list[int]:
     """Rendezvous weights of ``name`` on each daemon (64-bit, from BLAKE2b of name and address)."""
     nb = name.encode("utf-8")
-    return [int.from_bytes(hashlib.blake2b(nb + b"\0" + d.encode("utf-8"), digest_size=8).digest(), "little")
-            for d in daemons]
+    return [
+        int.from_bytes(hashlib.blake2b(nb + b"\0" + d.encode("utf-8"), digest_size=8).digest(), "little")
+        for d in daemons
+    ]
 
 
 def owner(name: str, daemons: Sequence[str]) -> int:

@@ -75,9 +75,7 @@ def parse_size(text: str | int) -> int:
     else:
         m = _SIZE_RE.match(str(text))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(
-                f"not a size: {text!r} (use plain bytes or a unit: kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-            )
+            raise ConfigError(f"not a size: {text!r} (use plain bytes or a unit: kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
         value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise ConfigError(f"size must be positive, got {text!r}")
@@ -204,7 +202,9 @@ class ServeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
                 raise ConfigError(f"{name} must be an integer in 0..65535, got {v!r}")
         if self.metrics_port is not None and (
-            isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port <= 65535
+            isinstance(self.metrics_port, bool)
+            or not isinstance(self.metrics_port, int)
+            or not 0 <= self.metrics_port <= 65535
         ):
             raise ConfigError(f"metrics_port must be an integer in 0..65535, got {self.metrics_port!r}")
         if self.transport not in TRANSPORTS:
@@ -231,8 +231,13 @@ class ServeConfig:
             if not v > 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
             set_(name, v)
-        for name in ("max_sessions", "max_sessions_per_client", "workers", "max_pending_connections",
-                     "max_pending_per_peer"):
+        for name in (
+            "max_sessions",
+            "max_sessions_per_client",
+            "workers",
+            "max_pending_connections",
+            "max_pending_per_peer",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
@@ -305,8 +310,17 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-_INT_FIELDS = {"port", "data_port", "metrics_port", "max_sessions", "max_sessions_per_client", "workers",
-               "max_pending_connections", "max_pending_per_peer", "max_waiting_calls"}
+_INT_FIELDS = {
+    "port",
+    "data_port",
+    "metrics_port",
+    "max_sessions",
+    "max_sessions_per_client",
+    "workers",
+    "max_pending_connections",
+    "max_pending_per_peer",
+    "max_waiting_calls",
+}
 _FLOAT_FIELDS = {"drain_timeout", "session_idle_timeout", "hello_timeout"}
 _BOOL_FIELDS = {"insecure", "shm"}
 

@@ -184,8 +184,15 @@ def _gather_rows(table: "torch.Tensor", index: "torch.Tensor", out: "torch.Tenso
 class _Gather:
     """Chunks ``first, first + 1, ...`` of rows ``index`` of ``table`` into ``out``, in order; waitable per chunk."""
 
-    def __init__(self, table: "torch.Tensor", index: "torch.Tensor", out: "torch.Tensor", chunk_rows: int,
-                 row_bytes: int, first: int = 0) -> None:
+    def __init__(
+        self,
+        table: "torch.Tensor",
+        index: "torch.Tensor",
+        out: "torch.Tensor",
+        chunk_rows: int,
+        row_bytes: int,
+        first: int = 0,
+    ) -> None:
         self.table = table
         self.index = index
         self.out = out
@@ -336,25 +343,56 @@ class DataRequests:
         pack_reply(memoryview(s.reply_buf.numpy()), **fields)
         t.send(TAG_REPLY, s.reply_buf, step=reply_step, timeout=max(0.0, deadline - time.monotonic()))
 
-    def _ok(self, s: "Session", t: "Transport", reply_step: int, req: Request, spec: TensorSpec, deadline: float,
-            status: int = OK, **fields: Any) -> None:
+    def _ok(
+        self,
+        s: "Session",
+        t: "Transport",
+        reply_step: int,
+        req: Request,
+        spec: TensorSpec,
+        deadline: float,
+        status: int = OK,
+        **fields: Any,
+    ) -> None:
         """An OK (or GO) reply with the stored tensor's spec, as message ``reply_step`` of tag 5."""
-        self._reply(s, t, reply_step, deadline, status=status, op=req.op, req_id=req.req_id,
-                    dtype=dtype_code(spec.dtype), shape=spec.shape, **fields)
+        self._reply(
+            s,
+            t,
+            reply_step,
+            deadline,
+            status=status,
+            op=req.op,
+            req_id=req.req_id,
+            dtype=dtype_code(spec.dtype),
+            shape=spec.shape,
+            **fields,
+        )
 
-    def _fail_reply(self, s: "Session", t: "Transport", reply_step: int, req: Request, exc: BaseException,
-                    deadline: float) -> BaseException:
+    def _fail_reply(
+        self, s: "Session", t: "Transport", reply_step: int, req: Request, exc: BaseException, deadline: float
+    ) -> BaseException:
         """The final reply of a write whose bytes arrived but whose commit was refused (e.g. deleted meanwhile)."""
         name = error_class(exc)
         if self.metrics is not None:
             self.metrics.errors.labels(name or "internal").inc()
-        self._reply(s, t, reply_step, deadline, status=ERROR, op=req.op, req_id=req.req_id, error=name,
-                    message=str(exc))
+        self._reply(
+            s, t, reply_step, deadline, status=ERROR, op=req.op, req_id=req.req_id, error=name, message=str(exc)
+        )
         return exc
 
-    def _job(self, req: Request, t0: float, kind: str, body: Callable[["Transport", Job], BaseException | None], *, deadline: float,
-             messages: tuple[int, int, int], direction: str, nbytes: int,
-             cleanup: Callable[[], None] | None = None) -> Job:
+    def _job(
+        self,
+        req: Request,
+        t0: float,
+        kind: str,
+        body: Callable[["Transport", Job], BaseException | None],
+        *,
+        deadline: float,
+        messages: tuple[int, int, int],
+        direction: str,
+        nbytes: int,
+        cleanup: Callable[[], None] | None = None,
+    ) -> Job:
         op = OPS[req.op]
         holder: list[Job] = []
 
@@ -366,8 +404,7 @@ class DataRequests:
                 raise
             self._record(op, "ok" if refused is None else status_of(refused).name, t0)
 
-        job = Job(kind, run, deadline=deadline, cleanup=cleanup, direction=direction, nbytes=nbytes,
-                  messages=messages)
+        job = Job(kind, run, deadline=deadline, cleanup=cleanup, direction=direction, nbytes=nbytes, messages=messages)
         holder.append(job)
         return job
 
@@ -383,8 +420,17 @@ class DataRequests:
         holder: list[Job] = []
 
         def run(t: "Transport", step: int) -> None:
-            self._reply(s, t, holder[0].reply_step, deadline, status=ERROR, op=req.op, req_id=req.req_id,
-                        error=name, message=message)
+            self._reply(
+                s,
+                t,
+                holder[0].reply_step,
+                deadline,
+                status=ERROR,
+                op=req.op,
+                req_id=req.req_id,
+                error=name,
+                message=message,
+            )
 
         job = Job(f"{op} error", run, deadline=deadline, direction="", messages=(0, 0, 1))
         holder.append(job)
@@ -410,7 +456,9 @@ class DataRequests:
         nonce = s.shm_nonce
         offered = s.shm_hello is not None and bool(nonce)
         ok = offered and hmac.compare_digest(req.name.encode("ascii", "replace"), nonce.hex().encode())
-        s.withdraw_hello(keep=ok and s.shm_version >= LEASE_VERSION)  # one try; kept: the client counts lease reads there
+        s.withdraw_hello(
+            keep=ok and s.shm_version >= LEASE_VERSION
+        )  # one try; kept: the client counts lease reads there
         if not offered:
             raise errors.ProtocolError("no shared-memory offer is open on this session")
         if not ok:
@@ -429,9 +477,21 @@ class DataRequests:
 
         return self._job(req, t0, "shm hello", body, deadline=deadline, messages=(0, 0, 1), direction="", nbytes=0)
 
-    def _shm_read(self, s: "Session", req: Request, t0: float, kind: str, spec: TensorSpec, version: int,
-                  region: Any, nbytes: int, accounted: int, release: "_Once", deadline: float,
-                  lease: tuple[int, int]) -> Job:
+    def _shm_read(
+        self,
+        s: "Session",
+        req: Request,
+        t0: float,
+        kind: str,
+        spec: TensorSpec,
+        version: int,
+        region: Any,
+        nbytes: int,
+        accounted: int,
+        release: "_Once",
+        deadline: float,
+        lease: tuple[int, int],
+    ) -> Job:
         """The SHM reply of a read: ``nbytes`` at offset 0 of ``region``; the pin goes to the session.
 
         ``lease``: (cell, generation) of the pinned version, handed to sessions that take leases.
@@ -440,8 +500,21 @@ class DataRequests:
         cell, gen = lease if s.shm_version >= LEASE_VERSION else (0, 0)
 
         def body(t: "Transport", job: Job) -> BaseException | None:
-            self._ok(s, t, job.reply_step, req, spec, deadline, status=SHM, version=version, nbytes=nbytes,
-                     chunk=0, message=region.name, lease=cell, step=gen if cell else 0)
+            self._ok(
+                s,
+                t,
+                job.reply_step,
+                req,
+                spec,
+                deadline,
+                status=SHM,
+                version=version,
+                nbytes=nbytes,
+                chunk=0,
+                message=region.name,
+                lease=cell,
+                step=gen if cell else 0,
+            )
             s.hold_pin(release, req.name)  # until the client's RELEASE
             handed[0] = True
             return None
@@ -450,8 +523,17 @@ class DataRequests:
             if not handed[0]:
                 release()
 
-        job = self._job(req, t0, kind, body, deadline=deadline, messages=(0, 0, 1), direction="out",
-                        nbytes=accounted, cleanup=cleanup)
+        job = self._job(
+            req,
+            t0,
+            kind,
+            body,
+            deadline=deadline,
+            messages=(0, 0, 1),
+            direction="out",
+            nbytes=accounted,
+            cleanup=cleanup,
+        )
         job.via = "shm"
         job.client_copy = accounted
         return job
@@ -476,17 +558,48 @@ class DataRequests:
                     self._ok(s, t, job.reply_step, req, spec, deadline, status=FALLBACK)
                     return None
 
-                return self._job(req, t0, "get_rows fallback", fallback, deadline=deadline, messages=(0, 0, 1),
-                                 direction="", nbytes=0)
-            return self._shm_read(s, req, t0, "get_rows", spec, version, region, e.nbytes,
-                                  min(rows * row_bytes, 1 << 62), release, deadline, lease)
+                return self._job(
+                    req,
+                    t0,
+                    "get_rows fallback",
+                    fallback,
+                    deadline=deadline,
+                    messages=(0, 0, 1),
+                    direction="",
+                    nbytes=0,
+                )
+            return self._shm_read(
+                s,
+                req,
+                t0,
+                "get_rows",
+                spec,
+                version,
+                region,
+                e.nbytes,
+                min(rows * row_bytes, 1 << 62),
+                release,
+                deadline,
+                lease,
+            )
         except BaseException:
             release()
             raise
 
-    def _shm_write(self, s: "Session", req: Request, t0: float, kind: str, spec: TensorSpec, region: Any,
-                   nbytes: int, deadline: float, commit: Callable[[], Any], abort: Callable[[], None],
-                   entry: Any = None) -> Job:
+    def _shm_write(
+        self,
+        s: "Session",
+        req: Request,
+        t0: float,
+        kind: str,
+        spec: TensorSpec,
+        region: Any,
+        nbytes: int,
+        deadline: float,
+        commit: Callable[[], Any],
+        abort: Callable[[], None],
+        entry: Any = None,
+    ) -> Job:
         """The SHM reply of a write: the client fills ``region[:nbytes]``, then COMMIT runs ``commit``.
 
         Until the reply is out the job owns the reservation (``abort`` on failure); from then on the
@@ -499,8 +612,9 @@ class DataRequests:
             try:
                 done = Job(kind, lambda t_, s_: None, deadline=deadline)
                 done.done.set()
-                p = PendingWrite(s.next_op_id(), done, commit, abort, shm_op=op, deadline=deadline, nbytes=nbytes,
-                                 t0=t0)
+                p = PendingWrite(
+                    s.next_op_id(), done, commit, abort, shm_op=op, deadline=deadline, nbytes=nbytes, t0=t0
+                )
                 p.name = req.name  # type: ignore[attr-defined]
                 p.entry = entry  # type: ignore[attr-defined]  # a put: its commit may grant the next one
                 with s._lock:
@@ -510,8 +624,18 @@ class DataRequests:
                         raise errors.ProtocolError("a write is pending on this session: commit or abort it first")
                     s.pending = p
                     handed[0] = True
-                self._ok(s, t, holder[0].reply_step, req, spec, deadline, status=SHM, nbytes=nbytes, chunk=0,
-                         message=region.name)
+                self._ok(
+                    s,
+                    t,
+                    holder[0].reply_step,
+                    req,
+                    spec,
+                    deadline,
+                    status=SHM,
+                    nbytes=nbytes,
+                    chunk=0,
+                    message=region.name,
+                )
             except BaseException as exc:
                 self._record(op, status_of(exc).name, t0)
                 raise
@@ -541,8 +665,17 @@ class DataRequests:
             s.pending = None
         return self._commit_job(s, req, p.shm_op, p.t0, p.nbytes, p.commit, p.abort, getattr(p, "entry", None))
 
-    def _commit_job(self, s: "Session", req: Request, op: str, t0: float, nbytes: int, commit: Callable[[], Any],
-                    abort: Callable[[], None], entry: Any) -> Job:
+    def _commit_job(
+        self,
+        s: "Session",
+        req: Request,
+        op: str,
+        t0: float,
+        nbytes: int,
+        commit: Callable[[], Any],
+        abort: Callable[[], None],
+        entry: Any,
+    ) -> Job:
         """The job answering a COMMIT: ``commit()`` (its error is the reply), else OK with the version and, for a
         put (``entry``), maybe the next write-ahead grant; ``abort()`` if the session closes before it runs."""
         deadline = time.monotonic() + self._timeout(req)
@@ -558,8 +691,16 @@ class DataRequests:
                     self._fail_reply(s, t, holder[0].reply_step, req, exc, deadline)
                     self._record(op, status_of(exc).name, t0)
                     return
-                self._ok(s, t, holder[0].reply_step, req, info.spec, deadline, version=info.version,
-                         **self._grant(s, holder[0], entry))
+                self._ok(
+                    s,
+                    t,
+                    holder[0].reply_step,
+                    req,
+                    info.spec,
+                    deadline,
+                    version=info.version,
+                    **self._grant(s, holder[0], entry),
+                )
             except BaseException as exc:
                 self._record(op, status_of(exc).name, t0)
                 raise
@@ -570,8 +711,7 @@ class DataRequests:
                 abort()
 
         holder: list[Job] = []
-        job = Job("commit", run, deadline=deadline, cleanup=cleanup, direction="in", nbytes=nbytes,
-                  messages=(0, 0, 1))
+        job = Job("commit", run, deadline=deadline, cleanup=cleanup, direction="in", nbytes=nbytes, messages=(0, 0, 1))
         job.via = "shm"
         holder.append(job)
         return job
@@ -599,11 +739,13 @@ class DataRequests:
                 self._reply(s, t, job.reply_step, deadline, status=FALLBACK, op=req.op, req_id=req.req_id)
                 return None
 
-            return self._job(req, t0, "commit fallback", fallback, deadline=deadline, messages=(0, 0, 1),
-                             direction="", nbytes=0)
+            return self._job(
+                req, t0, "commit fallback", fallback, deadline=deadline, messages=(0, 0, 1), direction="", nbytes=0
+            )
         e, timeout = g.entry, self._timeout(req)
-        return self._commit_job(s, req, "Put", t0, e.nbytes, lambda: e.commit_put(g.idx, time.monotonic() + timeout),
-                                e.end_put, e)
+        return self._commit_job(
+            s, req, "Put", t0, e.nbytes, lambda: e.commit_put(g.idx, time.monotonic() + timeout), e.end_put, e
+        )
 
     # -- reads ----------------------------------------------------------------------------------------
     def _get(self, s: "Session", req: Request, t0: float) -> Job:
@@ -615,19 +757,39 @@ class DataRequests:
             spec, nbytes, slot = e.spec, e.nbytes, e.slot(idx)
             region = region_of(slot) if req.shm else None
             if region is not None:
-                return self._shm_read(s, req, t0, "get", spec, version, region, nbytes, nbytes, release, deadline,
-                                      lease)
+                return self._shm_read(
+                    s, req, t0, "get", spec, version, region, nbytes, nbytes, release, deadline, lease
+                )
             raw = slot.raw
 
             def body(t: "Transport", job: Job) -> BaseException | None:
-                self._ok(s, t, job.reply_step, req, spec, deadline, version=version, step=job.down_step,
-                         nbytes=nbytes, chunk=nbytes)
+                self._ok(
+                    s,
+                    t,
+                    job.reply_step,
+                    req,
+                    spec,
+                    deadline,
+                    version=version,
+                    step=job.down_step,
+                    nbytes=nbytes,
+                    chunk=nbytes,
+                )
                 if nbytes:
                     _send(t, raw, job.down_step, deadline)
                 return None
 
-            return self._job(req, t0, "get", body, deadline=deadline, messages=(1 if nbytes else 0, 0, 1),
-                             direction="out", nbytes=nbytes, cleanup=release)
+            return self._job(
+                req,
+                t0,
+                "get",
+                body,
+                deadline=deadline,
+                messages=(1 if nbytes else 0, 0, 1),
+                direction="out",
+                nbytes=nbytes,
+                cleanup=release,
+            )
         except BaseException:
             release()
             raise
@@ -644,8 +806,7 @@ class DataRequests:
         # as soon as it is gathered; else one gather, one message (see the constants for the measurements).
         halves = n >= 2 and nbytes >= PARALLEL_MIN_BYTES and torch.get_num_threads() == 1
         chunk_rows = max(1, n)
-        if (not halves and ROWS_CHUNK_BYTES and rb and nbytes > ROWS_CHUNK_BYTES * 3 // 2
-                and hasattr(t, "start_send")):
+        if not halves and ROWS_CHUNK_BYTES and rb and nbytes > ROWS_CHUNK_BYTES * 3 // 2 and hasattr(t, "start_send"):
             chunk_rows = max(1, ROWS_CHUNK_BYTES // rb)
         chunks = math.ceil(n / chunk_rows) if nbytes else 0
         chunk = chunk_rows * rb if chunks > 1 else nbytes
@@ -666,8 +827,18 @@ class DataRequests:
                     s.gatherer = Gatherer(s.id)
                 s.gatherer.start(helper)
             try:
-                self._ok(s, t, job.reply_step, req, spec, deadline, version=version, step=job.down_step,
-                         nbytes=nbytes, chunk=chunk)
+                self._ok(
+                    s,
+                    t,
+                    job.reply_step,
+                    req,
+                    spec,
+                    deadline,
+                    version=version,
+                    step=job.down_step,
+                    nbytes=nbytes,
+                    chunk=chunk,
+                )
                 if chunks == 0:
                     return None
                 s.nudge()  # the request and the reply complete now, not after the gather
@@ -677,11 +848,11 @@ class DataRequests:
                         a, b = i * chunk_rows, min(n, (i + 1) * chunk_rows)
                         _gather_rows(table, p.index, out, a, b, rb)
                         # chunk i is copied out (by the client, on UCX) while chunk i + 1 is gathered
-                        start_send = t.start_send  # type: ignore[attr-defined]
+                        start_send = t.start_send
                         ops.append(start_send(TAG_DOWN, out[a * rb : b * rb], step=job.down_step + i, timeout=left()))
                     release()
                     for op in ops:
-                        t.wait_send(op, timeout=left())  # type: ignore[attr-defined]
+                        t.wait_send(op, timeout=left())
                     return None
                 if helper is None:
                     _gather_rows(table, p.index, out, 0, n, rb)
@@ -697,15 +868,34 @@ class DataRequests:
                 release()
 
         try:
-            return self._job(req, t0, "get_rows", body, deadline=deadline, messages=(chunks, 0, 1), direction="out",
-                             nbytes=nbytes, cleanup=release)
+            return self._job(
+                req,
+                t0,
+                "get_rows",
+                body,
+                deadline=deadline,
+                messages=(chunks, 0, 1),
+                direction="out",
+                nbytes=nbytes,
+                cleanup=release,
+            )
         except BaseException:
             release()
             raise
 
     # -- writes ---------------------------------------------------------------------------------------
-    def _receive(self, s: "Session", t: "Transport", job: Job, req: Request, spec: TensorSpec, into: "torch.Tensor",
-                 nbytes: int, deadline: float, what: str) -> None:
+    def _receive(
+        self,
+        s: "Session",
+        t: "Transport",
+        job: Job,
+        req: Request,
+        spec: TensorSpec,
+        into: "torch.Tensor",
+        nbytes: int,
+        deadline: float,
+        what: str,
+    ) -> None:
         """Post ``into`` on tag 2, say GO, wait for the client's bytes; a failure closes the session first."""
         posted = False
         try:
@@ -739,8 +929,19 @@ class DataRequests:
             region = region_of(e.slot(slot)) if req.shm else None
             if region is not None:
                 reserved[0] = False  # the shared-memory write owns the reservation now (abort = end_put)
-                return self._shm_write(s, req, t0, "put", spec, region, nbytes, deadline,
-                                       lambda: e.commit_put(slot, time.monotonic() + timeout), e.end_put, entry=e)
+                return self._shm_write(
+                    s,
+                    req,
+                    t0,
+                    "put",
+                    spec,
+                    region,
+                    nbytes,
+                    deadline,
+                    lambda: e.commit_put(slot, time.monotonic() + timeout),
+                    e.end_put,
+                    entry=e,
+                )
 
             def body(t: "Transport", job: Job) -> BaseException | None:
                 self._receive(s, t, job, req, spec, raw, nbytes, deadline, "put")
@@ -752,8 +953,17 @@ class DataRequests:
                 self._ok(s, t, job.reply_step + 1, req, spec, deadline, version=info.version)
                 return None
 
-            return self._job(req, t0, "put", body, deadline=deadline,
-                             messages=(0, 1 if nbytes else 0, 2), direction="in", nbytes=nbytes, cleanup=end)
+            return self._job(
+                req,
+                t0,
+                "put",
+                body,
+                deadline=deadline,
+                messages=(0, 1 if nbytes else 0, 2),
+                direction="in",
+                nbytes=nbytes,
+                cleanup=end,
+            )
         except BaseException:
             end()
             raise
@@ -772,8 +982,18 @@ class DataRequests:
                 log.debug("%s through shared memory refused (%s); over the data connection", kind, exc)
             else:
                 vals = _typed(region.tensor[:nbytes], spec.torch_dtype, p.shape)
-                return self._shm_write(s, req, t0, kind, spec, region, nbytes, deadline,
-                                       lambda: commit_rows(p, vals, add, timeout), lambda: None)
+                return self._shm_write(
+                    s,
+                    req,
+                    t0,
+                    kind,
+                    spec,
+                    region,
+                    nbytes,
+                    deadline,
+                    lambda: commit_rows(p, vals, add, timeout),
+                    lambda: None,
+                )
         s.reserve_scratch(nbytes)  # charged against --max-bytes before the client is told to send
 
         def body(t: "Transport", job: Job) -> BaseException | None:
@@ -786,6 +1006,6 @@ class DataRequests:
             self._ok(s, t, job.reply_step + 1, req, spec, deadline, version=info.version)
             return None
 
-        return self._job(req, t0, kind, body, deadline=deadline,
-                         messages=(0, 1 if nbytes else 0, 2), direction="in", nbytes=nbytes)
-
+        return self._job(
+            req, t0, kind, body, deadline=deadline, messages=(0, 1 if nbytes else 0, 2), direction="in", nbytes=nbytes
+        )

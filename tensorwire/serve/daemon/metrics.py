@@ -82,9 +82,11 @@ class Metrics:
         self.memory = Gauge("tensorwire_memory_bytes", "Bytes of slots allocated", registry=r)
         self.reserved = Gauge("tensorwire_reserved_bytes", "Bytes reserved against --max-bytes", registry=r)
         self.max_bytes = Gauge("tensorwire_max_bytes", "The --max-bytes limit", registry=r)
-        self.session_buffers = Gauge("tensorwire_session_buffer_bytes",
-                                     "Bytes of sessions' row and request buffers (part of the reserved bytes)",
-                                     registry=r)
+        self.session_buffers = Gauge(
+            "tensorwire_session_buffer_bytes",
+            "Bytes of sessions' row and request buffers (part of the reserved bytes)",
+            registry=r,
+        )
         self.sessions = Gauge("tensorwire_sessions", "Open client sessions", registry=r)
         self.inflight = Gauge("tensorwire_inflight_transfers", "Transfers scheduled or running", registry=r)
         self.rejected = Counter(

@@ -23,8 +23,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from tensorwire.transport.base import Transport
 
-__all__ = ["status_of", "Draining", "timeout_of", "check_tensor_name", "typed_view", "recv", "recv_posted", "send",
-           "RowsPlan", "plan_rows", "plan_row_update", "commit_rows"]
+__all__ = [
+    "status_of",
+    "Draining",
+    "timeout_of",
+    "check_tensor_name",
+    "typed_view",
+    "recv",
+    "recv_posted",
+    "send",
+    "RowsPlan",
+    "plan_rows",
+    "plan_row_update",
+    "commit_rows",
+]
 
 
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
@@ -132,8 +144,9 @@ def plan_rows(store: Store, name: str, index_of: Callable[[int], "torch.Tensor"]
     return RowsPlan(e, spec, index, (n, *spec.shape[1:]), row_bytes, nbytes)
 
 
-def plan_row_update(store: Store, name: str, index_of: Callable[[int], "torch.Tensor"], values: TensorSpec,
-                    add: bool) -> RowsPlan:
+def plan_row_update(
+    store: Store, name: str, index_of: Callable[[int], "torch.Tensor"], values: TensorSpec, add: bool
+) -> RowsPlan:
     """Validate a put_rows / add_rows: ``values`` (dtype, shape) must be the rows' own; put_rows needs unique rows."""
     import torch
 

@@ -111,7 +111,7 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
             factory = get_factory("ucx")
             # Clients are not trusted: no shared-memory / cma / cuda_ipc transport, UCX peer error
             # handling on every endpoint, worker addresses unpacked in a sandbox first (transport.ucx).
-            listener = factory(config.host, port=config.data_port, untrusted=True)
+            listener = factory(config.host, port=config.data_port, untrusted=True)  # type: ignore[call-arg]  # UcxListener only
             _self_test(factory, listener, config.host)
             listeners["ucx"] = listener
         except Exception as exc:
@@ -130,8 +130,11 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
         elif listeners:
             port = 0
         try:
-            limits = AdmissionLimits(hello_timeout=config.hello_timeout, total=config.max_pending_connections,
-                                     per_peer=config.max_pending_per_peer)
+            limits = AdmissionLimits(
+                hello_timeout=config.hello_timeout,
+                total=config.max_pending_connections,
+                per_peer=config.max_pending_per_peer,
+            )
             listeners["tcp"] = TcpListener(config.host, port=port, limits=limits)
         except OSError as exc:
             for lst in listeners.values():
@@ -139,8 +142,10 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
             raise ConfigError(f"cannot listen for data on {_hostport(config.host, port)}: {exc}") from exc
     primary = "ucx" if "ucx" in listeners and (config.transport == "ucx" or _ucx_first()) else "tcp"
     if config.transport == "auto" and "ucx" in listeners and primary == "tcp":
-        log.info("transport auto: UCX for clients on this host (shared memory / cma), TCP for remote ones (no RDMA "
-                 "device: UCX over tcp was measured slower than a socket, see bench/results)")
+        log.info(
+            "transport auto: UCX for clients on this host (shared memory / cma), TCP for remote ones (no RDMA "
+            "device: UCX over tcp was measured slower than a socket, see bench/results)"
+        )
     return listeners, primary
 
 
@@ -199,7 +204,9 @@ class Server:
             if mode & (stat.S_IRWXG | stat.S_IRWXO):
                 log.warning("token file %s is readable by group/others; chmod 600 it", cfg.token_file)
         if not cfg.loopback and cfg.tls and not cfg.mtls and not token:
-            log.warning("TLS without --tls-ca or a token: the connection is encrypted but clients are not authenticated")
+            log.warning(
+                "TLS without --tls-ca or a token: the connection is encrypted but clients are not authenticated"
+            )
         if not cfg.loopback and cfg.insecure and not (token or cfg.tls):
             log.warning("--insecure: serving %s without any authentication", cfg.host)
 
@@ -247,14 +254,18 @@ class Server:
                 if cfg.tls_ca:
                     with open(cfg.tls_ca, "rb") as f:
                         ca = f.read()
-                creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+                creds = grpc.ssl_server_credentials(
+                    [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+                )
                 add = lambda: server.add_secure_port(addr, creds)  # noqa: E731
             else:
                 add = lambda: server.add_insecure_port(addr)  # noqa: E731
             try:
                 port = add()
             except RuntimeError as exc:  # grpc's "Failed to bind"
-                raise ConfigError(f"cannot listen on {addr}: the port is in use, or not an address of this host") from exc
+                raise ConfigError(
+                    f"cannot listen on {addr}: the port is in use, or not an address of this host"
+                ) from exc
             if not port:
                 raise ConfigError(f"cannot listen on {addr} (in use, or not an address of this host)")
             self.port = port
@@ -267,7 +278,9 @@ class Server:
                 try:
                     self.metrics_port = metrics.serve(cfg.host, cfg.metrics_port)
                 except OSError as exc:
-                    raise ConfigError(f"cannot serve metrics on {_hostport(cfg.host, cfg.metrics_port)}: {exc}") from exc
+                    raise ConfigError(
+                        f"cannot serve metrics on {_hostport(cfg.host, cfg.metrics_port)}: {exc}"
+                    ) from exc
         except BaseException:
             self._teardown()
             raise
@@ -283,15 +296,25 @@ class Server:
         log.info("control plane (gRPC, %s, auth: %s) listening on %s", sec, auth, _hostport(cfg.host, self.port or 0))
         for kind, lst in self._listeners.items():
             h, p = lst.address
-            log.info("data plane: %s listening on %s%s", kind, _hostport(h, p), " (chosen)" if kind == self._primary else " (fallback)")
+            log.info(
+                "data plane: %s listening on %s%s",
+                kind,
+                _hostport(h, p),
+                " (chosen)" if kind == self._primary else " (fallback)",
+            )
         log.info("transport: %s (asked for %s)", self._primary, cfg.transport)
         if self._store is not None and self._store.shm is not None:
-            log.info("shared memory: tensors in %s/%s-*; clients on this host that map them copy directly",
-                     self._store.shm.directory, self._store.shm.prefix)
+            log.info(
+                "shared memory: tensors in %s/%s-*; clients on this host that map them copy directly",
+                self._store.shm.directory,
+                self._store.shm.prefix,
+            )
         elif cfg.shm is False:
             log.info("shared memory: off (--no-shm)")
         if cfg.tls:
-            log.info("note: TLS covers the control plane; data connections are authenticated by a per-session nonce, not encrypted")
+            log.info(
+                "note: TLS covers the control plane; data connections are authenticated by a per-session nonce, not encrypted"
+            )
         if self.metrics_port is not None:
             log.info("metrics on http://%s/metrics", _hostport(cfg.host, self.metrics_port))
         log.info(
@@ -386,8 +409,11 @@ class Server:
                     try:
                         svc.snapshot()
                     except Exception as exc:  # noqa: BLE001 - close everything first, then raise
-                        log.error("snapshot on shutdown failed: %s; the previous snapshot is kept, what was put "
-                                  "since it is lost", exc)
+                        log.error(
+                            "snapshot on shutdown failed: %s; the previous snapshot is kept, what was put "
+                            "since it is lost",
+                            exc,
+                        )
                         failed = exc if isinstance(exc, SnapshotError) else SnapshotError(f"shutdown snapshot: {exc}")
                         if failed is not exc:
                             failed.__cause__ = exc

@@ -70,6 +70,7 @@ __all__ = ["StoreService", "TokenAuthInterceptor", "status_of"]
 
 log = logging.getLogger(__name__)
 
+
 def _rpc(op: str, *, new_work: bool = False) -> Callable:
     """Wrap a handler: draining check, error translation, metrics."""
 
@@ -112,8 +113,12 @@ def _rpc(op: str, *, new_work: bool = False) -> Callable:
 
 
 def _info_proto(info: Info) -> store_pb2.TensorInfo:
-    return store_pb2.TensorInfo(spec=spec_to_proto(info.spec), version=info.version, nbytes=info.nbytes,
-                                layout=info.layout.to_proto() if info.layout is not None else None)
+    return store_pb2.TensorInfo(
+        spec=spec_to_proto(info.spec),
+        version=info.version,
+        nbytes=info.nbytes,
+        layout=info.layout.to_proto() if info.layout is not None else None,
+    )
 
 
 class StoreService(store_pb2_grpc.StoreServicer):
@@ -230,8 +235,12 @@ class StoreService(store_pb2_grpc.StoreServicer):
         want = request.transport or "auto"
         if want == "auto":
             kind = self.primary
-            if ("ucx" in self.listeners and request.host_id and request.host_id == host_id()
-                    and auto_preference() != "tcp"):
+            if (
+                "ucx" in self.listeners
+                and request.host_id
+                and request.host_id == host_id()
+                and auto_preference() != "tcp"
+            ):
                 kind = "ucx"  # same machine and IPC namespace: shared memory / cma / cuda_ipc beat a socket
         elif want in self.listeners:
             kind = want
@@ -267,7 +276,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
             if len(self._sessions) >= self.config.max_sessions:
                 if charged:
                     self.store.uncharge(charged, buffers=True)
-                raise errors.ResourceExhaustedError(f"the server holds the maximum of {self.config.max_sessions} sessions")
+                raise errors.ResourceExhaustedError(
+                    f"the server holds the maximum of {self.config.max_sessions} sessions"
+                )
             cap = self.config.max_sessions_per_client
             if self._per_client.get(owner, 0) >= cap:
                 raise errors.ResourceExhaustedError(
@@ -302,9 +313,16 @@ class StoreService(store_pb2_grpc.StoreServicer):
             except ShmError as exc:
                 log.debug("session %s: no shared memory offered: %s", sid[:8], exc)
                 shm_version = 0
-        log.info("session %s opened (%s%s%s, client %r, peer %s as %s)", sid[:8], kind,
-                 ", data-plane requests" if data_requests else "", ", shared memory offered" if shm_version else "",
-                 client, context.peer(), owner)
+        log.info(
+            "session %s opened (%s%s%s, client %r, peer %s as %s)",
+            sid[:8],
+            kind,
+            ", data-plane requests" if data_requests else "",
+            ", shared memory offered" if shm_version else "",
+            client,
+            context.peer(),
+            owner,
+        )
         return store_pb2.OpenSessionResponse(
             session_id=sid,
             nonce=nonce,
@@ -337,8 +355,14 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
     # -- writes ------------------------------------------------------------------------------
     def _start_write(
-        self, s: Session, kind: str, nbytes: int, deadline: float, recv_into: Callable[["Transport", int], Any],
-        commit: Callable[[Any], Info], abort: Callable[[], None],
+        self,
+        s: Session,
+        kind: str,
+        nbytes: int,
+        deadline: float,
+        recv_into: Callable[["Transport", int], Any],
+        commit: Callable[[Any], Info],
+        abort: Callable[[], None],
     ) -> store_pb2.Transfer:
         op_id = s.next_op_id()
         job = Job(kind, recv_into, deadline=deadline, direction="in", nbytes=nbytes)
@@ -388,8 +412,13 @@ class StoreService(store_pb2_grpc.StoreServicer):
             raise errors.ProtocolError("another write is pending on this session: commit or abort it first")
         add = request.add
         self.store.check_layout(request.name, ShardLayout.from_field(request))
-        p = plan_row_update(self.store, request.name, lambda rows: decode_index(request.index, rows),
-                            spec_from_proto(request.values), add)
+        p = plan_row_update(
+            self.store,
+            request.name,
+            lambda rows: decode_index(request.index, rows),
+            spec_from_proto(request.values),
+            add,
+        )
         nbytes = p.nbytes
         s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is scheduled
         timeout = _timeout(request.timeout_ms, self.default_timeout)

@@ -47,7 +47,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire.errors import ClosedError, PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from tensorwire.serve.protocol.common import MAX_ROWS_BYTES, TAG_REQUEST, TAG_WATCH
-from tensorwire.serve.protocol.shm import usable_cpus, new_hello, page_counts, AHEAD_VERSION, PageLock, page_ahead, round_page
+from tensorwire.serve.protocol.shm import (
+    usable_cpus,
+    new_hello,
+    page_counts,
+    AHEAD_VERSION,
+    PageLock,
+    page_ahead,
+    round_page,
+)
 from tensorwire.buffers import allocate_host
 from tensorwire.serve.daemon.store import AheadGrant, region_of
 from tensorwire.errors import ResourceExhaustedError
@@ -72,6 +80,7 @@ def _free(t: "torch.Tensor | None") -> None:
         t.untyped_storage().resize_(0)
     except RuntimeError:  # pragma: no cover - a storage that cannot be resized (pinned): dropped by reference
         pass
+
 
 #: After answering a request of a shared-memory session, its request thread polls for the next one this
 #: long before it blocks: the client is copying meanwhile (no bytes cross the connection), and a thread
@@ -173,8 +182,18 @@ class Job:
 class PendingWrite:
     """A put or row update whose bytes are (being) received; committed by CommitPut."""
 
-    def __init__(self, op_id: int, job: Job, commit: Callable[[], Any], abort: Callable[[], None], *,
-                 shm_op: str = "", deadline: float | None = None, nbytes: int = 0, t0: float = 0.0) -> None:
+    def __init__(
+        self,
+        op_id: int,
+        job: Job,
+        commit: Callable[[], Any],
+        abort: Callable[[], None],
+        *,
+        shm_op: str = "",
+        deadline: float | None = None,
+        nbytes: int = 0,
+        t0: float = 0.0,
+    ) -> None:
         self.op_id = op_id
         self.job = job
         self.commit = commit
@@ -236,7 +255,9 @@ class Session:
         self._holders = 1  # threads that use the charged buffers: the worker, and the request thread once started
         self._handler = handler
         self._exec = threading.Lock()  # held while a job runs (worker or request thread): one at a time
-        self.gatherer: Any = None  # the request path's helper thread (tensorwire.serve.daemon.datapath), made on first use
+        self.gatherer: Any = (
+            None  # the request path's helper thread (tensorwire.serve.daemon.datapath), made on first use
+        )
         self.reply_buf: "torch.Tensor | None" = None  # the request path's reply buffer (jobs run one at a time)
         self._probe_buf: Any = None
         # shared memory (see the module docstring)
@@ -557,11 +578,11 @@ class Session:
         if self._handler is not None:
             with self._lock:
                 self._holders += 1
-            self._watch = threading.Thread(target=self._request_thread, name=f"tensorwire-requests-{self.id[:8]}",
-                                           daemon=True)
+            self._watch = threading.Thread(
+                target=self._request_thread, name=f"tensorwire-requests-{self.id[:8]}", daemon=True
+            )
         else:
-            self._watch = threading.Thread(target=self._watch_loop, name=f"tensorwire-watch-{self.id[:8]}",
-                                           daemon=True)
+            self._watch = threading.Thread(target=self._watch_loop, name=f"tensorwire-watch-{self.id[:8]}", daemon=True)
         self._watch.start()
         while True:
             job = self._jobs.get()
@@ -664,7 +685,9 @@ class Session:
                     b = self.request_buffer(MAX_REQUEST_BYTES)
                     t.post_recv(TAG_REQUEST, b, header=True)
                     posted.append(b)
-                spin = self.shm and SHM_SPIN_S > 0 and _CAN_SPIN and (job is None or job.client_copy <= SHM_SPIN_MAX_BYTES)
+                spin = (
+                    self.shm and SHM_SPIN_S > 0 and _CAN_SPIN and (job is None or job.client_copy <= SHM_SPIN_MAX_BYTES)
+                )
                 spin_until = time.monotonic() + SHM_SPIN_S if spin else 0.0
         except ClosedError:
             pass

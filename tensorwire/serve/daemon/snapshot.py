@@ -47,7 +47,14 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from tensorwire.errors import ConfigError, NotFoundError, ResourceExhaustedError, SnapshotError, SpecError, TransferTimeout
+from tensorwire.errors import (
+    ConfigError,
+    NotFoundError,
+    ResourceExhaustedError,
+    SnapshotError,
+    SpecError,
+    TransferTimeout,
+)
 from tensorwire.spec import TensorSpec
 from tensorwire.serve.protocol.layout import ShardLayout
 
@@ -106,9 +113,7 @@ def check_storable_name(name: str) -> str:
         SpecError: ``name`` is a key safetensors gives a meaning of its own (``__metadata__``).
     """
     if name in RESERVED_NAMES:
-        raise SpecError(
-            f"tensor name {name!r} is reserved by the snapshot format (safetensors); choose another name"
-        )
+        raise SpecError(f"tensor name {name!r} is reserved by the snapshot format (safetensors); choose another name")
     return name
 
 
@@ -128,8 +133,9 @@ def _manifest(header: dict[str, Any]) -> str:
     """CRC-32 of the tensor list (names, dtypes, shapes, offsets) and the versions, in a canonical form."""
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     meta = header.get("__metadata__") or {}
-    canon = json.dumps([tensors, meta.get(_VERSIONS_KEY, ""), meta.get(_CHECKSUMS_KEY, "")],
-                       sort_keys=True, separators=(",", ":"))
+    canon = json.dumps(
+        [tensors, meta.get(_VERSIONS_KEY, ""), meta.get(_CHECKSUMS_KEY, "")], sort_keys=True, separators=(",", ":")
+    )
     return _crc_hex(zlib.crc32(canon.encode("utf-8")))
 
 
@@ -160,8 +166,11 @@ def _warn_if_shared(directory: str, dfd: int) -> None:
     except OSError:  # pragma: no cover
         return
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        log.warning("snapshot dir %s is writable by group/others without the sticky bit: anyone who can write it "
-                    "can replace the snapshot; chmod 700 it", directory)
+        log.warning(
+            "snapshot dir %s is writable by group/others without the sticky bit: anyone who can write it "
+            "can replace the snapshot; chmod 700 it",
+            directory,
+        )
 
 
 def write_safetensors(
@@ -191,7 +200,11 @@ def write_safetensors(
             raise SpecError(f"tensor {spec.name!r} listed twice")
         if spec.dtype not in ST_DTYPES:
             raise SpecError(f"{spec.name}: dtype {spec.dtype} cannot be written to safetensors")
-        header[spec.name] = {"dtype": ST_DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": [off, off + spec.nbytes]}
+        header[spec.name] = {
+            "dtype": ST_DTYPES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [off, off + spec.nbytes],
+        }
         off += spec.nbytes
     meta = {"format": "pt"}
     meta.update(metadata or {})
@@ -273,11 +286,14 @@ def _verify_written(path: str, header: dict[str, Any], size: int) -> None:
         specs, meta = read_safetensors_specs(path)
     except SnapshotError:
         raise
-    except Exception as exc:  # noqa: BLE001 - whatever the reader rejects
+    except Exception as exc:
         raise SnapshotError(f"the snapshot just written does not read back ({path}): {exc}") from exc
     want = {k: v for k, v in header.items() if k != "__metadata__"}
     got = {s.name: {"dtype": ST_DTYPES[s.dtype], "shape": list(s.shape)} for s, _ in specs}
-    if got != {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in want.items()} or meta != header["__metadata__"]:
+    if (
+        got != {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in want.items()}
+        or meta != header["__metadata__"]
+    ):
         raise SnapshotError(f"the snapshot just written reads back differently ({path})")
 
 
@@ -311,7 +327,9 @@ def write_snapshot(store: "Store", directory: str, *, timeout: float = 600.0) ->
             except NotFoundError:  # deleted or never written meanwhile
                 continue
             except TransferTimeout as exc:
-                raise SnapshotError(f"snapshot to {path} failed: {exc}; the previous snapshot (if any) is unchanged") from exc
+                raise SnapshotError(
+                    f"snapshot to {path} failed: {exc}; the previous snapshot (if any) is unchanged"
+                ) from exc
             stack.callback(e.release_read, idx)
             items.append((e.spec, e.slot(idx).raw))
             versions[e.spec.name] = version
@@ -358,19 +376,26 @@ def _expected_checksums(path: str, meta: dict[str, str], keys: list[str]) -> dic
     if _CHECKSUMS_KEY not in meta and _MANIFEST_KEY not in meta and _ALGO_KEY not in meta:
         return None
     if meta.get(_ALGO_KEY) != _ALGO:
-        raise SnapshotError(f"snapshot {path}: unknown checksum algorithm {meta.get(_ALGO_KEY)!r}; "
-                            "the file is kept for inspection")
+        raise SnapshotError(
+            f"snapshot {path}: unknown checksum algorithm {meta.get(_ALGO_KEY)!r}; the file is kept for inspection"
+        )
     try:
         sums = json.loads(meta.get(_CHECKSUMS_KEY, ""))
         header = _read_header(path)
     except (ValueError, OSError, struct.error) as exc:
-        raise SnapshotError(f"snapshot {path}: its checksums cannot be read ({exc}); the file is kept for inspection") from exc
+        raise SnapshotError(
+            f"snapshot {path}: its checksums cannot be read ({exc}); the file is kept for inspection"
+        ) from exc
     if not isinstance(sums, dict) or set(sums) != set(keys):
-        raise SnapshotError(f"snapshot {path}: the checksums do not list exactly its tensors (corrupt header); "
-                            "the file is kept for inspection")
+        raise SnapshotError(
+            f"snapshot {path}: the checksums do not list exactly its tensors (corrupt header); "
+            "the file is kept for inspection"
+        )
     if meta.get(_MANIFEST_KEY) != _manifest(header):
-        raise SnapshotError(f"snapshot {path}: its tensor list does not match its checksum (corrupt header); "
-                            "the file is kept for inspection")
+        raise SnapshotError(
+            f"snapshot {path}: its tensor list does not match its checksum (corrupt header); "
+            "the file is kept for inspection"
+        )
     return {k: str(v) for k, v in sums.items()}
 
 
@@ -405,13 +430,16 @@ def restore_snapshot(store: "Store", directory: str) -> int:
             raise SpecError(f"{_LAYOUTS_KEY} is not a JSON object")
         # a shard restored without its layout would be served as a whole tensor: a bad entry fails the restore
         layouts = {k: ShardLayout.from_json(v) for k, v in raw_layouts.items()}
-    except Exception as exc:  # noqa: BLE001 - any parse failure of an untrusted file
+    except Exception as exc:
         raise SnapshotError(f"cannot read snapshot {path}: {exc}; the file is kept for inspection") from exc
     sums = _expected_checksums(path, meta, [k for _, k in specs])
     if sums is None:
-        log.warning("snapshot %s has no checksums (written by an older tensorwire): restored unverified; the next "
-                    "snapshot will carry them", path)
-    for spec, key in specs:
+        log.warning(
+            "snapshot %s has no checksums (written by an older tensorwire): restored unverified; the next "
+            "snapshot will carry them",
+            path,
+        )
+    for spec, _ in specs:
         check_storable_name(spec.name)
     need = sum(2 * s.nbytes for s, _ in specs)
     if need > store.max_bytes - store.reserved:
@@ -443,6 +471,11 @@ def restore_snapshot(store: "Store", directory: str) -> int:
                 store.restore(spec, v, fill, layout=layouts.get(key))
             except (ResourceExhaustedError, SpecError) as exc:  # over max_bytes: checked above; a layout that
                 raise ConfigError(f"cannot restore {path}: {exc}") from exc  # does not fit its tensor
-    log.info("snapshot: restored %d tensors from %s in %.2fs%s", len(specs), path, time.monotonic() - t0,
-             " (checksums verified)" if sums is not None else "")
+    log.info(
+        "snapshot: restored %d tensors from %s in %.2fs%s",
+        len(specs),
+        path,
+        time.monotonic() - t0,
+        " (checksums verified)" if sums is not None else "",
+    )
     return len(specs)

@@ -104,8 +104,9 @@ class Info:
     layout: ShardLayout | None = None
 
 
-def _wait(cond: threading.Condition, pred, deadline: float, what: str,
-          poll: "Callable[[], float]" = lambda: 1.0) -> None:
+def _wait(
+    cond: threading.Condition, pred, deadline: float, what: str, poll: "Callable[[], float]" = lambda: 1.0
+) -> None:
     """Under ``cond``: wait until ``pred()``; TransferTimeout at ``deadline``. ``pred`` is checked again at
     least every ``poll()`` seconds (for what changes without a notify)."""
     while not pred():
@@ -216,7 +217,9 @@ class Entry:
         """:meth:`acquire_read`, with the lease of that slot and version: (cell, generation), read in the
         same breath ((0, 0): no lease)."""
         with self.cond:
-            _wait(self.cond, lambda: self.deleted or not (self.row_writer or self.row_waiting), deadline, self.spec.name)
+            _wait(
+                self.cond, lambda: self.deleted or not (self.row_writer or self.row_waiting), deadline, self.spec.name
+            )
             self._check_readable()
             self.readers[self.cur] += 1
             leases = self._store.leases
@@ -262,8 +265,13 @@ class Entry:
             try:
                 # a write-ahead grant is revoked unless its client is writing: then it commits soon, but its
                 # page lock wakes nobody, so look again every millisecond
-                _wait(self.cond, lambda: self.deleted or not self.putting or self._revoke_ahead(), deadline,
-                      self.spec.name, poll=lambda: 0.001 if self.ahead is not None else 1.0)
+                _wait(
+                    self.cond,
+                    lambda: self.deleted or not self.putting or self._revoke_ahead(),
+                    deadline,
+                    self.spec.name,
+                    poll=lambda: 0.001 if self.ahead is not None else 1.0,
+                )
             finally:
                 self.put_waiting -= 1
             if self.deleted:
@@ -308,8 +316,15 @@ class Entry:
         (no put or row update under way or waiting, no read pinning it, in shared memory): ``make(idx)``
         builds the grant. None: not now."""
         with self.cond:
-            if (self.deleted or self.putting or self.put_waiting or self.row_writer or self.row_waiting
-                    or self.version == 0 or self.ahead is not None):
+            if (
+                self.deleted
+                or self.putting
+                or self.put_waiting
+                or self.row_writer
+                or self.row_waiting
+                or self.version == 0
+                or self.ahead is not None
+            ):
                 return None
             idx = 1 - self.cur
             sl = self.slots[idx]
@@ -422,8 +437,11 @@ class Store:
             try:
                 return StoreSlot(spec, reg.create(spec.nbytes))
             except ShmError as exc:
-                reg.warn_once(f"slot-{exc.errno}", "shared memory: %s; such tensors are kept in ordinary memory and "
-                              "served over the data connection", exc)
+                reg.warn_once(
+                    f"slot-{exc.errno}",
+                    "shared memory: %s; such tensors are kept in ordinary memory and served over the data connection",
+                    exc,
+                )
         return Slot(spec)
 
     # -- shared-memory scratch (charged like tensors) ----------------------------------------

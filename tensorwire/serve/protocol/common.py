@@ -212,7 +212,9 @@ def rpc_error(exc: Any, what: str, *, tls: bool = False, connecting: bool = Fals
             # A server that closes a fresh connection at once refused our handshake:
             # it speaks TLS and we do not, or it wants a client certificate we lack.
             hint = "a client certificate (tls={'cert': ..., 'key': ...})" if tls else "TLS (tls={'ca': ...})"
-            return errors.AuthError(f"{what}: the server closed the connection during the handshake; it may require {hint}: {details}")
+            return errors.AuthError(
+                f"{what}: the server closed the connection during the handshake; it may require {hint}: {details}"
+            )
         return errors.PeerLostError(msg)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.ProtocolError(msg)

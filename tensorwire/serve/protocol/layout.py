@@ -31,16 +31,17 @@ from typing import Any, Sequence
 
 from tensorwire.errors import LayoutMismatchError, SpecError
 
-__all__ = ["ShardLayout", "LAYOUT_STRUCT", "LAYOUT_BYTES", "row_ranges", "fingerprint", "check_layout",
-           "RESHARD_HINT"]
+__all__ = ["ShardLayout", "LAYOUT_STRUCT", "LAYOUT_BYTES", "row_ranges", "fingerprint", "check_layout", "RESHARD_HINT"]
 
 LAYOUT_STRUCT = struct.Struct("<16sIIQQQ")
 LAYOUT_BYTES = LAYOUT_STRUCT.size
 FINGERPRINT_BYTES = 16
 
 #: What every layout error says about changing a table's daemon list (there is no reshard command).
-RESHARD_HINT = ("tensorwire has no reshard command: to move a table to another daemon list, get it through a "
-                "client over the list it was put with and put it (shard='rows') through a client over the new one")
+RESHARD_HINT = (
+    "tensorwire has no reshard command: to move a table to another daemon list, get it through a "
+    "client over the list it was put with and put it (shard='rows') through a client over the new one"
+)
 
 
 def row_ranges(rows: int, shards: int) -> list[tuple[int, int]]:
@@ -78,8 +79,10 @@ class ShardLayout:
         if not 0 <= self.index < self.shards:
             raise SpecError(f"shard index {self.index} out of range for {self.shards} shards")
         if (self.row_start, self.row_stop) != row_ranges(self.rows, self.shards)[self.index]:
-            raise SpecError(f"rows [{self.row_start}, {self.row_stop}) are not shard {self.index} of {self.shards} "
-                            f"of a {self.rows}-row table")
+            raise SpecError(
+                f"rows [{self.row_start}, {self.row_stop}) are not shard {self.index} of {self.shards} "
+                f"of a {self.rows}-row table"
+            )
 
     @classmethod
     def of(cls, addresses_fingerprint: bytes, shards: int, index: int, rows: int) -> "ShardLayout":
@@ -91,8 +94,10 @@ class ShardLayout:
         return self.row_stop - self.row_start
 
     def describe(self) -> str:
-        return (f"shard {self.index} of {self.shards} (rows {self.row_start}..{self.row_stop} of {self.rows}) "
-                f"of the daemon list {self.fingerprint.hex()[:12]}")
+        return (
+            f"shard {self.index} of {self.shards} (rows {self.row_start}..{self.row_stop} of {self.rows}) "
+            f"of the daemon list {self.fingerprint.hex()[:12]}"
+        )
 
     # -- forms ---------------------------------------------------------------------------------
     def pack(self) -> bytes:
@@ -107,13 +112,25 @@ class ShardLayout:
     def to_proto(self) -> Any:
         from tensorwire.v1 import store_pb2
 
-        return store_pb2.ShardLayout(shards=self.shards, index=self.index, rows=self.rows, row_start=self.row_start,
-                                     row_stop=self.row_stop, fingerprint=self.fingerprint)
+        return store_pb2.ShardLayout(
+            shards=self.shards,
+            index=self.index,
+            rows=self.rows,
+            row_start=self.row_start,
+            row_stop=self.row_stop,
+            fingerprint=self.fingerprint,
+        )
 
     @classmethod
     def from_proto(cls, msg: Any) -> "ShardLayout":
-        return cls(int(msg.shards), int(msg.index), int(msg.rows), int(msg.row_start), int(msg.row_stop),
-                   bytes(msg.fingerprint))
+        return cls(
+            int(msg.shards),
+            int(msg.index),
+            int(msg.rows),
+            int(msg.row_start),
+            int(msg.row_stop),
+            bytes(msg.fingerprint),
+        )
 
     @classmethod
     def from_field(cls, request: Any) -> "ShardLayout | None":
@@ -121,17 +138,34 @@ class ShardLayout:
         return cls.from_proto(request.layout) if request.HasField("layout") else None
 
     def to_json(self) -> str:
-        return json.dumps({"shards": self.shards, "index": self.index, "rows": self.rows, "row_start": self.row_start,
-                           "row_stop": self.row_stop, "fingerprint": self.fingerprint.hex()}, separators=(",", ":"))
+        return json.dumps(
+            {
+                "shards": self.shards,
+                "index": self.index,
+                "rows": self.rows,
+                "row_start": self.row_start,
+                "row_stop": self.row_stop,
+                "fingerprint": self.fingerprint.hex(),
+            },
+            separators=(",", ":"),
+        )
 
     @classmethod
     def from_json(cls, text: str | dict) -> "ShardLayout":
         d = json.loads(text) if isinstance(text, str) else text
-        return cls(int(d["shards"]), int(d["index"]), int(d["rows"]), int(d["row_start"]), int(d["row_stop"]),
-                   bytes.fromhex(d["fingerprint"]))
+        return cls(
+            int(d["shards"]),
+            int(d["index"]),
+            int(d["rows"]),
+            int(d["row_start"]),
+            int(d["row_stop"]),
+            bytes.fromhex(d["fingerprint"]),
+        )
 
 
-def check_layout(name: str, stored: ShardLayout | None, expected: ShardLayout | None, *, where: str = "this daemon") -> None:
+def check_layout(
+    name: str, stored: ShardLayout | None, expected: ShardLayout | None, *, where: str = "this daemon"
+) -> None:
     """Raise :class:`LayoutMismatchError` unless ``stored`` (what ``where`` holds) is what a request ``expected``.
 
     ``None`` stands for a whole tensor.
@@ -142,15 +176,18 @@ def check_layout(name: str, stored: ShardLayout | None, expected: ShardLayout | 
         assert stored is not None
         raise LayoutMismatchError(
             f"{name!r} on {where} is {stored.describe()}; a request for a whole tensor was refused (nothing read or "
-            f"written). Use a client over that daemon list, in the same order: tw.Client([...]). {RESHARD_HINT}")
+            f"written). Use a client over that daemon list, in the same order: tw.Client([...]). {RESHARD_HINT}"
+        )
     if stored is None:
         raise LayoutMismatchError(
             f"{name!r} on {where} is a whole tensor, not {expected.describe()} as this client expects (nothing read "
-            f"or written): it was put without shard='rows', or the table was replaced")
+            f"or written): it was put without shard='rows', or the table was replaced"
+        )
     if stored.fingerprint != expected.fingerprint or stored.shards != expected.shards or stored.index != expected.index:
         why = "its daemon list differs from the one the table was put with (other daemons, or another order)"
     else:
         why = "the table was replaced meanwhile (another row count)"
     raise LayoutMismatchError(
         f"{name!r} on {where} is {stored.describe()}; this client expects {expected.describe()}: {why}. Nothing was "
-        f"read or written. {RESHARD_HINT}")
+        f"read or written. {RESHARD_HINT}"
+    )

@@ -190,8 +190,9 @@ class Region:
 
     __slots__ = ("name", "path", "size", "tensor", "pinned", "_mm", "_registry", "_closed", "__weakref__")
 
-    def __init__(self, registry: "Registry", name: str, path: str, size: int, mm: mmap.mmap,
-                 tensor: "torch.Tensor") -> None:
+    def __init__(
+        self, registry: "Registry", name: str, path: str, size: int, mm: mmap.mmap, tensor: "torch.Tensor"
+    ) -> None:
         self._registry = registry
         self.name = name
         self.path = path
@@ -328,8 +329,13 @@ class Registry:
         ShmError: the directory is missing or not usable (the daemon serves without shared memory).
     """
 
-    def __init__(self, directory: str = SHM_DIR, *, max_regions: int = MAX_REGIONS,
-                 on_change: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str = SHM_DIR,
+        *,
+        max_regions: int = MAX_REGIONS,
+        on_change: Callable[[int, int], None] | None = None,
+    ) -> None:
         global _atexit_registered
         self.directory = directory
         self.max_regions = max_regions
@@ -416,10 +422,13 @@ class Registry:
                 os.unlink(path)
                 hint = ""
                 if exc.errno == errno.ENOSPC:
-                    hint = (f" ({self.directory} is full: it is a tmpfs with a size limit; docker: --shm-size, "
-                            "Kubernetes: an emptyDir with medium: Memory)")
-                raise ShmError(exc.errno, f"cannot allocate {size} bytes in {self.directory}: {exc.strerror}{hint}") \
-                    from None
+                    hint = (
+                        f" ({self.directory} is full: it is a tmpfs with a size limit; docker: --shm-size, "
+                        "Kubernetes: an emptyDir with medium: Memory)"
+                    )
+                raise ShmError(
+                    exc.errno, f"cannot allocate {size} bytes in {self.directory}: {exc.strerror}{hint}"
+                ) from None
         finally:
             os.close(fd)
         region = Region(self, name, path, size, mm, tensor)

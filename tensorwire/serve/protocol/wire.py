@@ -201,8 +201,16 @@ MAX_REQUEST_BYTES = REQUEST.size + MAX_NAME_BYTES + LAYOUT_BYTES + 8 * MAX_INDEX
 OP_GET, OP_GET_ROWS, OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS = 1, 2, 3, 4, 5
 OP_SHM_HELLO, OP_RELEASE, OP_COMMIT = 6, 7, 8
 #: op -> the name metrics and logs use (the gRPC method doing the same).
-OPS = {OP_GET: "Get", OP_GET_ROWS: "GetRows", OP_PUT: "Put", OP_PUT_ROWS: "PutRows", OP_ADD_ROWS: "AddRows",
-       OP_SHM_HELLO: "ShmHello", OP_RELEASE: "Release", OP_COMMIT: "Commit"}
+OPS = {
+    OP_GET: "Get",
+    OP_GET_ROWS: "GetRows",
+    OP_PUT: "Put",
+    OP_PUT_ROWS: "PutRows",
+    OP_ADD_ROWS: "AddRows",
+    OP_SHM_HELLO: "ShmHello",
+    OP_RELEASE: "Release",
+    OP_COMMIT: "Commit",
+}
 _INDEXED = (OP_GET_ROWS, OP_PUT_ROWS, OP_ADD_ROWS)
 _SHAPED = (OP_PUT, OP_PUT_ROWS, OP_ADD_ROWS)
 #: Ops that may carry FLAG_SHM.
@@ -273,8 +281,19 @@ def request_size(name_bytes: int, nindex: int, *, layout: bool = False) -> int:
     return REQUEST.size + _pad8(name_bytes) + (LAYOUT_BYTES if layout else 0) + 8 * nindex
 
 
-def pack_request(buf: memoryview, *, op: int, req_id: int, name: bytes, timeout_ms: int = 0, dtype: int = 0,
-                 shape: tuple[int, ...] = (), nindex: int = 0, flags: int = 0, layout: bytes = b"") -> int:
+def pack_request(
+    buf: memoryview,
+    *,
+    op: int,
+    req_id: int,
+    name: bytes,
+    timeout_ms: int = 0,
+    dtype: int = 0,
+    shape: tuple[int, ...] = (),
+    nindex: int = 0,
+    flags: int = 0,
+    layout: bytes = b"",
+) -> int:
     """Write the fixed part, the name and the ``layout`` (packed; with ``FLAG_LAYOUT``) into ``buf``; returns the
     offset of the index (the caller fills it)."""
     if bool(layout) != bool(flags & FLAG_LAYOUT) or (layout and len(layout) != LAYOUT_BYTES):
@@ -282,8 +301,21 @@ def pack_request(buf: memoryview, *, op: int, req_id: int, name: bytes, timeout_
     if len(shape) > MAX_DIMS:
         raise ValueError(f"rank {len(shape)} exceeds {MAX_DIMS}")
     dims = tuple(shape) + (0,) * (MAX_DIMS - len(shape))
-    REQUEST.pack_into(buf, 0, REQ_MAGIC, DATA_REQUESTS_VERSION, op, flags, len(shape), req_id,
-                      min(max(0, int(timeout_ms)), 0xFFFFFFFF), dtype, len(name), nindex, *dims)
+    REQUEST.pack_into(
+        buf,
+        0,
+        REQ_MAGIC,
+        DATA_REQUESTS_VERSION,
+        op,
+        flags,
+        len(shape),
+        req_id,
+        min(max(0, int(timeout_ms)), 0xFFFFFFFF),
+        dtype,
+        len(name),
+        nindex,
+        *dims,
+    )
     off = REQUEST.size
     buf[off : off + len(name)] = name
     end = off + _pad8(len(name))
@@ -369,16 +401,46 @@ class Reply:
     lease: int = 0
 
 
-def pack_reply(buf: memoryview, *, status: int, op: int, req_id: int, version: int = 0, step: int = 0,
-               nbytes: int = 0, chunk: int = 0, dtype: int = 0, shape: tuple[int, ...] = (), error: str = "",
-               message: str = "", lease: int = 0) -> None:
+def pack_reply(
+    buf: memoryview,
+    *,
+    status: int,
+    op: int,
+    req_id: int,
+    version: int = 0,
+    step: int = 0,
+    nbytes: int = 0,
+    chunk: int = 0,
+    dtype: int = 0,
+    shape: tuple[int, ...] = (),
+    error: str = "",
+    message: str = "",
+    lease: int = 0,
+) -> None:
     """Fill ``buf`` (REPLY_BYTES) with a reply; a long message is cut to fit (at a character boundary)."""
     dims = tuple(shape) + (0,) * (MAX_DIMS - len(shape))
     msg = message.encode("utf-8")
     if len(msg) > MAX_MESSAGE:
         msg = msg[: MAX_MESSAGE - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
-    REPLY.pack_into(buf, 0, REPLY_MAGIC, DATA_REQUESTS_VERSION, status, op, len(shape), req_id, version, step, nbytes,
-                    chunk, dtype, len(msg), lease, *dims, error.encode("ascii", "replace")[:32])
+    REPLY.pack_into(
+        buf,
+        0,
+        REPLY_MAGIC,
+        DATA_REQUESTS_VERSION,
+        status,
+        op,
+        len(shape),
+        req_id,
+        version,
+        step,
+        nbytes,
+        chunk,
+        dtype,
+        len(msg),
+        lease,
+        *dims,
+        error.encode("ascii", "replace")[:32],
+    )
     buf[REPLY.size : REPLY.size + len(msg)] = msg
     buf[REPLY.size + len(msg) : REPLY_BYTES] = bytes(REPLY_BYTES - REPLY.size - len(msg))
 
@@ -391,13 +453,26 @@ def parse_reply(data: memoryview) -> Reply:
     """
     if len(data) != REPLY_BYTES:
         raise ValueError(f"reply of {len(data)} bytes, expected {REPLY_BYTES}")
-    (magic, version, status, op, ndim, req_id, tversion, step, nbytes, chunk, dtype, msg_len, lease,
-     *rest) = REPLY.unpack_from(data)
+    (magic, version, status, op, ndim, req_id, tversion, step, nbytes, chunk, dtype, msg_len, lease, *rest) = (
+        REPLY.unpack_from(data)
+    )
     dims, error = rest[:MAX_DIMS], rest[MAX_DIMS]
     if magic != REPLY_MAGIC or version != DATA_REQUESTS_VERSION:
         raise ValueError(f"bad reply magic/version {bytes(magic)!r} v{version}")
     if status not in (OK, ERROR, GO, SHM, FALLBACK) or ndim > MAX_DIMS or msg_len > MAX_MESSAGE:
         raise ValueError(f"bad reply (status {status}, rank {ndim}, message {msg_len} bytes)")
     message = bytes(data[REPLY.size : REPLY.size + msg_len]).decode("utf-8", "replace")
-    return Reply(status, op, req_id, tversion, step, nbytes, chunk, dtype, tuple(dims[:ndim]),
-                 error.rstrip(b"\0").decode("ascii", "replace"), message, lease if status == SHM else 0)
+    return Reply(
+        status,
+        op,
+        req_id,
+        tversion,
+        step,
+        nbytes,
+        chunk,
+        dtype,
+        tuple(dims[:ndim]),
+        error.rstrip(b"\0").decode("ascii", "replace"),
+        message,
+        lease if status == SHM else 0,
+    )
