@@ -8,31 +8,9 @@ difference fails on both sides with :class:`~tensorwire.ShapeMismatchError`),
 a transport is chosen, the data connection is made, and every slot is
 allocated — once.
 
-On the hot path (:meth:`Link.send` / :meth:`Link.recv`) nothing is allocated
-(beyond small Python objects), nothing is serialized, and no gRPC call is made.
-
-Receive slots are double-buffered: :meth:`Link.recv` returns the slot tensor,
-valid until the next ``recv`` of that name, while the other buffer is already
-posted for the next message. So a peer can send message *k+1* while this side
-still holds message *k*, and two ranks that each ``send`` then ``recv`` every
-step never deadlock. ``Node.link(..., depth=)`` gives a name more slots: with
-``depth`` *d* a received slot stays valid until *d - 1* more ``recv`` calls of
-that name (a GPipe stage keeps every microbatch's activation in its own slot
-through the backward pass, with no copy), and the slots are re-posted in the
-order they were received in.
-
-Transport choice (both sides compute the same answer from both offers):
-
-- ``tcp`` or ``ucx`` asked on either side wins (asked on both and different: error);
-- ``auto``: UCX when both sides have it **and** it beats a socket: the peer
-  shares this machine and IPC namespace (:func:`host_id`: UCX then uses shared
-  memory for small messages and cma / cuda_ipc single-copy rendezvous for large
-  ones), the link has CUDA specs (zero-copy GPU memory: cuda_ipc / GPUDirect),
-  or there is an RDMA network device; TCP otherwise -- between hosts without
-  RDMA, UCX runs over TCP too and a plain socket was measured faster (see
-  ``bench/results/``). ``TENSORWIRE_AUTO_PREFER=ucx`` / ``=tcp`` puts that
-  transport first under auto.
-  If UCX is chosen but cannot connect, the link falls back to TCP with a WARNING.
+What a link does once made (slots, depth, the hot path) is described in
+:mod:`tensorwire.p2p.link`; which transport it uses, in :mod:`tensorwire.transport.select`.
+If UCX is chosen but cannot connect, the link falls back to TCP with a WARNING.
 """
 
 from __future__ import annotations
