@@ -806,7 +806,14 @@ class DataRequests:
         # as soon as it is gathered; else one gather, one message (see the constants for the measurements).
         halves = n >= 2 and nbytes >= PARALLEL_MIN_BYTES and torch.get_num_threads() == 1
         chunk_rows = max(1, n)
-        if not halves and ROWS_CHUNK_BYTES and rb and nbytes > ROWS_CHUNK_BYTES * 3 // 2 and hasattr(t, "start_send"):
+        if (
+            not halves
+            and ROWS_CHUNK_BYTES
+            and rb
+            and nbytes > ROWS_CHUNK_BYTES * 3 // 2
+            and t is not None
+            and t.async_send
+        ):
             chunk_rows = max(1, ROWS_CHUNK_BYTES // rb)
         chunks = math.ceil(n / chunk_rows) if nbytes else 0
         chunk = chunk_rows * rb if chunks > 1 else nbytes
