@@ -243,20 +243,6 @@ PROTOCOL_VERSION = 3
 
 
 #: Microseconds a waiting thread polls the worker (yielding in between) before it sleeps.
-def _env_us(name: str, default: float) -> float:
-    """A non-negative number of microseconds from the environment (ConfigError naming it otherwise)."""
-    raw = os.environ.get(name, "")
-    if not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also rejects nan
-        raise ConfigError(f"{name}={raw!r}: must be a number of microseconds >= 0")
-    return value
-
-
 SPIN_US = setting("ucx_spin_us")
 #: The same for a wait on a transfer of CUDA memory. cuda_ipc copies are issued and
 #: completed from worker progress and do not wake a sleeping worker promptly: measured on

@@ -12,7 +12,7 @@ import torch
 import tensorwire as tw
 from tensorwire.serve.client.client import Client
 
-from serve_common import SHM, in_process, ucx_usable
+from serve_common import ALL_DTYPES, SHM, in_process, ucx_usable
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +29,6 @@ def client(srv, request):
         yield c
         for name in c.list():  # the next run (the other transport) starts from an empty store
             c.delete(name)
-
-
-ALL_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-]
 
 
 def _rand(shape, dtype, seed=0):

@@ -20,20 +20,7 @@ from tensorwire.serve.client.client import Client, _Progress
 from tensorwire.serve.protocol import shm, wire
 from tensorwire.serve.protocol.common import TAG_REQUEST
 
-from serve_common import ROOT, Daemon, clean_env, in_process, shm_room
-
-ALL_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-]
+from serve_common import ALL_DTYPES, ROOT, Daemon, clean_env, in_process, shm_room
 
 # A container's default /dev/shm (64 MiB) cannot hold these tests' regions: the daemon would (correctly)
 # serve from ordinary memory over the socket, and the assertions that bytes went through shm would fail.

@@ -21,6 +21,21 @@ import time
 from typing import Any, Iterator
 
 import pytest
+import torch
+
+#: The dtypes the serve tests put through every path (one of each kind: float, int, unsigned, bool).
+ALL_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
