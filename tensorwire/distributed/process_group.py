@@ -38,6 +38,7 @@ from ..errors import ConfigError
 from ..p2p.bootstrap import reachable_address
 from ..p2p.node import Node
 from ..p2p.torchrun import TorchrunEnv
+from ..settings import setting
 from .channel import Peer, SlotPool, check_tag
 from .errors import GroupClosed, translate
 from .work import Completer, Work
@@ -346,7 +347,7 @@ def _first_tensor(item: Any) -> torch.Tensor | None:
 def _host() -> str:
     """Address to listen on and advertise, by the rules of ``tw.init``: TENSORWIRE_HOST, else (under torchrun)
     this host's address toward MASTER_ADDR (loopback for a single-node job), else 127.0.0.1."""
-    explicit = (os.environ.get("TENSORWIRE_HOST") or "").strip()
+    explicit = setting("host") or ""
     if explicit:
         return explicit
     if os.environ.get("MASTER_ADDR") and os.environ.get("RANK") is not None:
