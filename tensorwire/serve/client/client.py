@@ -114,6 +114,7 @@ from tensorwire.serve.protocol.common import (
 from tensorwire._proto import spec_from_proto, spec_to_proto
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat, parse_address
 from tensorwire.serve.client.sharded_client import ShardedClient
+from tensorwire.serve.client.window import ShardView
 from tensorwire.settings import setting
 from tensorwire.spec import TensorSpec, check_name
 from tensorwire.serve.protocol.shm import LEASE_MACHINES, LEASE_VERSION, SHM_VERSION
@@ -593,26 +594,35 @@ class Client:
         view = self._shm_view(pr, rep, name)
         try:
             result = use(view)
-            if rep.lease and self._lease_tab is not None and rep.lease < self._lease_tab.size:
-                self._leases[name] = (
-                    rep.lease,
-                    rep.step,
-                    rep.message,
-                    rep.chunk,
-                    rep.nbytes,
-                    self._reply_spec(name, rep),
-                )
+            self._keep_lease(name, rep)
             return result
         finally:
-            with self._rel_cond:
-                self._pin, self._pin_at = name, time.monotonic()
-                if self._releaser is None:
-                    self._releaser = threading.Thread(
-                        target=self._release_loop, name="tensorwire-client-release", daemon=True
-                    )
-                    self._releaser.start()
-                elif self._rel_parked:
-                    self._rel_cond.notify()
+            self._hold_pin(name)
+
+    def _keep_lease(self, name: str, rep: "wire.Reply") -> None:
+        """Keep the read lease an SHM read reply hands out (if any)."""
+        if rep.lease and self._lease_tab is not None and rep.lease < self._lease_tab.size:
+            self._leases[name] = (
+                rep.lease,
+                rep.step,
+                rep.message,
+                rep.chunk,
+                rep.nbytes,
+                self._reply_spec(name, rep),
+            )
+
+    def _hold_pin(self, name: str) -> None:
+        """The daemon holds a read pin of ``name`` for this session: it goes back with the next request, or
+        with the helper's RELEASE once this client is idle (:data:`_RELEASE_AFTER`)."""
+        with self._rel_cond:
+            self._pin, self._pin_at = name, time.monotonic()
+            if self._releaser is None:
+                self._releaser = threading.Thread(
+                    target=self._release_loop, name="tensorwire-client-release", daemon=True
+                )
+                self._releaser.start()
+            elif self._rel_parked:
+                self._rel_cond.notify()
 
     def _lease_read(self, name: str, use: Callable[[TensorSpec, "torch.Tensor", str], Any], op: str) -> Any:
         """A read served from this client's lease on ``name`` (no request), or :data:`_MISS`.
@@ -1047,6 +1057,71 @@ class Client:
                 self._expect[name] = layout
                 self._expect_pb[name] = layout.to_proto()
                 self._expect_packed[name] = layout.pack()
+
+    # -- for the sharded client: one gather over several daemons' shared memory -------------------------
+    @property
+    def lock(self) -> "threading.RLock":
+        """Held by each operation of this client. A sharded client holds the locks of several clients
+        across one gather from their daemons' shared memory, so that their pins stay meanwhile."""
+        return self._lock
+
+    def shm_lease(self, name: str) -> ShardView | None:
+        """The version of ``name`` this client's read lease names, if the lease holds now (no request).
+
+        Call with :attr:`lock` held, and count the read only if :meth:`ShardView.valid` still holds
+        after copying out of it (:meth:`shm_count`).
+        """
+        self._check_open()
+        lease = self._leases.get(name)
+        tab = self._lease_tab
+        if lease is None or tab is None or not self._shm:
+            return None
+        cell, gen, region, offset, nbytes, spec = lease
+        if tab.cells[cell] != gen or not tab.alive():
+            del self._leases[name]
+            self.lease_misses += 1
+            return None
+        return ShardView(region, offset, nbytes, spec, tab.cells, cell, gen)
+
+    def shm_pin(self, name: str, rows: int) -> ShardView | None:
+        """Have the daemon pin the current version of ``name`` for a gather of ``rows`` rows that this
+        process makes itself (a shared-memory get_rows request without an index).
+
+        None: this session moves no bytes through shared memory, or the tensor is not in it. Call with
+        :attr:`lock` held until the gather is done: the pin goes back with this client's next request.
+
+        Raises:
+            as get_rows (NotFoundError, LayoutMismatchError, PeerLostError, ...).
+        """
+
+        def grpc_op(sid: str, t: "Transport") -> None:
+            return None
+
+        def dp(t: "Transport", pr: _Progress) -> ShardView | None:
+            if not self._shm:
+                return None
+            rep = self._dp_call(t, pr, wire.OP_GET_ROWS, name, shape=(rows,), flags=wire.FLAG_SHM)
+            if rep.status == wire.FALLBACK:
+                return None
+            if rep.status != wire.SHM:
+                raise self._lost(pr, f"get_rows {name}: reply status {rep.status} to a shared-memory request")
+            got = self._reply_spec(name, rep)
+            if rep.nbytes != got.nbytes or not got.shape:
+                raise self._lost(pr, f"get_rows {name}: the server names {rep.nbytes} bytes of {got.describe()}")
+            self._keep_lease(name, rep)
+            self._hold_pin(name)
+            return ShardView(rep.message, rep.chunk, rep.nbytes, got)
+
+        with self._lock:
+            return self._run(grpc_op, dp)
+
+    def shm_count(self, nbytes: int, *, leased: bool) -> None:
+        """Count a gather of ``nbytes`` made out of a view of this client (a lease read: for the daemon too)."""
+        self.shm_bytes += nbytes
+        if leased:
+            self.lease_reads += 1
+            if self._page is not None:
+                self._page.add("get_rows", nbytes)
 
     def _recv(self, t: "Transport", tr: Any, raw: "torch.Tensor") -> None:
         try:
@@ -1486,32 +1561,78 @@ class Client:
         """Add ``values`` to rows ``index`` of ``name`` server-side (duplicates accumulate)."""
         return self._rows(name, index, values, add=True)
 
-    def _rows(self, name: str, index: Any, values: "torch.Tensor", *, add: bool) -> TensorStat:
+    def update_rows(
+        self, name: str, index: Any, values: "torch.Tensor", *, add: bool, pick: "torch.Tensor | None" = None
+    ) -> TensorStat:
+        """``add_rows`` (``add``) or ``put_rows`` with the values ``values[pick]`` (all of ``values``: None).
+
+        The sharded client's part of an update: each value row is copied once, from the caller's tensor
+        straight to where it goes (the daemon's shared-memory scratch, or the bytes sent), with no
+        ``values[pick]`` tensor in between.
+        """
+        return self._rows(name, index, values, add=add, pick=pick)
+
+    def _rows(
+        self, name: str, index: Any, values: "torch.Tensor", *, add: bool, pick: "torch.Tensor | None" = None
+    ) -> TensorStat:
+        import numpy as np
+
         from tensorwire.v1 import store_pb2
 
         idx = as_index(index)
         values = self._check_tensor("values", values)
         n = idx.numel()
-        if values.dim() < 1 or values.shape[0] != n:
+        if pick is not None:
+            pick = as_index(pick)
+            if pick.numel() != n:
+                raise ShapeMismatchError(f"{name}: {n} indices but {pick.numel()} value rows picked")
+            if values.dim() < 1 or (n and not 0 <= int(pick.min()) <= int(pick.max()) < values.shape[0]):
+                raise ShapeMismatchError(f"{name}: value rows picked outside values of shape {list(values.shape)}")
+            if not (values.device.type == "cpu" and values.is_contiguous()):
+                values, pick = values.index_select(0, pick.to(values.device)), None
+        if pick is None and (values.dim() < 1 or values.shape[0] != n):
             raise ShapeMismatchError(f"{name}: {n} indices but values of shape {list(values.shape)}")
 
-        def parts() -> "Iterator[tuple[torch.Tensor, TensorSpec, torch.Tensor]]":
-            """(indices, spec of their values, their value bytes) per request of at most _chunk_rows rows."""
+        def parts() -> "Iterator[tuple[torch.Tensor, TensorSpec, int, Callable[[Any], None], Callable[[], Any]]]":
+            """Per request of at most _chunk_rows rows: (indices, spec of their values, their value bytes,
+            fill(dst: a flat uint8 numpy array), data() -> a flat uint8 tensor of them)."""
             chunk = self._chunk_rows(self._row_spec(name))
-            src = self._source(name, values)
-            row_bytes = src.numel() // n if n else 0
+            vshape = tuple(values.shape[1:])
+            row_bytes = values.element_size() * math.prod(vshape)
+            if pick is None:
+                src = self._source(name, values)
+            else:
+                rows_np = _as_bytes(values).numpy().reshape(values.shape[0], row_bytes)
+                pick_np = pick.numpy()
             for start in range(0, max(n, 1), chunk):
                 part = idx[start : start + chunk]
                 k = part.numel()
-                yield (
-                    part,
-                    TensorSpec(name, (k, *values.shape[1:]), values.dtype),
-                    src[start * row_bytes : (start + k) * row_bytes],
-                )
+                nbytes = k * row_bytes
+                if pick is None:
+                    data = src[start * row_bytes : start * row_bytes + nbytes]
+
+                    def fill(dst: Any, d: "torch.Tensor" = data) -> None:
+                        self._copier.copy(dst, d.numpy())
+
+                    def get(d: "torch.Tensor" = data) -> "torch.Tensor":
+                        return d
+                else:
+                    which = pick_np[start : start + k]
+
+                    def fill(dst: Any, which: Any = which, k: int = k) -> None:
+                        self._copier.take(rows_np, which, dst.reshape(k, row_bytes))
+
+                    def get(which: Any = which, k: int = k, nbytes: int = nbytes) -> "torch.Tensor":
+                        raw = self._pool(name, "send").acquire(nbytes)
+                        if nbytes:
+                            np.take(rows_np, which, axis=0, out=raw.numpy().reshape(k, row_bytes), mode="clip")
+                        return raw
+
+                yield part, TensorSpec(name, (k, *vshape), values.dtype), nbytes, fill, get
 
         def op(sid: str, t: "Transport") -> TensorStat:
             st: TensorStat | None = None
-            for part, vspec, data in parts():
+            for part, vspec, _nbytes, _fill, data in parts():
                 req = store_pb2.PutRowsRequest(
                     session_id=sid,
                     name=name,
@@ -1522,7 +1643,7 @@ class Client:
                     layout=self._expect_pb.get(name),
                 )
                 resp = self._rpc("PutRows", req, data_op=True)
-                st = self._send_commit(sid, t, resp.transfer, data)
+                st = self._send_commit(sid, t, resp.transfer, data())
             assert st is not None
             return st
 
@@ -1530,7 +1651,7 @@ class Client:
 
         def dp(t: "Transport", pr: _Progress) -> TensorStat:
             st: TensorStat | None = None
-            for part, vspec, data in parts():
+            for part, vspec, nbytes, fill, data in parts():
                 rep = self._dp_call(
                     t,
                     pr,
@@ -1542,17 +1663,9 @@ class Client:
                     flags=self._shm_flag(),
                 )
                 if rep.status == wire.SHM:  # the values into the session's scratch region; the daemon applies them
-                    st = self._shm_write(
-                        t,
-                        pr,
-                        wop,
-                        rep,
-                        name,
-                        data.numel(),
-                        lambda dst, d=data: self._copier.copy(dst.numpy(), d.numpy()),
-                    )
+                    st = self._shm_write(t, pr, wop, rep, name, nbytes, lambda dst, f=fill: f(dst.numpy()))
                     continue
-                st = self._dp_write(t, pr, wop, rep, data, name)
+                st = self._dp_write(t, pr, wop, rep, data(), name)
             assert st is not None
             return st
 

@@ -41,8 +41,10 @@ once it is back (restored from its snapshot) the next call reconnects.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,6 +64,10 @@ from tensorwire.errors import (
 )
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat
 from tensorwire.serve.client.sharding import RowSplit, owner, resolve_daemons
+from tensorwire.serve.client.window import RowWindow
+from tensorwire.serve.client.window import supported as window_supported
+from tensorwire.buffers import as_bytes
+from tensorwire.serve.protocol.shm import SHM_DIR, Copier, ShmError
 from tensorwire.serve.protocol.tls import TLSConfig
 from tensorwire.serve.protocol.common import as_index
 from tensorwire.serve.protocol.layout import ShardLayout, check_layout, fingerprint
@@ -78,6 +84,9 @@ log = logging.getLogger(__name__)
 
 #: Names whose placement a client remembers (whole or sharded, and the table's rows); past it, it forgets them all.
 _MAX_TABLES = 1 << 16
+#: Tables whose shards a client keeps mapped side by side (:class:`RowWindow`); past it, the least recently read
+#: is unmapped.
+_MAX_WINDOWS = 32
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,7 @@ def _use_count(t: "torch.Tensor") -> int | None:
 class _Table:
     """What a client knows of a sharded table: its spec and the layout of each shard under this client's list."""
 
-    __slots__ = ("spec", "layouts", "ranges", "starts", "versions")
+    __slots__ = ("spec", "layouts", "ranges", "starts", "edges", "versions", "shard_shapes")
 
     def __init__(self, spec: TensorSpec, layouts: list[ShardLayout]) -> None:
         import numpy as np
@@ -149,7 +158,9 @@ class _Table:
         self.layouts = layouts
         self.ranges = [(la.row_start, la.row_stop) for la in layouts]
         self.starts = np.array([a for a, _ in self.ranges[1:]], dtype=np.int64)
+        self.edges = np.array([0, *self.starts.tolist(), spec.shape[0]], dtype=np.int64)
         self.versions = [0] * len(layouts)
+        self.shard_shapes = [(b - a, *spec.shape[1:]) for a, b in self.ranges]
 
     @property
     def rows(self) -> int:
@@ -235,6 +246,10 @@ class ShardedClient:
         self._closed = False
         self._parallel = parallel
         self._bufs = _Buffers()
+        #: name -> (the table, its shards mapped side by side), least recently read first
+        self._windows: "collections.OrderedDict[str, tuple[_Table, RowWindow]]" = collections.OrderedDict()
+        self._copier: Copier | None = None  # made on the first gather over a window
+        self._copy_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="tensorwire-shard") if n > 1 else None
         outcomes = self._fan([(k, lambda c: None) for k in range(n)], settle=True)
         errs = [e for e in outcomes if isinstance(e, BaseException)]
@@ -407,9 +422,13 @@ class ShardedClient:
                 return sharded(t)
             except LayoutMismatchError:
                 self._forget(name)
+                self._drop_window(name)
                 if attempt or _same(self._table(name), t):
                     raise
                 log.debug("%s changed its layout; reading again", name)
+            except NotFoundError:
+                self._drop_window(name)
+                raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- the API ------------------------------------------------------------------------------------
@@ -507,7 +526,11 @@ class ShardedClient:
         return self._read(name, lambda c: c.get(name, out=out), sharded)
 
     def get_rows(self, name: str, index: Any, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
-        """Rows ``index`` of dim 0 of ``name``, in the order given; each daemon gathers its own rows, in parallel.
+        """Rows ``index`` of dim 0 of ``name``, in the order given.
+
+        With every daemon it needs on this host (shared memory), one gather by this process over their
+        slots, straight into the result (:meth:`_fused_rows`); else each daemon gathers its own rows, in
+        parallel, and they are put in the caller's order here.
 
         Raises:
             SpecError: an index out of range (nothing is sent).
@@ -515,42 +538,167 @@ class ShardedClient:
         idx = as_index(index)
 
         def sharded(t: _Table) -> "torch.Tensor":
-
-            spec = t.spec
-            split = RowSplit(idx, t.rows, self._n, t.starts)
-            shape = (split.n, *spec.shape[1:])
-            if out is not None:
-                _check_out(spec, out, shape)
-            direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
-            dtype = spec.torch_dtype
-            if split.order is None:
-                dest = out if direct else self._bufs.take((name, "rows"), shape, dtype)
-            else:
-                # rows in shard order (a scratch buffer of this call), then into the caller's order
-                dest = self._bufs.take((name, "sorted", threading.get_ident()), shape, dtype)
-            if split.parts:
-                self._sharded(
-                    name,
-                    t,
-                    [
-                        (k, lambda c, k=k, local=local, a=a, b=b: c.get_rows(name, local, out=dest[a:b]))
-                        for k, local, a, b in split.parts
-                    ],
-                    read=True,
-                )
-            if split.order is not None:
-                if direct:
-                    return split.gather(dest, out)
-                result = split.gather(dest, self._bufs.take((name, "rows"), shape, dtype))
-                del dest
-            else:
-                result = dest
-            if out is not None and result is not out:
-                out.copy_(result)
-                return out
-            return result
+            got = self._fused_rows(name, t, idx, out)
+            return got if got is not None else self._split_rows(name, t, idx, out)
 
         return self._read(name, lambda c: c.get_rows(name, idx, out=out), sharded)
+
+    def _fused_rows(
+        self, name: str, t: _Table, idx: "torch.Tensor", out: "torch.Tensor | None"
+    ) -> "torch.Tensor | None":
+        """get_rows in one gather over the daemons' shared memory; None where that cannot be done.
+
+        Each daemon's slot is mapped into the table's :class:`~tensorwire.serve.client.window.RowWindow`,
+        so a row of the table is a row of one array and the rows of every shard go to their places in
+        the result in one ``take``. Every daemon's version stays put meanwhile: read through a lease of
+        its client (no request; the gather counts only if no writer came, else it is made again
+        pinned), or pinned by a request of its client, whose lock this holds until the gather is done.
+        """
+        import numpy as np
+
+        spec = t.spec
+        n = idx.numel()
+        row_bytes = spec.nbytes // t.rows if t.rows else 0
+        if not n or not row_bytes or not window_supported():
+            return None
+        inp = idx.numpy()
+        # bin 0: below row 0, bin k + 1: shard k, bin n + 1: past the last row (one pass finds both)
+        bins = np.searchsorted(t.edges, inp, side="right")
+        counts = np.bincount(bins, minlength=self._n + 2).tolist()
+        if counts[0] or counts[-1]:
+            lo, hi = int(inp.min()), int(inp.max())
+            raise SpecError(f"index: row {lo if lo < 0 else hi} out of range for a tensor of {t.rows} rows")
+        counts = counts[1:-1]
+        ks = [k for k in range(self._n) if counts[k]]
+        clients = [self._on(k, lambda c: c) for k in ks]
+        if not all(c.shm for c in clients):
+            return None
+        win = self._window(name, t, row_bytes)
+        if win is None:
+            return None
+        shape = (idx.numel(), *spec.shape[1:])
+        if out is not None:
+            _check_out(spec, out, shape)
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        dest = out if direct else self._bufs.take((name, "rows"), shape, spec.torch_dtype)
+        assert dest is not None
+        dest_rows = as_bytes(dest).numpy().reshape(n, row_bytes)
+        rows = None
+        locks = [c.lock for c in clients]
+        locks.append(win.lock)
+        for pin_all in (False, True):
+            for lk in locks:  # in shard order, the window last: no two callers wait on each other
+                lk.acquire()
+            try:
+                if win.closed:
+                    return None
+                views = []
+                for k, c in zip(ks, clients):
+                    c.expect_layout(name, t.layouts[k])
+                    v = None if pin_all else c.shm_lease(name)
+                    if v is None:
+                        v = self._on(k, lambda c, k=k: c.shm_pin(name, counts[k]))
+                    if v is None or v.spec.shape != t.shard_shapes[k] or v.spec.dtype != spec.dtype:
+                        return None  # not in shared memory (or not what this client knows): per daemon
+                    views.append(v)
+                try:
+                    for k, v in zip(ks, views):
+                        win.bind(k, v)
+                except ShmError as exc:
+                    log.debug("%s: its shards cannot be mapped side by side (%s); gathering per daemon", name, exc)
+                    return None
+                if rows is None:
+                    rows = inp + win.delta[bins - 1]
+                leased = all(v.cells is not None for v in views)
+                assert self._copier is not None
+                with self._copy_lock:
+                    self._copier.take(win.array, rows, dest_rows, pool=leased)
+                if not all(v.valid() for v in views):
+                    continue  # a writer came while this copied out of a lease: once more, pinned
+                for k, c in zip(ks, clients):
+                    c.shm_count(counts[k] * row_bytes, leased=leased)
+                break
+            finally:
+                for lk in reversed(locks):
+                    lk.release()
+        if out is not None and dest is not out:
+            out.copy_(dest)
+            return out
+        return dest
+
+    def _window(self, name: str, t: _Table, row_bytes: int) -> RowWindow | None:
+        """The table's window (made on first use; None: one cannot be made here)."""
+        with self._lock:
+            if self._copier is None:
+                self._copier = Copier()
+            got = self._windows.get(name)
+            if got is not None and (got[0] is t or _same(got[0], t)) and not got[1].closed:
+                self._windows.move_to_end(name)
+                return got[1]
+        try:
+            win = RowWindow([b - a for a, b in t.ranges], row_bytes, [a for a, _ in t.ranges])
+        except ShmError as exc:
+            log.debug("%s: no window over its shards (%s)", name, exc)
+            return None
+        old: list[RowWindow] = []
+        with self._lock:
+            got = self._windows.pop(name, None)
+            if got is not None:
+                old.append(got[1])
+            self._windows[name] = (t, win)
+            while len(self._windows) > _MAX_WINDOWS:
+                old.append(self._windows.popitem(last=False)[1][1])
+            for nm, (_, w) in list(self._windows.items()):  # tables deleted meanwhile (by anyone)
+                if w is not win and not any(os.path.exists(os.path.join(SHM_DIR, r)) for r in w.regions()):
+                    old.append(self._windows.pop(nm)[1])
+        for w in old:
+            _close_window(w)
+        return win
+
+    def _drop_window(self, name: str) -> None:
+        with self._lock:
+            got = self._windows.pop(name, None)
+        if got is not None:
+            _close_window(got[1])
+
+    def _split_rows(self, name: str, t: _Table, idx: "torch.Tensor", out: "torch.Tensor | None") -> "torch.Tensor":
+        """get_rows with each daemon gathering its own rows, in parallel (in shard order, then put in the
+        caller's order here: the rows arrive as one message per daemon)."""
+        spec = t.spec
+        split = RowSplit(idx, t.rows, self._n, t.starts)
+        shape = (split.n, *spec.shape[1:])
+        if out is not None:
+            _check_out(spec, out, shape)
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        dtype = spec.torch_dtype
+        if split.order is None:
+            dest = out if direct else self._bufs.take((name, "rows"), shape, dtype)
+        else:
+            # rows in shard order (a scratch buffer of this call), then into the caller's order
+            dest = self._bufs.take((name, "sorted", threading.get_ident()), shape, dtype)
+        assert dest is not None
+        if split.parts:
+            self._sharded(
+                name,
+                t,
+                [
+                    (k, lambda c, k=k, local=local, a=a, b=b: c.get_rows(name, local, out=dest[a:b]))
+                    for k, local, a, b in split.parts
+                ],
+                read=True,
+            )
+        if split.order is not None:
+            if direct:
+                assert out is not None
+                return split.gather(dest, out)
+            result = split.gather(dest, self._bufs.take((name, "rows"), shape, dtype))
+            del dest
+        else:
+            result = dest
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result
 
     def put_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
         """Overwrite rows ``index`` of ``name`` with ``values`` (indices unique), each shard's part on its daemon."""
@@ -561,6 +709,8 @@ class ShardedClient:
         return self._rows(name, index, values, add=True)
 
     def _rows(self, name: str, index: Any, values: "torch.Tensor", *, add: bool) -> TensorStat:
+        """put_rows / add_rows: each daemon gets its part in parallel; a value row is copied once, from
+        ``values`` straight to its daemon (its shared-memory scratch or the bytes sent)."""
         import torch
 
         idx = as_index(index)
@@ -571,18 +721,17 @@ class ShardedClient:
             raise ShapeMismatchError(f"{name}: {n} indices but values of shape {list(values.shape)}")
         t = self._table(name)
         if t is None:
-            return self._whole(name, lambda c: (c.add_rows if add else c.put_rows)(name, idx, values))
+            return self._whole(name, lambda c: c.update_rows(name, idx, values, add=add))
         split = RowSplit(idx, t.rows, self._n, t.starts)
-        vals = split.sort(values)
+        order = split.order
         parts = split.parts or [(0, idx, 0, 0)]  # nothing to write: shard 0 still checks the values' spec
-        stats = self._sharded(
-            name,
-            t,
-            [
-                (k, lambda c, k=k, local=local, a=a, b=b: (c.add_rows if add else c.put_rows)(name, local, vals[a:b]))
-                for k, local, a, b in parts
-            ],
-        )
+
+        def part(local: "torch.Tensor", a: int, b: int) -> Callable[[Client], Any]:
+            if order is None:
+                return lambda c: c.update_rows(name, local, values[a:b], add=add)
+            return lambda c: c.update_rows(name, local, values, add=add, pick=order[a:b])
+
+        stats = self._sharded(name, t, [(k, part(local, a, b)) for k, local, a, b in parts])
         for (k, *_), s in zip(parts, stats):
             t.versions[k] = s.version
         return t.stat()
@@ -650,6 +799,7 @@ class ShardedClient:
             ShardLostError: a daemon holding a shard is unreachable (the others' shards are deleted).
         """
         self._forget(name)  # ask afresh: never delete on what this client remembers
+        self._drop_window(name)
         t = self._table(name)
         self._forget(name)
         if t is None:
@@ -692,6 +842,13 @@ class ShardedClient:
                 c.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        with self._lock:
+            wins = [w for _, w in self._windows.values()]
+            self._windows.clear()
+        for w in wins:
+            _close_window(w)
+        if self._copier is not None:
+            self._copier.close()
 
     @property
     def closed(self) -> bool:
@@ -722,6 +879,11 @@ def _bound(t: _Table, name: str, k: int, fn: Callable[[Client], Any]) -> Callabl
         return fn(c)
 
     return call
+
+
+def _close_window(w: RowWindow) -> None:
+    with w.lock:  # a gather out of it finishes first
+        w.close()
 
 
 def _same(a: _Table | None, b: _Table | None) -> bool:
