@@ -116,10 +116,10 @@ def test_get_rows_over_shared_memory_is_one_gather_in_the_callers_order(daemons,
         assert c.data_path == "shm"
         idx = torch.randint(0, rows, (5_000,), generator=g)
         idx[:3] = torch.tensor([rows - 1, 0, rows - 1])  # both ends, duplicates
-        before = sum(d.shm_bytes for d in c._clients)
+        before = sum(d.shm_bytes for d in c._daemons.clients)
         assert torch.equal(c.get_rows("g", idx), table[idx])
         assert torch.equal(c.get_rows("g", idx), table[idx])  # the second one from the leases
-        assert sum(d.shm_bytes for d in c._clients) - before == 2 * idx.numel() * 3 * table.element_size()
+        assert sum(d.shm_bytes for d in c._daemons.clients) - before == 2 * idx.numel() * 3 * table.element_size()
         out = torch.empty(idx.numel(), 3, dtype=dtype)
         assert c.get_rows("g", idx, out=out) is out and torch.equal(out, table[idx])
         strided = torch.empty(3, idx.numel(), dtype=dtype).t()  # not contiguous: through a buffer
@@ -147,7 +147,7 @@ def test_pinned_reads_writes_between_and_a_racing_writer_keep_every_read_whole(
     with _client(daemons) as c:  # no leases: every read pins each daemon's version by a request
         c.put("p", table, shard="rows")
         assert torch.equal(c.get_rows("p", idx), table[idx])
-        assert all(c._client(k).lease_reads == 0 for k in range(3))
+        assert all(c._daemons.client(k).lease_reads == 0 for k in range(3))
         c.delete("p")
     monkeypatch.delenv(LEASES_ENV)
     with _client(daemons) as c:
@@ -160,7 +160,7 @@ def test_pinned_reads_writes_between_and_a_racing_writer_keep_every_read_whole(
         c.put("p", table, shard="rows")  # a new version in the other slot: the window maps it instead
         assert torch.equal(c.get_rows("p", idx), table[idx])
         assert torch.equal(c.get_rows("p", idx), table[idx])
-        assert sum(c._client(k).lease_reads for k in range(3)) >= 3
+        assert sum(c._daemons.client(k).lease_reads for k in range(3)) >= 3
 
         # a writer that comes while rows are copied out of a lease: the copy does not count, it is made again
         checks = []
@@ -175,7 +175,7 @@ def test_pinned_reads_writes_between_and_a_racing_writer_keep_every_read_whole(
         assert checks == [True, False, False, False]  # the lease copy (stale at once), then a pinned one
         monkeypatch.setattr(ShardView, "valid", real)
 
-        regions = [r for _, w in c._windows.values() for r in w.regions()]
+        regions = [r for _, w in c._rows._windows.values() for r in w.regions()]
         assert len(regions) == 3 and _mapped(regions) == set(regions)
         c.delete("p")  # the window goes with the table: the daemons' memory is not held here
         assert not _mapped(regions)
@@ -284,5 +284,5 @@ def test_no_window_where_mapping_at_an_address_is_not_possible(daemons, monkeypa
     with _client(daemons) as c:
         c.put("nw", table, shard="rows")
         assert torch.equal(c.get_rows("nw", idx), table[idx])  # each daemon's rows, put in order here
-        assert not c._windows
+        assert not c._rows._windows
         c.delete("nw")
