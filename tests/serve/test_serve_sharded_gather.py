@@ -4,7 +4,9 @@ per-daemon path (sockets) beside it giving the same answers."""
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -286,3 +288,59 @@ def test_no_window_where_mapping_at_an_address_is_not_possible(daemons, monkeypa
         assert torch.equal(c.get_rows("nw", idx), table[idx])  # each daemon's rows, put in order here
         assert not c._rows._windows
         c.delete("nw")
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_that_stops_answering_is_reported_within_the_timeout_and_comes_back(daemons):
+    # SIGSTOP: the daemon's sockets stay open and nothing answers, as over a cut link
+    timeout = 2.0
+    rows = 9_000
+    table = torch.randn(rows, 8)
+    with tw.Client(
+        [d.address for d in daemons], transport="tcp", timeout=timeout, connect_timeout=10.0
+    ) as c:  # connect_timeout longer than timeout: it must not stretch an operation
+        c.put("stop", table, shard="rows")
+        a, _ = row_ranges(rows, 3)[1]
+        victim = daemons[1]
+        victim.signal(signal.SIGSTOP)
+        try:
+            _wait_stopped(victim.proc.pid)
+            for what, op in (
+                ("get_rows", lambda: c.get_rows("stop", [0, a + 1])),  # on the open session: no answer
+                ("get", lambda: c.get("stop")),  # that session is gone: a new one cannot be opened
+                ("add_rows", lambda: c.add_rows("stop", [a], torch.ones(1, 8))),
+            ):
+                t0 = time.monotonic()
+                try:
+                    op()
+                except tw.ShardLostError as exc:
+                    err = exc
+                else:
+                    pytest.fail(f"{what} on a stopped daemon: no error after {time.monotonic() - t0:.2f} s")
+                assert time.monotonic() - t0 < timeout + 1.0, what
+                assert err.address == victim.address and victim.address in str(err), (what, err)
+            mine = torch.tensor([0, 1, rows - 1])  # the other shards still answer
+            assert torch.equal(c.get_rows("stop", mine), table[mine])
+        finally:
+            victim.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                got = c.get_rows("stop", [a + 1, 0])
+                break
+            except tw.ShardLostError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert torch.equal(got, table[[a + 1, 0]])
+        c.delete("stop")
+
+
+def _wait_stopped(pid: int) -> None:
+    """Until the kernel shows process ``pid`` stopped (state T)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, "the daemon did not stop"
+        time.sleep(0.01)

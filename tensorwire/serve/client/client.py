@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tensorwire.errors import ClosedError, ConfigError, PeerLostError, SpecError, TensorWireError
@@ -178,8 +179,8 @@ class Client:
             raise
 
     # -- sessions ----------------------------------------------------------------------------------
-    def _open_session(self) -> None:
-        path = open_session(self._ctx, want=self._want, want_dp=self._want_dp, mem=self._mem)
+    def _open_session(self, deadline: float | None = None) -> None:
+        path = open_session(self._ctx, want=self._want, want_dp=self._want_dp, mem=self._mem, deadline=deadline)
         self._path = path
         self._requests = path if isinstance(path, RequestPath) else None
         self.transport_kind = path.session.kind
@@ -192,12 +193,13 @@ class Client:
             if q is not None:
                 q.close()
 
-    def _current(self) -> Path:
-        """The session's path object (a new session if there is none, or its data connection closed)."""
+    def _current(self, deadline: float | None = None) -> Path:
+        """The session's path object (a new session, opened by ``deadline``, if there is none or its data
+        connection closed)."""
         p = self._path
         if p is None or p.transport.closed:
             self._drop_session()
-            self._open_session()
+            self._open_session(deadline)
             p = self._path
             assert p is not None
         return p
@@ -209,17 +211,21 @@ class Client:
     def _run(self, op: str, *args: Any) -> Any:
         """``path.<op>(*args, progress)`` on the session's path object.
 
-        An operation whose data connection was lost (the daemon closed the
-        session or restarted) runs once more on a fresh session when it cannot
-        have changed anything: a read, or a write before its GO reply came. A
-        gRPC call the daemon answers SessionLost runs once more too. Errors the
-        daemon replied with leave the session as it is.
+        All of it -- a new session if one is needed, the retry below -- ends
+        within the client's ``timeout`` (a daemon cut off is an error by then,
+        not after its connection's own timeouts). An operation whose data
+        connection was lost (the daemon closed the session or restarted) runs
+        once more on a fresh session when it cannot have changed anything: a
+        read, or a write before its GO reply came. A gRPC call the daemon
+        answers SessionLost runs once more too. Errors the daemon replied with
+        leave the session as it is.
         """
         with self._lock:
             self._check_open()
+            deadline = time.monotonic() + self._ctx.timeout
             for attempt in (0, 1):
-                path = self._current()
-                pr = Progress()
+                path = self._current(deadline)
+                pr = Progress(deadline)
                 try:
                     return getattr(path, op)(*args, pr)
                 except TensorWireError as exc:

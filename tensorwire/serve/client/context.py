@@ -51,6 +51,10 @@ _warn_lock = threading.Lock()
 RowsFetch = Callable[["torch.Tensor"], tuple[TensorSpec, int, Callable[..., None], Callable[[], None]]]
 
 
+def _ignore(fut: Any) -> None:
+    fut.exception()  # retrieved: no "exception was never retrieved" noise
+
+
 def warn_once(key: str, msg: str, *args: Any) -> None:
     """``log.warning`` once per process for ``key``."""
     with _warn_lock:
@@ -116,13 +120,21 @@ class Pool:
 
 
 class Progress:
-    """How far a data-plane operation got: ``lost`` (the connection failed), ``sent`` (a write may commit)."""
+    """How far an operation got: ``lost`` (the connection failed), ``sent`` (a write may commit), and its
+    ``deadline`` (``time.monotonic()``; None: each wait gets the client's timeout)."""
 
-    __slots__ = ("lost", "sent")
+    __slots__ = ("lost", "sent", "deadline")
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float | None = None) -> None:
         self.lost: BaseException | None = None
         self.sent = False
+        self.deadline = deadline
+
+    def left(self, default: float) -> float:
+        """Seconds left to the deadline (``default`` without one), at least 1 ms."""
+        if self.deadline is None:
+            return default
+        return max(0.001, self.deadline - time.monotonic())
 
 
 class ClientContext:
@@ -208,11 +220,14 @@ class ClientContext:
                 raise err from exc
 
     def close_remote(self, sid: str) -> None:
-        """CloseSession, best effort."""
+        """CloseSession, best effort, without waiting for the answer (a daemon cut off would hold the caller
+        for the call's 2 s; one that is there also sees the data connection go)."""
         from tensorwire.v1 import store_pb2
 
         try:
-            self.stub.CloseSession(store_pb2.CloseSessionRequest(session_id=sid), timeout=2.0, metadata=self.md)
+            self.stub.CloseSession.future(
+                store_pb2.CloseSessionRequest(session_id=sid), timeout=2.0, metadata=self.md
+            ).add_done_callback(_ignore)
         except Exception:  # noqa: BLE001 - best effort
             pass
 
@@ -264,8 +279,11 @@ class ClientContext:
         resp = self.rpc("Snapshot", store_pb2.SnapshotRequest(), timeout=max(self.timeout, 600.0))
         return SnapshotInfo(resp.path, int(resp.tensors), int(resp.nbytes), float(resp.seconds))
 
-    def timeout_ms(self) -> int:
-        return int(self.timeout * 1000)
+    def timeout_ms(self, pr: Progress) -> int:
+        """The daemon's deadline for an operation's request: what is left of the operation's, less a margin
+        (a quarter, at most 2 s) for the daemon's answer to come back before this client gives up."""
+        left = pr.left(self.timeout)
+        return max(1, int((left - min(2.0, 0.25 * left)) * 1000))
 
     # -- names and specs ---------------------------------------------------------------------------
     def name_bytes(self, name: Any) -> bytes:

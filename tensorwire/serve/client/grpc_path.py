@@ -61,8 +61,9 @@ class GrpcPath:
         resp = ctx.rpc(
             "Get",
             store_pb2.GetRequest(
-                session_id=self.session.sid, name=name, timeout_ms=ctx.timeout_ms(), layout=ctx.expect_pb.get(name)
+                session_id=self.session.sid, name=name, timeout_ms=ctx.timeout_ms(pr), layout=ctx.expect_pb.get(name)
             ),
+            timeout=pr.left(ctx.timeout),
             data_op=True,
         )
         spec = spec_from_proto(resp.info.spec)
@@ -72,13 +73,13 @@ class GrpcPath:
             try:
                 ctx.check_out(spec, out, spec.shape)
             except ShapeMismatchError:
-                self._drain(tr)
+                self._drain(tr, pr)
                 raise
             if out.device.type == "cpu" and out.is_contiguous():
-                self._recv(tr, as_bytes(out))
+                self._recv(tr, as_bytes(out), pr)
                 return out
         raw = ctx.pool(name, "get").acquire(tr.nbytes)
-        self._recv(tr, raw)
+        self._recv(tr, raw, pr)
         return ctx.result(typed(raw, spec.torch_dtype, spec.shape), out)
 
     def get_rows(self, name: str, idx: "torch.Tensor", out: "torch.Tensor | None", pr: Progress) -> "torch.Tensor":
@@ -93,16 +94,16 @@ class GrpcPath:
                 session_id=self.session.sid,
                 name=name,
                 index=encode_index(part),
-                timeout_ms=ctx.timeout_ms(),
+                timeout_ms=ctx.timeout_ms(pr),
                 layout=ctx.expect_pb.get(name),
             )
-            resp = ctx.rpc("GetRows", req, data_op=True)
+            resp = ctx.rpc("GetRows", req, timeout=pr.left(ctx.timeout), data_op=True)
             tr = resp.transfer
             got = spec_from_proto(resp.info.spec)
             if first:
                 ctx.specs[name] = got
                 first = False
-            return got, tr.nbytes, lambda _rows, _row_bytes, dest: self._recv(tr, dest), lambda: self._drain(tr)
+            return got, tr.nbytes, lambda _rows, _row_bytes, dest: self._recv(tr, dest, pr), lambda: self._drain(tr, pr)
 
         return ctx.rows_in_parts(name, idx, out, fetch)
 
@@ -114,11 +115,11 @@ class GrpcPath:
         req = store_pb2.BeginPutRequest(
             session_id=self.session.sid,
             spec=spec_to_proto(spec),
-            timeout_ms=ctx.timeout_ms(),
+            timeout_ms=ctx.timeout_ms(pr),
             layout=ctx.expect_pb.get(name),
         )
-        resp = ctx.rpc("BeginPut", req, timeout=ctx.timeout + 10, data_op=True)
-        return self._send_commit(resp.transfer, src)
+        resp = ctx.rpc("BeginPut", req, timeout=pr.left(ctx.timeout + 10), data_op=True)
+        return self._send_commit(resp.transfer, src, pr)
 
     def update(self, upd: RowUpdate, add: bool, pr: Progress) -> TensorStat:
         from tensorwire.v1 import store_pb2
@@ -132,20 +133,20 @@ class GrpcPath:
                 index=encode_index(part),
                 values=spec_to_proto(vspec),
                 add=add,
-                timeout_ms=ctx.timeout_ms(),
+                timeout_ms=ctx.timeout_ms(pr),
                 layout=ctx.expect_pb.get(name),
             )
-            resp = ctx.rpc("PutRows", req, data_op=True)
-            st = self._send_commit(resp.transfer, data())
+            resp = ctx.rpc("PutRows", req, timeout=pr.left(ctx.timeout), data_op=True)
+            st = self._send_commit(resp.transfer, data(), pr)
         assert st is not None
         return st
 
     # -- the bytes -----------------------------------------------------------------------------------
-    def _recv(self, tr: Any, raw: "torch.Tensor") -> None:
+    def _recv(self, tr: Any, raw: "torch.Tensor", pr: Progress) -> None:
         t = self.transport
         try:
             t.post_recv(tr.tag, raw)
-            r = t.wait_recv(tr.tag, timeout=self.ctx.timeout)
+            r = t.wait_recv(tr.tag, timeout=pr.left(self.ctx.timeout))
         except TensorWireError:
             self.ctx.drop_session()
             raise
@@ -155,11 +156,11 @@ class GrpcPath:
             self.ctx.drop_session()
             raise ProtocolError(f"received {r.nbytes} bytes (step {r.step}); expected {tr.nbytes} (step {tr.step})")
 
-    def _drain(self, tr: Any) -> None:
+    def _drain(self, tr: Any, pr: Progress) -> None:
         """Receive and discard a scheduled transfer (keeps the session in step)."""
-        self._recv(tr, self.ctx.pool("", "discard").acquire(tr.nbytes))
+        self._recv(tr, self.ctx.pool("", "discard").acquire(tr.nbytes), pr)
 
-    def _send_commit(self, tr: Any, src: "torch.Tensor") -> TensorStat:
+    def _send_commit(self, tr: Any, src: "torch.Tensor", pr: Progress) -> TensorStat:
         import grpc
 
         from tensorwire.v1 import store_pb2
@@ -169,10 +170,12 @@ class GrpcPath:
             ctx.drop_session()
             raise ProtocolError(f"server expects {tr.nbytes} bytes, this client has {src.numel()}")
         fut = ctx.stub.CommitPut.future(
-            store_pb2.CommitPutRequest(session_id=sid, op_id=tr.op_id), timeout=ctx.timeout + 10, metadata=ctx.md
+            store_pb2.CommitPutRequest(session_id=sid, op_id=tr.op_id),
+            timeout=pr.left(ctx.timeout + 10),
+            metadata=ctx.md,
         )
         try:
-            self.transport.send(tr.tag, src, step=tr.step, timeout=ctx.timeout)
+            self.transport.send(tr.tag, src, step=tr.step, timeout=pr.left(ctx.timeout))
         except TensorWireError:
             fut.cancel()
             ctx.drop_session()
@@ -185,7 +188,9 @@ class GrpcPath:
                     raise
                 # the bytes are still arriving: ask again (with backoff) until they are in
                 resp = ctx.rpc(
-                    "CommitPut", store_pb2.CommitPutRequest(session_id=sid, op_id=tr.op_id), timeout=ctx.timeout + 10
+                    "CommitPut",
+                    store_pb2.CommitPutRequest(session_id=sid, op_id=tr.op_id),
+                    timeout=pr.left(ctx.timeout + 10),
                 )
         except grpc.RpcError as exc:
             err = rpc_error(exc, "CommitPut", tls=ctx.tls is not None)

@@ -143,7 +143,7 @@ class RequestPath:
             op=op,
             req_id=req_id,
             name=nb,
-            timeout_ms=ctx.timeout_ms(),
+            timeout_ms=ctx.timeout_ms(pr),
             dtype=dtype,
             shape=shape,
             nindex=n,
@@ -156,7 +156,7 @@ class RequestPath:
         self.prepost_reply(pr)
         try:
             self.req_id = req_id
-            self.transport.send(TAG_REQUEST, buf[:size], step=req_id, timeout=ctx.timeout)
+            self.transport.send(TAG_REQUEST, buf[:size], step=req_id, timeout=pr.left(ctx.timeout))
             if self.shm and len(self._posted) < 2:
                 # the next request's reply buffer, while the daemon works on this one (a shared-memory
                 # operation has no bytes to wait for, during which the socket paths post it)
@@ -169,8 +169,8 @@ class RequestPath:
     def reply(self, pr: Progress, op: int) -> "wire.Reply":
         """Wait for the next reply (its buffer is posted); an ERROR reply raises its error class."""
         try:
-            # The daemon answers within its own deadline (the same timeout); a little more for the way back.
-            r = self.transport.wait_recv(TAG_REPLY, timeout=self.ctx.timeout + 5)
+            # The daemon answers within its own deadline (a little shorter: ClientContext.timeout_ms).
+            r = self.transport.wait_recv(TAG_REPLY, timeout=pr.left(self.ctx.timeout + 5))
             buf = self._posted.popleft()
             self.replies += 1
             if r.nbytes != wire.REPLY_BYTES or (r.step is not None and r.step != self.replies):
@@ -221,7 +221,7 @@ class RequestPath:
                 if i == 0:
                     self.prepost_reply(pr)  # while the server gathers / sends
                 try:
-                    r = t.wait_recv(TAG_DOWN, timeout=self.ctx.timeout)
+                    r = t.wait_recv(TAG_DOWN, timeout=pr.left(self.ctx.timeout))
                 finally:
                     t.forget_buffer(part)
                 if r.nbytes != part.numel() or (r.step is not None and r.step != rep.step + i):
@@ -246,7 +246,7 @@ class RequestPath:
         self.prepost_reply(pr)  # for the final reply
         try:
             if rep.nbytes:
-                self.transport.send(TAG_UP, src, step=rep.step, timeout=self.ctx.timeout)
+                self.transport.send(TAG_UP, src, step=rep.step, timeout=pr.left(self.ctx.timeout))
         except TensorWireError as exc:
             pr.lost = exc
             raise

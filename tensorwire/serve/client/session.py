@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import ConfigError, ProtocolError, TensorWireError
-from tensorwire.serve.client.context import ClientContext, warn_once
+from tensorwire.serve.client.context import ClientContext, Progress, warn_once
 from tensorwire.serve.client.grpc_path import GrpcPath
 from tensorwire.serve.client.request_path import RequestPath
 from tensorwire.serve.client.shm_path import ShmMemory, ShmPath
@@ -63,8 +63,13 @@ class Session:
         self.transport.abort()
 
 
-def open_session(ctx: ClientContext, *, want: str, want_dp: bool, mem: ShmMemory) -> Path:
+def open_session(
+    ctx: ClientContext, *, want: str, want_dp: bool, mem: ShmMemory, deadline: float | None = None
+) -> Path:
     """Open a session (see the module docstring) and return its path object.
+
+    Each step waits at most ``connect_timeout``, and all of them end by ``deadline`` (``time.monotonic()``;
+    an operation's, when it has to open the session again).
 
     Raises:
         ConfigError: ``want`` is ``shm`` and shared memory is not available (the message says why), or
@@ -84,6 +89,7 @@ def open_session(ctx: ClientContext, *, want: str, want_dp: bool, mem: ShmMemory
             warn_once("ucx-import", "transport auto: UCX is not available here (%s); using TCP", exc)
             kinds = ["tcp"]
     last: BaseException | None = None
+    pr = Progress(deadline)
     for kind in kinds:
         offer_shm = want in ("auto", "shm") and want_dp and not mem.broken
         req = store_pb2.OpenSessionRequest(
@@ -95,7 +101,7 @@ def open_session(ctx: ClientContext, *, want: str, want_dp: bool, mem: ShmMemory
             shm=(SHM_VERSION if mem.use_ahead else LEASE_VERSION) if offer_shm else 0,
             layouts=1,
         )
-        resp = ctx.rpc("OpenSession", req, timeout=ctx.connect_timeout + 5)
+        resp = ctx.rpc("OpenSession", req, timeout=min(ctx.connect_timeout, pr.left(ctx.connect_timeout)))
         if not resp.data:
             raise ProtocolError("the server offered no data listener")
         addr = resp.data[0]
@@ -103,7 +109,9 @@ def open_session(ctx: ClientContext, *, want: str, want_dp: bool, mem: ShmMemory
         if host in ("0.0.0.0", "::", ""):
             host = ctx.host
         try:
-            t = get_factory(addr.kind).connect(host, addr.port, resp.nonce, timeout=ctx.connect_timeout)
+            t = get_factory(addr.kind).connect(
+                host, addr.port, resp.nonce, timeout=min(ctx.connect_timeout, pr.left(ctx.connect_timeout))
+            )
         except (ImportError, TensorWireError, OSError) as exc:
             ctx.close_remote(resp.session_id)
             if kind == "auto" and addr.kind == "ucx":
@@ -122,7 +130,7 @@ def open_session(ctx: ClientContext, *, want: str, want_dp: bool, mem: ShmMemory
             layouts=resp.layouts >= 1,
             requests=want_dp and resp.data_requests >= 1,
         )
-        path = _path_of(ctx, session, mem, resp, offer_shm=offer_shm)
+        path = _path_of(ctx, session, mem, resp, offer_shm=offer_shm, pr=pr)
         if want == "shm" and not isinstance(path, ShmPath):
             path.close()
             raise ConfigError(f"transport='shm': shared memory with the daemon is not available: {mem.why}")
@@ -131,7 +139,7 @@ def open_session(ctx: ClientContext, *, want: str, want_dp: bool, mem: ShmMemory
     raise last if last is not None else ProtocolError("no usable data transport")  # pragma: no cover
 
 
-def _path_of(ctx: ClientContext, session: Session, mem: ShmMemory, resp: Any, *, offer_shm: bool) -> Path:
+def _path_of(ctx: ClientContext, session: Session, mem: ShmMemory, resp: Any, *, offer_shm: bool, pr: Progress) -> Path:
     """The path object of a session the daemon opened (``resp``: its OpenSessionResponse)."""
     if mem.broken:
         pass  # the reason stays
@@ -142,7 +150,7 @@ def _path_of(ctx: ClientContext, session: Session, mem: ShmMemory, resp: Any, *,
     else:
         path = RequestPath(ctx, session)
         try:
-            shm_path = ShmPath.prove(path, mem, resp.shm_hello, resp.shm)
+            shm_path = ShmPath.prove(path, mem, resp.shm_hello, resp.shm, pr.deadline)
         except BaseException:
             path.close()
             raise

@@ -7,7 +7,7 @@
     c = tw.Client(["h1:7100", "h2:7100", "h3:7100"], token=...)   # or tw.Client("dns:///tw-serve.ns.svc:7100")
     c.put("weights", w)                          # a whole tensor, on the daemon its name hashes to
     c.put("emb", table, shard="rows")            # rows split over the three daemons
-    rows = c.get_rows("emb", idx)                # each daemon gathers its rows, in parallel
+    rows = c.get_rows("emb", idx)                # one gather over all shards (same host), or per daemon
     c.add_rows("emb", idx, grads)                # duplicates accumulate, as index_add_
 
 Placement is a pure function of the ordered daemon list
@@ -18,14 +18,18 @@ gives it -- on daemon ``k``. Each daemon is reached through its own
 :class:`tensorwire.serve.client.Client` (its fastest path: shared memory on this
 host, UCX or TCP otherwise); the parts of an operation that spans daemons run
 on them in parallel and the result is what one daemon holding the whole table
-would return.
+would return. A ``get_rows`` whose daemons all share this host's memory is one
+gather by this process over their slots, mapped side by side
+(:mod:`tensorwire.serve.client.sharded_rows`).
 
 Layout check: every shard is stored with its :class:`~tensorwire.serve.protocol.layout.ShardLayout`
 (shard count, index, rows, the daemon list's fingerprint) and every request of
 its data carries the layout this client expects. A daemon holding something
 else refuses (:class:`~tensorwire.errors.LayoutMismatchError`), so a client
 over another list -- other members, another order -- never reads or writes the
-wrong rows. There is no reshard command.
+wrong rows. There is no reshard command: a table moves to another list by a
+get through a client over the old list, a delete, and a put with
+``shard="rows"`` through a client over the new one (the error says so).
 
 Consistency: each shard an operation touches is read whole (one version of
 it) or written atomically, as on one daemon; an operation spanning shards is
@@ -77,9 +81,6 @@ log = logging.getLogger(__name__)
 
 #: Names whose placement a client remembers (whole or sharded, and the table's rows); past it, it forgets them all.
 _MAX_TABLES = 1 << 16
-#: Tables whose shards a client keeps mapped side by side (:class:`RowWindow`); past it, the least recently read
-#: is unmapped.
-_MAX_WINDOWS = 32
 
 
 class ShardedClient:
@@ -95,12 +96,13 @@ class ShardedClient:
             reverse-DNS names (stable across pod restarts in a StatefulSet).
         parallel: run the parts of an operation on several daemons in
             threads (True), or one after the other in the calling thread
-            (False). None (default): threads, except for a read (get,
-            get_rows) whose daemons are all reached through shared memory --
-            then each part is a copy by this process of a fraction of a
-            millisecond, and handing it to another thread cost more than it
-            saved (measured on the 2-core VM: bench/bench_sharded.py). Writes
-            keep their threads: each daemon applies its part itself.
+            (False). None (default): threads (a pool made once, one thread
+            per daemon but the first), except for a ``get`` whose daemons are
+            all reached through shared memory -- then each part is a copy by
+            this process, and handing it to another thread costs more than it
+            saves on a few cores. A ``get_rows`` over shared memory is one
+            gather in the calling thread whatever this says. Writes keep
+            their threads: each daemon applies its part itself.
 
     Raises:
         AuthError, ConfigError: from any daemon (nothing is kept open).
@@ -143,7 +145,8 @@ class ShardedClient:
             tls=TLSConfig.coerce(tls),
             transport=transport,
             timeout=timeout,
-            connect_timeout=connect_timeout,
+            # a daemon reached again during an operation is so within the operation's timeout
+            connect_timeout=min(connect_timeout, timeout),
             name=name,
             data_requests=data_requests,
         )

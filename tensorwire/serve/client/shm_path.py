@@ -204,7 +204,9 @@ class ShmPath(RequestPath):
         self.ahead: tuple[str, tuple[int, tuple[int, ...]], str, int] | None = None
 
     @classmethod
-    def prove(cls, base: RequestPath, mem: ShmMemory, hello: str, version: int) -> "ShmPath | None":
+    def prove(
+        cls, base: RequestPath, mem: ShmMemory, hello: str, version: int, deadline: float | None = None
+    ) -> "ShmPath | None":
         """Prove to the daemon that this process maps its memory: read the hello region's nonce, echo it.
 
         ``version``: the shared-memory protocol version the session negotiated. None (``mem.why`` says
@@ -222,7 +224,7 @@ class ShmPath(RequestPath):
             )
             mem.why = f"the daemon's shared memory is not reachable from this process ({exc})"
             return None
-        pr = Progress()
+        pr = Progress(deadline)
         try:
             ok = base.call(pr, wire.OP_SHM_HELLO, nonce.hex())
         except TensorWireError as exc:
