@@ -64,6 +64,7 @@ SIZES: dict[str, tuple[tuple[int, ...], tuple[int, int, int]]] = {
     "small": ((1024,), (10_000, 64, 16)),  # 4 KiB; 16 rows x 256 B = 4 KiB
     "medium": ((65536,), (100_000, 128, 512)),  # 256 KiB; 512 rows x 512 B = 256 KiB
 }
+SIZES_BYTES = {"small": 4 << 10, "medium": 256 << 10}
 KINDS = ("get", "put", "get_rows", "add_rows")
 PATHS = ("tcp", "shm")
 
@@ -119,6 +120,149 @@ def profiled_daemon(prefix: str, argv: list[str]) -> int:
 
     session.Session._request_loop = request_loop  # type: ignore[method-assign]
     return int(main(argv))
+
+
+# -- the transport floor: a server making only the TcpTransport calls of one operation ------------------------
+
+#: Floor operations: what the daemon's request thread does on its transport for one operation, and nothing else.
+FLOOR_OPS = ("get", "put", "request+reply")
+_FLOOR_CODE = {"get": 1, "put": 2, "request+reply": 3}
+
+
+def floor_server() -> int:
+    """Serve one connection: per request (tag 4: op code, byte count), the transport calls a daemon makes."""
+    import socket
+    import struct
+
+    import torch
+
+    from tensorwire.transport._socket import tune_socket
+    from tensorwire.transport.tcp import TcpTransport
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    print(json.dumps({"port": lst.getsockname()[1]}), flush=True)
+    conn, _ = lst.accept()
+    tune_socket(conn, peer_timeout=30.0)
+    t = TcpTransport(conn)
+    reqs = [torch.zeros(96, dtype=torch.uint8) for _ in range(2)]
+    views = {id(b): memoryview(b.numpy()) for b in reqs}
+    reply = memoryview(torch.zeros(512, dtype=torch.uint8).numpy())
+    data = torch.zeros(max(SIZES_BYTES.values()), dtype=torch.uint8)
+    data_mv = memoryview(data.numpy())
+    for b in reqs:
+        t.post_recv(4, b, header=True)
+    posted = list(reqs)
+    while True:
+        try:
+            t.wait_recv(4, timeout=60)
+        except Exception:  # noqa: BLE001 - the bench closed the connection: done
+            return 0
+        b = posted.pop(0)
+        code, n = struct.unpack_from("<BQ", views[id(b)])
+        if code == 0:
+            return 0
+        if code == 1:  # get: reply, then the bytes
+            t.send(5, reply, timeout=30)
+            t.send(1, data_mv[:n], timeout=30)
+        elif code == 2:  # put: post the slot, GO, receive the bytes, OK
+            into = data[:n]
+            t.post_recv(2, into)
+            t.send(5, reply, timeout=30)
+            t.wait_recv(2, timeout=30)
+            t.forget_buffer(into)
+            t.send(5, reply, timeout=30)
+        else:  # a shared-memory operation's exchange: request, reply
+            t.send(5, reply, timeout=30)
+        t.post_recv(4, b, header=True)
+        posted.append(b)
+
+
+class Floor:
+    """A :func:`floor_server` process of one tree and a client of it; ``calls`` like make_cells'."""
+
+    def __init__(self, pythonpath: str) -> None:
+        import socket
+
+        import torch
+
+        from tensorwire.transport._socket import tune_socket
+        from tensorwire.transport.tcp import TcpTransport
+
+        self.label = "transport only"
+        env = dict(os.environ, PYTHONPATH=pythonpath)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--floor-server"],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            self.proc.kill()
+            raise SystemExit("the transport-floor server did not start")
+        self.pid = self.proc.pid
+        sock = socket.create_connection(("127.0.0.1", json.loads(line)["port"]))
+        tune_socket(sock, peer_timeout=30.0)
+        self.t = TcpTransport(sock)
+        self.req = torch.zeros(96, dtype=torch.uint8)
+        self.reply = torch.zeros(512, dtype=torch.uint8)
+        self.data = torch.zeros(max(SIZES_BYTES.values()), dtype=torch.uint8)
+        self.clients: dict[str, Any] = {}
+
+    def _ask(self, code: int, n: int) -> None:
+        import struct
+
+        struct.pack_into("<BQ", self.req.numpy(), 0, code, n)
+        self.t.send(4, self.req, timeout=30)
+
+    def cells(self, sizes: list[str]) -> list["Cell"]:
+        t = self.t
+
+        def get(n: int) -> None:
+            t.post_recv(5, self.reply)
+            t.post_recv(1, self.data[:n])
+            self._ask(1, n)
+            t.wait_recv(5, timeout=30)
+            t.wait_recv(1, timeout=30)
+
+        def put(n: int) -> None:
+            t.post_recv(5, self.reply)
+            self._ask(2, n)
+            t.wait_recv(5, timeout=30)
+            t.post_recv(5, self.reply)
+            t.send(2, self.data[:n], timeout=30)
+            t.wait_recv(5, timeout=30)
+
+        def exchange(n: int) -> None:
+            t.post_recv(5, self.reply)
+            self._ask(3, 0)
+            t.wait_recv(5, timeout=30)
+
+        fns = {"get": get, "put": put, "request+reply": exchange}
+        out = []
+        for size in sizes:
+            for kind in FLOOR_OPS:
+                if kind == "request+reply" and size != sizes[0]:
+                    continue
+                n = SIZES_BYTES[size]
+                out.append(Cell("floor", kind, size, lambda f=fns[kind], n=n: f(n)))
+        return out
+
+    def stop(self) -> None:
+        try:
+            self._ask(0, 0)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+        self.t.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if self.proc.stdout:
+            self.proc.stdout.close()
 
 
 # -- driving a daemon ------------------------------------------------------------------------------------------
@@ -234,7 +378,7 @@ def make_cells(d: Daemon, paths: list[str], kinds: list[str], sizes: list[str]) 
     return cells
 
 
-def measure(daemons: list[Daemon], cells: dict[str, list[Cell]], calls: int, rounds: int, warmup: int) -> None:
+def measure(daemons: "list[Any]", cells: dict[str, list[Cell]], calls: int, rounds: int, warmup: int) -> None:
     """``calls`` calls of every cell of every daemon, in ``rounds`` turns; accumulates CPU time and wall time."""
     for d in daemons:
         for cell in cells[d.label]:
@@ -244,8 +388,8 @@ def measure(daemons: list[Daemon], cells: dict[str, list[Cell]], calls: int, rou
     for r in range(rounds):
         for d in daemons:
             for cell in cells[d.label]:
-                client = d.clients[cell.path]
-                req0 = client._req_id
+                client = d.clients.get(cell.path)
+                req0 = client._req_id if client is not None else 0
                 k0 = cpu_ticks_s(d.pid)[1]
                 c0 = cpu_ns(d.pid)
                 t0 = time.perf_counter()
@@ -257,7 +401,7 @@ def measure(daemons: list[Daemon], cells: dict[str, list[Cell]], calls: int, rou
                 cell.cpu_ns += c1 - c0
                 cell.wall_s += t1 - t0
                 cell.calls += per[r]
-                cell.requests += max(0, client._req_id - req0)
+                cell.requests += max(0, client._req_id - req0) if client is not None else per[r]
 
 
 def idle_rate(d: Daemon, seconds: float = 1.0) -> float:
@@ -442,6 +586,10 @@ def run(args: argparse.Namespace) -> str:
             daemons.append(d)
             d.connect(paths)
             cells[label] = make_cells(d, paths, kinds, sizes)
+        if args.floor and "tcp" in paths:
+            floor = Floor(ROOT)
+            daemons.append(floor)  # type: ignore[arg-type]
+            cells[floor.label] = floor.cells(sizes)
         idle = {d.label: idle_rate(d) for d in daemons}
         ticks0 = {d.label: cpu_ticks_s(d.pid) for d in daemons}
         ns0 = {d.label: cpu_ns(d.pid) for d in daemons}
@@ -460,7 +608,7 @@ def run(args: argparse.Namespace) -> str:
         "Client wall time: per call, for context (moves with the load)."
     )
     say()
-    labels = [d.label for d in daemons]
+    labels = [d.label for d in daemons if d.label != "transport only"]
     head = "| path | op | size | requests/op |"
     sep = "| --- | --- | --- | ---: |"
     for lb in labels:
@@ -486,7 +634,25 @@ def run(args: argparse.Namespace) -> str:
             s += f" {vals[1] / vals[0]:.2f} |"
         say(s)
     say()
-    for lb in labels:
+    if "transport only" in cells:
+        say()
+        say(
+            "The transport's own share: a server process doing only the TcpTransport calls the daemon's request "
+            "thread makes for one operation (this tree's transport; request in, reply and bytes out, the request "
+            "buffer posted again), driven in the same turns. `request+reply` is the exchange of a shared-memory "
+            "operation (no tensor bytes on the connection)."
+        )
+        say()
+        say("| transport calls of | size | server CPU µs/op | of it system | client wall µs/op |")
+        say("| --- | --- | ---: | ---: | ---: |")
+        for c in cells["transport only"]:
+            size = "-" if c.kind == "request+reply" else f"{c.size} ({SIZES_BYTES[c.size] >> 10} KiB)"
+            say(
+                f"| {c.kind} | {size} | {c.cpu_ns / 1e3 / c.calls:.1f} | {c.sys_s * 1e6 / c.calls:.0f} | "
+                f"{c.wall_s / c.calls * 1e6:.1f} |"
+            )
+    say()
+    for lb in [*labels, *(["transport only"] if "transport only" in cells else [])]:
         ticks, ns = check[lb]
         say(
             f"- {lb}: idle CPU {idle[lb] * 1e6:.0f} µs per second; over the measured calls utime+stime "
@@ -504,6 +670,8 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main() -> int:
+    if len(sys.argv) == 2 and sys.argv[1] == "--floor-server":
+        return floor_server()
     if len(sys.argv) > 2 and sys.argv[1] == "--profiled-daemon":
         prefix = sys.argv[2]
         rest = sys.argv[3:]
@@ -527,6 +695,9 @@ def main() -> int:
     ap.add_argument("--spy-rate", type=int, default=1000, help="py-spy samples per second")
     ap.add_argument("--profile-calls", type=int, default=500, help="calls per cell under the profiler")
     ap.add_argument("--top", type=int, default=25, help="functions listed per profile")
+    ap.add_argument(
+        "--no-floor", dest="floor", action="store_false", help="skip the transport-only server (the TCP floor)"
+    )
     ap.add_argument("--out", default="", help="also write the report (markdown) here")
     args = ap.parse_args()
     args.argv = sys.argv[1:]

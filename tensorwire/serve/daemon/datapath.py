@@ -80,7 +80,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire import errors
-from tensorwire.spec import TensorSpec
+from tensorwire.spec import DTYPE_CODES, TensorSpec
 from tensorwire.serve.protocol.common import ERROR_CLASSES, TAG_DOWN, TAG_REPLY, TAG_UP, check_index
 from tensorwire.serve.daemon.ops import Draining, commit_rows, plan_row_update, plan_rows, status_of
 from tensorwire.serve.daemon.ops import check_tensor_name as _name
@@ -107,7 +107,6 @@ from tensorwire.serve.protocol.wire import (
     SHM,
     MalformedRequest,
     Request,
-    dtype_code,
     dtype_name,
     pack_reply,
     parse_request,
@@ -314,16 +313,17 @@ class DataRequests:
                 raise Draining("the server is shutting down and takes no new work")
             if s.pending is not None:
                 raise errors.ProtocolError("a write is pending on this session: commit or abort it first")
+            held = None
             if req.op != OP_SHM_HELLO:  # a shard is served only to a request built for its very layout
-                self.store.check_layout(req.name, req.layout)
+                held = self.store.check_layout(req.name, req.layout)
             if req.op == OP_GET:
-                return self._get(s, req, t0)
+                return self._get(s, req, t0, held)
             if req.op == OP_GET_ROWS:
                 if req.shm:
                     return self._get_rows_shm(s, req, t0)
                 return self._get_rows(s, req, buf, t0)
             if req.op == OP_PUT:
-                return self._put(s, req, t0)
+                return self._put(s, req, t0, held)
             if req.op == OP_SHM_HELLO:
                 return self._hello(s, req, t0)
             return self._put_rows(s, req, buf, t0, add=req.op == OP_ADD_ROWS)
@@ -362,18 +362,11 @@ class DataRequests:
         **fields: Any,
     ) -> None:
         """An OK (or GO) reply with the stored tensor's spec, as message ``reply_step`` of tag 5."""
-        self._reply(
-            s,
-            t,
-            reply_step,
-            deadline,
-            status=status,
-            op=req.op,
-            req_id=req.req_id,
-            dtype=dtype_code(spec.dtype),
-            shape=spec.shape,
-            **fields,
+        into, out = s.reply_buffer()
+        pack_reply(
+            into, status=status, op=req.op, req_id=req.req_id, dtype=DTYPE_CODES[spec.dtype], shape=spec.shape, **fields
         )
+        t.send(TAG_REPLY, out, step=reply_step, timeout=max(0.0, deadline - time.monotonic()))
 
     def _fail_reply(
         self, s: "Session", t: "Transport", reply_step: int, req: Request, exc: BaseException, deadline: float
@@ -751,8 +744,9 @@ class DataRequests:
         )
 
     # -- reads ----------------------------------------------------------------------------------------
-    def _get(self, s: "Session", req: Request, t0: float) -> Job:
-        e = self.store.get(_name(req.name))
+    def _get(self, s: "Session", req: Request, t0: float, held: Any = None) -> Job:
+        # ``held``: the entry the layout check found (its name was checked when it was declared)
+        e = held if held is not None else self.store.get(_name(req.name))
         deadline = time.monotonic() + self._timeout(req)
         idx, version, lease = e.acquire_read_leased(deadline)
         release = _Once(lambda: e.release_read(idx))
@@ -923,12 +917,22 @@ class DataRequests:
                 s.close(f"{what} transfer failed: {exc}")
             raise
 
-    def _put(self, s: "Session", req: Request, t0: float) -> Job:
-        spec = normalise_spec(TensorSpec(req.name, req.shape, dtype_name(req.dtype)))
+    def _put(self, s: "Session", req: Request, t0: float, held: Any = None) -> Job:
+        dtype = dtype_name(req.dtype)
         timeout = self._timeout(req)
         deadline = time.monotonic() + timeout
-        e, _ = self.store.declare(spec, layout=req.layout)
-        slot = e.begin_put(deadline)
+        slot = -1
+        if held is not None and held.spec.shape == req.shape and held.spec.dtype == dtype:
+            # the tensor as stored (its layout checked): nothing to declare, no spec to build and validate
+            e, spec = held, held.spec
+            try:
+                slot = e.begin_put(deadline)
+            except errors.NotFoundError:  # deleted meanwhile: this put declares it again, as any other would
+                slot = -1
+        if slot < 0:
+            spec = normalise_spec(TensorSpec(req.name, req.shape, dtype))
+            e, _ = self.store.declare(spec, layout=req.layout)
+            slot = e.begin_put(deadline)
         reserved = [True]
 
         def end() -> None:

@@ -546,18 +546,20 @@ class Store:
             raise NotFoundError(f"no tensor named {name!r}")
         return e
 
-    def check_layout(self, name: str, expected: ShardLayout | None) -> None:
+    def check_layout(self, name: str, expected: ShardLayout | None) -> "Entry | None":
         """Refuse a request for ``name`` that expects another shard layout than the tensor has (None: whole).
 
         A name not held passes (the operation itself reports it, or creates it with ``expected``).
+        Returns the entry found (None: not held), which the request may use instead of looking it up again.
 
         Raises:
             LayoutMismatchError: saying what is held and what was expected.
         """
         with self._lock:
             e = self._entries.get(name)
-        if e is not None:
+        if e is not None and (e.layout is not None or expected is not None):
             check_layout(name, e.layout, expected)
+        return e
 
     def declare(self, spec: TensorSpec, *, layout: ShardLayout | None = None) -> tuple[Entry, bool]:
         """The entry for ``spec.name``, creating (and allocating) it if new, as a shard of ``layout`` if given.
