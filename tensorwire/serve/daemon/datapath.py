@@ -873,7 +873,7 @@ class DataRequests:
                 release()
 
         try:
-            return self._job(
+            job = self._job(
                 s,
                 req,
                 t0,
@@ -885,6 +885,8 @@ class DataRequests:
                 nbytes=nbytes,
                 cleanup=release,
             )
+            job.holds_request = True  # p.index is a view of the request's buffer
+            return job
         except BaseException:
             release()
             raise
@@ -1023,7 +1025,7 @@ class DataRequests:
             self._ok(s, t, job.reply_step + 1, req, spec, deadline, version=info.version)
             return None
 
-        return self._job(
+        job = self._job(
             s,
             req,
             t0,
@@ -1034,3 +1036,5 @@ class DataRequests:
             direction="in",
             nbytes=nbytes,
         )
+        job.holds_request = not req.shm  # p.index is a view of the request's buffer (a shared-memory one a copy)
+        return job

@@ -163,6 +163,7 @@ class Job:
         "via",
         "client_copy",
         "done",
+        "holds_request",
         "result",
         "error",
         "_cleaned",
@@ -196,6 +197,8 @@ class Job:
         #: its COMMIT): a request thread that polls for the next request would only slow a long copy down.
         self.client_copy = 0
         self.done = Done()
+        #: The job reads the request's receive buffer (row numbers in place): it is posted again only after.
+        self.holds_request = False
         self.result: Any = None
         self.error: BaseException | None = None
         self._cleaned = False
@@ -763,12 +766,19 @@ class Session:
                     raise MalformedRequest(f"request step {r.step}, expected {expected}")
                 self.touch()
                 job = handler(self, buf, r.nbytes)  # validated; may read ``buf`` until it is done
+                early = job is None or not job.holds_request
+                if early:
+                    # Its bytes are parsed and copied: post it again now, so its credit rides on the reply
+                    # (posted after the reply, the credit went out in a frame of its own, a send per request).
+                    t.post_recv(TAG_REQUEST, buf, header=True)
+                    posted.append(buf)
                 if job is not None:  # None: answered by nothing (a RELEASE), done already
                     self.submit(job)
                     while not job.done.wait(1.0):  # queued behind the worker's jobs: wait for it
                         self.check_open()
-                t.post_recv(TAG_REQUEST, buf, header=True)
-                posted.append(buf)
+                if not early:
+                    t.post_recv(TAG_REQUEST, buf, header=True)
+                    posted.append(buf)
                 if self.shm and len(posted) < 3:
                     b = self.request_buffer(MAX_REQUEST_BYTES)
                     t.post_recv(TAG_REQUEST, b, header=True)
