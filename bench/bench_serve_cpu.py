@@ -265,6 +265,133 @@ class Floor:
             self.proc.stdout.close()
 
 
+# -- the daemon's own code: the real request loop and handler over a do-nothing transport ------------------------
+
+
+def own_code(calls: int) -> dict[str, float]:
+    """CPU µs per request of a session's request loop (this tree's Session and DataRequests, in this process)
+    answering requests from a transport that moves nothing: what the daemon's own code costs, without the
+    transport, the kernel or a client (small tensors over the connection, as the TCP cells)."""
+    from tensorwire.errors import ClosedError, TransferTimeout
+    from tensorwire.serve.daemon.config import ServeConfig
+    from tensorwire.serve.daemon.datapath import DataRequests
+    from tensorwire.serve.daemon.server import Server
+    from tensorwire.serve.daemon.session import Session
+    from tensorwire.serve.protocol import wire
+    from tensorwire.spec import DTYPE_CODES, TensorSpec
+    from tensorwire.transport.base import Received
+
+    class Null:
+        """Hands out the same request again and again; sends nothing (reads a GO's step for the payload)."""
+
+        kind = "tcp"
+        async_send = False
+
+        def __init__(self, raw: bytes, n: int, writes: bool) -> None:
+            self.raw, self.n, self.i, self.writes = raw, n, 0, writes
+            self.posted: list[Any] = []
+            self.up = (0, 0)
+
+        def post_recv(self, tag: int, buf: Any, *, header: bool = False) -> None:
+            if tag == 4:
+                self.posted.append(buf)
+
+        def wait_recv(self, tag: int, *, timeout: float | None) -> Any:
+            if tag == 3:
+                raise TransferTimeout("nothing")
+            if tag == 2:
+                return Received(self.up[0], None, self.up[1])
+            if self.i >= self.n:
+                raise ClosedError("done")
+            buf = self.posted.pop(0)
+            memoryview(buf.numpy())[: len(self.raw)] = self.raw
+            self.i += 1
+            return Received(len(self.raw), None, self.i)
+
+        def send(self, tag: int, buf: Any, *, step: Any = None, shape: Any = None, timeout: Any = None) -> None:
+            if tag == 5 and self.writes:
+                rep = wire.parse_reply(memoryview(buf if isinstance(buf, memoryview) else buf.numpy()))
+                if rep.status == wire.GO:
+                    self.up = (rep.nbytes, rep.step)
+
+        def forget_buffer(self, buf: Any) -> None:
+            pass
+
+        def abort(self) -> None:
+            pass
+
+        def describe(self) -> str:
+            return "nothing"
+
+    class NoListener:
+        kind = "tcp"
+
+        def expect(self, nonce: bytes) -> None:
+            pass
+
+        def forget(self, nonce: bytes) -> None:
+            pass
+
+        def accept(self, nonce: bytes, *, timeout: Any) -> Any:
+            time.sleep(3600)  # the session's worker waits here; the loop below runs in this thread
+
+    def request(op: int, name: str, nindex: int = 0, **kw: Any) -> bytes:
+        buf = bytearray(1 << 16)
+        end = wire.pack_request(memoryview(buf), op=op, req_id=1, name=name.encode(), nindex=nindex, **kw)
+        buf[end : end + 8 * nindex] = b"".join(i.to_bytes(8, "little") for i in range(nindex))
+        return bytes(buf[: end + 8 * nindex])
+
+    srv = Server(ServeConfig(port=0, transport="tcp", max_bytes=1 << 30, shm=False)).start()
+    try:
+        svc = srv.service
+        whole, (rows, width, n) = SIZES["small"]
+        for name, shape in (("t", whole), ("rows", (rows, width))):
+            svc.store.restore(TensorSpec(name, shape, "float32"), 1, lambda raw: raw.zero_())
+        f32 = DTYPE_CODES["float32"]
+        reqs = {
+            "get": request(wire.OP_GET, "t"),
+            "put": request(wire.OP_PUT, "t", dtype=f32, shape=whole),
+            "get_rows": request(wire.OP_GET_ROWS, "rows", nindex=n),
+            "add_rows": request(wire.OP_ADD_ROWS, "rows", nindex=n, dtype=f32, shape=(n, width)),
+        }
+        out = {}
+        for kind, raw in reqs.items():
+            s = Session(
+                "0" * 32,
+                b"0" * 16,
+                NoListener(),  # type: ignore[arg-type]
+                connect_timeout=1.0,
+                metrics=svc.metrics,
+                on_close=lambda _s: None,
+                handler=DataRequests(svc),
+                store=svc.store,
+            )
+            s.transport = Null(raw, calls, kind in ("put", "add_rows"))  # type: ignore[assignment]
+            c0 = time.thread_time()
+            s._request_loop()
+            c1 = time.thread_time()
+            if s.closed:
+                raise SystemExit(f"{kind}: the session closed: {s.close_reason}")
+            out[kind] = (c1 - c0) / calls * 1e6
+        return out
+    finally:
+        srv.stop(0)
+
+
+def own_code_of(tree: str, calls: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=tree)
+    res = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--own-code", str(calls)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        check=True,
+        cwd=tempfile.gettempdir(),
+    )
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 # -- driving a daemon ------------------------------------------------------------------------------------------
 
 
@@ -658,6 +785,33 @@ def run(args: argparse.Namespace) -> str:
             f"- {lb}: idle CPU {idle[lb] * 1e6:.0f} µs per second; over the measured calls utime+stime "
             f"(/proc/<pid>/stat) {ticks:.2f} s vs schedstat {ns:.2f} s"
         )
+    if args.own_rounds:
+        own: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
+        for _ in range(args.own_rounds):
+            for label, tree in trees:
+                own[label].append(own_code_of(tree, args.own_calls))
+        say()
+        say(
+            f"The daemon's own code: a session's request loop and handler (each tree's, in a process of its own) "
+            f"answering {args.own_calls} requests of each kind (small) from a transport that moves nothing; "
+            f"CPU µs per request, the best of {args.own_rounds} runs in turns. No transport, kernel or client: "
+            "what the cuts in the daemon's code are worth without the noise of a loaded machine (put and add_rows "
+            "include the null transport's reading of the GO reply, the same in both)."
+        )
+        say()
+        say(
+            "| op | "
+            + " | ".join(f"own code µs/request, {lb}" for lb, _ in trees)
+            + (" | after/before |" if len(trees) == 2 else " |")
+        )
+        say("| --- | " + " | ".join("---:" for _ in trees) + (" | ---: |" if len(trees) == 2 else " |"))
+        for kind in own[trees[0][0]][0]:
+            best = [min(r[kind] for r in own[lb]) for lb, _ in trees]
+            say(
+                f"| {kind} | "
+                + " | ".join(f"{b:.1f}" for b in best)
+                + (f" | {best[1] / best[0]:.2f} |" if len(trees) == 2 else " |")
+            )
     if args.profile:
         for label, tree in trees:
             for path in paths:
@@ -670,6 +824,9 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--own-code":
+        print(json.dumps(own_code(int(sys.argv[2]))), flush=True)
+        return 0
     if len(sys.argv) == 2 and sys.argv[1] == "--floor-server":
         return floor_server()
     if len(sys.argv) > 2 and sys.argv[1] == "--profiled-daemon":
@@ -695,6 +852,8 @@ def main() -> int:
     ap.add_argument("--spy-rate", type=int, default=1000, help="py-spy samples per second")
     ap.add_argument("--profile-calls", type=int, default=500, help="calls per cell under the profiler")
     ap.add_argument("--top", type=int, default=25, help="functions listed per profile")
+    ap.add_argument("--own-rounds", type=int, default=3, help="runs of the own-code measurement per tree (0: none)")
+    ap.add_argument("--own-calls", type=int, default=5000, help="requests per kind in one own-code run")
     ap.add_argument(
         "--no-floor", dest="floor", action="store_false", help="skip the transport-only server (the TCP floor)"
     )
