@@ -17,26 +17,33 @@ operations of each kind through each data path:
 What it reports per cell is the daemon process's CPU time (user + system, all
 its threads) per operation: the sum of ``/proc/<pid>/task/*/schedstat`` run
 times (nanoseconds) before and after the cell's calls, divided by the calls.
-CPU time, unlike wall time, hardly moves with the machine's load, so the
-figures of a shared machine are comparable. Cells and daemons are measured in
-turns (``--rounds``), so a drifting load weighs on all of them. Each daemon's
-idle CPU rate (measured before the calls) is printed beside them; it is not
-subtracted. ``/proc/<pid>/stat`` (utime + stime, clock ticks) over the whole run
-is printed as a cross-check of the schedstat sum. The client's wall time per
-operation is printed for context only (it moves with the load).
+CPU time moves far less with the machine's load than wall time does, but on a
+2-vCPU VM shared with other jobs it still moves (cold caches after every
+sleep): compare cells within one run. Cells and daemons are measured in turns
+(``--rounds``), so a drifting load weighs on all of them. Each daemon's idle CPU
+rate (measured before the calls) is printed beside them; it is not subtracted.
+``/proc/<pid>/stat`` (utime + stime, clock ticks) over the whole run is printed
+as a cross-check of the schedstat sum. The client's wall time per operation is
+printed for context only.
 
-With ``--profile`` it then starts each tree's daemon again under this script's
-launcher, which runs every session's request thread (where the data-plane
-requests are validated and answered) under ``cProfile``, drives the same calls
-again, and prints each daemon's top functions by own time, per operation.
-cProfile's own overhead inflates the absolute figures (roughly 2x); the
-ranking is what it is for.
+Beside the daemons, in the same turns (``--no-floor`` skips it): a server
+process making only the TcpTransport calls the daemon's request thread makes
+for one operation -- the transport's own floor. Then (``--own-rounds``) each
+tree's session request loop and handler, in a process of its own, answering
+requests from a transport that moves nothing: the daemon's own code alone.
+
+With ``--profile cprofile`` it then starts each tree's daemon again under this
+script's launcher, which runs every session's request thread (where the
+data-plane requests are validated and answered) under ``cProfile`` timed by the
+thread's CPU clock, drives the same calls again, and lists the top functions by
+own time per operation (the profiler's overhead inflates small functions: read
+rank and call counts). ``--profile py-spy`` samples the whole daemon instead.
 
 Usage::
 
     python bench/bench_serve_cpu.py [--baseline-rev REV] [--calls 2000] [--rounds 5]
         [--paths tcp,shm] [--kinds get,put,get_rows,add_rows] [--sizes small,medium]
-        [--profile] [--top 25] [--out FILE.md]
+        [--profile cprofile|py-spy] [--top 25] [--out FILE.md]
 """
 
 from __future__ import annotations
