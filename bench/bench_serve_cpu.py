@@ -37,7 +37,10 @@ script's launcher, which runs every session's request thread (where the
 data-plane requests are validated and answered) under ``cProfile`` timed by the
 thread's CPU clock, drives the same calls again, and lists the top functions by
 own time per operation (the profiler's overhead inflates small functions: read
-rank and call counts). ``--profile py-spy`` samples the whole daemon instead.
+rank and call counts). ``--profile py-spy`` samples the whole daemon instead, only
+threads holding the GIL (``--gil``: without it py-spy counts a thread blocked in a
+socket call as running); that leaves out time in system calls, and a few
+hundred samples per run make its figures coarse.
 
 Usage::
 
@@ -591,7 +594,7 @@ def pyspy_table(raw: str, ops: int, rate: int, top: int) -> str:
         own[frames[-1]] = own.get(frames[-1], 0) + count
     per = 1e6 / rate / max(1, ops)
     out = [
-        f"{ops} operations, {total} samples at {rate} Hz of the daemon's running threads: "
+        f"{ops} operations, {total} samples at {rate} Hz of the daemon's threads holding the GIL: "
         f"{total * per:.1f} µs of CPU per operation\n",
         "| own µs/op | incl. µs/op | function |",
         "| ---: | ---: | --- |",
@@ -639,6 +642,7 @@ def profile_one(
                     "--output",
                     raw,
                     "--nonblocking",
+                    "--gil",
                     "--duration",
                     "600",
                 ],
