@@ -440,6 +440,7 @@ class _RecvChannel:
                     return
                 work = self.served[0]
             try:
+                self.peer.ops.bind_thread(work._tensor.device)
                 self.drive(work, work._deadline)
             except WorkTimeout:
                 # A stream waits for it: it cannot be left pending. Close the pair, which fails (and releases)
@@ -650,6 +651,11 @@ class _SendChannel:
                 with self.cond:
                     item = self.pending.popleft() if self.pending else None
                 if item is not None:
+                    if self.peer.ops.streamed(item[1]):
+                        try:
+                            self.peer.ops.bind_thread(item[1].device)
+                        except Exception as exc:  # noqa: BLE001 - _send reports what fails with the device
+                            log.debug("binding the sender thread to %s: %s", item[1].device, exc)
                     self._send(item)
 
     def close(self, reason: BaseException) -> None:

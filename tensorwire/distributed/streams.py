@@ -150,6 +150,16 @@ def _flag_pool(mem: StreamMemOps, device: int) -> FlagPool:
         return _POOL
 
 
+class _Mark:
+    """An event of :meth:`CudaOps.mark` and the device whose pool it goes back to."""
+
+    __slots__ = ("event", "device")
+
+    def __init__(self, event: Any, device: int) -> None:
+        self.event = event
+        self.device = device
+
+
 class CudaOps:
     """Every CUDA call of the point-to-point path for CUDA tensors (one per group).
 
@@ -169,6 +179,7 @@ class CudaOps:
         self._events: dict[int, list[Any]] = {}
         self._copy_streams: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._bound = threading.local()
 
     # -- which tensors ------------------------------------------------------------------------------------
     def streamed(self, tensor: "torch.Tensor") -> bool:
@@ -176,7 +187,7 @@ class CudaOps:
         return bool(tensor.is_cuda)
 
     # -- the caller's stream: events ------------------------------------------------------------------------
-    def mark(self, tensor: "torch.Tensor") -> Any | None:
+    def mark(self, tensor: "torch.Tensor") -> _Mark | None:
         """An event recorded on the current stream of ``tensor``'s device (None: that stream is idle).
 
         Events are reused (:meth:`recycle`): none is made per message once a few exist.
@@ -186,22 +197,25 @@ class CudaOps:
         device = tensor.device
         if current_stream_idle(device):
             return None
-        free = self._events.get(device.index or 0)
+        index = device.index or 0
+        free = self._events.get(index)
         try:
             ev = free.pop() if free else torch.cuda.Event()
         except IndexError:  # taken by another thread meanwhile
             ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(device))
-        ev._tw_device = device.index or 0
-        return ev
+        return _Mark(ev, index)
 
-    def reached(self, ev: Any) -> bool:
-        """Whether the stream has reached event ``ev`` (None: nothing to wait for). Never blocks."""
-        return ev is None or bool(ev.query())
+    def reached(self, mark: _Mark | None) -> bool:
+        """Whether the stream has reached ``mark`` (None: nothing to wait for). Never blocks."""
+        return mark is None or bool(mark.event.query())
 
-    def wait_reached(self, ev: Any, deadline: float) -> bool:
-        """Wait (this thread, not the device) until the stream reached ``ev``; False when ``deadline`` passed first."""
-        if ev is None or ev.query():
+    def wait_reached(self, mark: _Mark | None, deadline: float) -> bool:
+        """Wait (this thread, not the device) until the stream reached ``mark``; False when ``deadline`` passed first."""
+        if mark is None:
+            return True
+        ev = mark.event
+        if ev.query():
             return True
         pause = 0.00002
         while True:
@@ -212,10 +226,23 @@ class CudaOps:
                 return True
             pause = min(pause * 2, self.POLL_MAX_S)
 
-    def recycle(self, ev: Any) -> None:
-        """Give an event from :meth:`mark` back once nothing waits for it any more."""
-        if ev is not None:
-            self._events.setdefault(getattr(ev, "_tw_device", 0), []).append(ev)
+    def recycle(self, mark: _Mark | None) -> None:
+        """Give the event of a :meth:`mark` back once nothing waits for it any more."""
+        if mark is not None:
+            self._events.setdefault(mark.device, []).append(mark.event)
+
+    def bind_thread(self, device: "torch.device") -> None:
+        """Make ``device`` (its primary context) current in one of tensorwire's own threads, once.
+
+        The channels' threads drive UCX transfers of CUDA memory; UCX's CUDA transports expect the calling
+        thread to have a context. Never called in a caller's thread (it would change the caller's device).
+        """
+        import torch
+
+        index = device.index or 0
+        if getattr(self._bound, "index", None) != index:
+            torch.cuda.set_device(index)
+            self._bound.index = index
 
     # -- tensorwire's own copies ----------------------------------------------------------------------------
     def copy(self, dst: "torch.Tensor", src: "torch.Tensor") -> None:
@@ -265,10 +292,21 @@ class CudaOps:
             return False
         return True
 
-    def new_flag(self, device: "torch.device") -> Flag:
-        """A flag from the process's pool (only after :meth:`usable` said yes for ``device``)."""
-        assert self._mem is not None
-        return _flag_pool(self._mem, device.index or 0).take()
+    def new_flag(self, device: "torch.device") -> Flag | None:
+        """A flag from the process's pool (after :meth:`usable` said yes for ``device``); None if none can be had."""
+        mem = self._mem
+        if mem is None:
+            return None
+        try:
+            return _flag_pool(mem, device.index or 0).take()
+        except OSError as exc:
+            log.warning(
+                "tensorwire.distributed: no mapped host memory for stream flags (%s); wait() of CUDA operations "
+                "blocks the host",
+                exc,
+            )
+            self._usable[device.index or 0] = False
+            return None
 
     def give_flag(self, flag: Flag) -> None:
         assert _POOL is not None

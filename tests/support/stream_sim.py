@@ -105,6 +105,9 @@ class SimOps:
     def recycle(self, ev: Any) -> None:
         pass
 
+    def bind_thread(self, device: Any) -> None:
+        pass
+
     def copy(self, dst: Any, src: Any) -> None:
         self.copies += 1
         dst.copy_(src)
