@@ -402,6 +402,31 @@ def test_a_lost_peer_releases_the_waiting_stream_and_reports_the_error_on_the_wo
     assert again.is_completed() and isinstance(again.exception(), PeerLost)  # the pair stays failed
 
 
+@pytest.mark.parametrize("sent", [(8, 8), (128,)], ids=["same-size-other-shape", "larger"])
+def test_a_mismatch_after_wait_releases_the_stream_and_names_both_sides(pairs, sent):
+    from tensorwire.distributed.errors import SignatureMismatch
+
+    pair = pairs()
+    rx = pair.ops[1]
+    r = pair.peers[1].irecv(torch.zeros(64), 0)
+    r.wait()
+    w = pair.peers[0].isend(torch.ones(sent), 0)
+    rx.stream.flush()  # returns: released on the error
+    if sent == (128,):  # refused on the sender, which raises; the receiver learns it from the sender's notice,
+        # or, when the in-memory pair drops the notice with the connection, from the closed connection
+        with pytest.raises(SignatureMismatch):
+            w.wait(timedelta(seconds=10))
+        assert isinstance(r.exception(), (SignatureMismatch, PeerLost)), r.exception()
+        assert type(pair.async_errors[1][0]) is type(r.exception())
+        return
+    assert isinstance(r.exception(), SignatureMismatch), r.exception()
+    assert "float32[64]" in str(r.exception()) and "float32[8, 8]" in str(r.exception())
+    assert isinstance(pair.async_errors[1][0], SignatureMismatch)
+    w.wait(timedelta(seconds=10))  # delivered: the sender learns from its next operation (the pair is closed)
+    with pytest.raises(PeerLost):
+        pair.peers[0].isend(torch.ones(4), 0).wait(timedelta(seconds=10))
+
+
 def test_a_receive_a_stream_waits_for_that_never_comes_fails_the_pair_at_the_timeout(pairs):
     pair = pairs(timeout=0.5)
     rx = pair.ops[1]
