@@ -140,6 +140,15 @@ class FlagPool:
 
 _POOL: FlagPool | None = None
 _POOL_LOCK = threading.Lock()
+_WARNED: set[int] = set()  # devices whose fallback to host waits was logged (once per process)
+
+
+def _warn_once(index: int, msg: str, *args: Any) -> None:
+    with _POOL_LOCK:
+        if index in _WARNED:
+            return
+        _WARNED.add(index)
+    log.warning(msg, *args)
 
 
 def _flag_pool(mem: StreamMemOps, device: int) -> FlagPool:
@@ -283,7 +292,8 @@ class CudaOps:
             self._mem = stream_mem_ops()
         why = "the CUDA driver has no stream memory operations" if self._mem is None else self._mem.unusable(index)
         if why is not None:
-            log.warning(
+            _warn_once(
+                index,
                 "tensorwire.distributed: cuda:%d: streams cannot wait on host flags (%s); wait() of CUDA "
                 "operations blocks the host until the bytes are in place",
                 index,
@@ -300,7 +310,8 @@ class CudaOps:
         try:
             return _flag_pool(mem, device.index or 0).take()
         except OSError as exc:
-            log.warning(
+            _warn_once(
+                device.index or 0,
                 "tensorwire.distributed: no mapped host memory for stream flags (%s); wait() of CUDA operations "
                 "blocks the host",
                 exc,
@@ -324,7 +335,8 @@ class CudaOps:
         err = mem.wait_geq(index, current_raw_stream(index), flag.device_addr, seq)
         if err == 0:
             return True
-        log.warning(
+        _warn_once(
+            index,
             "tensorwire.distributed: cuda:%d: cuStreamWaitValue32 failed (%s); wait() of CUDA operations blocks "
             "the host from now on",
             index,

@@ -37,6 +37,10 @@ TRANSPORTS = [pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason=
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_kernel_before_isend_and_kernel_after_wait_see_the_right_bytes(transport, layout):
     res = run_ranks(C.ordered, 2, timeout=200, transport=transport, layout=layout)
+    print(
+        f"[{transport}, {layout}] wait() host times (us): send {[round(t * 1e6) for t in res[0]['wait_s']]}, "
+        f"recv {[round(t * 1e6) for t in res[1]['wait_s']]}"
+    )
     for rank in (0, 1):
         assert all(res[rank]["streamed"]), res[rank]  # every wait() returned before its operation completed
         # wait() only queued a stream wait: far below the ~tens of ms of GPU work queued ahead of the bytes
@@ -49,6 +53,11 @@ def test_kernel_before_isend_and_kernel_after_wait_see_the_right_bytes(transport
 def test_host_time_of_wait_for_a_large_cuda_receive(transport, stream_wait):
     res = run_ranks(C.wait_latency, 2, timeout=200, transport=transport, stream_wait=stream_wait)[1]
     late, now = res["late"], res["now"]
+    for label, r in (("sender 0.3 s late", late), ("256 MiB at once", now)):
+        print(  # shown with pytest -s: the figures behind the assertions
+            f"[{transport}, {'stream-wait' if stream_wait else 'blocking'}] {label}: wait() {r['wait_s'] * 1e6:.0f} us "
+            f"on the host, bytes consumed after {r['total_s'] * 1e3:.2f} ms"
+        )
     assert late["total_s"] > 0.25, res  # the sender sent 0.3 s after the receiver's wait()
     if stream_wait:
         assert late["streamed"] and now["streamed"], res

@@ -489,3 +489,58 @@ def test_an_asynchronous_error_makes_every_later_call_on_the_group_raise():
             assert isinstance(info.value, DistBackendError)
     finally:
         pg.shutdown()
+
+
+# -- CudaOps' decisions, with a stand-in for the driver bindings ------------------------------------------------
+
+
+class FakeMem:
+    def __init__(self, why=None, wait_err=0):
+        self.why, self.wait_err = why, wait_err
+        self.probes, self.waits, self.pages = 0, [], []
+
+    def unusable(self, device):
+        self.probes += 1
+        return self.why
+
+    def alloc_words(self, n, device):
+        buf = ctypes.create_string_buffer(n)
+        self.pages.append(buf)
+        return ctypes.addressof(buf), ctypes.addressof(buf)
+
+    def wait_geq(self, device, stream, addr, value):
+        self.waits.append((device, stream, addr, value))
+        return self.wait_err
+
+    def error_text(self, code):
+        return f"error {code}"
+
+
+def test_cuda_ops_use_stream_waits_only_where_the_driver_can_and_say_so_once(monkeypatch, caplog):
+    import tensorwire.distributed.streams as S
+
+    monkeypatch.setattr(S, "current_raw_stream", lambda index: 0xABC)
+    monkeypatch.setattr(S, "_WARNED", set())
+    monkeypatch.setattr(S, "_POOL", None)  # the process-wide pool, made here from the stand-in's pages
+    dev = torch.device("cpu")  # stands for cuda:0 (index 0)
+    t = torch.zeros(1)
+
+    ops = S.CudaOps(stream_wait=True, mem=FakeMem())
+    assert ops.usable(dev) and ops.usable(dev)
+    flag = ops.new_flag(dev)
+    assert flag is not None and ops.order_after(flag, 5, t)
+    assert ops._mem.waits == [(0, 0xABC, flag.device_addr, 5)] and ops._mem.probes == 1
+
+    with caplog.at_level("WARNING", logger="tensorwire.distributed.streams"):
+        for _ in range(2):  # two groups: one log line
+            refused = S.CudaOps(stream_wait=True, mem=FakeMem(why="v1 disabled"))
+            assert not refused.usable(dev)
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "v1 disabled" in caplog.records[0].getMessage()
+
+    assert not S.CudaOps(stream_wait=False, mem=FakeMem()).usable(dev)  # TENSORWIRE_CUDA_STREAM_WAIT=0
+
+    failing = S.CudaOps(stream_wait=True, mem=FakeMem(wait_err=801))
+    assert failing.usable(dev)
+    assert not failing.order_after(failing.new_flag(dev), 1, t)  # refused: the caller blocks instead
+    assert not failing.usable(dev)  # and from now on
