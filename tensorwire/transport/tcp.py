@@ -294,6 +294,10 @@ class TcpTransport(Transport):
             self.bytes_sent += len(payload)
         finally:
             self._send_lock.release()
+        if self._pending_credits:
+            # Receives posted while this frame was on the wire: their flush found the connection busy
+            # and left the credits to us. Nobody else may try again before blocking on the peer.
+            self._flush_credits()
 
     def close(self) -> None:
         with self._cond:
@@ -457,8 +461,9 @@ class TcpTransport(Transport):
             rem = _remaining(deadline)
             if rem is not None and rem <= 0:
                 return
-            if not block:
-                # About to block: first hand back every credit this process holds.
+            if not block or _PENDING:
+                # About to block (again): first hand back every credit this process holds. Again after
+                # every read slice: a flush can find a connection busy writing and leave its credits.
                 flush_pending_credits()
                 with self._cond:
                     if pred() or self._error is not None:
