@@ -178,6 +178,15 @@ class Settings:
         "abort when a peer dies mid-transfer. The listener tells the dialler its mode.",
         "peer",
     )
+    # -- torch.distributed backend ------------------------------------------------------------------------
+    cuda_stream_wait: bool = _var(
+        _switch,
+        "`wait()` of a CUDA `isend`/`irecv` of backend `tensorwire` makes the current stream wait for the bytes "
+        "without blocking the host (a stream memory operation on a host flag), as NCCL does. `0`: `wait()` blocks "
+        "the host until the bytes are in place (also what happens where the driver cannot).",
+        True,
+        shown="1",
+    )
     # -- serve client --------------------------------------------------------------------------------------
     shm_leases: bool = _var(
         _switch, "Shared-memory read leases of the serve client (`0` turns them off).", True, shown="1"
