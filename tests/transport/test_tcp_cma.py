@@ -35,6 +35,16 @@ pytestmark = [
 _ZERO_DIMS = (0,) * 8
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The large tensors here are made and compared with one torch thread: a process whose torch thread
+    pool has started cannot fork safely, and later tests of this process fork their peers."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def listener():
     lst = TcpListener("127.0.0.1", port=0, secret=W.SECRET)
