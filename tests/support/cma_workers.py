@@ -105,3 +105,16 @@ def send_then_die(port: int, nonce: bytes, size: int, result: Any) -> None:
         result.put(("error", "still alive after the copy"))
     except BaseException as exc:  # noqa: BLE001
         result.put(("error", repr(exc)))
+
+
+def echo_as(uid: int, port: int, nonce: bytes, sizes: list[int], result: Any) -> None:
+    """:func:`echo` after dropping to another user: that user may not ptrace the test's process (root)."""
+    import encodings.idna  # noqa: F401 - imported later by socket, when this user can no longer read it
+
+    try:
+        os.setgid(uid)
+        os.setuid(uid)
+    except OSError as exc:
+        result.put(("error", f"cannot become uid {uid}: {exc}"))
+        return
+    echo(port, nonce, sizes, result)

@@ -201,6 +201,42 @@ def test_a_failed_probe_leaves_the_byte_stream_with_one_log_line(listener, monke
         b.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the peer as another user")
+def test_a_peer_of_another_user_streams_its_way_and_is_written_into(listener, monkeypatch):
+    """A real refusal: a process of another user may not ptrace this one (root), so its probe fails and
+    its messages take the byte stream; root may write into it, so the other direction copies once."""
+    monkeypatch.setenv("TENSORWIRE_CMA_MIN_BYTES", "64K")
+    sizes = [1 << 20, (4 << 20) + 1]
+    ctx = _spawn()
+    result = ctx.Queue()
+    nonce = new_nonce()
+    listener.expect(nonce)
+    proc = ctx.Process(target=W.echo_as, args=(65534, listener.address[1], nonce, sizes, result), daemon=True)
+    proc.start()
+    try:
+        t = listener.accept(nonce, timeout=20)
+        W.settle(t, first=True)
+        assert t.cma is not None and t.cma.state == "on"
+        assert t.cma.sending and not t.cma.receiving  # root writes into it; it may not write into root
+        for i, n in enumerate(sizes):
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+            back = torch.zeros(n, dtype=torch.uint8)
+            t.post_recv(2, back)
+            t.send(1, src, timeout=30)
+            t.wait_recv(2, timeout=30)
+            assert torch.equal(back, src), f"{n} bytes came back different"
+        status = result.get(timeout=30)
+        assert status[0] == "ok", status
+        assert t.cma.messages_written == len(sizes) and t.cma.messages_landed == 0
+        assert status[2] == 0 and status[3] == len(sizes), status  # the peer streamed, and received copies
+        t.send(4, torch.ones(1, dtype=torch.uint8), timeout=10)
+        t.close()
+    finally:
+        _stop(proc)
+    assert proc.exitcode == 0
+
+
 def test_cma_off_never_probes_and_streams(listener, monkeypatch):
     monkeypatch.setenv("TENSORWIRE_CMA", "off")
     a, b = _pair(listener)
