@@ -402,7 +402,8 @@ def test_regions_are_0600_unlinked_after_delete_and_at_shutdown_and_scratch_is_c
             )
             assert os.path.exists(scratch.path)  # the session's, until it closes
         _wait_for(lambda: not os.path.exists(scratch.path), what="the scratch region to go with its session")
-        assert s.service.store.reserved == 0
+        # The session's thread unlinks its regions, then returns their charge: wait for both.
+        _wait_for(lambda: s.service.store.reserved == 0, what="every reservation to be returned")
         c2 = Client(s.address, transport="shm")
         c2.put("kept", torch.ones(1000))
         assert len(_files(prefix)) >= 2

@@ -20,7 +20,7 @@ import torch
 from tensorwire.transport.base import new_nonce
 from tensorwire.transport.tcp import TcpListener
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 BIG = 32 << 20  # far more than the socket buffers: the send holds the connection until the peer reads
 
@@ -35,9 +35,9 @@ def _peer_process(port: int, nonce: bytes, go, result) -> None:
         y.send(0, torch.zeros(4, dtype=torch.uint8), timeout=10)  # ... which rides to x here
         if not go.wait(20):
             raise TimeoutError("no go")
-        y.send(2, torch.full((8,), 2, dtype=torch.uint8), timeout=8)  # needs x's credit for tag 2
-        y.send(3, torch.full((8,), 3, dtype=torch.uint8), timeout=8)
-        y.wait_recv(1, timeout=8)
+        y.send(2, torch.full((8,), 2, dtype=torch.uint8), timeout=25)  # needs x's credit for tag 2
+        y.send(3, torch.full((8,), 3, dtype=torch.uint8), timeout=25)
+        y.wait_recv(1, timeout=25)
         ok = bool((big_dst == 7).all())
         y.close()
         result.put("ok" if ok else "wrong bytes")
@@ -74,20 +74,20 @@ def test_a_credit_posted_during_a_send_reaches_the_peer():
 
         # x's sender thread: a send that holds x's connection until the peer starts reading.
         big_src = torch.full((BIG,), 7, dtype=torch.uint8)
-        sender = run(lambda: x.send(1, big_src, timeout=20))
+        sender = run(lambda: x.send(1, big_src, timeout=30))
         time.sleep(0.3)
         # x's main thread posts two receives while that send is on the wire, then waits for the second.
         small2 = torch.zeros(8, dtype=torch.uint8)
         small3 = torch.zeros(8, dtype=torch.uint8)
         x.post_recv(2, small2)
         x.post_recv(3, small3)
-        waiter = run(lambda: x.wait_recv(3, timeout=20))
+        waiter = run(lambda: x.wait_recv(3, timeout=30))
         time.sleep(0.3)
         go.set()
         for th in (sender, waiter):
             th.join(30)
             assert not th.is_alive()
-        assert result.get(timeout=30) == "ok"
+        assert result.get(timeout=45) == "ok"
         assert not errors, errors
         x.wait_recv(2, timeout=1)
         assert torch.equal(small2, torch.full((8,), 2, dtype=torch.uint8))
