@@ -100,6 +100,13 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _count(raw: str) -> int:
+    value = int(raw.strip())
+    if value < 0:
+        raise ValueError("must be a whole number >= 0")
+    return value
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -166,6 +173,26 @@ class Settings:
         "`TENSORWIRE_LINK_TOKEN` (give one of the two).",
         None,
         shown="unset: from the rendezvous store",
+    )
+    # -- TCP transport: same-host single copy -------------------------------------------------------------
+    cma: Literal["auto", "off"] = _var(
+        _choice("auto", "off"),
+        "Cross-memory attach on TCP links between processes of one host: the sender copies a large message "
+        "straight into the receiver's buffer (`process_vm_writev`, one copy instead of the socket's two). `auto`: "
+        "wherever a probe at connection set-up shows it works (links that proved the link secret only; never the "
+        "serve daemon's connections); `off`: every byte over the socket.",
+        "auto",
+    )
+    cma_min_bytes: int = _var(
+        parse_size,
+        "Messages of at least this many bytes (K/M/G suffixes) take cross-memory attach; smaller ones the socket.",
+        64 << 10,
+        shown="64K",
+    )
+    cma_threads: int = _var(
+        _count,
+        "Threads that copy one cross-memory message in pieces of at least 1 MiB; 0: a quarter of the cores, 1 to 4.",
+        0,
     )
     # -- UCX ---------------------------------------------------------------------------------------------
     ucx_spin_us: float = _var(_microseconds, "Microseconds a wait polls UCX before it sleeps.", 100.0)
