@@ -208,11 +208,12 @@ class Settings:
     # -- torch.distributed backend ------------------------------------------------------------------------
     cuda_stream_wait: bool = _var(
         _switch,
-        "`wait()` of a CUDA `isend`/`irecv` of backend `tensorwire` makes the current stream wait for the bytes "
-        "without blocking the host (a stream memory operation on a host flag), as NCCL does. `0`: `wait()` blocks "
-        "the host until the bytes are in place (also what happens where the driver cannot).",
-        True,
-        shown="1",
+        "`1` (experimental): `wait()` of a CUDA `isend`/`irecv` of backend `tensorwire` makes the current stream "
+        "wait for the bytes without blocking the host (a stream memory operation on a host flag), as NCCL does; "
+        "on an H100 some receives (TCP, and strided ones over UCX) never completed in this mode, so it is off by "
+        "default. `0` (the default): `wait()` blocks the host until the bytes are in place.",
+        False,
+        shown="0",
     )
     # -- serve client --------------------------------------------------------------------------------------
     shm_leases: bool = _var(

@@ -173,7 +173,7 @@ class CudaOps:
     """Every CUDA call of the point-to-point path for CUDA tensors (one per group).
 
     Args:
-        stream_wait: make streams wait on flags (``TENSORWIRE_CUDA_STREAM_WAIT``, default on); False: ``wait()``
+        stream_wait: make streams wait on flags (``TENSORWIRE_CUDA_STREAM_WAIT``, default off: experimental); False: ``wait()``
             blocks the host.
         mem: the driver's stream memory operations (default: :func:`tensorwire.cuda.stream_mem_ops`).
     """
