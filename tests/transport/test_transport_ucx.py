@@ -81,9 +81,9 @@ def test_import_leaves_environment_alone() -> None:
     import sys
 
     code = (
-        "import os; before = dict(os.environ); import tensorwire.transport.ucx as u; "
+        "import os; before = dict(os.environ); import tensorwire.transport.ucx; "
         "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
-        "assert not u._ENGINES; print('ok')"
+        "from tensorwire.transport.ucx.engine import ENGINES; assert not ENGINES; print('ok')"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     out = subprocess.run(
@@ -563,17 +563,17 @@ def test_lost_liveness_connection_means_peer_lost_even_with_the_ucx_endpoint_up(
 
 def test_error_handling_mode_is_validated(monkeypatch) -> None:
     from tensorwire.errors import ConfigError
-    from tensorwire.transport import ucx as U
+    from tensorwire.transport.ucx.engine import error_handling
 
     monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "sometimes")
     with pytest.raises(ConfigError, match="TENSORWIRE_UCX_ERROR_HANDLING"):
-        U._error_handling()
+        error_handling()
     monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "peer")
-    assert U._error_handling() is True
+    assert error_handling() is True
     monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "none")
-    assert U._error_handling() is False
+    assert error_handling() is False
     monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
-    assert U._error_handling() is True  # default: a peer's death is an error, never an abort
+    assert error_handling() is True  # default: a peer's death is an error, never an abort
 
 
 def test_buffer_descriptors_are_reused_and_keep_no_tensor_alive() -> None:
@@ -582,19 +582,19 @@ def test_buffer_descriptors_are_reused_and_keep_no_tensor_alive() -> None:
 
     import torch
 
-    from tensorwire.transport import ucx as U
+    from tensorwire.transport.ucx.engine import as_array
 
     t = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
-    keep, arr, n = U._as_array(t, writable=True)
+    keep, arr, n = as_array(t, writable=True)
     assert n == t.numel() and arr.ptr == t.data_ptr() and arr.nbytes == n and not arr.readonly
-    keep2, arr2, _ = U._as_array(t, writable=False)
+    keep2, arr2, _ = as_array(t, writable=False)
     assert arr2 is arr and keep2 is t  # same address and size: the same descriptor
     ref = weakref.ref(t.untyped_storage())
     del t, keep, keep2
     gc.collect()
     assert ref() is None  # the cached descriptor does not hold the memory
     empty = torch.empty(0, dtype=torch.uint8)
-    assert U._as_array(empty, writable=True)[2] == 0
+    assert as_array(empty, writable=True)[2] == 0
 
 
 @pytest.mark.timeout(30)
