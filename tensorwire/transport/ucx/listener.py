@@ -45,7 +45,7 @@ from tensorwire.transport.base import remaining as _remaining
 from tensorwire.transport.ucx._ucxx import close_ep, ucx
 from tensorwire.transport.ucx.connection import watch
 from tensorwire.transport.ucx.endpoint import UcxTransport
-from tensorwire.transport.ucx.engine import engine, error_handling
+from tensorwire.transport.ucx.engine import Engine, engine, error_handling
 from tensorwire.transport.ucx.wire import (
     HELLO,
     HELLO_MAGIC,
@@ -116,17 +116,18 @@ class AddressCheck:
     :meth:`check` is True when the sandbox made an endpoint from the address;
     False when it refused it, died (UCX aborted on it) or did not answer in time.
     A dead sandbox is replaced at the next check. Thread-safe (one check at a time).
+    The sandbox gets the transport list of ``eng``, the engine the checked peers will use.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, eng: Engine) -> None:
+        self._eng = eng
         self._lock = threading.Lock()
         self._proc: Any = None
         self._answers = -1  # read end of the pipe the sandbox answers on
         self.started = 0  # sandboxes started (tests watch it)
 
     def _spawn(self) -> Any:
-        eng = engine()
-        tls = eng.ctx.config.get("TLS", "") if hasattr(eng.ctx, "config") else ""
+        tls = self._eng.ctx.config.get("TLS", "")
         r, w = os.pipe()
         try:
             proc = subprocess.Popen(
@@ -235,7 +236,7 @@ class UcxListener(Listener):
         self._untrusted = untrusted
         self._peer_errors = untrusted or error_handling()
         self._secret = bytes(secret) if secret else None
-        self._check = AddressCheck() if untrusted else None
+        self._check = AddressCheck(eng) if untrusted else None
         self._host = host
         self._peer_timeout = peer_timeout
         self._expected: set[bytes] = set()
