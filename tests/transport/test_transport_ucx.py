@@ -550,7 +550,7 @@ def test_lost_liveness_connection_means_peer_lost_even_with_the_ucx_endpoint_up(
         assert time.monotonic() - t0 < 10
         with pytest.raises(PeerLostError):
             b.send(3, torch.ones(16, dtype=torch.uint8), step=2, timeout=5)
-        posted = [p for q in b._posted.values() for p in q]
+        posted = [p for st in b._st.values() for p in st.posted]
         b.abort()
         # torn down without the peer: no receive is left posted into our buffers
         assert posted and all(p.req is None or p.req.completed for p in posted)

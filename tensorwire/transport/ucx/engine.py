@@ -101,11 +101,17 @@ DESCRIPTORS: dict[tuple[int, int, bool], Any] = {}
 _MAX_DESCRIPTORS = 4096
 
 
+_TENSOR: Any = None  # torch.Tensor, once torch has been imported (this module never imports it)
+
+
 def as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
     """(keep-alive object, ucxx Array, nbytes) for a buffer: a contiguous tensor (its bytes, any dtype) or
     anything with the buffer protocol. Zero-copy."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(buf, torch.Tensor):
+    global _TENSOR
+    tensor = _TENSOR
+    if tensor is None and "torch" in sys.modules:
+        tensor = _TENSOR = sys.modules["torch"].Tensor
+    if tensor is not None and isinstance(buf, tensor):
         if not buf.is_contiguous():
             raise ConfigError("UCX buffers must be contiguous tensors")
         n = buf.nbytes
@@ -159,6 +165,8 @@ class Engine:
     TICK = 0.05
     FD_CHECK = 0.001  # while spinning, how often sockets are polled
     HOUSEKEEPING = 7  # idle progress() calls run ucxx's full progress once in HOUSEKEEPING + 1
+    BUSY_HOUSEKEEPING = 63  # ... and progress() calls that did something, once in BUSY_HOUSEKEEPING + 1
+    CLOCK_EVERY = 3  # a spinning waiter reads the clock (and calls pred() unprompted) once in CLOCK_EVERY + 1 polls
 
     def __init__(self, peer_timeout: float = 30.0, *, untrusted: bool = False) -> None:
         config = context_defaults()
@@ -255,28 +263,34 @@ class Engine:
     def progress(self) -> bool:
         """Under the lock: progress the worker; True if anything happened."""
         w = self.worker
-        did = False
+        if not w.progress_once():
+            idle = self._idle = self._idle + 1
+            if not idle & self.HOUSEKEEPING:
+                w.progress()  # also runs ucxx's housekeeping (cancellations after endpoint errors): 0.6 us
+                if self._ctrl_owed:
+                    self._scan_ctrl()
+            return False
         while w.progress_once():
-            did = True
-        if did or not self._idle & self.HOUSEKEEPING:
-            w.progress()  # also runs ucxx's housekeeping (cancellations after endpoint errors): 0.6 us idle
-        if not did:
-            self._idle += 1
+            pass
+        events = self.events = self.events + 1
+        if not events & self.BUSY_HOUSEKEEPING:
+            w.progress()  # (a stream that keeps the worker busy still gets it now and then)
+            self._scan_ctrl()
         else:
-            self._ctrl_owed = True
-            self.events += 1
-        if self._ctrl_owed:
-            # Answer a peer's goodbye whoever progresses (the ticker too); at most once a
-            # millisecond -- a stream of messages progresses every few microseconds.
-            now = time.monotonic()
-            if now >= self._ctrl_scan_at:
-                self._ctrl_owed = False
-                self._ctrl_scan_at = now + self.FD_CHECK
-                for t in list(self.ctrl_watch):
-                    req = t._ctrl_req
-                    if req is not None and req.completed:
-                        t._poll_ctrl()
-        return did
+            self._ctrl_owed = True  # looked at by the next idle progress() (or the 64th busy one)
+        return True
+
+    def _scan_ctrl(self) -> None:
+        # Answer a peer's goodbye whoever progresses (the ticker too); at most once a
+        # millisecond -- a stream of messages progresses every few microseconds.
+        now = time.monotonic()
+        if now >= self._ctrl_scan_at:
+            self._ctrl_owed = False
+            self._ctrl_scan_at = now + self.FD_CHECK
+            for t in list(self.ctrl_watch):
+                req = t._ctrl_req
+                if req is not None and req.completed:
+                    t._poll_ctrl()
 
     def service(self) -> None:
         for lst in list(self.servicing):
@@ -322,18 +336,42 @@ class Engine:
         try:
             if pred():  # already there: no need to progress
                 return True
-            spin_end = time.monotonic() + spin
+            spin_end = -1.0  # set at the first reading of the clock
             fd_check = 0.0
+            polls = 0
+            look = False  # whether something happened that pred() must see
+            progress = self.progress
             while True:
-                if self.progress():
+                if progress():
                     self.notify()  # what we progressed may be what other threads wait for
+                    look = True
                 if self.servicing:
                     self.service()
-                if pred():
-                    return True
+                    look = True
+                polls += 1
+                quick = polls & self.CLOCK_EVERY
+                if look or not quick:
+                    # pred() after something happened -- progress, a socket, another thread holding the
+                    # lock meanwhile -- and on the polls that read the clock (its time-based conditions)
+                    if pred():
+                        return True
+                    look = False
+                if quick:
+                    # Spin, but give the core away between two polls: on a busy machine the peer (or
+                    # our own sender thread) may need it to answer us. Most polls skip the clock.
+                    if self.wanted:
+                        lock.release()
+                        os.sched_yield()
+                        lock.acquire()
+                        look = True
+                    else:
+                        os.sched_yield()
+                    continue
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
+                if spin_end < 0:
+                    spin_end = now + spin
                 if now < spin_end:
                     if self.fd_handlers and now >= fd_check and not self.sleeping:  # (a sleeper polls them)
                         # Sockets (handshakes, liveness) are otherwise looked at only when a thread
@@ -342,17 +380,18 @@ class Engine:
                         ready = self.poller.poll(0)
                         if ready:
                             self.dispatch(ready)
+                            look = True
                             continue
-                    # Spin, but give the core away between two polls: on a busy machine
-                    # the peer (or our own sender thread) may need it to answer us.
                     if self.wanted:
                         lock.release()
                         os.sched_yield()
                         lock.acquire()
+                        look = True
                     else:
                         os.sched_yield()
                     continue
                 step = self.SLICE if deadline is None else min(self.SLICE, deadline - now)
+                look = True
                 if self.sleeping:
                     self.cond_waiters += 1
                     try:
