@@ -612,3 +612,37 @@ def test_a_receive_posted_before_close_is_not_returned_after_it(listener: UcxLis
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_warm_tag_builds_no_header_or_credit_buffer_per_message(listener: UcxListener) -> None:
+    """Steady state on a header tag: the receiver's header buffers come back after each message, its
+    credit message for a buffer size is built once, and the sender's header buffer is reused once its
+    send completed -- while every message still arrives whole, with its shape."""
+    import torch
+
+    a, b = _pair(listener)
+    try:
+        slots = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+        for s in slots:
+            b.post_recv(5, s, header=True)
+        header_buffers: set[int] = set()
+        held = None
+        for k in range(60):
+            n = 8 + k % 5
+            a.send(5, torch.full((n,), k, dtype=torch.uint8), shape=(n,), timeout=10)
+            got = (
+                b.wait_recv(5, timeout=10)
+                if held is None
+                else b.repost_and_wait(5, slots[held], header=True, timeout=10)
+            )
+            held = k % 2
+            assert got.nbytes == n and got.shape == (n,), (k, got)
+            assert bool((slots[held][:n] == k).all()), f"message {k}: wrong bytes"
+            header_buffers.update(id(p.hbuf) for p in b._st[5].posted)
+        assert len(header_buffers) <= 3, len(header_buffers)  # two posted, one back in the free list
+        assert len(b._st[5].grants) == 1  # one buffer size: one credit message, built once
+        assert len(a._st[5].hsend) == 1  # send() returns once the header is out: its buffer is free again
+    finally:
+        a.close()
+        b.close()

@@ -18,7 +18,7 @@ from typing import Any
 
 from tensorwire.errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from tensorwire.transport.base import HEADER_DIMS, Received
-from tensorwire.transport.ucx._ucxx import Array, Tag, cancelled, u8, ucx
+from tensorwire.transport.ucx._ucxx import Tag, cancelled, ucx
 from tensorwire.transport.ucx.connection import BYE_GRACE_S, EpState, UcxConnection
 from tensorwire.transport.ucx.engine import CUDA_SPIN, Engine, as_array, is_cuda
 from tensorwire.transport.ucx.tagstate import Post, TagState
@@ -28,6 +28,7 @@ __all__ = ["UcxTransport"]
 
 #: byte count -> Received(byte count) of a header-less tag (immutable, shared)
 _RECEIVED: dict[int, Received] = {}
+_NO_DIMS = (0,) * HEADER_DIMS
 
 
 class _SendOp:
@@ -457,14 +458,14 @@ class UcxTransport(UcxConnection):
         s = st.step = st.step + 1
         try:
             if flags & F_HEADER:
-                hbuf = u8(HDR.size)
+                h = st.header_to_send()
                 if shape is None:
-                    HDR.pack_into(hbuf, 0, s if step is None else step, n, NO_SHAPE, *((0,) * HEADER_DIMS))
+                    HDR.pack_into(h[0], 0, s if step is None else step, n, NO_SHAPE, *_NO_DIMS)
                 else:
                     dims = tuple(int(d) for d in shape) + (0,) * (HEADER_DIMS - len(shape))
-                    HDR.pack_into(hbuf, 0, s if step is None else step, n, len(shape), *dims)
-                harr = Array(hbuf)
-                reqs.append((self._ep.tag_send(harr, tag=st.hdr_tx), (hbuf, harr)))
+                    HDR.pack_into(h[0], 0, s if step is None else step, n, len(shape), *dims)
+                hreq = h[2] = self._ep.tag_send(h[1], tag=st.hdr_tx)
+                reqs.append((hreq, h))
             reqs.append((self._ep.tag_send(arr, tag=st.data_tx), (keep, arr)))
         except ucx.UCXError as exc:
             raise self._fail_from(exc, f"send on tag {st.tag}") from exc

@@ -22,6 +22,8 @@ __all__ = ["Post", "TagState"]
 
 #: Credit messages a tag keeps built, one per (capacity, flags); more are rare (a serve client's parts).
 MAX_GRANTS = 16
+#: Header buffers a tag keeps for the headers it sends (one is enough while each goes out at once).
+MAX_HEADERS_IN_FLIGHT = 4
 
 
 class Post:
@@ -57,6 +59,7 @@ class TagState:
         "cred_arr",
         "grants",
         "hfree",
+        "hsend",
         "step",
     )
 
@@ -76,6 +79,7 @@ class TagState:
         self.cred_arr = Array(self.cred_buf)
         self.grants: dict[tuple[int, int], tuple[Any, Any]] = {}  # (capacity, flags) -> credit message
         self.hfree: list[tuple[Any, Any]] = []  # header receive buffers free for the next post
+        self.hsend: list[list[Any]] = []  # [buffer, ucxx Array, its last send] of the headers this side sends
         self.step = 0  # messages sent on this tag
 
     def grant_message(self, cap: int, flags: int) -> tuple[Any, Any]:
@@ -95,6 +99,19 @@ class TagState:
             return self.hfree.pop()
         hbuf = u8(HDR.size)
         return hbuf, Array(hbuf)
+
+    def header_to_send(self) -> list[Any]:
+        """[buffer, ucxx Array, last send] for the next header: one whose last send completed (a header is
+        eager: usually the first), a new one the first times, or an unkept one if all are still busy."""
+        for h in self.hsend:
+            r = h[2]
+            if r is None or r.completed:
+                return h
+        hbuf = u8(HDR.size)
+        h = [hbuf, Array(hbuf), None]
+        if len(self.hsend) < MAX_HEADERS_IN_FLIGHT:
+            self.hsend.append(h)
+        return h
 
     def posted_requests(self, rid: int) -> list[tuple[int, Any]]:
         """(full tag, request) of this tag's receives still posted (``rid``: this side's id, shifted)."""
