@@ -23,6 +23,7 @@ __all__ = ["summarize", "render_text", "render_markdown", "write_json", "write_c
 
 SHORT = {
     "tensorwire-tcp": "tw-tcp",
+    "tensorwire-tcp-stream": "tw-tcp-stream",
     "tensorwire-ucx": "tw-ucx",
     "tensorwire-ucx-isend": "tw-ucx-isend",
     "grpc-unary": "grpc-unary",
