@@ -1,4 +1,4 @@
-"""Read leases of the shared-memory path (tensorwire/serve/shm.py ``Leases``): a client on the daemon's host reads
+"""Read leases of the shared-memory path (tensorwire/serve/daemon/shm.py ``Leases``): a client on the daemon's host reads
 the version it was handed again without asking, and never gets bytes a writer has touched since."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from tensorwire.serve.client.client import LEASES_ENV, Client
 from tensorwire.serve.client.shm_path import leases_wanted as _leases_wanted
 from tensorwire.errors import NotFoundError, TensorWireError
-from tensorwire.serve.protocol import shm
+from tensorwire.serve.daemon import shm as daemon_shm
 
 from serve_common import Daemon, in_process, shm_room
 from test_serve_shm import _metric, _metrics, _session
@@ -41,9 +41,9 @@ def _requests(srv, c: Client, op: str) -> float:
 
 @pytest.mark.timeout(60)
 def test_lease_generations_only_grow_also_across_a_freed_cell(tmp_path):
-    reg = shm.Registry(str(tmp_path))
+    reg = daemon_shm.Registry(str(tmp_path))
     try:
-        leases = shm.Leases(reg, cells=3)
+        leases = daemon_shm.Leases(reg, cells=3)
         a = leases.alloc()
         b = leases.alloc()
         assert {a, b} == {1, 2} and leases.alloc() == 0  # cell 0 is never handed out; none left

@@ -16,6 +16,8 @@ from tensorwire.serve.client import window
 from tensorwire.serve.client.client import LEASES_ENV, Client
 from tensorwire.serve.client.sharded_client import ShardedClient
 from tensorwire.serve.client.window import RowWindow, ShardView
+from tensorwire.serve.client import shm_maps
+from tensorwire.serve.daemon import shm as daemon_shm
 from tensorwire.serve.protocol import shm
 from tensorwire.serve.protocol.layout import row_ranges
 from tensorwire.spec import TensorSpec
@@ -52,7 +54,7 @@ def _mapped(regions: list[str]) -> set[str]:
 def test_a_window_puts_rows_of_every_shard_on_one_grid_and_one_take_gathers_them(row_bytes):
     import numpy as np
 
-    reg = shm.Registry()
+    reg = daemon_shm.Registry()
     try:
         rows = 2_001
         ranges = row_ranges(rows, 3)
@@ -366,7 +368,7 @@ def _wait_stopped(pid: int) -> None:
 def test_a_lease_gather_through_torchs_thread_pool_reads_the_same_rows_without_a_warning(
     daemons, monkeypatch, no_per_daemon_get_rows
 ):
-    # what a many-core host does with a lease read (shm.Copier.TORCH_GATHER): torch's index_select over the window
+    # what a many-core host does with a lease read (shm_maps.Copier.TORCH_GATHER): torch's index_select over the window
     rows = 20_000
     table = torch.randn(rows, 16)
     idx = torch.randint(0, rows, (3_000,))
@@ -374,7 +376,7 @@ def test_a_lease_gather_through_torchs_thread_pool_reads_the_same_rows_without_a
         c.put("tg", table, shard="rows")
         assert torch.equal(c.get_rows("tg", idx), table[idx])  # pinned: maps the window, takes the leases
         copier = c._rows._copier
-        monkeypatch.setattr(copier, "_cpus", max(copier._cpus, shm.Copier.TORCH_GATHER_MIN_CPUS))
+        monkeypatch.setattr(copier, "_cpus", max(copier._cpus, shm_maps.Copier.TORCH_GATHER_MIN_CPUS))
         monkeypatch.setattr(copier, "_split", lambda nbytes, least: 1)
         taken = []
         real = torch.index_select

@@ -1,5 +1,6 @@
-"""The same-host shared-memory data path of ``tensorwire serve`` (tensorwire/serve/shm.py): negotiation and its
-fallbacks, bytes that never cross the socket, pins and commits, region lifetimes, and the checks on both sides."""
+"""The same-host shared-memory data path of ``tensorwire serve`` (tensorwire/serve/protocol/shm.py, with the
+daemon's half in daemon/shm.py and the client's in client/shm_maps.py): negotiation and its fallbacks, bytes that
+never cross the socket, pins and commits, region lifetimes, and the checks on both sides."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch
 import tensorwire as tw
 from tensorwire.serve.client.client import Client
 from tensorwire.serve.client.context import Progress
+from tensorwire.serve.client import shm_maps
+from tensorwire.serve.daemon import shm as daemon_shm
 from tensorwire.serve.protocol import shm, wire
 from tensorwire.serve.protocol.common import TAG_REQUEST
 
@@ -306,7 +309,7 @@ def test_shm_transport_needs_data_requests(srv):
 @pytest.mark.timeout(60)
 def test_hello_region_out_of_reach_falls_back_silently(srv, monkeypatch, tmp_path, caplog):
     caplog.set_level("DEBUG", logger="tensorwire.serve.client")
-    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))  # this client's /dev/shm is not the daemon's
+    monkeypatch.setattr(shm_maps, "SHM_DIR", str(tmp_path))  # this client's /dev/shm is not the daemon's
     with Client(srv.address) as c:
         assert not c.shm and c.data_path == c.transport_kind and c.data_path in ("ucx", "tcp")
         assert not _session(srv, c).shm  # never proven
@@ -323,7 +326,7 @@ def test_hello_region_out_of_reach_falls_back_silently(srv, monkeypatch, tmp_pat
 
 @pytest.mark.timeout(60)
 def test_wrong_proof_is_refused_by_the_daemon_and_falls_back(srv, monkeypatch):
-    monkeypatch.setattr(shm, "read_hello", lambda name: b"\x00" * shm.HELLO_NONCE_BYTES)
+    monkeypatch.setattr(shm_maps, "read_hello", lambda name: b"\x00" * shm.HELLO_NONCE_BYTES)
     before = _metric(_metrics(srv), 'tensorwire_errors_total{kind="AuthError"}')
     with Client(srv.address) as c:
         assert not c.shm and not _session(srv, c).shm and _session(srv, c).shm_hello is None
@@ -346,7 +349,7 @@ def test_region_unmappable_mid_operation_reruns_over_the_socket(srv, monkeypatch
         def refuse(name, need):
             raise shm.ShmError(13, "permission denied (test)")
 
-        monkeypatch.setattr(shm, "_open_map", refuse)
+        monkeypatch.setattr(shm_maps, "_open_map", refuse)
         assert torch.equal(c.get("mid"), x)  # once more, on a new session, over the connection
         assert not c.shm and c.data_path in ("ucx", "tcp")
         assert torch.equal(c.get_rows("mid", [3]), x[[3]])
@@ -442,14 +445,14 @@ def test_daemon_exit_leaves_nothing_and_a_sigkilled_daemons_files_are_cleaned_by
 
 @pytest.mark.timeout(60)
 def test_stale_cleanup_spares_live_daemons_and_other_files(tmp_path):
-    live = shm.Registry(str(tmp_path))
+    live = daemon_shm.Registry(str(tmp_path))
     try:
         r = live.create(100)
         dead = tmp_path / "tensorwire-999999999-0123abcd-0123456789abcdef01234567"  # no lock, no such pid
         dead.write_bytes(b"x")
         other = tmp_path / "someone-elses-file"
         other.write_bytes(b"y")
-        assert shm.clean_stale(str(tmp_path)) == 1
+        assert daemon_shm.clean_stale(str(tmp_path)) == 1
         assert os.path.exists(r.path) and os.path.exists(tmp_path / f"{live.prefix}.lock") and other.exists()
         assert not dead.exists()
     finally:
@@ -461,7 +464,7 @@ def test_stale_cleanup_spares_live_daemons_and_other_files(tmp_path):
 
 
 def test_client_maps_only_region_names():
-    maps = shm.ClientMaps()
+    maps = shm_maps.ClientMaps()
     for bad in (
         "../../etc/passwd",
         "/dev/shm/tensorwire-1-00000000-000000000000000000000000",
@@ -544,11 +547,13 @@ def test_wire_checks_of_the_shm_fields():
     ids=["split", "split-5-helpers-numpy-gather", "one-thread"],
 )
 def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_bytes, helpers, torch_gather):
-    monkeypatch.setattr(shm.Copier, "TORCH_GATHER", torch_gather)
-    monkeypatch.setattr(shm.Copier, "TORCH_GATHER_MIN_CPUS", 1)
-    monkeypatch.setattr(shm.Copier, "SPLIT_BYTES", parallel_bytes)
-    monkeypatch.setattr(shm.Copier, "TAKE_SPLIT_BYTES", parallel_bytes)
-    monkeypatch.setattr(shm.Copier, "_split", lambda self, n, least: helpers if n >= least else 0)  # whatever the load
+    monkeypatch.setattr(shm_maps.Copier, "TORCH_GATHER", torch_gather)
+    monkeypatch.setattr(shm_maps.Copier, "TORCH_GATHER_MIN_CPUS", 1)
+    monkeypatch.setattr(shm_maps.Copier, "SPLIT_BYTES", parallel_bytes)
+    monkeypatch.setattr(shm_maps.Copier, "TAKE_SPLIT_BYTES", parallel_bytes)
+    monkeypatch.setattr(
+        shm_maps.Copier, "_split", lambda self, n, least: helpers if n >= least else 0
+    )  # whatever the load
     g = torch.Generator().manual_seed(11)
     with Client(srv.address, transport="shm") as c:
         for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.uint8):

@@ -143,7 +143,7 @@ class Daemon:
 
     def close(self) -> None:
         # SIGTERM first: a daemon that exits normally unlinks its shared-memory regions (a SIGKILLed
-        # one leaves them for the next daemon to clean up, see tensorwire/serve/shm.py).
+        # one leaves them for the next daemon to clean up, see tensorwire/serve/daemon/shm.py).
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -25,7 +25,8 @@ from tensorwire.serve.client.sharding import RowSplit
 from tensorwire.serve.client.tables import Buffers, Table, check_out, same
 from tensorwire.serve.client.window import RowWindow
 from tensorwire.serve.client.window import supported as window_supported
-from tensorwire.serve.protocol.shm import SHM_DIR, Copier, ShmError
+from tensorwire.serve.client.shm_maps import Copier
+from tensorwire.serve.protocol.shm import SHM_DIR, ShmError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -10,7 +10,7 @@ daemon's slot, ``get_rows`` gathers the rows from it (no index is sent, no
 second copy), ``put`` copies into the staging slot the daemon reserved, and
 ``put_rows`` / ``add_rows`` into the session's scratch region (numpy copies:
 no OpenMP team; big ones split with one helper thread unless the machine is
-oversubscribed, see :class:`tensorwire.serve.protocol.shm.Copier`). Each
+oversubscribed, see :class:`tensorwire.serve.client.shm_maps.Copier`). Each
 operation still is a data-plane request (the daemon pins, reserves, commits,
 validates), so the guarantees are the request path's; a read's pin goes back
 with the next request, or with a RELEASE the client's :class:`Releaser` sends
@@ -20,7 +20,7 @@ Read leases (x86 only; ``TENSORWIRE_SHM_LEASES=0`` turns them off): until a
 writer or the daemon's exit changes the tensor's generation in the daemon's
 lease table, the next get / get_rows of it reads the same slot with no
 request at all, checking the generation before and after its copy
-(:class:`tensorwire.serve.protocol.shm.Leases`). Write-ahead grants
+(:class:`tensorwire.serve.daemon.shm.Leases`). Write-ahead grants
 (``TENSORWIRE_SHM_AHEAD=0`` turns them off): a put's COMMIT reply may reserve
 the staging slot for this session's next put of the same name and spec,
 which then writes there and sends only a COMMIT.
@@ -43,6 +43,7 @@ from tensorwire.serve.client.common import TensorStat
 from tensorwire.serve.client.context import Progress, typed
 from tensorwire.serve.client.request_path import RequestPath
 from tensorwire.serve.client.window import ShardView
+from tensorwire.serve.client import shm_maps
 from tensorwire.serve.protocol import shm, wire
 from tensorwire.settings import setting
 from tensorwire.spec import TensorSpec
@@ -80,8 +81,8 @@ class ShmMemory:
 
     def __init__(self, releaser: "Releaser", *, why: str) -> None:
         self.releaser = releaser
-        self.maps: Any = None  # shm.ClientMaps, made on first use
-        self.copier: Any = None  # shm.Copier, made on first use
+        self.maps: Any = None  # shm_maps.ClientMaps, made on first use
+        self.copier: Any = None  # shm_maps.Copier, made on first use
         self.regions_of: dict[str, set[str]] = {}  # tensor name -> region names mapped for it
         self.rows_views: dict[str, tuple[tuple[str, int, int], Any]] = {}  # name -> (key, uint8 [rows, row] array)
         self.broken = False
@@ -98,8 +99,8 @@ class ShmMemory:
 
     def ensure(self) -> None:
         if self.maps is None:
-            self.maps = shm.ClientMaps()
-            self.copier = shm.Copier()
+            self.maps = shm_maps.ClientMaps()
+            self.copier = shm_maps.Copier()
 
     def forget(self, name: str) -> None:
         """``name`` was deleted: unmap its regions (the daemon unlinked them: the memory goes back)."""
@@ -198,8 +199,8 @@ class ShmPath(RequestPath):
         self.pin_at = 0.0
         # read leases: name -> (cell, generation, region, offset, nbytes, spec)
         self.leases: dict[str, tuple[int, int, str, int, int, TensorSpec]] = {}
-        self.lease_tab: Any = None  # shm.LeaseTable of the daemon
-        self.page: Any = None  # shm.SessionPage: lease-read counts for the daemon, the write-ahead ticket
+        self.lease_tab: Any = None  # shm_maps.LeaseTable of the daemon
+        self.page: Any = None  # shm_maps.SessionPage: lease-read counts for the daemon, the write-ahead ticket
         # write-ahead grant (see tensorwire.serve.protocol.shm.PageLock): name, (dtype, shape), region, ticket
         self.ahead: tuple[str, tuple[int, tuple[int, ...]], str, int] | None = None
 
@@ -216,7 +217,7 @@ class ShmPath(RequestPath):
             TensorWireError: the connection failed (the caller drops the session).
         """
         try:
-            nonce = shm.read_hello(hello)
+            nonce = shm_maps.read_hello(hello)
         except shm.ShmError as exc:
             log.debug(
                 "shared memory: the daemon's region is not reachable from this process (%s); using the data connection",
@@ -239,13 +240,13 @@ class ShmPath(RequestPath):
         if not (leases or (mem.use_ahead and version >= shm.AHEAD_VERSION)):
             return path
         try:
-            path.page = shm.SessionPage(hello)
+            path.page = shm_maps.SessionPage(hello)
         except shm.ShmError as exc:
             log.debug("shared memory: no read leases or write-ahead grants (the session page: %s)", exc)
             return path
         if leases:
             try:
-                path.lease_tab = shm.LeaseTable(ok.message)
+                path.lease_tab = shm_maps.LeaseTable(ok.message)
             except shm.ShmError as exc:
                 log.debug("shared memory: no read leases (%s)", exc)
         return path
@@ -403,7 +404,7 @@ class ShmPath(RequestPath):
                 if len(mem.rows_views) >= 64:
                     mem.rows_views.clear()
                 cached = mem.rows_views[name] = (key, src.numpy().reshape(rows, row_bytes))
-            # rows as bytes: any dtype (numpy's take or torch's index_select: see shm.Copier)
+            # rows as bytes: any dtype (numpy's take or torch's index_select: see shm_maps.Copier)
             mem.copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=pool)
         mem.shm_bytes += n * row_bytes
         return self.ctx.result(dest, out)

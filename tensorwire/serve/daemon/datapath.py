@@ -46,7 +46,7 @@ cross the data connection.
 - both carry a read lease (sessions of shm version >= 2): the tensor's cell in
   the store's lease table and its generation for the pinned version, read
   with the pin under the tensor's lock; the client reads that version again
-  without a request while the generation holds (:class:`tensorwire.serve.protocol.shm.Leases`).
+  without a request while the generation holds (:class:`tensorwire.serve.daemon.shm.Leases`).
 - get_rows: the same pin and reply (the whole table); the client gathers the
   rows itself, from the mapping straight into its destination: one copy, no
   index sent, no scratch -- a gather by the daemon into a shared scratch

@@ -40,7 +40,8 @@ from tensorwire.transport.tcp import TcpListener
 from tensorwire.serve.daemon.metrics import Metrics
 from tensorwire.serve.daemon.snapshot import restore_snapshot
 from tensorwire.serve.daemon.store import Store
-from tensorwire.serve.protocol.shm import Registry, ShmError, unlink_all
+from tensorwire.serve.daemon.shm import Registry, unlink_all
+from tensorwire.serve.protocol.shm import ShmError
 from tensorwire.serve.daemon.limits import raise_nofile
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -47,15 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire.errors import ClosedError, PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from tensorwire.serve.protocol.common import MAX_ROWS_BYTES, TAG_REQUEST, TAG_WATCH
-from tensorwire.serve.protocol.shm import (
-    usable_cpus,
-    new_hello,
-    page_counts,
-    AHEAD_VERSION,
-    PageLock,
-    page_ahead,
-    round_page,
-)
+from tensorwire.serve.daemon.shm import new_hello, page_counts
+from tensorwire.serve.protocol.shm import AHEAD_VERSION, PageLock, page_ahead, round_page, usable_cpus
 from tensorwire.buffers import allocate_host
 from tensorwire.serve.daemon.store import AheadGrant, region_of
 from tensorwire.errors import ResourceExhaustedError

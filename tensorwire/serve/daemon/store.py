@@ -22,7 +22,7 @@ allocated on the first replacing put only, so tensors that are written once
 and then updated by rows hold N. The sessions' shared-memory scratch regions
 (row updates through shared memory) are charged against ``max_bytes`` too.
 
-Shared memory (a store made with a :class:`~tensorwire.serve.protocol.shm.Registry`):
+Shared memory (a store made with a :class:`~tensorwire.serve.daemon.shm.Registry`):
 every slot of a non-empty tensor is a region the daemon created under
 ``/dev/shm`` (:class:`StoreSlot`), so clients on this host can copy straight in
 and out of it. Where a region cannot be had (``/dev/shm`` full, too many
@@ -46,13 +46,14 @@ from tensorwire.serve.daemon.config import format_size
 from tensorwire.serve.daemon.snapshot import check_storable_name
 from tensorwire.serve.protocol.common import MAX_TENSORS
 from tensorwire.serve.protocol.layout import ShardLayout, check_layout
-from tensorwire.serve.protocol.shm import ShmError, Leases
+from tensorwire.serve.daemon.shm import Leases
+from tensorwire.serve.protocol.shm import ShmError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from tensorwire.serve.daemon.metrics import Metrics
-    from tensorwire.serve.protocol.shm import Leases, Region, Registry
+    from tensorwire.serve.daemon.shm import Region, Registry
 
 __all__ = ["Store", "Entry", "Info", "StoreSlot", "normalise_spec"]
 
@@ -208,7 +209,7 @@ class Entry:
         self.deleted = False
         self.cond = threading.Condition(threading.Lock())
         self._waiters = 0  # threads in _wait_for (under cond): a release with nobody waiting notifies nobody
-        #: Cell in the store's lease table (0: no read leases; see tensorwire.serve.protocol.shm.Leases).
+        #: Cell in the store's lease table (0: no read leases; see tensorwire.serve.daemon.shm.Leases).
         self.lease = store._lease_cell() if isinstance(self.slots[0], StoreSlot) else 0
 
     def info(self) -> Info:

@@ -93,7 +93,7 @@ then proved it maps the daemon's memory; see :mod:`tensorwire.serve.protocol.shm
 - Read leases (shm version >= 2, x86 clients): an SHM read reply with
   ``lease`` != 0 lets the client read that same region again without a
   request while cell ``lease`` of the lease table still holds generation
-  ``step`` before and after its copy (see :class:`tensorwire.serve.protocol.shm.Leases`);
+  ``step`` before and after its copy (see :class:`tensorwire.serve.daemon.shm.Leases`);
   otherwise it sends the request as usual.
 - ``flags`` bit 0 ``FLAG_SHM`` on GET, GET_ROWS, PUT, PUT_ROWS, ADD_ROWS asks
   for the shared-memory path. The server may answer it as usual (OK + bytes on
