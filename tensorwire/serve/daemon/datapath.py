@@ -90,7 +90,7 @@ from tensorwire.serve.daemon.ops import timeout_of as _timeout
 from tensorwire.serve.daemon.ops import typed_view as _typed
 from tensorwire.serve.daemon.session import Job
 from tensorwire.serve.protocol.shm import LEASE_VERSION
-from tensorwire.serve.daemon.store import region_of
+from tensorwire.serve.daemon.entry import region_of
 from tensorwire.serve.protocol.wire import (
     ERROR,
     FALLBACK,

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 
 from tensorwire import errors
-from tensorwire.serve.daemon.store import Entry, Info, Store
+from tensorwire.serve.daemon.entry import Entry, Info
+from tensorwire.serve.daemon.store import Store
 from tensorwire.serve.protocol.common import MAX_ROWS_BYTES, MAX_TIMEOUT_S, TAG_DOWN, TAG_UP, SessionLost
 from tensorwire.spec import MAX_NAME_LEN, TensorSpec, check_name
 

@@ -50,7 +50,7 @@ from tensorwire.serve.protocol.common import MAX_ROWS_BYTES, TAG_REQUEST, TAG_WA
 from tensorwire.serve.daemon.shm import new_hello, page_counts
 from tensorwire.serve.protocol.shm import AHEAD_VERSION, PageLock, page_ahead, round_page, usable_cpus
 from tensorwire.buffers import allocate_host
-from tensorwire.serve.daemon.store import AheadGrant, region_of
+from tensorwire.serve.daemon.entry import AheadGrant, region_of
 from tensorwire.errors import ResourceExhaustedError
 from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES, REPLY_BYTES, MalformedRequest
 from tensorwire.serve.daemon.metrics import Tally
@@ -322,7 +322,7 @@ class Session:
         self.shm_version = 0  # negotiated at OpenSession (2: read leases)
         self.shm_page: Any = None  # the hello region once proven (shm version >= 2): the client's lease-read counts
         self._page_seen = (0, 0, 0, 0)
-        self.ahead: Any = None  # the write-ahead grant its client holds (tensorwire.serve.daemon.store.AheadGrant)
+        self.ahead: Any = None  # the write-ahead grant its client holds (tensorwire.serve.daemon.entry.AheadGrant)
         self._page_lock: Any = None  # (shm.PageLock, ticket cell) of the page, made with the first grant
         self._tickets = 0
         self._pin: "tuple[Callable[[], None], str] | None" = None
