@@ -1,6 +1,7 @@
-"""Write-ahead grants of the shared-memory path (tensorwire/serve/daemon/entry.py ``AheadGrant``, protocol/shm.py ``PageLock``):
-a client that commits a put is handed the tensor's staging slot for its next put (one copy and one COMMIT), and
-gives it up the moment anyone else needs it -- never while it writes there, never leaving a half-written version."""
+"""Write-ahead grants of the shared-memory path (tensorwire/serve/daemon/entry.py ``AheadGrant``,
+protocol/shm.py ``PageLock``): a client that commits a put is handed the tensor's staging slot for its next put
+(one copy and one COMMIT), and gives it up the moment anyone else needs it -- never while it writes there, never
+leaving a half-written version."""
 
 from __future__ import annotations
 

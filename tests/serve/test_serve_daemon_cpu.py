@@ -12,7 +12,7 @@ import torch
 
 from tensorwire.serve.client.client import LEASES_ENV, Client
 from tensorwire.serve.daemon.metrics import Metrics, Tally
-from tensorwire.serve.daemon.session import Done
+from tensorwire.serve.daemon.jobs import Done
 
 from serve_common import in_process, shm_room
 from test_serve_shm import _metric, _metrics

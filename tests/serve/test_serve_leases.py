@@ -1,5 +1,5 @@
-"""Read leases of the shared-memory path (tensorwire/serve/daemon/shm.py ``Leases``): a client on the daemon's host reads
-the version it was handed again without asking, and never gets bytes a writer has touched since."""
+"""Read leases of the shared-memory path (tensorwire/serve/daemon/shm.py ``Leases``): a client on the daemon's
+host reads the version it was handed again without asking, and never gets bytes a writer has touched since."""
 
 from __future__ import annotations
 

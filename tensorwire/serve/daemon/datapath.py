@@ -88,7 +88,7 @@ from tensorwire.serve.daemon.ops import recv_posted as _recv_posted
 from tensorwire.serve.daemon.ops import send as _send
 from tensorwire.serve.daemon.ops import timeout_of as _timeout
 from tensorwire.serve.daemon.ops import typed_view as _typed
-from tensorwire.serve.daemon.session import Job
+from tensorwire.serve.daemon.jobs import Job, PendingWrite
 from tensorwire.serve.protocol.shm import LEASE_VERSION
 from tensorwire.serve.daemon.entry import region_of
 from tensorwire.serve.protocol.wire import (
@@ -111,7 +111,6 @@ from tensorwire.serve.protocol.wire import (
     pack_reply,
     parse_request,
 )
-from tensorwire.serve.daemon.session import PendingWrite
 from tensorwire.serve.daemon.store import normalise_spec
 from tensorwire.serve.protocol.shm import ShmError
 

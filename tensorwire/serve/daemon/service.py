@@ -52,7 +52,8 @@ from tensorwire.serve.daemon.ops import send as _send
 from tensorwire.serve.daemon.ops import timeout_of as _timeout
 from tensorwire.serve.daemon.ops import typed_view as _typed
 from tensorwire.serve.daemon.peers import client_key
-from tensorwire.serve.daemon.session import Job, PendingWrite, Session
+from tensorwire.serve.daemon.jobs import Job, PendingWrite
+from tensorwire.serve.daemon.session import Session
 from tensorwire.serve.daemon.entry import Entry, Info
 from tensorwire.serve.daemon.store import Store, normalise_spec
 from tensorwire.serve.protocol.shm import SHM_VERSION, ShmError
