@@ -108,10 +108,10 @@ def test_both_paths_give_the_same_results(srv, kind):
     ids=["one-message", "two-threads", "chunked", "chunked-odd"],
 )
 def test_get_rows_gathers_right_whatever_the_split(srv, kind, monkeypatch, chunk_bytes, parallel_min):
-    from tensorwire.serve.daemon import datapath
+    from tensorwire.serve.daemon import datapath_reads
 
-    monkeypatch.setattr(datapath, "ROWS_CHUNK_BYTES", chunk_bytes)  # the server runs in this process
-    monkeypatch.setattr(datapath, "PARALLEL_MIN_BYTES", parallel_min)
+    monkeypatch.setattr(datapath_reads, "ROWS_CHUNK_BYTES", chunk_bytes)  # the server runs in this process
+    monkeypatch.setattr(datapath_reads, "PARALLEL_MIN_BYTES", parallel_min)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as `tensorwire serve` runs: the two-thread gather applies
     try:
