@@ -187,7 +187,8 @@ class Server:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         from tensorwire.v1 import store_pb2_grpc
-        from tensorwire.serve.daemon.service import StoreService, TokenAuthInterceptor
+        from tensorwire.serve.daemon.auth import TokenAuthInterceptor
+        from tensorwire.serve.daemon.service import StoreService
 
         import torch
 
