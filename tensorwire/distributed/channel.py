@@ -44,6 +44,7 @@ from ..buffers import as_bytes
 from ..errors import ConfigError, ProtocolError, TensorWireError, TransferTimeout
 from .errors import GroupClosed, SignatureMismatch, WorkTimeout, translate
 from .signatures import Signature, decode, signature_of
+from ..transport.tcp import PartialSend, TcpTransport
 from .work import Completer, Work
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,8 +58,10 @@ log = logging.getLogger(__name__)
 NOTICE_TAG = 0
 #: torch tags map to transport tags 1 .. 2**31 - 1
 MAX_TAG = (1 << 31) - 2
-#: host messages up to this size are sent in the caller's thread over TCP when a credit is there
-INLINE_MAX = 256 * 1024
+#: TCP: each rank lets each peer send this many messages of at most EAGER_MAX bytes before their receive is
+#: posted (one buffer of EAGER_SLOTS * EAGER_MAX bytes per peer, set aside when the group is made)
+EAGER_SLOTS = 8
+EAGER_MAX = 64 * 1024
 #: how long a receive waits on its tag before looking at notices (a mismatch refused on the sender)
 SLICE = 0.05
 NOTICE = struct.Struct("<I")
@@ -66,6 +69,7 @@ _NOTICE_SLOTS = 2
 #: flat byte views of host memory by (address, size), for transports that take bytes (TCP)
 _VIEWS: dict[tuple[int, int], memoryview] = {}
 _VIEWS_MAX = 4096
+_EMPTY = memoryview(b"")
 
 
 def _wire(t: "Transport", tensor: torch.Tensor) -> Any:
@@ -82,6 +86,11 @@ def _wire(t: "Transport", tensor: torch.Tensor) -> Any:
     n = tensor.nbytes
     if n == 0 or tensor.is_cuda:
         return as_bytes(tensor)
+    return _host_bytes(tensor, n)
+
+
+def _host_bytes(tensor: torch.Tensor, n: int) -> memoryview:
+    """The ``n`` bytes of a contiguous host tensor (``n`` > 0), as a cached flat view (see :func:`_wire`)."""
     key = (tensor.data_ptr(), n)
     mv = _VIEWS.get(key)
     if mv is None:
@@ -121,19 +130,28 @@ class SlotPool:
 class SendWork(Work):
     """``isend``: done once the bytes are out of the tensor."""
 
-    def __init__(self, peer: "Peer", **kw: Any) -> None:
-        super().__init__(**kw)
+    _op: Any = None  # UCX send posted in the caller's thread: complete it in wait()
+    _keep: Any = None  # what UCX reads until the send completes
+    _chan: "_SendChannel | None" = None  # queued: the channel whose queue holds it
+    _staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
+
+    def __init__(self, peer: "Peer", sig: Signature, tag: int, tensors: list[torch.Tensor]) -> None:
+        super().__init__(peer.timeout, tensors)
         self._peer = peer
-        self._op: Any = None  # UCX send posted in the caller's thread: complete it in wait()
-        self._keep: Any = None  # what UCX reads until the send completes
-        self._chan: _SendChannel | None = None  # queued: the channel whose queue holds it
-        self._staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
+        self._sig = sig
+        self._tag = tag
+        self._completer = peer.completer
+
+    def _describe(self) -> str:
+        return f"isend of {self._sig.describe()} to rank {self._peer.peer} (tag {self._tag})"
 
     def _finish(self, exc: BaseException | None = None) -> None:
-        staging, self._staging = self._staging, None
-        self._keep = None
+        staging = self._staging
         if staging is not None:
+            self._staging = None
             self._peer.pool.give(*staging)
+        if self._keep is not None:
+            self._keep = None
         super()._finish(exc)
 
     def _drive(self, deadline: float) -> None:
@@ -169,15 +187,21 @@ class RecvWork(Work):
         chan: "_RecvChannel",
         tensor: torch.Tensor,
         sig: Signature,
+        hdr: tuple[int, ...],
         staging: torch.Tensor | None,
-        **kw: Any,
     ) -> None:
-        super().__init__(**kw)
+        super().__init__(peer.timeout, [tensor])
         self._peer = peer
         self._chan = chan
         self._tensor = tensor
         self._sig = sig
+        self._hdr = hdr
         self._staging = staging
+        self._source = peer.peer
+        self._completer = peer.completer
+
+    def _describe(self) -> str:
+        return f"irecv of {self._sig.describe()} from rank {self._peer.peer} (tag {self._chan.tag - 1})"
 
     def _drive(self, deadline: float) -> None:
         self._chan.drive(self, deadline)
@@ -186,8 +210,14 @@ class RecvWork(Work):
         self._chan.drive(self, None)
 
     def _complete(self, got: "Received") -> None:
-        theirs = decode(got.shape)
         mine = self._sig
+        if got.shape == self._hdr and got.nbytes == mine.nbytes:  # the signature this side expects
+            if self._staging is not None:
+                self._tensor.copy_(self._staging)  # host->device (pinned) or into a non-contiguous tensor
+                self._release()
+            self._finish()
+            return
+        theirs = decode(got.shape)
         if not theirs.fills(mine) or got.nbytes != mine.nbytes:
             exc = SignatureMismatch(
                 f"rank {self._peer.peer} sent {theirs.describe()} on tag {self._chan.tag - 1}; "
@@ -225,22 +255,25 @@ class _RecvChannel:
     def where(self, tensor: torch.Tensor) -> str:
         return "pinned" if tensor.is_cuda and not self.peer.transport.reaches_cuda else "same"
 
-    def post(self, work: RecvWork, buf: torch.Tensor) -> None:
-        t = self.peer.transport
+    def post(self, work: RecvWork, wire: Any) -> None:
+        """Post ``wire`` (the receive buffer as the transport takes it: :func:`_wire`) for ``work``."""
+        peer = self.peer
         with self.post_lock:
-            self.peer.check()
-            t.post_recv(self.tag, _wire(t, buf), header=True)
+            if peer.error is not None:
+                raise peer.error
+            peer.transport.post_recv(self.tag, wire, header=True)
             self.fifo.append(work)
 
     def drive(self, work: RecvWork, deadline: float | None) -> None:
         """Complete posted receives in order until ``work`` is done (``deadline`` None: without waiting)."""
-        if deadline is None:
-            if not self.drive_lock.acquire(blocking=False):
+        lock = self.drive_lock
+        if not lock.acquire(False):
+            if deadline is None:
                 return
-        elif not self.drive_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise WorkTimeout(f"{work._what} not complete within {work._wait_seconds:.3g} s")
+            if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise WorkTimeout(f"{work._what} not complete within {work._wait_seconds:.3g} s")
         try:
-            while not work.done:
+            while not work._is_done:
                 got = self._wait_one(work, deadline)
                 if got is None:
                     return  # nothing yet (non-blocking)
@@ -292,6 +325,30 @@ class _SendChannel:
         self.closed = False
 
     def submit(self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...]) -> None:
+        tcp = self.peer.tcp
+        if tcp is not None and not self.pending and not tensor.is_cuda and tensor.is_contiguous():
+            # TCP, host memory, nothing queued before it: out in this thread if the socket takes it at once
+            if self.send_lock.acquire(False):
+                try:
+                    if not self.pending:
+                        n = sig.nbytes
+                        try:
+                            sent = tcp.try_send(self.tag, _host_bytes(tensor, n) if n else _EMPTY, shape=hdr)
+                        except BaseException as exc:  # noqa: BLE001
+                            work._finish(self.peer.fail(exc, work._what, tag=self.tag, sig=sig))
+                            return
+                        if sent is True:
+                            work._finish()
+                            return
+                        if sent is not False:  # the socket took part of it: the rest before anything else
+                            self._queue_partial(work, tensor, sig, hdr, sent)
+                            return
+                finally:
+                    self.send_lock.release()
+        self._submit(work, tensor, sig, hdr)
+
+    def _submit(self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...]) -> None:
+        """Everything but the TCP fast path: out in this thread when that cannot block, else queued."""
         peer = self.peer
         t = peer.transport
         if tensor.requires_grad:
@@ -306,13 +363,17 @@ class _SendChannel:
                 if not self.pending:
                     data = _wire(t, tensor)
                     try:
-                        if t.async_send:
+                        if peer.tcp is not None:  # (a non-contiguous tensor, copied into its slot)
+                            sent = peer.tcp.try_send(self.tag, data, shape=hdr)
+                            if sent is True:
+                                work._finish()
+                                return
+                            if sent is not False:
+                                self._queue_partial(work, tensor, sig, hdr, sent)
+                                return
+                        elif t.async_send:
                             work._keep = tensor
                             work._op = t.start_send(self.tag, data, shape=hdr, timeout=0.0)
-                            return
-                        if sig.nbytes <= INLINE_MAX and t.has_credit(self.tag):
-                            t.send(self.tag, data, shape=hdr, timeout=peer.timeout)
-                            work._finish()
                             return
                     except TransferTimeout:
                         pass  # no credit yet: queued
@@ -327,14 +388,28 @@ class _SendChannel:
             ev.record(torch.cuda.current_stream(tensor.device))
         work._chan = self
         with self.cond:
-            self.pending.append((work, tensor, sig, hdr, ev))
-            if self.thread is None:
-                self.thread = threading.Thread(
-                    target=self._run, daemon=True, name=f"tw-dist-send-{peer.peer}-{self.tag - 1}"
-                )
-                self.thread.start()
-            elif self.parked:
-                self.cond.notify()
+            self.pending.append((work, tensor, sig, hdr, ev, None))
+            self._wake()
+
+    def _queue_partial(
+        self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...], partial: PartialSend
+    ) -> None:
+        """(caller holds ``send_lock``; nothing queued) A frame the socket took only part of: its rest is written
+        first, by whoever sends next on this channel -- the caller waiting on it, or the sender thread."""
+        work._chan = self
+        with self.cond:
+            self.pending.appendleft((work, tensor, sig, hdr, None, partial))
+            self._wake()
+
+    def _wake(self) -> None:
+        """(under ``cond``) Start the sender thread, or wake it if it sleeps with nothing queued."""
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self._run, daemon=True, name=f"tw-dist-send-{self.peer.peer}-{self.tag - 1}"
+            )
+            self.thread.start()
+        elif self.parked:
+            self.cond.notify()
 
     def help(self, work: SendWork, deadline: float) -> None:
         """(caller waiting on ``work``) Send queued messages up to and including ``work``'s."""
@@ -358,9 +433,17 @@ class _SendChannel:
         """Send one queued message (caller holds ``send_lock``)."""
         peer = self.peer
         t = peer.transport
-        work, tensor, sig, hdr, ev = item
+        work, tensor, sig, hdr, ev, partial = item
         exc: BaseException | None = None
         try:
+            if partial is not None:  # the connection's send lock is ours until the rest of this frame is out
+                try:
+                    assert peer.tcp is not None  # only TCP sends part of a frame
+                    peer.tcp.finish_send(partial, timeout=peer.timeout)
+                except BaseException as exc_:  # noqa: BLE001 - a cut frame: the pair is broken
+                    exc = peer.fail(exc_, work._what, tag=self.tag, sig=sig)
+                work._finish(exc)
+                return
             peer.check()
             if ev is not None:
                 ev.synchronize()
@@ -424,6 +507,10 @@ class Peer:
     ) -> None:
         self.link = link
         self.transport: "Transport" = link.connection
+        #: the TCP transport (messages go out in the caller's thread when the socket takes them at once)
+        self.tcp: TcpTransport | None = self.transport if isinstance(self.transport, TcpTransport) else None
+        if self.tcp is not None:
+            self.tcp.offer_eager(slots=EAGER_SLOTS, size=EAGER_MAX)
         self.peer = link.peer
         self.rank = rank
         self.group = group
@@ -444,58 +531,46 @@ class Peer:
     # -- operations ------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, tag: int) -> SendWork:
         sig, hdr = signature_of(tensor)
-        peer = self.peer
-        work = SendWork(
-            self,
-            what=lambda: f"isend of {sig.describe()} to rank {peer} (tag {tag})",
-            timeout=self.timeout,
-            tensors=[tensor],
-            completer=self.completer,
-        )
+        work = SendWork(self, sig, tag, [tensor])
         if self.error is not None:
             work._finish(self.error)
             return work
         chan = self._send.get(tag + 1)
         if chan is None:
             with self._lock:
-                chan = self._send.setdefault(tag + 1, _SendChannel(self, tag + 1))
+                chan = self._send.get(tag + 1) or self._send.setdefault(tag + 1, _SendChannel(self, tag + 1))
         chan.submit(work, tensor, sig, hdr)
         return work
 
     def irecv(self, tensor: torch.Tensor, tag: int) -> RecvWork:
-        sig, _ = signature_of(tensor)
+        sig, hdr = signature_of(tensor)
         chan = self._recv.get(tag + 1)
         if chan is None:
             with self._lock:
-                chan = self._recv.setdefault(tag + 1, _RecvChannel(self, tag + 1))
+                chan = self._recv.get(tag + 1) or self._recv.setdefault(tag + 1, _RecvChannel(self, tag + 1))
+        t = self.transport
         staging = None
-        buf = tensor
-        where = chan.where(tensor)
-        if where == "pinned":
-            staging = buf = self.pool.take(sig, "pinned")
-        elif not tensor.is_contiguous():
-            staging = buf = self.pool.take(sig, "same", tensor.device)
-        if tensor.is_cuda:
-            # The buffer may be written as soon as it is posted: work queued on it must be done.
-            torch.cuda.current_stream(tensor.device).synchronize()
-        peer = self.peer
-        work = RecvWork(
-            self,
-            chan,
-            tensor,
-            sig,
-            staging,
-            what=lambda: f"irecv of {sig.describe()} from rank {peer} (tag {tag})",
-            timeout=self.timeout,
-            tensors=[tensor],
-            source=self.peer,
-            completer=self.completer,
-        )
+        if self.tcp is not None and not tensor.is_cuda and tensor.is_contiguous():
+            # TCP, host memory: the sender's bytes land in the tensor itself
+            n = sig.nbytes
+            wire: Any = _host_bytes(tensor, n) if n else _EMPTY
+        else:
+            buf = tensor
+            where = chan.where(tensor)
+            if where == "pinned":
+                staging = buf = self.pool.take(sig, "pinned")
+            elif not tensor.is_contiguous():
+                staging = buf = self.pool.take(sig, "same", tensor.device)
+            if tensor.is_cuda:
+                # The buffer may be written as soon as it is posted: work queued on it must be done.
+                torch.cuda.current_stream(tensor.device).synchronize()
+            wire = _wire(t, buf)
+        work = RecvWork(self, chan, tensor, sig, hdr, staging)
         if self.error is not None:
             work._finish(self.error)
             return work
         try:
-            chan.post(work, buf)
+            chan.post(work, wire)
         except BaseException as exc:  # noqa: BLE001
             work._finish(self.fail(exc, work._what))
         return work
