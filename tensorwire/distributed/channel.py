@@ -509,8 +509,9 @@ class Peer:
         self.transport: "Transport" = link.connection
         #: the TCP transport (messages go out in the caller's thread when the socket takes them at once)
         self.tcp: TcpTransport | None = self.transport if isinstance(self.transport, TcpTransport) else None
-        if self.tcp is not None:
+        if self.tcp is not None:  # both ends offer, then wait for the other's offer (no first message waits)
             self.tcp.offer_eager(slots=EAGER_SLOTS, size=EAGER_MAX)
+            self.tcp.wait_eager_offer(timeout=timeout)
         self.peer = link.peer
         self.rank = rank
         self.group = group

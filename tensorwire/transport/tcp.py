@@ -348,6 +348,20 @@ class TcpTransport(Transport):
             grant = FRAME.pack(_MAGIC, CREDIT, NO_SHAPE, 0, 0, size, EAGER_TAG, slots, *_ZERO_DIMS)
             self._write([memoryview(grant)], time.monotonic() + self._peer_timeout)
 
+    def wait_eager_offer(self, *, timeout: float | None) -> None:
+        """Wait until the peer's :meth:`offer_eager` arrived (for two ends that both offer: then the first
+        message of either already goes eagerly).
+
+        Raises:
+            TransferTimeout: no offer within ``timeout``.
+            PeerLostError, ClosedError.
+        """
+        self._wait_for(
+            lambda: self._peer_eager > 0,
+            None if timeout is None else time.monotonic() + timeout,
+            "eager offer of the peer",
+        )
+
     def forget_buffer(self, buf: Any) -> None:
         cached = self._views.get(id(buf))
         if cached is not None and cached[0] is buf:
@@ -431,8 +445,13 @@ class TcpTransport(Transport):
                 if self._error is not None:
                     self._check_usable()
                 header = self._frame(tag, payload, ndim, dims, step)
-            if header is None:
-                return False
+            if header is None:  # perhaps a credit came that nobody read yet: look once
+                self._look()
+                with self._lock:
+                    self._check_usable()
+                    header = self._frame(tag, payload, ndim, dims, step)
+                if header is None:
+                    return False
             n = len(payload)
             views = [header, payload] if n else [header]
             try:
@@ -640,9 +659,11 @@ class TcpTransport(Transport):
                     _PENDING.discard(self)
                     _URGENT.discard(self)
 
-    def _wait_for(self, pred: Any, deadline: float | None, what: str, arg: int) -> None:
+    def _wait_for(self, pred: Any, deadline: float | None, what: str, arg: int | None = None) -> None:
         """Wait until ``pred()`` (evaluated under the lock) holds, reading the socket when no one else is.
-        ``what % arg`` names the wait in a timeout."""
+        ``what % arg`` names the wait in a timeout. A deadline already past still reads what the socket
+        holds, without waiting, once (a poll makes progress)."""
+        read = False
         with self._cond:
             while True:
                 if pred():
@@ -650,9 +671,10 @@ class TcpTransport(Transport):
                 if self._error is not None:
                     self._check_usable()
                 rem = None if deadline is None else deadline - time.monotonic()
-                if rem is not None and rem <= 0:
-                    raise TransferTimeout(f"{what % arg} timed out (peer {self._peer})")
+                if rem is not None and rem <= 0 and (read or self._reader_busy):
+                    raise TransferTimeout(f"{what if arg is None else what % arg} timed out (peer {self._peer})")
                 if not self._reader_busy:
+                    read = True
                     self._reader_busy = True
                     self._cond.release()
                     try:
@@ -677,7 +699,8 @@ class TcpTransport(Transport):
 
     def _pump(self, pred: Any, deadline: float | None) -> None:
         """Reader role: read frames until pred() holds, the deadline passes, or an error."""
-        block = not _URGENT  # with credits to hand back, look before blocking
+        # with credits to hand back, look before blocking; past the deadline, only look
+        block = not _URGENT and (deadline is None or time.monotonic() < deadline)
         while True:
             try:
                 progressed = self._read_some(block=block)
@@ -696,7 +719,7 @@ class TcpTransport(Transport):
                         self._cond.notify_all()
                     if pred() or self._error is not None:
                         return
-                block = not _URGENT
+                block = not _URGENT and (deadline is None or time.monotonic() < deadline)
                 continue
             if self._error is not None:
                 return
@@ -736,24 +759,11 @@ class TcpTransport(Transport):
             if self._rphase == 0:
                 pos, end = self._rpos, self._rend
                 if end - pos < FRAME.size:
-                    if buffered:
+                    if buffered or self._fill(block or end > pos) < 0:
                         return False
-                    if pos:  # keep the start of a header (if any) at the front of the buffer
-                        if end > pos:
-                            self._rbuf[: end - pos] = bytes(rview[pos:end])
-                        end -= pos
-                        self._rpos, self._rend = 0, end
-                    n = self._recv(rview[end:], READ_AHEAD - end, block or end > 0)
-                    if n < 0:
-                        return False
-                    if n == 0:
-                        raise (
-                            ClosedError("transport closed")
-                            if self._closed
-                            else PeerLostError(f"peer {self._peer} closed the connection")
-                        )
-                    self._rend = end + n
                     continue
+                if buffered and self._rbuf[pos + 2] == BYE:
+                    return False  # the peer's goodbye waits for a reader that needs more: what came before it is used
                 self._rpos = pos + FRAME.size
                 if self._on_header(pos):
                     return True
@@ -790,6 +800,44 @@ class TcpTransport(Transport):
                     self._complete_data()
                     return True
                 block = True  # a frame has started: wait for the rest of it
+
+    def _fill(self, block: bool) -> int:
+        """(reader, between frames) Read into the read-ahead buffer: bytes read, -1 if none (not blocking)."""
+        pos, end = self._rpos, self._rend
+        if pos:  # keep the start of a header (if any) at the front of the buffer
+            if end > pos:
+                self._rbuf[: end - pos] = bytes(self._rview[pos:end])
+            end -= pos
+            self._rpos, self._rend = 0, end
+        n = self._recv(self._rview[end:], READ_AHEAD - end, block)
+        if n == 0:
+            raise (
+                ClosedError("transport closed")
+                if self._closed
+                else PeerLostError(f"peer {self._peer} closed the connection")
+            )
+        if n > 0:
+            self._rend = end + n
+        return n
+
+    def _look(self) -> None:
+        """Take what the socket holds right now, if no other thread is reading: one read of at most
+        ``READ_AHEAD`` bytes that does not wait, whole frames only (credits that came while nobody read)."""
+        with self._lock:
+            if self._reader_busy or self._error is not None or self._rphase:
+                return
+            self._reader_busy = True
+        try:
+            if self._fill(False) > 0:
+                while self._read_some(block=False, buffered=True):
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by whoever uses the connection
+            self._fail(exc)
+        finally:
+            with self._cond:
+                self._reader_busy = False
+                if self._waiters:
+                    self._cond.notify_all()
 
     def _on_header(self, pos: int) -> bool:
         """Parse the header at ``pos`` of the read-ahead buffer. True if the frame is complete (no payload)."""
