@@ -174,8 +174,9 @@ def _advance(views: list[memoryview], n: int) -> None:
 # waiting for (_URGENT). Before any thread blocks, every urgent one is flushed: a peer may be blocked on
 # a credit we still hold, on this link or on another one that closes a cycle. A credit is *not* urgent
 # when the peer needs no credit to send what fits its buffer: the buffer is no larger than the eager
-# buffers this side offered (the peer sends such a message eagerly; the credit rides on our next DATA
-# frame and only settles the peer's balance). Such credits wait for a frame going the other way, or until
+# buffers this side offered and one of them is free (the peer sends such a message eagerly; the credit
+# rides on our next DATA frame and only settles the peer's balance; eager buffers given back are always
+# urgent). Such credits wait for a frame going the other way, or until
 # a blocked reader saw nothing for a whole read slice (a peer sending a larger message than the buffer
 # -- a mismatch the receiver reports -- waits for it that long).
 _PENDING: "set[TcpTransport]" = set()
@@ -313,7 +314,9 @@ class TcpTransport(Transport):
             # The credit rides on our next DATA frame, or is flushed before any
             # thread of this process blocks (see flush_pending_credits).
             self._pending_credits[tag] += 1
-            urgent = len(view) > self._eager_size or post.result is not None
+            # held back only where the peer needs no credit: the buffer fits one of our eager buffers, one of them
+            # is free, and nothing is to go back (see _URGENT)
+            urgent = not self._eager_free or len(view) > self._eager_size or post.result is not None
         self._owe(urgent=urgent)
 
     def has_credit(self, tag: int) -> bool:

@@ -193,3 +193,22 @@ def test_a_receive_posted_while_credits_are_flushed_stays_registered_for_the_flu
     finally:
         sys.setswitchinterval(old)
     assert lost == 0
+
+
+def test_only_credits_a_peer_can_do_without_are_held_back(pair):
+    a, b = pair
+    b.post_recv(1, torch.zeros(0, dtype=torch.uint8))  # no eager offer (a Link, the serve daemon): every credit
+    assert b in tcp._URGENT
+    b._flush_credits()
+    assert b not in tcp._PENDING and b not in tcp._URGENT
+    b.offer_eager(slots=1, size=4096)
+    b.post_recv(1, torch.zeros(64, dtype=torch.uint8))  # fits an eager buffer, one is free: held back
+    assert b in tcp._PENDING and b not in tcp._URGENT
+    b.post_recv(2, torch.zeros(8192, dtype=torch.uint8))  # larger than the eager buffers: goes before blocking
+    assert b in tcp._URGENT
+    b._flush_credits()
+    _read_what_came(a)
+    assert a.try_send(3, _bytes(10, 9)) is True  # takes b's only eager buffer (nothing posted on tag 3)
+    _read_what_came(b)  # ... where it waits
+    b.post_recv(1, torch.zeros(64, dtype=torch.uint8))  # no eager buffer free: the peer may need this credit
+    assert b in tcp._URGENT
