@@ -3,8 +3,9 @@
 Wire format (little-endian, every frame starts with the same 88-byte header)::
 
     magic  "TW"        2s   protocol marker; anything else breaks the connection
-    type   u8          1 = DATA, 2 = CREDIT, 3 = BYE, 4 = EAGER (DATA sent ahead of its credit)
-    ndim   u8          dims in use for DATA with a shape (0..8), 255 = no shape
+    type   u8          1 = DATA, 2 = CREDIT, 3 = BYE, 4 = CMA (control), 5 = WRITTEN,
+                       6 = EAGER (DATA sent ahead of its credit)
+    ndim   u8          dims in use for DATA with a shape (0..8), 255 = no shape; CMA: subtype
     tag    u32         DATA: slot tag
     step   u64         DATA: per-tag message counter (checked: +1 each time)
     nbytes u64         DATA/EAGER: payload bytes that follow; CREDIT of EAGER_TAG: eager buffer size
@@ -14,6 +15,13 @@ Wire format (little-endian, every frame starts with the same 88-byte header)::
 
 DATA is followed by exactly ``nbytes`` payload bytes, received with
 ``recv_into`` directly into the posted slot buffer (no intermediate copy).
+
+On links between processes of one host, large messages skip the socket: the
+sender writes them straight into the receiver's posted buffer (cross-memory
+attach) and sends WRITTEN, a DATA header without payload. CMA frames carry the
+probe that turns this on and the addresses of posted buffers (a 64-byte body
+in place of ``dims``); see :mod:`tensorwire.transport.cma`. Only connections
+that proved the link secret take part.
 
 Flow control reproduces UCX's rendezvous: the receiver grants one CREDIT per
 posted buffer, and a sender spends one credit per DATA frame. So every DATA
@@ -98,15 +106,19 @@ from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, PROOF_BYTES, Lis
 from tensorwire.transport.base import link_proof, proof_matches
 from tensorwire.transport.base import remaining as _remaining
 from tensorwire.transport._socket import dial, tune_socket
+from tensorwire.transport.cma import CmaPeer, new_cma_peer
 
 __all__ = ["TcpTransport", "TcpListener", "PartialSend", "FRAME", "HELLO", "HELLO_HEAD", "EAGER_TAG"]
 
 log = logging.getLogger(__name__)
 
-#: v2: the hello carries a proof of the link secret after the nonce.
-PROTOCOL_VERSION = 2
+#: v2: the hello carries a proof of the link secret after the nonce. v3: CMA and WRITTEN frames. (EAGER frames
+#: go only to a peer that offered eager buffers: no new version.)
+PROTOCOL_VERSION = 3
 FRAME = struct.Struct("<2sBBIQQII8q")
-assert FRAME.size == 96
+#: A CMA frame: the same header with a 64-byte body in place of the dims.
+CMA_FRAME = struct.Struct("<2sBBIQQII64s")
+assert FRAME.size == CMA_FRAME.size == 96
 #: the same header in two parts: the fields, then the eight dims (read only when a shape is there)
 _HEAD = struct.Struct("<2sBBIQQII")
 _DIMS = struct.Struct("<8q")
@@ -117,7 +129,7 @@ HELLO_HEAD = struct.Struct(f"<8sI{NONCE_BYTES}s")
 HELLO = struct.Struct(f"<8sI{NONCE_BYTES}s{PROOF_BYTES}s")
 HELLO_MAGIC = b"TWHELLO\0"
 HELLO_OK = b"TWOK"
-DATA, CREDIT, BYE, EAGER = 1, 2, 3, 4
+DATA, CREDIT, BYE, CMA, WRITTEN, EAGER = 1, 2, 3, 4, 5, 6
 #: The pseudo tag on which a receiver grants (and gives back) its eager buffers (transport tags are < 2**31).
 EAGER_TAG = 0xFFFFFFFF
 #: Bytes the reader takes off the socket at once (header, small payloads and the frames behind them).
@@ -231,7 +243,10 @@ class TcpTransport(Transport):
     #: Posted-buffer views kept for reuse (a Link re-posts the same slots every step).
     VIEW_CACHE = 256
 
-    def __init__(self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0) -> None:
+    def __init__(
+        self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0, cma: CmaPeer | None = None
+    ) -> None:
+        """``cma``: cross-memory attach with the peer (links that proved the link secret); None: never."""
         sock.setblocking(True)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(self.READ_SLICE * 1e6)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, int(self.SEND_SLICE * 1e6)))
@@ -258,6 +273,8 @@ class TcpTransport(Transport):
         self._eager_size = 0
         self._stash: dict[int, Deque[tuple[memoryview, Received]]] = {}
         self._peer_eager = 0
+        self._peer_offered = False  # the peer's offer arrived (its size may be 0: then nothing goes eagerly)
+        self._offered = False
         # reader state (touched only by the thread holding the reader role)
         self._rbuf = bytearray(READ_AHEAD)
         self._rview = memoryview(self._rbuf)
@@ -275,6 +292,11 @@ class TcpTransport(Transport):
         self._poll_rw.register(self._fd, select.POLLIN | select.POLLOUT)
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: Cross-memory attach with the peer (None: a connection that proved no link secret).
+        self.cma = cma
+        if cma is not None:
+            cma.start()
+            self._owe(urgent=True)  # the probe's first frame goes out with the first flush or send
 
     # -- public API ------------------------------------------------------------
     @property
@@ -296,8 +318,11 @@ class TcpTransport(Transport):
         with self._lock:
             self._check_usable()
             post = _Posted(view, header)
+            cma = self.cma
             stash = self._stash.get(tag)
             if stash:  # the message this buffer is for came early, into an eager buffer: copy it here
+                if cma is not None:
+                    cma.on_post(tag, post, view[:0])  # counted, never announced: its message is here already
                 ebuf, got = stash.popleft()
                 if got.nbytes > len(view):
                     if self._error is None:  # the next wait on this connection raises it
@@ -310,13 +335,20 @@ class TcpTransport(Transport):
                     post.result = got
                     self._eager_free.append(ebuf)
                     self._pending_credits[EAGER_TAG] += 1
+            elif cma is not None:
+                cma.on_post(tag, post, view)
             self._posted[tag].append(post)
             # The credit rides on our next DATA frame, or is flushed before any
             # thread of this process blocks (see flush_pending_credits).
             self._pending_credits[tag] += 1
             # held back only where the peer needs no credit: the buffer fits one of our eager buffers, one of them
             # is free, and nothing is to go back (see _URGENT)
-            urgent = not self._eager_free or len(view) > self._eager_size or post.result is not None
+            urgent = (
+                not self._eager_free
+                or len(view) > self._eager_size
+                or post.result is not None
+                or (cma is not None and cma.has_frames)  # a SLOT goes ahead of its credit, at once
+            )
         self._owe(urgent=urgent)
 
     def has_credit(self, tag: int) -> bool:
@@ -343,8 +375,13 @@ class TcpTransport(Transport):
         with self._send_lock:
             with self._lock:
                 self._check_usable()
-                if self._eager_size:
+                if self._offered:
                     return
+                self._offered = True
+                if self.cma is not None:
+                    # a buffer the peer may write into (cross-memory: at least min_bytes) is never one a message
+                    # goes to eagerly: eager messages stay below that size
+                    size = max(0, min(size, self.cma.min_bytes - 1))
                 pool = memoryview(bytearray(slots * size))
                 self._eager_free = [pool[i * size : (i + 1) * size] for i in range(slots)]
                 self._eager_size = size
@@ -360,7 +397,7 @@ class TcpTransport(Transport):
             PeerLostError, ClosedError.
         """
         self._wait_for(
-            lambda: self._peer_eager > 0,
+            lambda: self._peer_offered,
             None if timeout is None else time.monotonic() + timeout,
             "eager offer of the peer",
         )
@@ -415,15 +452,29 @@ class TcpTransport(Transport):
                 if ready() or self._error is not None:
                     break
             self._send_lock.release()  # another sender took the credit first: wait again
+        cma = self.cma
         try:
             with self._lock:
                 self._check_usable()
-                header = self._frame(tag, payload, ndim, dims, step)
-            assert header is not None  # a credit was there under the send lock: only senders take credits
-            self._write([memoryview(header), payload] if n else [memoryview(header)], deadline)
+                claim = self._claim(tag, n, step)
+                assert claim is not None  # a credit was there under the send lock: only senders take credits
+                ftype, wire_step, grants, ctrl = claim
+                slot = cma.slot_for(tag, wire_step) if cma is not None else None
+            if slot is not None and n >= cma.min_bytes:  # type: ignore[union-attr]
+                if grants or ctrl:  # hand them over before the copy, not after it
+                    self._write([memoryview(self._control_frames(grants, ctrl))], deadline)
+                    grants, ctrl = [], None
+                if self._cma_write(payload, slot):
+                    ftype = WRITTEN
+            header = self._header(ftype, ndim, tag, wire_step, n, grants, ctrl, dims)
+            self._write([memoryview(header), payload] if n and ftype != WRITTEN else [memoryview(header)], deadline)
             self.bytes_sent += n
         finally:
             self._send_lock.release()
+        if self in _URGENT:
+            # Receives posted while this frame was on the wire: their flush found the connection busy
+            # and left the credits to us. Nobody else may try again before blocking on the peer.
+            self._flush_credits()
 
     def try_send(
         self, tag: int, buf: Any, *, step: int | None = None, shape: tuple[int, ...] | None = None
@@ -443,19 +494,26 @@ class TcpTransport(Transport):
         keep = False
         try:
             payload = buf if type(buf) is memoryview else _host_view(buf)
+            n = len(payload)
+            cma = self.cma
+            if cma is not None and cma.sending and n >= cma.min_bytes:
+                return False  # large, to a peer that takes it by cross-memory copy: that is send()'s
             ndim, dims = _shape_words(shape)
             with self._lock:
                 if self._error is not None:
                     self._check_usable()
-                header = self._frame(tag, payload, ndim, dims, step)
-            if header is None:  # perhaps a credit came that nobody read yet: look once
+                claim = self._claim(tag, n, step)
+            if claim is None:  # perhaps a credit came that nobody read yet: look once
                 self._look()
                 with self._lock:
                     self._check_usable()
-                    header = self._frame(tag, payload, ndim, dims, step)
-                if header is None:
+                    claim = self._claim(tag, n, step)
+                if claim is None:
                     return False
-            n = len(payload)
+            ftype, wire_step, grants, ctrl = claim
+            header = self._header(ftype, ndim, tag, wire_step, n, grants, ctrl, dims)
+            if cma is not None:
+                cma.slot_for(tag, wire_step)  # an announcement for it (if any) is not used: forget it
             views = [header, payload] if n else [header]
             try:
                 sent = self._sock.sendmsg(views, (), socket.MSG_DONTWAIT)
@@ -469,7 +527,7 @@ class TcpTransport(Transport):
                 self.bytes_sent += n
                 return True
             if sent == 0:
-                self._unframe(tag, header)
+                self._unframe(tag, header, ctrl)
                 return False
             rest = [memoryview(header), payload] if n else [memoryview(header)]
             _advance(rest, sent)
@@ -544,6 +602,8 @@ class TcpTransport(Transport):
         with _PENDING_LOCK:
             _PENDING.discard(self)
             _URGENT.discard(self)
+        if self.cma is not None:
+            self.cma.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -577,11 +637,10 @@ class TcpTransport(Transport):
         self._pending_credits.clear()
         return grants
 
-    def _frame(self, tag: int, payload: memoryview, ndim: int, dims: tuple[int, ...], step: int | None) -> bytes | None:
-        """Under the lock and the send lock: take a credit for the next message on ``tag`` (or an eager buffer
-        of the peer's) and the pending grants; the frame's header bytes (credit frames first), or None
-        without a credit."""
-        n = len(payload)
+    def _claim(self, tag: int, n: int, step: int | None) -> tuple[int, int, list[Any], Any] | None:
+        """Under the lock and the send lock: take a credit for the next message on ``tag`` (``n`` bytes), or
+        an eager buffer of the peer's, and what goes with it: ``(frame type, step on the wire, grants,
+        cross-memory control frames)``; None without a credit."""
         have = self._credits
         if have[tag] > 0:
             ftype = DATA
@@ -592,34 +651,46 @@ class TcpTransport(Transport):
             return None
         have[tag] -= 1  # below zero after an eager frame, until the buffer's credit arrives
         s = self._send_steps[tag] = self._send_steps[tag] + 1
-        if step is None:
-            step = s
+        cma = self.cma
+        ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
         owed = self._pending_credits
-        if not owed:
-            return FRAME.pack(_MAGIC, ftype, ndim, tag, step, n, 0, 0, *dims)
-        grants = list(owed.items())
-        owed.clear()
-        self._settled()
-        ctag, cn = grants.pop()
+        if owed:
+            grants = list(owed.items())
+            owed.clear()
+        else:
+            grants = []
+        if grants or ctrl:
+            self._settled()
+        return ftype, s if step is None else step, grants, ctrl
+
+    def _header(
+        self, ftype: int, ndim: int, tag: int, step: int, n: int, grants: list[Any], ctrl: Any, dims: tuple[int, ...]
+    ) -> bytes:
+        """A frame's header bytes: control frames (CMA, then CREDIT) first; the last grant rides in the header."""
+        ctag, cn = grants.pop() if grants else (0, 0)
         header = FRAME.pack(_MAGIC, ftype, ndim, tag, step, n, ctag, cn, *dims)
-        if grants:
-            return self._credit_frames(grants) + header
+        if grants or ctrl:
+            return self._control_frames(grants, ctrl) + header
         return header
 
-    def _unframe(self, tag: int, headers: bytes) -> None:
-        """Undo :meth:`_frame` for a frame of which no byte was written (still under the send lock):
-        ``headers`` are its header bytes (credit frames first, then the DATA/EAGER header)."""
+    def _unframe(self, tag: int, headers: bytes, ctrl: list[Any] | None) -> None:
+        """Undo :meth:`_claim` for a frame of which no byte was written (still under the send lock):
+        ``headers`` are its header bytes (control frames first, then the DATA/EAGER header), ``ctrl`` the
+        cross-memory frames among them (they go back to be sent first)."""
         ftype = DATA
+        if ctrl:
+            assert self.cma is not None
+            self.cma.put_back(ctrl)
         with self._lock:
             for off in range(0, len(headers), FRAME.size):
-                _, ftype, _, _, _, _, ctag, cn, *_ = FRAME.unpack_from(headers, off)
-                if cn:
+                _, ftype, _, _, _, _, ctag, cn = _HEAD.unpack_from(headers, off)
+                if ftype != CMA and cn:
                     self._pending_credits[ctag] += cn
             self._credits[tag] += 1
             if ftype == EAGER:
                 self._credits[EAGER_TAG] += 1
             self._send_steps[tag] -= 1
-            owed = bool(self._pending_credits)
+            owed = self._has_pending()
         if owed:
             self._owe(urgent=True)
 
@@ -627,18 +698,39 @@ class TcpTransport(Transport):
     def _credit_frames(grants: list[tuple[int, int]]) -> bytes:
         return b"".join([FRAME.pack(_MAGIC, CREDIT, NO_SHAPE, 0, 0, 0, t, c, *_ZERO_DIMS) for t, c in grants])
 
+    def _has_pending(self) -> bool:
+        """Credits or cross-memory control frames wait to be sent."""
+        return bool(self._pending_credits) or (self.cma is not None and self.cma.has_frames)
+
+    def _control_frames(self, grants: list[tuple[int, int]], ctrl: list[Any] | None) -> bytes:
+        """CMA frames first (a buffer's SLOT goes ahead of its credit), then CREDIT frames."""
+        cma = b"".join(CMA_FRAME.pack(_MAGIC, CMA, *f[:2], f[2], f[3], 0, 0, f[4]) for f in ctrl) if ctrl else b""
+        return cma + (self._credit_frames(grants) if grants else b"")
+
+    def _cma_write(self, payload: memoryview, slot: tuple[int, int]) -> bool:
+        """Copy a message into the peer's announced buffer (see :meth:`CmaPeer.write`); a failure breaks
+        the connection: the message's step is spent and its bytes may be half there."""
+        assert self.cma is not None
+        try:
+            return self.cma.write(payload, slot)
+        except TensorWireError as exc:
+            self._fail(exc)
+            raise
+
     def _flush_credits(self) -> None:
-        """Send pending credits now, unless a send is in progress (it carries them)."""
+        """Send pending credits (and CMA frames) now, unless a send is in progress (it carries them)."""
         if not self._send_lock.acquire(blocking=False):
             return
         try:
+            cma = self.cma
             with self._cond:
                 if self._error is not None:
-                    grants = []
+                    grants, ctrl = [], None
                 else:
                     grants = self._take_credits()
-            if grants:
-                self._write([memoryview(self._credit_frames(grants))], time.monotonic() + self._peer_timeout)
+                    ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
+            if grants or ctrl:
+                self._write([memoryview(self._control_frames(grants, ctrl))], time.monotonic() + self._peer_timeout)
         except TransferTimeout as exc:
             self._fail(PeerLostError(f"could not grant credits to {self._peer}: {exc}"))
         except TensorWireError:
@@ -658,7 +750,7 @@ class TcpTransport(Transport):
         """Pending credits were taken (may be under the lock): forget this transport if none are left."""
         if self in _PENDING:
             with _PENDING_LOCK:
-                if not self._pending_credits:
+                if not self._has_pending():
                     _PENDING.discard(self)
                     _URGENT.discard(self)
 
@@ -850,13 +942,25 @@ class TcpTransport(Transport):
         if ftype == CREDIT:
             with self._lock:
                 self._credits[ctag] += ccount
-            if ctag == EAGER_TAG and nbytes:
-                self._peer_eager = nbytes
+            if ctag == EAGER_TAG and ccount:  # the peer's offer (its buffers come back as grants without a size)
+                if not self._peer_offered:
+                    self._peer_eager = nbytes
+                    self._peer_offered = True
             return True
         if ftype != DATA and ftype != EAGER:
             if ftype == BYE:
                 raise PeerLostError(f"peer {self._peer} closed the link")
-            raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
+            if ftype == CMA:
+                if self.cma is None:
+                    raise ProtocolError(
+                        f"peer {self._peer} sent a cross-memory frame on a connection without a link secret"
+                    )
+                self.cma.on_frame(ndim, tag, step, nbytes, CMA_FRAME.unpack_from(self._rbuf, pos)[8])
+                if self.cma.has_frames:
+                    self._owe(urgent=True)
+                return True
+            if ftype != WRITTEN:
+                raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
         post = ebuf = None
         with self._lock:
             if ccount:
@@ -869,10 +973,10 @@ class TcpTransport(Transport):
                 else:
                     post = None
             if ftype == EAGER:
-                if nbytes > self._eager_size:
+                if not self._offered or nbytes > self._eager_size:
                     raise ProtocolError(
                         f"peer {self._peer} sent {nbytes} bytes eagerly on tag {tag}; eager buffers hold "
-                        f"{self._eager_size}"
+                        f"{self._eager_size if self._offered else 'nothing (none offered)'}"
                     )
                 if post is None:
                     if not self._eager_free:
@@ -905,6 +1009,17 @@ class TcpTransport(Transport):
         self._rpost = post
         self._reager = ebuf
         self._rmeta = (tag, step, nbytes, shape)
+        if ftype == WRITTEN:
+            # The sender wrote the bytes into this buffer itself: deliver them only if this side announced
+            # exactly this buffer for this step (never a buffer, or a length, the peer chose).
+            why = self.cma.landed(tag, step, post, nbytes) if self.cma is not None else "no cross-memory attach here"
+            if why is not None:
+                raise ProtocolError(f"peer {self._peer}: cross-memory message refused: {why}")
+            self.bytes_received += nbytes
+            self._complete_data()
+            return True
+        if self.cma is not None:
+            self.cma.streamed(tag, step)
         if nbytes == 0:
             self._complete_data()
             return True
@@ -947,6 +1062,8 @@ class TcpTransport(Transport):
             post.result = got
             self._eager_free.append(ebuf)
             self._pending_credits[EAGER_TAG] += 1
+            if self.cma is not None:
+                self.cma.streamed(tag, step)  # (an announcement made for the buffer is not used)
         self._owe(urgent=True)
 
     def _write(self, views: list[memoryview], deadline: float | None) -> None:
@@ -1271,7 +1388,13 @@ class TcpListener(Listener):
                 conn.settimeout(self.HELLO_TIMEOUT)
                 conn.sendall(HELLO_OK + struct.pack("<I", PROTOCOL_VERSION))
                 tune_socket(conn, peer_timeout=self._peer_timeout)
-                transport = TcpTransport(conn, peer=f"{addr[0]}:{addr[1]}", peer_timeout=self._peer_timeout)
+                peer = f"{addr[0]}:{addr[1]}"
+                transport = TcpTransport(
+                    conn,
+                    peer=peer,
+                    peer_timeout=self._peer_timeout,
+                    cma=new_cma_peer(authenticated=self._secret is not None, peer=peer),
+                )
             except BaseException:
                 with self._cond:  # answering failed: nobody got in; the nonce may be presented again
                     if nonce in self._claimed:
@@ -1353,7 +1476,7 @@ class TcpListener(Listener):
         delay = 0.02
         while True:
             try:
-                return cls._connect_once(host, port, nonce, proof, deadline, peer_timeout)
+                return cls._connect_once(host, port, nonce, proof, deadline, peer_timeout, linked=secret is not None)
             except (_Busy, _NoAnswer) as exc:
                 rem = _remaining(deadline)
                 if rem is not None and rem <= delay:
@@ -1369,7 +1492,7 @@ class TcpListener(Listener):
 
     @staticmethod
     def _connect_once(
-        host: str, port: int, nonce: bytes, proof: bytes, deadline: float | None, peer_timeout: float
+        host: str, port: int, nonce: bytes, proof: bytes, deadline: float | None, peer_timeout: float, *, linked: bool
     ) -> TcpTransport:
         sock = dial(host, port, deadline)
         try:
@@ -1405,7 +1528,10 @@ class TcpListener(Listener):
         except BaseException:
             sock.close()
             raise
-        return TcpTransport(sock, peer=f"{host}:{port}", peer_timeout=peer_timeout)
+        peer = f"{host}:{port}"
+        return TcpTransport(
+            sock, peer=peer, peer_timeout=peer_timeout, cma=new_cma_peer(authenticated=linked, peer=peer)
+        )
 
 
 class _Busy(Exception):

@@ -212,3 +212,64 @@ def test_only_credits_a_peer_can_do_without_are_held_back(pair):
     _read_what_came(b)  # ... where it waits
     b.post_recv(1, torch.zeros(64, dtype=torch.uint8))  # no eager buffer free: the peer may need this credit
     assert b in tcp._URGENT
+
+
+@pytest.fixture()
+def linked_pair():
+    """A pair that proved a link secret (so it has cross-memory attach, whose probe may still run)."""
+    secret = b"s" * 32
+    lst = TcpListener("127.0.0.1", port=0, secret=secret)
+    nonce = new_nonce()
+    lst.expect(nonce)
+    out = {}
+    th = threading.Thread(
+        target=lambda: out.setdefault(
+            "a", TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10, secret=secret)
+        )
+    )
+    th.start()
+    b = lst.accept(nonce, timeout=10)
+    th.join(10)
+    a = out["a"]
+    yield a, b
+    a.close()
+    b.close()
+    lst.close()
+
+
+def test_a_frame_the_socket_refuses_whole_gives_back_its_credits_and_control_frames(linked_pair, monkeypatch):
+    """try_send that writes nothing (socket full) leaves the connection as it was: credits, cross-memory
+    control frames, the eager buffer and the step all go back, and the next send carries them."""
+    a, b = linked_pair
+    assert a.cma is not None
+    b.offer_eager(slots=1, size=1024)
+    _read_what_came(a)
+    a.post_recv(7, torch.zeros(8, dtype=torch.uint8))  # a credit a owes b
+    owed_ctrl = [(5, 9, 1, 64, bytes(64))]  # a control frame a owes b (as the cross-memory probe queues them)
+    a.cma.put_back(list(owed_ctrl))
+    queued = a.cma.take_frames()
+    a.cma.put_back(queued)
+
+    class Full:
+        def __init__(self, sock):
+            self._sock = sock
+
+        def sendmsg(self, *args, **kw):
+            raise BlockingIOError
+
+        def __getattr__(self, name):
+            return getattr(self._sock, name)
+
+    real = a._sock
+    monkeypatch.setattr(a, "_sock", Full(real))
+    assert a.try_send(1, _bytes(100, 11)) is False
+    monkeypatch.setattr(a, "_sock", real)
+    assert a._pending_credits[7] == 1 and a._credits[tcp.EAGER_TAG] == 1 and a._send_steps[1] == 0
+    assert a.cma.take_frames() == queued  # back, in order
+    a.cma.put_back(queued)
+    src = _bytes(100, 12)
+    assert a.try_send(1, src) is True  # step 1 again, eagerly, with the credit of tag 7
+    dst = torch.zeros(100, dtype=torch.uint8)
+    b.post_recv(1, dst)
+    assert b.wait_recv(1, timeout=5).step == 1 and torch.equal(dst, src)
+    assert b._credits[7] == 1
