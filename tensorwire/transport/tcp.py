@@ -242,6 +242,8 @@ class TcpTransport(Transport):
     SEND_SLICE = 0.02
     #: Posted-buffer views kept for reuse (a Link re-posts the same slots every step).
     VIEW_CACHE = 256
+    #: Largest cross-memory copy :meth:`try_send` makes in the caller's thread (larger ones: :meth:`send`).
+    INLINE_COPY = 256 * 1024
 
     def __init__(
         self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0, cma: CmaPeer | None = None
@@ -485,6 +487,9 @@ class TcpTransport(Transport):
         credit, another send in progress, or the socket full): send it later. A
         :class:`PartialSend`: the socket took part of the frame; ``buf`` must stay
         untouched and the connection's sends wait until :meth:`finish_send` wrote the rest.
+        A message for which the peer announced its buffer (cross-memory attach) is copied
+        into it here when it is at most ``INLINE_COPY`` bytes (a bounded copy, no waiting),
+        else left to :meth:`send`.
 
         Raises:
             PeerLostError, ClosedError, ProtocolError: the connection is unusable.
@@ -496,8 +501,9 @@ class TcpTransport(Transport):
             payload = buf if type(buf) is memoryview else _host_view(buf)
             n = len(payload)
             cma = self.cma
-            if cma is not None and cma.sending and n >= cma.min_bytes:
-                return False  # large, to a peer that takes it by cross-memory copy: that is send()'s
+            copy = cma is not None and cma.sending and n >= cma.min_bytes
+            if copy and n > self.INLINE_COPY:
+                return False  # a long cross-memory copy: that is send()'s, on the caller's sender thread
             ndim, dims = _shape_words(shape)
             with self._lock:
                 if self._error is not None:
@@ -511,9 +517,12 @@ class TcpTransport(Transport):
                 if claim is None:
                     return False
             ftype, wire_step, grants, ctrl = claim
+            slot = cma.slot_for(tag, wire_step) if cma is not None else None  # (used or not: forgotten)
+            if copy and slot is not None and self._cma_write(payload, slot):
+                ftype = WRITTEN  # the bytes are in the peer's buffer: the header alone follows
             header = self._header(ftype, ndim, tag, wire_step, n, grants, ctrl, dims)
-            if cma is not None:
-                cma.slot_for(tag, wire_step)  # an announcement for it (if any) is not used: forget it
+            if ftype == WRITTEN:
+                n = 0
             views = [header, payload] if n else [header]
             try:
                 sent = self._sock.sendmsg(views, (), socket.MSG_DONTWAIT)
@@ -524,15 +533,15 @@ class TcpTransport(Transport):
                 self._fail(err)
                 raise err from exc
             if sent == len(header) + n:
-                self.bytes_sent += n
+                self.bytes_sent += len(payload)
                 return True
-            if sent == 0:
+            if sent == 0 and ftype != WRITTEN:  # (a message copied already is spent: its header must follow)
                 self._unframe(tag, header, ctrl)
                 return False
             rest = [memoryview(header), payload] if n else [memoryview(header)]
             _advance(rest, sent)
             keep = True
-            return PartialSend(rest, n)
+            return PartialSend(rest, len(payload))
         finally:
             if not keep:
                 self._send_lock.release()

@@ -273,3 +273,43 @@ def test_a_frame_the_socket_refuses_whole_gives_back_its_credits_and_control_fra
     b.post_recv(1, dst)
     assert b.wait_recv(1, timeout=5).step == 1 and torch.equal(dst, src)
     assert b._credits[7] == 1
+
+
+def _settle_probe(a: tcp.TcpTransport, b: tcp.TcpTransport) -> None:
+    """Small round trips until both cross-memory probes are done (their frames ride on these)."""
+    one, box_a, box_b = (torch.ones(8, dtype=torch.uint8) for _ in range(3))
+    for _ in range(6):
+        b.post_recv(90, box_b)
+        a.post_recv(91, box_a)
+        a.send(90, one, timeout=10)
+        b.wait_recv(90, timeout=10)
+        b.send(91, one, timeout=10)
+        a.wait_recv(91, timeout=10)
+
+
+def test_try_send_copies_a_moderate_message_into_the_announced_buffer_and_leaves_a_long_copy_to_send(
+    linked_pair, monkeypatch
+):
+    monkeypatch.setattr(tcp.TcpTransport, "INLINE_COPY", 256 << 10)
+    a, b = linked_pair
+    _settle_probe(a, b)
+    if not (a.cma is not None and a.cma.sending and b.cma is not None and b.cma.receiving):
+        pytest.skip(f"cross-memory attach is not available here ({a.cma and a.cma.state})")
+    n = max(a.cma.min_bytes, 100 << 10)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    b.post_recv(1, dst)  # announced (SLOT), then its credit
+    flush_pending_credits()
+    _read_what_came(a)
+    src = _bytes(n, 13)
+    written = a.cma.messages_written
+    assert a.try_send(1, src) is True
+    assert a.cma.messages_written == written + 1  # copied into b's buffer in this thread
+    assert b.wait_recv(1, timeout=5).nbytes == n and torch.equal(dst, src)
+    big = torch.zeros(1 << 20, dtype=torch.uint8)
+    b.post_recv(2, big)
+    flush_pending_credits()
+    _read_what_came(a)
+    assert a.try_send(2, _bytes(1 << 20, 14)) is False  # more than INLINE_COPY: send()'s (nothing was sent)
+    a.send(2, torch.full((1 << 20,), 5, dtype=torch.uint8), timeout=10)
+    assert b.wait_recv(2, timeout=10).nbytes == 1 << 20 and bool((big == 5).all())
+    assert a.cma.messages_written == written + 2
