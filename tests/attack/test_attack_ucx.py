@@ -232,3 +232,36 @@ def test_malformed_hellos_on_the_ucx_listener_are_dropped():
         box[0].close()
     finally:
         lst.close()
+
+
+# An untrusted listener alone in its process: a garbage worker address goes to the sandbox, which must
+# unpack it with the untrusted engine's transport list, without making a trusted engine here.
+_SANDBOX_ENGINE = r"""
+import os, socket
+from tensorwire.transport import ucx as U
+from tensorwire.transport.ucx import engine as E
+lst = U.UcxListener("127.0.0.1", untrusted=True)
+nonce = os.urandom(16)
+lst.expect(nonce)
+addr = os.urandom(300)
+with socket.create_connection(("127.0.0.1", lst.address[1]), timeout=10) as s:
+    s.sendall(U.HELLO.pack(U.HELLO_MAGIC, U.PROTOCOL_VERSION, 7, nonce, bytes(16), len(addr)) + addr)
+    s.settimeout(60)
+    reply = s.recv(U.REPLY.size)
+assert reply[:8] in (U.REPLY_NO, b""), reply
+assert lst.rejected == 1 and lst._check.started == 1, (lst.rejected, lst._check.started)
+tls = E.ENGINES[True].ctx.config["TLS"]
+assert "cma" in tls and tls.startswith("^"), tls
+print("engines", sorted(E.ENGINES), flush=True)
+lst.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_address_sandbox_of_an_untrusted_listener_makes_no_trusted_engine():
+    p = _py(_SANDBOX_ENGINE)
+    try:
+        out, err = p.communicate(timeout=100)
+    finally:
+        _reap(p)
+    assert p.returncode == 0 and "engines [True]" in out, out + err[-3000:]

@@ -81,9 +81,9 @@ def test_import_leaves_environment_alone() -> None:
     import sys
 
     code = (
-        "import os; before = dict(os.environ); import tensorwire.transport.ucx as u; "
+        "import os; before = dict(os.environ); import tensorwire.transport.ucx; "
         "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
-        "assert not u._ENGINES; print('ok')"
+        "from tensorwire.transport.ucx.engine import ENGINES; assert not ENGINES; print('ok')"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
     out = subprocess.run(
@@ -550,7 +550,7 @@ def test_lost_liveness_connection_means_peer_lost_even_with_the_ucx_endpoint_up(
         assert time.monotonic() - t0 < 10
         with pytest.raises(PeerLostError):
             b.send(3, torch.ones(16, dtype=torch.uint8), step=2, timeout=5)
-        posted = [p for q in b._posted.values() for p in q]
+        posted = [p for st in b._st.values() for p in st.posted]
         b.abort()
         # torn down without the peer: no receive is left posted into our buffers
         assert posted and all(p.req is None or p.req.completed for p in posted)
@@ -563,17 +563,17 @@ def test_lost_liveness_connection_means_peer_lost_even_with_the_ucx_endpoint_up(
 
 def test_error_handling_mode_is_validated(monkeypatch) -> None:
     from tensorwire.errors import ConfigError
-    from tensorwire.transport import ucx as U
+    from tensorwire.transport.ucx.engine import error_handling
 
     monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "sometimes")
     with pytest.raises(ConfigError, match="TENSORWIRE_UCX_ERROR_HANDLING"):
-        U._error_handling()
+        error_handling()
     monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "peer")
-    assert U._error_handling() is True
+    assert error_handling() is True
     monkeypatch.setenv("TENSORWIRE_UCX_ERROR_HANDLING", "none")
-    assert U._error_handling() is False
+    assert error_handling() is False
     monkeypatch.delenv("TENSORWIRE_UCX_ERROR_HANDLING")
-    assert U._error_handling() is True  # default: a peer's death is an error, never an abort
+    assert error_handling() is True  # default: a peer's death is an error, never an abort
 
 
 def test_buffer_descriptors_are_reused_and_keep_no_tensor_alive() -> None:
@@ -582,19 +582,19 @@ def test_buffer_descriptors_are_reused_and_keep_no_tensor_alive() -> None:
 
     import torch
 
-    from tensorwire.transport import ucx as U
+    from tensorwire.transport.ucx.engine import as_array
 
     t = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
-    keep, arr, n = U._as_array(t, writable=True)
+    keep, arr, n = as_array(t, writable=True)
     assert n == t.numel() and arr.ptr == t.data_ptr() and arr.nbytes == n and not arr.readonly
-    keep2, arr2, _ = U._as_array(t, writable=False)
+    keep2, arr2, _ = as_array(t, writable=False)
     assert arr2 is arr and keep2 is t  # same address and size: the same descriptor
     ref = weakref.ref(t.untyped_storage())
     del t, keep, keep2
     gc.collect()
     assert ref() is None  # the cached descriptor does not hold the memory
     empty = torch.empty(0, dtype=torch.uint8)
-    assert U._as_array(empty, writable=True)[2] == 0
+    assert as_array(empty, writable=True)[2] == 0
 
 
 @pytest.mark.timeout(30)
@@ -609,6 +609,40 @@ def test_a_receive_posted_before_close_is_not_returned_after_it(listener: UcxLis
         b.close()
         with pytest.raises(ClosedError):
             b.wait_recv(1, timeout=2)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_warm_tag_builds_no_header_or_credit_buffer_per_message(listener: UcxListener) -> None:
+    """Steady state on a header tag: the receiver's header buffers come back after each message, its
+    credit message for a buffer size is built once, and the sender's header buffer is reused once its
+    send completed -- while every message still arrives whole, with its shape."""
+    import torch
+
+    a, b = _pair(listener)
+    try:
+        slots = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
+        for s in slots:
+            b.post_recv(5, s, header=True)
+        header_buffers: set[int] = set()
+        held = None
+        for k in range(60):
+            n = 8 + k % 5
+            a.send(5, torch.full((n,), k, dtype=torch.uint8), shape=(n,), timeout=10)
+            got = (
+                b.wait_recv(5, timeout=10)
+                if held is None
+                else b.repost_and_wait(5, slots[held], header=True, timeout=10)
+            )
+            held = k % 2
+            assert got.nbytes == n and got.shape == (n,), (k, got)
+            assert bool((slots[held][:n] == k).all()), f"message {k}: wrong bytes"
+            header_buffers.update(id(p.hbuf) for p in b._st[5].posted)
+        assert len(header_buffers) <= 3, len(header_buffers)  # two posted, one back in the free list
+        assert len(b._st[5].grants) == 1  # one buffer size: one credit message, built once
+        assert len(a._st[5].hsend) == 1  # send() returns once the header is out: its buffer is free again
     finally:
         a.close()
         b.close()

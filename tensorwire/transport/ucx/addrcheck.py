@@ -1,4 +1,4 @@
-"""Sandbox for UCX worker addresses sent by untrusted peers (``python -m tensorwire.transport.ucx_addrcheck TLS``).
+"""Sandbox for UCX worker addresses sent by untrusted peers (``python -m tensorwire.transport.ucx.addrcheck TLS FD``).
 
 UCX unpacks a worker address with assertions, not errors: random bytes sent as
 one abort the process that unpacks them (``address.c: Assertion
@@ -7,9 +7,12 @@ be that process, so :class:`tensorwire.transport.ucx.UcxListener` with
 ``untrusted=True`` first hands each address to this small process, which
 makes (and at once closes) an endpoint from it with the daemon's own UCX
 transport list and answers ``Y``, or dies; the daemon then refuses the peer
-and starts a fresh sandbox for the next one.
+and starts a fresh sandbox for the next one (``AddressCheck`` in
+:mod:`tensorwire.transport.ucx.listener`).
 
-Protocol on stdin/stdout: 4-byte little-endian length + address in, one byte out.
+Protocol: 4-byte little-endian length + address in on stdin; one byte out on
+file descriptor ``FD`` (a pipe of its own: whatever UCX prints cannot be taken
+for an answer): ``R`` once ready, then ``Y`` or ``N`` per address.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import os
 import struct
 import sys
 import time
+
+from tensorwire.transport.ucx._ucxx import context_defaults, ucx
 
 
 def _read(n: int) -> bytes:
@@ -31,12 +36,11 @@ def _read(n: int) -> bytes:
 
 
 def main(argv: list[str]) -> int:
-    # UCX logs to stdout: answers go to the original stdout, which UCX no longer sees.
-    out = os.dup(1)
-    os.dup2(2, 1)
-    import ucxx._lib.libucxx as ucx
-
-    config = {"TLS": argv[1]} if len(argv) > 1 and argv[1] else {}
+    tls = argv[1] if len(argv) > 1 else ""
+    out = int(argv[2]) if len(argv) > 2 else 1
+    config = context_defaults()
+    if tls:
+        config["TLS"] = tls
     ctx = ucx.UCXContext(config_dict=config, feature_flags=(ucx.Feature.TAG,))
     worker = ucx.UCXWorker(ctx)
     os.write(out, b"R")  # ready

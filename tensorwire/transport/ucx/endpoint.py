@@ -1,0 +1,485 @@
+"""UcxTransport: the data path of a UCX connection -- posted receives, credits, sends.
+
+:meth:`UcxTransport.post_recv` posts a real UCX tag receive on the slot's
+memory (eager messages are copied in by UCX, rendezvous messages fetched
+zero-copy into it) and sends the peer one 16-byte credit (the buffer's
+capacity and whether it wants a header). :meth:`UcxTransport.send` spends one
+credit per message: without one it waits, up to its timeout, and raises
+:class:`~tensorwire.TransferTimeout` having sent nothing; a message that does
+not fit the credit's buffer is refused on the sender. Header tags get a second
+small receive for the 88-byte header (step, byte count, shape). Why credits,
+and what they cost: ``docs/transports.md``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tensorwire.errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
+from tensorwire.transport.base import HEADER_DIMS, Received
+from tensorwire.transport.ucx._ucxx import Tag, cancelled, ucx
+from tensorwire.transport.ucx.connection import BYE_GRACE_S, EpState, UcxConnection
+from tensorwire.transport.ucx.engine import CUDA_SPIN, Engine, as_array, is_cuda
+from tensorwire.transport.ucx.tagstate import Post, TagState
+from tensorwire.transport.ucx.wire import CRED, DATA, F_HEADER, HDR, HEADER, KIND_SHIFT, NO_SHAPE, check_tag
+
+__all__ = ["UcxTransport"]
+
+#: byte count -> Received(byte count) of a header-less tag (immutable, shared)
+_RECEIVED: dict[int, Received] = {}
+_NO_DIMS = (0,) * HEADER_DIMS
+
+
+class _SendOp:
+    """A message posted by :meth:`UcxTransport.start_send`; :meth:`UcxTransport.wait_send` completes it."""
+
+    __slots__ = ("tag", "reqs", "n", "cuda", "finished", "error")
+
+    def __init__(self, tag: int, reqs: list[Any], n: int, cuda: bool) -> None:
+        self.tag = tag
+        self.reqs = reqs
+        self.n = n
+        self.cuda = cuda
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the bytes are out (or the send failed); no progress is made here."""
+        return self.finished or self.error is not None or all(r.completed for r, _ in self.reqs)
+
+
+class UcxTransport(UcxConnection):
+    """A UCX endpoint to one peer with credit flow control. See the module docstring."""
+
+    kind = "ucx"
+    reaches_cuda = True
+    any_dtype = True
+    async_send = True
+
+    def __init__(
+        self,
+        eng: Engine,
+        ep: Any,
+        state: EpState,
+        *,
+        rid: int,
+        peer_rid: int,
+        peer: str,
+        peer_timeout: float = 30.0,
+        peer_errors: bool = True,
+    ) -> None:
+        # Called with the engine lock held.
+        self._st: dict[int, TagState] = {}  # slot tag -> its state, made on first use
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        super().__init__(
+            eng,
+            ep,
+            state,
+            rid=rid,
+            peer_rid=peer_rid,
+            peer=peer,
+            peer_timeout=peer_timeout,
+            peer_errors=peer_errors,
+        )
+
+    def _tagst(self, tag: int) -> TagState:
+        """The state of ``tag``, made on first use (which checks the tag)."""
+        st = self._st.get(tag)
+        if st is None:
+            check_tag(tag)
+            st = self._st[tag] = TagState(self._rid, self._peer_rid, tag)
+        return st
+
+    # -- receiving -----------------------------------------------------------------
+    def post_recv(self, tag: int, buf: Any, *, header: bool = False) -> None:
+        st = self._st.get(tag) or self._tagst(tag)
+        keep, arr, cap = as_array(buf, writable=True)
+        eng = self._eng
+        eng.wanted.append(None)
+        eng.lock.acquire()
+        eng.wanted.pop()
+        try:
+            self._check_usable()
+            self._post(st, keep, arr, cap, header)
+        finally:
+            eng.lock.release()
+
+    def _post(self, st: TagState, keep: Any, arr: Any, cap: int, header: bool) -> None:
+        """post_recv under the engine lock (usability already checked): a receive, and a credit for it."""
+        hbuf = harr = None
+        if header:
+            hbuf, harr = st.header_buffer()
+        if self._bye_at is not None or self._lost_at is not None:
+            # The peer said goodbye (or its endpoint failed moments ago): like a TCP
+            # stream not yet read up to its end, accept the post; no credit goes out and
+            # only a message already sent can fill it (else its wait raises PeerLostError).
+            st.posted.append(Post(None, keep, arr, cap, None, hbuf, harr))
+            return
+        ep = self._ep
+        try:
+            req = ep.tag_recv(arr, tag=st.data_rx)
+            hreq = ep.tag_recv(harr, tag=st.hdr_rx) if header else None
+            st.posted.append(Post(req, keep, arr, cap, hreq, hbuf, harr))
+            # The credit: one 16-byte message, built once per buffer size (eager: usually out at once).
+            g = st.grants.get((cap, F_HEADER if header else 0)) or st.grant_message(cap, F_HEADER if header else 0)
+            creq = ep.tag_send(g[1], tag=st.cred_tx)
+        except ucx.UCXError as exc:
+            raise self._fail_from(exc, f"posting a receive on tag {st.tag}") from exc
+        sends = self._sends
+        if not creq.completed:
+            sends.append((creq, g))
+        elif sends:
+            while sends and sends[0][0].completed:
+                sends.popleft()
+
+    def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
+        return self._wait_recv(self._st.get(tag) or self._tagst(tag), timeout, None)
+
+    def repost_and_wait(self, tag: int, buf: Any, *, header: bool = False, timeout: float | None) -> Received:
+        # The post (a tag receive and a credit: ~10 us of Python per message on an H200 host)
+        # runs inside the wait, once progress has done something -- normally picked up the
+        # message the peer announced, whose rendezvous (the cuda_ipc copy) then overlaps the
+        # post instead of following it -- or when the message is complete, or at the timeout.
+        # It cannot be needed earlier: the peer spends this credit on the message after the
+        # one awaited here. Measured on 2 x H200 (a probe in bench/'s history, tw-trace): posting
+        # first put the post on the critical path of every message of a stream.
+        st = self._st.get(tag) or self._tagst(tag)
+        keep, arr, cap = as_array(buf, writable=True)
+        return self._wait_recv(st, timeout, (keep, arr, cap, header))
+
+    def _wait_recv(self, st: TagState, timeout: float | None, repost: tuple[Any, Any, int, bool] | None) -> Received:
+        eng = self._eng
+        q = st.posted
+        out: list[Received] = []
+        events0 = eng.events
+
+        def ready() -> bool:
+            nonlocal repost
+            if self._closed:
+                # Closed by this side: its receives were released (completed empty), not filled.
+                self._check_usable()
+            # Nothing recorded, no goodbye, no loss, no control message waiting: what _check_usable
+            # looks at, without its calls (the common case).
+            c = self._ctrl_req
+            healthy = (
+                self._error is None and self._bye_at is None and self._lost_at is None and c is not None
+            ) and not c.completed
+            if q:
+                p = q[0]
+                r = p.req
+                if r is not None and r.completed and (p.hreq is None or p.hreq.completed):
+                    got = self._finish(st, p)
+                    if got is not None:
+                        q.popleft()
+                        out.append(got)
+                        if repost is not None:
+                            again, repost = repost, None
+                            if not healthy:
+                                self._check_usable()
+                            self._post(st, *again)
+                        return True
+                if not healthy and (self._bye_at is not None or self._lost_at is not None):
+                    self._salvage(st, p)  # (picked up at the next check)
+            if repost is not None and (early or eng.events != events0 or not q):
+                again, repost = repost, None  # (with nothing posted, the buffer is the one awaited)
+                if not healthy:
+                    self._check_usable()
+                self._post(st, *again)
+            if not healthy:
+                self._check_usable()
+                if self._bye_at is not None and time.monotonic() - self._bye_at >= BYE_GRACE_S:
+                    raise PeerLostError(f"peer {self._peer} closed the link (nothing more arrived on tag {st.tag})")
+            return False
+
+        head = q[0].keep if q else (repost[0] if repost is not None else None)
+        cuda = head is not None and is_cuda(head)
+        # Host memory: the post goes first when the awaited message is not complete yet -- the wait is
+        # idle then (a round trip: the peer has not answered), where after the message it would delay
+        # the caller's answer by the post (a tag receive and a credit, ~4 us); in a stream it costs the
+        # same either way (the copy of a host rendezvous runs inside progress, nothing to overlap).
+        early = not cuda
+        if not eng.wait(
+            ready, None if timeout is None else time.monotonic() + timeout, spin=CUDA_SPIN if cuda else None
+        ):
+            if repost is not None:
+                with eng.op():
+                    self._check_usable()
+                    self._post(st, *repost)
+            raise TransferTimeout(f"receive on tag {st.tag} timed out after {timeout}s (peer {self._peer})")
+        return out[0]
+
+    def _finish(self, st: TagState, p: Post) -> Received | None:
+        """A completed receive's result; None when UCX cancelled it (the peer's endpoint failed)."""
+        try:
+            p.req.check_error()
+            if p.hreq is not None:
+                p.hreq.check_error()
+        except ucx.UCXCanceledError:
+            return None  # not filled: _salvage looks for its message in UCX's unexpected queue
+        except ucx.UCXError as exc:
+            raise self._fail_from(exc, f"receive on tag {st.tag}") from exc
+        if p.hreq is None:
+            self.bytes_received += p.cap
+            got = _RECEIVED.get(p.cap)
+            if got is None:  # immutable: one per size (a frozen dataclass costs ~1 us to build)
+                got = Received(p.cap)
+                if len(_RECEIVED) < 4096:
+                    _RECEIVED[p.cap] = got
+            return got
+        step, nbytes, ndim, *dims = HDR.unpack_from(p.hbuf)
+        st.hfree.append((p.hbuf, p.harr))
+        if nbytes > p.cap:
+            self._fail(ProtocolError(f"peer {self._peer} announced {nbytes} bytes for a {p.cap}-byte slot"))
+            self._check_usable()
+        if ndim == NO_SHAPE:
+            shape = None
+        elif ndim <= HEADER_DIMS:
+            shape = tuple(dims[:ndim])
+        else:
+            self._fail(ProtocolError(f"bad ndim {ndim} from {self._peer}"))
+            self._check_usable()
+        self.bytes_received += nbytes
+        return Received(nbytes, shape, step)
+
+    def _salvage(self, st: TagState, p: Post) -> None:
+        """The peer is gone: refill a receive UCX cancelled (or never posted) from the unexpected queue."""
+        if self._closed:
+            return
+        worker = self._eng.worker
+        for kind, attr, arr in ((DATA, "req", p.arr), (HEADER, "hreq", p.harr)):
+            if arr is None or not cancelled(getattr(p, attr)):
+                continue
+            try:
+                probe = worker.tag_probe(Tag(self._rid | (kind << KIND_SHIFT) | st.tag), remove=True)
+                if probe.matched:
+                    setattr(p, attr, worker.tag_recv_with_handle(arr, probe))
+            except ucx.UCXError as exc:
+                raise self._fail_from(exc, f"receive on tag {st.tag}") from exc
+
+    # -- sending -------------------------------------------------------------------
+    def _try_post(
+        self,
+        st: TagState,
+        keep: Any,
+        arr: Any,
+        n: int,
+        step: int | None,
+        shape: tuple[int, ...] | None,
+        reqs: list[Any],
+    ) -> bool:
+        """Under the lock: spend a credit on the tag and post the message (True), or find none (False)."""
+        c = self._ctrl_req
+        if self._error is not None or self._bye_at is not None or self._lost_at is not None or c is None or c.completed:
+            self._check_usable()
+            if self._bye_at is not None:
+                raise PeerLostError(f"peer {self._peer} closed the link")
+            if self._lost_at is not None:
+                self._fail(PeerLostError(f"peer {self._peer} lost (its connection closed or timed out)"))
+                self._check_usable()
+        q = st.credits
+        if q:
+            credit = q.popleft()
+        else:
+            r = st.cred_req
+            try:
+                if r is None:
+                    r = st.cred_req = self._ep.tag_recv(st.cred_arr, tag=st.cred_rx)
+                if not r.completed:
+                    return False
+                st.cred_req = None
+                r.check_error()
+            except ucx.UCXError as exc:
+                raise self._fail_from(exc, f"waiting for a credit on tag {st.tag}") from exc
+            credit = CRED.unpack_from(st.cred_buf)
+        self._post_send(st, credit, keep, arr, n, step, shape, reqs)
+        if st.cred_req is None:
+            # Armed for the next credit after the data, so the message goes out first (credits sent
+            # meanwhile wait in UCX's unexpected queue).
+            try:
+                st.cred_req = self._ep.tag_recv(st.cred_arr, tag=st.cred_rx)
+            except ucx.UCXError as exc:
+                raise self._fail_from(exc, f"waiting for a credit on tag {st.tag}") from exc
+        return True
+
+    def _sent(self, tag: int, reqs: list[Any]) -> bool:
+        """Under the lock: whether every request of a posted message completed (raises its error)."""
+        for r, _ in reqs:
+            if not r.completed:
+                self._check_usable()
+                return False
+        for r, _ in reqs:
+            try:
+                r.check_error()
+            except ucx.UCXError as exc:
+                raise self._fail_from(exc, f"send on tag {tag}") from exc
+        return True
+
+    def send(
+        self,
+        tag: int,
+        buf: Any,
+        *,
+        step: int | None = None,
+        shape: tuple[int, ...] | None = None,
+        timeout: float | None,
+    ) -> None:
+        st = self._st.get(tag) or self._tagst(tag)
+        keep, arr, n = as_array(buf, writable=False)
+        if shape is not None and len(shape) > HEADER_DIMS:
+            raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+        reqs: list[Any] = []  # (request, buffers it reads) once the message is posted
+        eng = self._eng
+        # Fast path (a credit in hand, an eager message out at once): one pass under the lock, no
+        # waiting loop -- what eng.wait's first check does, without its set-up.
+        eng.wanted.append(None)
+        eng.lock.acquire()
+        eng.wanted.pop()
+        try:
+            if self._try_post(st, keep, arr, n, step, shape, reqs) and self._sent(tag, reqs):
+                self.bytes_sent += n
+                return
+        except TensorWireError:
+            if reqs:
+                self._settle(reqs)
+            raise
+        finally:
+            eng.lock.release()
+
+        def progressed() -> bool:
+            # phase 1: a credit, then post header + payload; phase 2: the payload is out of ``buf``
+            # (eager sends usually finish right here)
+            if not reqs and not self._try_post(st, keep, arr, n, step, shape, reqs):
+                return False
+            return self._sent(tag, reqs)
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            ok = eng.wait(progressed, deadline, spin=CUDA_SPIN if is_cuda(keep) else None)
+        except TensorWireError:
+            if reqs:
+                with eng.op():
+                    self._settle(reqs)
+            raise
+        if not ok:
+            if not reqs:
+                raise TransferTimeout(
+                    f"no credit to send on tag {tag} within {timeout}s (peer {self._peer} posted no buffer)"
+                )
+            # The message is on its way and cannot be recalled: the link is broken.
+            with eng.op():
+                self._fail(PeerLostError(f"send on tag {tag} to {self._peer} stalled past its timeout"))
+                self._teardown(goodbye=True)
+                self._settle(reqs)
+            raise TransferTimeout(f"send on tag {tag} did not complete within {timeout}s (peer {self._peer})")
+        self.bytes_sent += n
+
+    def start_send(
+        self,
+        tag: int,
+        buf: Any,
+        *,
+        step: int | None = None,
+        shape: tuple[int, ...] | None = None,
+        timeout: float | None,
+    ) -> "_SendOp":
+        """Post a message without waiting for its bytes to leave ``buf``: :meth:`wait_send` does.
+
+        Waits (up to ``timeout``) only for the receiver's credit, like :meth:`send`,
+        and raises TransferTimeout having sent nothing if none comes. Several
+        messages may be in flight at once (as many as the receiver posted
+        buffers for); ``buf`` must stay untouched until the message is out.
+        The transport keeps ``buf`` referenced until UCX is done with it, even
+        if nobody waits.
+        """
+        st = self._st.get(tag) or self._tagst(tag)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keep, arr, n = as_array(buf, writable=False)
+        if shape is not None and len(shape) > HEADER_DIMS:
+            raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+        reqs: list[Any] = []
+
+        def posted() -> bool:
+            if not self._try_post(st, keep, arr, n, step, shape, reqs):
+                return False
+            self._settle(reqs)  # referenced until complete, whoever waits (or nobody)
+            return True
+
+        if not self._eng.wait(posted, deadline, spin=CUDA_SPIN if is_cuda(keep) else None):
+            raise TransferTimeout(
+                f"no credit to send on tag {tag} within {timeout}s (peer {self._peer} posted no buffer)"
+            )
+        return _SendOp(tag, reqs, n, is_cuda(keep))
+
+    def wait_send(self, op: "_SendOp", *, timeout: float | None) -> None:
+        """Wait until the message of :meth:`start_send` is out of its buffer.
+
+        Raises:
+            TransferTimeout: not yet within ``timeout`` (the send goes on; wait again).
+            PeerLostError, ClosedError, ...: the send failed.
+        """
+        if op.error is not None:
+            raise op.error
+        if op.finished:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            ok = self._eng.wait(lambda: self._sent(op.tag, op.reqs), deadline, spin=CUDA_SPIN if op.cuda else None)
+        except TensorWireError as exc:
+            op.error = exc
+            raise
+        if not ok:
+            raise TransferTimeout(
+                f"send on tag {op.tag} not complete within {timeout}s (peer {self._peer}); it goes on"
+            )
+        op.finished = True
+        self.bytes_sent += op.n
+
+    def _post_send(
+        self,
+        st: TagState,
+        credit: tuple[int, int],
+        keep: Any,
+        arr: Any,
+        n: int,
+        step: int | None,
+        shape: tuple[int, ...] | None,
+        reqs: list[Any],
+    ) -> None:
+        """Spend ``credit``: post the header (if the receiver wants one) and the payload."""
+        cap, flags = credit
+        if n != cap and (n > cap or not flags & F_HEADER):
+            st.credits.appendleft(credit)  # kept: nothing was sent
+            raise ProtocolError(
+                f"{n} bytes do not fit the peer's {cap}-byte buffer on tag {st.tag}"
+                + ("" if flags & F_HEADER else " (a tag without header takes exactly its buffer's size)")
+            )
+        s = st.step = st.step + 1
+        try:
+            if flags & F_HEADER:
+                h = st.header_to_send()
+                if shape is None:
+                    HDR.pack_into(h[0], 0, s if step is None else step, n, NO_SHAPE, *_NO_DIMS)
+                else:
+                    dims = tuple(int(d) for d in shape) + (0,) * (HEADER_DIMS - len(shape))
+                    HDR.pack_into(h[0], 0, s if step is None else step, n, len(shape), *dims)
+                hreq = h[2] = self._ep.tag_send(h[1], tag=st.hdr_tx)
+                reqs.append((hreq, h))
+            reqs.append((self._ep.tag_send(arr, tag=st.data_tx), (keep, arr)))
+        except ucx.UCXError as exc:
+            raise self._fail_from(exc, f"send on tag {st.tag}") from exc
+
+    # -- what a teardown releases ---------------------------------------------------
+    def _posted_requests(self) -> list[tuple[int, Any]]:
+        out: list[tuple[int, Any]] = []
+        for st in self._st.values():
+            out.extend(st.posted_requests(self._rid))
+        return out
+
+    def _receive_buffers(self) -> Any:
+        return dict(self._st)
+
+    def _forget_requests(self) -> None:
+        for st in self._st.values():
+            st.cred_req = None

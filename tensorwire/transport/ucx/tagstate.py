@@ -1,0 +1,126 @@
+"""What one slot tag of one UCX connection needs on the hot path, made once: :class:`TagState`.
+
+A receiver grants one 16-byte credit (the buffer's capacity and whether it
+wants a header) per buffer it posts; a sender spends one per message and
+checks the message against it. Why credits on top of UCX's own matching, and
+what they cost: ``docs/transports.md``. A tag's state holds its six UCX tag
+objects, the receives posted on it, the credits received and not spent yet,
+the receive armed for the next one, and the credit messages it sends (one
+16-byte buffer per capacity, built once: a tag's buffers usually all have one
+size). Everything here is used with the engine lock held.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Deque
+
+from tensorwire.transport.ucx._ucxx import Array, Tag, u8
+from tensorwire.transport.ucx.wire import CRED, CREDIT, DATA, HDR, HEADER, KIND_SHIFT
+
+__all__ = ["Post", "TagState"]
+
+#: Credit messages a tag keeps built, one per (capacity, flags); more are rare (a serve client's parts).
+MAX_GRANTS = 16
+#: Header buffers a tag keeps for the headers it sends (one is enough while each goes out at once).
+MAX_HEADERS_IN_FLIGHT = 4
+
+
+class Post:
+    """A buffer posted on a tag: its receive, and its header's receive on a header tag."""
+
+    __slots__ = ("req", "keep", "arr", "cap", "hreq", "hbuf", "harr")
+
+    def __init__(self, req: Any, keep: Any, arr: Any, cap: int, hreq: Any, hbuf: Any, harr: Any) -> None:
+        self.req = req  # None: posted after the peer left, filled only from UCX's unexpected queue
+        self.keep = keep
+        self.arr = arr
+        self.cap = cap
+        self.hreq = hreq
+        self.hbuf = hbuf
+        self.harr = harr
+
+
+class TagState:
+    """One slot tag of one connection: UCX tags, posted receives, credits both ways, the send counter."""
+
+    __slots__ = (
+        "tag",
+        "data_rx",
+        "hdr_rx",
+        "cred_rx",
+        "data_tx",
+        "hdr_tx",
+        "cred_tx",
+        "posted",
+        "credits",
+        "cred_req",
+        "cred_buf",
+        "cred_arr",
+        "grants",
+        "hfree",
+        "hsend",
+        "step",
+    )
+
+    def __init__(self, rid: int, peer_rid: int, tag: int) -> None:
+        self.tag = tag
+        # The six UCX tag objects, built once (0.4 us each per message otherwise).
+        self.data_rx = Tag(rid | (DATA << KIND_SHIFT) | tag)
+        self.hdr_rx = Tag(rid | (HEADER << KIND_SHIFT) | tag)
+        self.cred_rx = Tag(rid | (CREDIT << KIND_SHIFT) | tag)
+        self.data_tx = Tag(peer_rid | (DATA << KIND_SHIFT) | tag)
+        self.hdr_tx = Tag(peer_rid | (HEADER << KIND_SHIFT) | tag)
+        self.cred_tx = Tag(peer_rid | (CREDIT << KIND_SHIFT) | tag)
+        self.posted: Deque[Post] = collections.deque()  # receives posted on this tag, oldest first
+        self.credits: Deque[tuple[int, int]] = collections.deque()  # the peer's, received, not spent
+        self.cred_req: Any = None  # the receive armed for the peer's next credit
+        self.cred_buf = u8(CRED.size)
+        self.cred_arr = Array(self.cred_buf)
+        self.grants: dict[tuple[int, int], tuple[Any, Any]] = {}  # (capacity, flags) -> credit message
+        self.hfree: list[tuple[Any, Any]] = []  # header receive buffers free for the next post
+        self.hsend: list[list[Any]] = []  # [buffer, ucxx Array, its last send] of the headers this side sends
+        self.step = 0  # messages sent on this tag
+
+    def grant_message(self, cap: int, flags: int) -> tuple[Any, Any]:
+        """The credit message for a buffer of ``cap`` bytes (buffer, ucxx Array), built once per size."""
+        g = self.grants.get((cap, flags))
+        if g is None:
+            if len(self.grants) >= MAX_GRANTS:
+                self.grants.clear()  # (messages in flight keep their buffers referenced)
+            buf = u8(CRED.size)
+            CRED.pack_into(buf, 0, cap, flags)
+            g = self.grants[(cap, flags)] = (buf, Array(buf))
+        return g
+
+    def header_buffer(self) -> tuple[Any, Any]:
+        """A header receive buffer (buffer, ucxx Array): a free one, or a new one the first times."""
+        if self.hfree:
+            return self.hfree.pop()
+        hbuf = u8(HDR.size)
+        return hbuf, Array(hbuf)
+
+    def header_to_send(self) -> list[Any]:
+        """[buffer, ucxx Array, last send] for the next header: one whose last send completed (a header is
+        eager: usually the first), a new one the first times, or an unkept one if all are still busy."""
+        for h in self.hsend:
+            r = h[2]
+            if r is None or r.completed:
+                return h
+        hbuf = u8(HDR.size)
+        h = [hbuf, Array(hbuf), None]
+        if len(self.hsend) < MAX_HEADERS_IN_FLIGHT:
+            self.hsend.append(h)
+        return h
+
+    def posted_requests(self, rid: int) -> list[tuple[int, Any]]:
+        """(full tag, request) of this tag's receives still posted (``rid``: this side's id, shifted)."""
+        out: list[tuple[int, Any]] = []
+        for p in self.posted:
+            if p.req is not None and not p.req.completed:
+                out.append((rid | (DATA << KIND_SHIFT) | self.tag, p.req))
+            if p.hreq is not None and not p.hreq.completed:
+                out.append((rid | (HEADER << KIND_SHIFT) | self.tag, p.hreq))
+        if self.cred_req is not None and not self.cred_req.completed:
+            out.append((rid | (CREDIT << KIND_SHIFT) | self.tag, self.cred_req))
+        return out
