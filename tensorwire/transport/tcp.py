@@ -263,7 +263,8 @@ class TcpTransport(Transport):
         self._credits: dict[int, int] = collections.defaultdict(int)
         self._recv_steps: dict[int, int] = collections.defaultdict(int)
         self._send_steps: dict[int, int] = collections.defaultdict(int)
-        self._pending_credits: collections.Counter[int] = collections.Counter()
+        # credits granted but not sent yet, by tag (a defaultdict: a missing key costs no Python call, unlike a Counter)
+        self._pending_credits: dict[int, int] = collections.defaultdict(int)
         self._reader_busy = False
         self._waiters = 0  # threads in cond.wait: notify only when someone listens
         self._send_lock = threading.Lock()
