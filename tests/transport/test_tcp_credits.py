@@ -46,7 +46,9 @@ def _peer_process(port: int, nonce: bytes, go, result) -> None:
 
 
 def test_a_credit_posted_during_a_send_reaches_the_peer():
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a child forked after an earlier test ran a parallel torch operation in this
+    # process hangs in torch's inherited thread pool (its first torch.zeros never returns).
+    ctx = mp.get_context("spawn")
     go, result = ctx.Event(), ctx.Queue()
     lst = TcpListener("127.0.0.1", port=0)
     nonce = new_nonce()
