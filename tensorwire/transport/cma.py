@@ -124,8 +124,10 @@ _REASONS = {
 }
 _OFF, _UNSUPPORTED, _OTHER_HOST, _OTHER_PIDNS, _NO_GRANT, _NO_PIDFD = 1, 2, 3, 4, 5, 6
 
-#: A message is split into pieces of at least this many bytes for the copy threads.
-PIECE_MIN = 1 << 20
+#: A message is split into pieces of at least this many bytes for the copy threads. One thread copied
+#: about 3 GB/s on a 16-core host (1 MiB messages of bench/results/distributed_h100_2026-11-24-2.md, against
+#: 11-13 GB/s for 16 MiB and more in four pieces), so a 1 MiB message is already worth splitting.
+PIECE_MIN = 256 << 10
 _PAGE = 4096
 _PR_SET_PTRACER = 0x59616D61
 
