@@ -551,9 +551,8 @@ def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_
     monkeypatch.setattr(shm_maps.Copier, "TORCH_GATHER_MIN_CPUS", 1)
     monkeypatch.setattr(shm_maps.Copier, "SPLIT_BYTES", parallel_bytes)
     monkeypatch.setattr(shm_maps.Copier, "TAKE_SPLIT_BYTES", parallel_bytes)
-    monkeypatch.setattr(
-        shm_maps.Copier, "_split", lambda self, n, least: helpers if n >= least else 0
-    )  # whatever the load
+    # whatever the load
+    monkeypatch.setattr(shm_maps.Copier, "_split", lambda self, n, least: helpers if n >= least else 0)
     g = torch.Generator().manual_seed(11)
     with Client(srv.address, transport="shm") as c:
         for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.uint8):
