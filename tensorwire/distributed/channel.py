@@ -154,6 +154,7 @@ class SendWork(Work):
     _staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
     _flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` when done
     _seq = 0
+    _precopied = False  # the slot was filled on the caller's stream (in order before the event of ``mark``)
 
     def __init__(self, peer: "Peer", sig: Signature, tag: int, tensors: list[torch.Tensor]) -> None:
         super().__init__(peer.timeout, tensors)
@@ -618,8 +619,23 @@ class _SendChannel:
                 self.send_lock.release()
         ev = flag = None
         if device_side:
-            ev = peer.ops.mark(tensor)  # the bytes are final once the caller's stream reaches it
+            # A slot is taken here, in the caller's thread, before any stream waits on this send: allocating
+            # pinned or device memory synchronizes with the device, which would deadlock in the sender thread
+            # while the caller's stream waits on the flag that thread releases.
+            if not t.reaches_cuda:  # through a pinned host slot (TCP)
+                work._staging = (sig, "pinned", peer.pool.take(sig, "pinned"))
+            elif not tensor.is_contiguous():
+                work._staging = (sig, "same", peer.pool.take(sig, "same", tensor.device))
             flag = self.flag_for(tensor)
+            staging = work._staging
+            if flag is not None and staging is not None:
+                # GPU work that a thread of tensorwire's queues while the caller's stream waits on a flag that
+                # thread releases may never run (measured on an H100: a copy kernel, and now and then a copy,
+                # never completed). The copy into the slot goes on the caller's stream, in order, right now;
+                # the thread only sends the slot once the stream has reached the event after it.
+                peer.ops.copy_on_stream(staging[2], tensor)
+                work._precopied = True
+            ev = peer.ops.mark(tensor)  # the bytes are final once the caller's stream reaches it
         work._chan = self
         with self.cond:
             if flag is not None:
@@ -706,15 +722,11 @@ class _SendChannel:
                     raise WorkTimeout(
                         f"{work._what}: the caller's CUDA stream did not reach the isend within {peer.timeout:.3g} s"
                     )
-                if not t.reaches_cuda:  # through a pinned host slot (TCP)
-                    slot = peer.pool.take(sig, "pinned")
-                    work._staging = (sig, "pinned", slot)
-                    ops.copy(slot, tensor)
-                    tensor = slot
-                elif not tensor.is_contiguous():
-                    slot = peer.pool.take(sig, "same", tensor.device)
-                    work._staging = (sig, "same", slot)
-                    ops.copy(slot, tensor)
+                staging = work._staging  # (taken by the caller's thread: see _submit)
+                if staging is not None:  # through a pinned host slot (TCP) or out of a non-contiguous tensor
+                    slot = staging[2]
+                    if not work._precopied:
+                        ops.copy(slot, tensor)
                     tensor = slot
             t.send(self.tag, _wire(t, tensor), shape=hdr, timeout=peer.timeout)
         except TransferTimeout as exc_:  # no credit within the group's timeout: nothing sent, the pair lives on
@@ -870,7 +882,10 @@ class Peer:
             ready = self.ops.mark(tensor)
             work._device_side = True
             work._ready = ready if staging is not None else None
-            work._flag = chan.flag_for(tensor)
+            # Through a slot (TCP's pinned one, a non-contiguous tensor's), the bytes reach the tensor by a copy
+            # that a thread of tensorwire's makes once they are in; queued while a stream waits on a flag, it
+            # may never run (see _SendChannel._submit): such a receive's wait() blocks the host instead.
+            work._flag = chan.flag_for(tensor) if staging is None else None
         if self.error is not None:
             work._finish(self.error)
             return work
