@@ -18,17 +18,16 @@ from typing import Any
 
 from tensorwire.errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from tensorwire.transport.base import HEADER_DIMS, Received
-from tensorwire.transport.ucx._ucxx import Tag, cancelled, ucx
+from tensorwire.transport.ucx._ucxx import ucx
 from tensorwire.transport.ucx.connection import BYE_GRACE_S, EpState, UcxConnection
 from tensorwire.transport.ucx.engine import CUDA_SPIN, Engine, as_array, is_cuda
 from tensorwire.transport.ucx.tagstate import Post, TagState
-from tensorwire.transport.ucx.wire import CRED, DATA, F_HEADER, HDR, HEADER, KIND_SHIFT, NO_SHAPE, check_tag
+from tensorwire.transport.ucx.wire import F_HEADER, check_tag
 
 __all__ = ["UcxTransport"]
 
 #: byte count -> Received(byte count) of a header-less tag (immutable, shared)
 _RECEIVED: dict[int, Received] = {}
-_NO_DIMS = (0,) * HEADER_DIMS
 
 
 class _SendOp:
@@ -70,7 +69,6 @@ class UcxTransport(UcxConnection):
         peer_errors: bool = True,
     ) -> None:
         # Called with the engine lock held.
-        self._st: dict[int, TagState] = {}  # slot tag -> its state, made on first use
         self.bytes_sent = 0
         self.bytes_received = 0
         super().__init__(
@@ -228,33 +226,19 @@ class UcxTransport(UcxConnection):
                 if len(_RECEIVED) < 4096:
                     _RECEIVED[p.cap] = got
             return got
-        step, nbytes, ndim, *dims = HDR.unpack_from(p.hbuf)
-        st.hfree.append((p.hbuf, p.harr))
-        if nbytes > p.cap:
-            self._fail(ProtocolError(f"peer {self._peer} announced {nbytes} bytes for a {p.cap}-byte slot"))
-            self._check_usable()
-        if ndim == NO_SHAPE:
-            shape = None
-        elif ndim <= HEADER_DIMS:
-            shape = tuple(dims[:ndim])
-        else:
-            self._fail(ProtocolError(f"bad ndim {ndim} from {self._peer}"))
-            self._check_usable()
-        self.bytes_received += nbytes
-        return Received(nbytes, shape, step)
+        try:
+            got = st.read_header(p)
+        except ProtocolError as exc:
+            self._fail(ProtocolError(f"peer {self._peer}: {exc}"))
+            raise self._fail_from(exc, f"receive on tag {st.tag}") from exc  # (the error just recorded)
+        self.bytes_received += got.nbytes
+        return got
 
     def _salvage(self, st: TagState, p: Post) -> None:
         """The peer is gone: refill a receive UCX cancelled (or never posted) from the unexpected queue."""
-        if self._closed:
-            return
-        worker = self._eng.worker
-        for kind, attr, arr in ((DATA, "req", p.arr), (HEADER, "hreq", p.harr)):
-            if arr is None or not cancelled(getattr(p, attr)):
-                continue
+        if not self._closed:
             try:
-                probe = worker.tag_probe(Tag(self._rid | (kind << KIND_SHIFT) | st.tag), remove=True)
-                if probe.matched:
-                    setattr(p, attr, worker.tag_recv_with_handle(arr, probe))
+                st.salvage(self._eng.worker, self._rid, p)
             except ucx.UCXError as exc:
                 raise self._fail_from(exc, f"receive on tag {st.tag}") from exc
 
@@ -278,21 +262,12 @@ class UcxTransport(UcxConnection):
             if self._lost_at is not None:
                 self._fail(PeerLostError(f"peer {self._peer} lost (its connection closed or timed out)"))
                 self._check_usable()
-        q = st.credits
-        if q:
-            credit = q.popleft()
-        else:
-            r = st.cred_req
-            try:
-                if r is None:
-                    r = st.cred_req = self._ep.tag_recv(st.cred_arr, tag=st.cred_rx)
-                if not r.completed:
-                    return False
-                st.cred_req = None
-                r.check_error()
-            except ucx.UCXError as exc:
-                raise self._fail_from(exc, f"waiting for a credit on tag {st.tag}") from exc
-            credit = CRED.unpack_from(st.cred_buf)
+        try:
+            credit = st.credits.popleft() if st.credits else st.take_credit(self._ep)
+        except ucx.UCXError as exc:
+            raise self._fail_from(exc, f"waiting for a credit on tag {st.tag}") from exc
+        if credit is None:
+            return False
         self._post_send(st, credit, keep, arr, n, step, shape, reqs)
         if st.cred_req is None:
             # Armed for the next credit after the data, so the message goes out first (credits sent
@@ -458,28 +433,9 @@ class UcxTransport(UcxConnection):
         s = st.step = st.step + 1
         try:
             if flags & F_HEADER:
-                h = st.header_to_send()
-                if shape is None:
-                    HDR.pack_into(h[0], 0, s if step is None else step, n, NO_SHAPE, *_NO_DIMS)
-                else:
-                    dims = tuple(int(d) for d in shape) + (0,) * (HEADER_DIMS - len(shape))
-                    HDR.pack_into(h[0], 0, s if step is None else step, n, len(shape), *dims)
+                h = st.header_to_send(s if step is None else step, n, shape)
                 hreq = h[2] = self._ep.tag_send(h[1], tag=st.hdr_tx)
                 reqs.append((hreq, h))
             reqs.append((self._ep.tag_send(arr, tag=st.data_tx), (keep, arr)))
         except ucx.UCXError as exc:
             raise self._fail_from(exc, f"send on tag {st.tag}") from exc
-
-    # -- what a teardown releases ---------------------------------------------------
-    def _posted_requests(self) -> list[tuple[int, Any]]:
-        out: list[tuple[int, Any]] = []
-        for st in self._st.values():
-            out.extend(st.posted_requests(self._rid))
-        return out
-
-    def _receive_buffers(self) -> Any:
-        return dict(self._st)
-
-    def _forget_requests(self) -> None:
-        for st in self._st.values():
-            st.cred_req = None

@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 from typing import Any, Deque
 
-from tensorwire.transport.ucx._ucxx import Array, Tag, u8
-from tensorwire.transport.ucx.wire import CRED, CREDIT, DATA, HDR, HEADER, KIND_SHIFT
+from tensorwire.errors import ProtocolError
+from tensorwire.transport.base import HEADER_DIMS, Received
+from tensorwire.transport.ucx._ucxx import Array, Tag, cancelled, u8
+from tensorwire.transport.ucx.wire import CRED, CREDIT, DATA, HDR, HEADER, KIND_SHIFT, NO_SHAPE
 
 __all__ = ["Post", "TagState"]
 
@@ -24,6 +26,7 @@ __all__ = ["Post", "TagState"]
 MAX_GRANTS = 16
 #: Header buffers a tag keeps for the headers it sends (one is enough while each goes out at once).
 MAX_HEADERS_IN_FLIGHT = 4
+_NO_DIMS = (0,) * HEADER_DIMS
 
 
 class Post:
@@ -100,18 +103,71 @@ class TagState:
         hbuf = u8(HDR.size)
         return hbuf, Array(hbuf)
 
-    def header_to_send(self) -> list[Any]:
-        """[buffer, ucxx Array, last send] for the next header: one whose last send completed (a header is
-        eager: usually the first), a new one the first times, or an unkept one if all are still busy."""
+    def take_credit(self, ep: Any) -> tuple[int, int] | None:
+        """The peer's next credit for this tag that has arrived -- (capacity, flags) -- or None.
+
+        Raises:
+            ucx.UCXError: from UCX (the caller translates it).
+        """
+        r = self.cred_req
+        if r is None:
+            r = self.cred_req = ep.tag_recv(self.cred_arr, tag=self.cred_rx)
+        if not r.completed:
+            return None
+        self.cred_req = None  # armed again after the message it is spent on (UcxTransport._try_post)
+        r.check_error()
+        return CRED.unpack_from(self.cred_buf)
+
+    def header_to_send(self, step: int, nbytes: int, shape: tuple[int, ...] | None) -> list[Any]:
+        """[buffer, ucxx Array, last send] holding the header of the next message.
+
+        The buffer is one whose last send completed (a header is eager: usually the first), a new one the
+        first times, or an unkept one if all are still in flight.
+        """
         for h in self.hsend:
             r = h[2]
             if r is None or r.completed:
-                return h
-        hbuf = u8(HDR.size)
-        h = [hbuf, Array(hbuf), None]
-        if len(self.hsend) < MAX_HEADERS_IN_FLIGHT:
-            self.hsend.append(h)
+                break
+        else:
+            hbuf = u8(HDR.size)
+            h = [hbuf, Array(hbuf), None]
+            if len(self.hsend) < MAX_HEADERS_IN_FLIGHT:
+                self.hsend.append(h)
+        if shape is None:
+            HDR.pack_into(h[0], 0, step, nbytes, NO_SHAPE, *_NO_DIMS)
+        else:
+            dims = tuple(int(d) for d in shape) + (0,) * (HEADER_DIMS - len(shape))
+            HDR.pack_into(h[0], 0, step, nbytes, len(shape), *dims)
         return h
+
+    def read_header(self, p: Post) -> Received:
+        """What the header received with ``p`` says (its buffer goes back to the free list).
+
+        Raises:
+            ProtocolError: more bytes announced than ``p`` holds, or a bad rank.
+        """
+        step, nbytes, ndim, *dims = HDR.unpack_from(p.hbuf)
+        self.hfree.append((p.hbuf, p.harr))
+        if nbytes > p.cap:
+            raise ProtocolError(f"{nbytes} bytes announced for a {p.cap}-byte slot on tag {self.tag}")
+        if ndim == NO_SHAPE:
+            return Received(nbytes, None, step)
+        if ndim > HEADER_DIMS:
+            raise ProtocolError(f"bad ndim {ndim} on tag {self.tag}")
+        return Received(nbytes, tuple(dims[:ndim]), step)
+
+    def salvage(self, worker: Any, rid: int, p: Post) -> None:
+        """The peer is gone: refill a receive of ``p`` UCX cancelled (or never posted) from the unexpected queue.
+
+        Raises:
+            ucx.UCXError: from UCX (the caller translates it).
+        """
+        for kind, attr, arr in ((DATA, "req", p.arr), (HEADER, "hreq", p.harr)):
+            if arr is None or not cancelled(getattr(p, attr)):
+                continue
+            probe = worker.tag_probe(Tag(rid | (kind << KIND_SHIFT) | self.tag), remove=True)
+            if probe.matched:
+                setattr(p, attr, worker.tag_recv_with_handle(arr, probe))
 
     def posted_requests(self, rid: int) -> list[tuple[int, Any]]:
         """(full tag, request) of this tag's receives still posted (``rid``: this side's id, shifted)."""
