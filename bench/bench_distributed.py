@@ -138,6 +138,12 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.rss_gpipe):
             steps[name]()
         out["rss"][name] = {"before": before, "after_pingpong": mid, "after_gpipe": _rss_mib()}
+    # How tensorwire's bytes moved: cross-memory attach (TCP between processes of one host) or the socket.
+    out["cma"] = {}
+    for p, peer in getattr(tw, "_peers", {}).items():
+        c = getattr(peer.transport, "cma", None)
+        if c is not None:
+            out["cma"][p] = {"state": c.state, "messages": c.messages_written, "mib": c.bytes_written / 2**20}
     dist.barrier()
     dist.destroy_process_group(tw)
     dist.destroy_process_group()
@@ -158,7 +164,18 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
         f"load average before the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min); run took {wall:.0f} s.",
         'One torchrun job, 2 ranks; gloo default group and a `new_group(backend="tensorwire")` over the same '
         f"processes, measured in turns ({args.rounds} rounds per size). Command: "
-        "`python bench/bench_distributed.py`.",
+        f"`python bench/bench_distributed.py --rounds {args.rounds}`"
+        + (f" with `TENSORWIRE_CMA={os.environ['TENSORWIRE_CMA']}`" if os.environ.get("TENSORWIRE_CMA") else "")
+        + ".",
+        "Cross-memory attach (TCP, one host; rank 0's sends): "
+        + (
+            "; ".join(
+                f"to rank {p}: {v['state']}, {v['messages']} messages, {v['mib']:.0f} MiB"
+                for p, v in sorted(r0.get("cma", {}).items())
+            )
+            or "not on these connections"
+        )
+        + ".",
         "",
         "## send/recv ping-pong (rank 0's view)",
         "",

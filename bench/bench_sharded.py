@@ -5,15 +5,20 @@ whole table), every client on shared memory (the default path on the
 daemons' host). One run measures, in turns (rounds of ``--calls`` back-to-back
 calls of each variant, alternating, so a drifting load weighs on both):
 
-- ``get_rows`` of 4,096 random rows x 128 float32 out of a 1,000,000-row table;
-- ``add_rows`` of 4,096 random rows (duplicates allowed) into it.
+- ``get_rows`` of 4,096 random rows x 128 float32 out of a 1,000,000-row table
+  (no writes in between: reads served by read leases);
+- ``put_rows`` of 4,096 distinct random rows;
+- ``add_rows`` of 4,096 random rows (duplicates allowed) into it;
+- ``step``: a ``get_rows`` then an ``add_rows`` of the same rows (an embedding
+  training step: every read follows a write, so it pins each daemon's version
+  with a request instead of reading through a lease).
 
 Prints p50 / p10 per call and the ratio sharded / single (target: get_rows
 <= 1.3x), and writes a markdown result with the machine and the command.
 
 Usage::
 
-    python bench/bench_sharded.py [--rounds 15] [--calls 20] [--out bench/results/sharded_cpu2_2026-11-24.md]
+    python bench/bench_sharded.py [--rounds 15] [--calls 20] [--out bench/results/sharded_cpu2_YYYY-MM-DD.md]
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def main() -> int:
         paths = {"sharded": sharded.data_path, "single": single.data_path}
         g = torch.Generator().manual_seed(0)
         idxs = [torch.randint(0, args.rows, (args.batch,), generator=g) for _ in range(8)]
+        uniq = [torch.randperm(args.rows, generator=g)[: args.batch] for _ in range(8)]
         vals = torch.randn(args.batch, args.dim, generator=g) * 1e-3
         ref = table[idxs[0]]
         assert torch.equal(sharded.get_rows("emb", idxs[0]), ref) and torch.equal(single.get_rows("emb", idxs[0]), ref)
@@ -65,9 +71,17 @@ def main() -> int:
                 "sharded": lambda i: sharded.get_rows("emb", idxs[i % 8]),
                 "single": lambda i: single.get_rows("emb", idxs[i % 8]),
             },
+            "put_rows": {
+                "sharded": lambda i: sharded.put_rows("emb", uniq[i % 8], vals),
+                "single": lambda i: single.put_rows("emb", uniq[i % 8], vals),
+            },
             "add_rows": {
                 "sharded": lambda i: sharded.add_rows("emb", idxs[i % 8], vals),
                 "single": lambda i: single.add_rows("emb", idxs[i % 8], vals),
+            },
+            "step": {
+                "sharded": lambda i: (sharded.get_rows("emb", idxs[i % 8]), sharded.add_rows("emb", idxs[i % 8], vals)),
+                "single": lambda i: (single.get_rows("emb", idxs[i % 8]), single.add_rows("emb", idxs[i % 8], vals)),
             },
         }
         times: dict[tuple[str, str], list[float]] = {(op, v): [] for op in ops for v in ("sharded", "single")}
@@ -94,14 +108,15 @@ def main() -> int:
         return xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3
 
     lines = [
-        f"| operation | 3 daemons p50 (ms) | 1 daemon p50 (ms) | ratio p50 | 3 daemons p10 | 1 daemon p10 | ratio p10 |",
+        "| operation | 3 daemons p50 (ms) | 1 daemon p50 (ms) | ratio p50 | 3 daemons p10 | 1 daemon p10 | ratio p10 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for op in ops:
         s, o = times[(op, "sharded")], times[(op, "single")]
         s50, o50, s10, o10 = statistics.median(s) * 1e3, statistics.median(o) * 1e3, q(s, 0.1), q(o, 0.1)
+        what = "get_rows + add_rows" if op == "step" else op
         lines.append(
-            f"| {op} {args.batch} x {args.dim} f32 | {s50:.3f} | {o50:.3f} | {s50 / o50:.2f}x | "
+            f"| {what} {args.batch} x {args.dim} f32 | {s50:.3f} | {o50:.3f} | {s50 / o50:.2f}x | "
             f"{s10:.3f} | {o10:.3f} | {s10 / o10:.2f}x |"
         )
     table_md = "\n".join(lines)

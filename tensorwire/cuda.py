@@ -24,6 +24,12 @@ allocator, so no allocator setting can change how it is mapped).
   the TCP-staged path makes the current stream wait on the event that ends its
   host->device copies.
 
+**Stream memory operations.** :class:`StreamMemOps` binds the driver's
+``cuStreamWaitValue32`` (the v2 entry point of CUDA >= 11.7, available on every
+platform; the v1 one only where the driver enables it) and allocates words of
+device-mapped pinned host memory: a stream can then be made to wait, on the GPU,
+until the host writes a value there (:mod:`tensorwire.distributed.streams`).
+
 Nothing here initializes CUDA at import.
 """
 
@@ -36,6 +42,7 @@ import glob
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 
@@ -49,6 +56,9 @@ __all__ = [
     "alloc_cuda",
     "CudaBuffer",
     "sync_current_stream",
+    "current_raw_stream",
+    "StreamMemOps",
+    "stream_mem_ops",
 ]
 
 log = logging.getLogger(__name__)
@@ -346,3 +356,226 @@ def _aligned(t: "torch.Tensor", nbytes: int, align: int) -> "torch.Tensor":
     if off + nbytes > t.numel():
         raise RuntimeError(f"allocation at {t.data_ptr():#x} leaves no {align}-aligned room for {nbytes} bytes")
     return t[off : off + nbytes] if (off or t.numel() != nbytes) else t
+
+
+def current_raw_stream(device: int) -> int:
+    """The raw ``cudaStream_t`` of the current stream of CUDA device ``device`` (0: the legacy default stream)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+# -- stream memory operations (CUDA driver API) -----------------------------------------------------------
+
+_CU_STREAM_NON_BLOCKING = 0x1
+_CU_MEMHOSTALLOC_PORTABLE = 0x1
+_CU_MEMHOSTALLOC_DEVICEMAP = 0x2
+#: cuStreamWaitValue32 flag: wait until (int32_t)(*addr - value) >= 0 -- a cyclic comparison made for sequence numbers
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+_CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 = 92
+#: how long the probe waits for a stream to see a host write to a mapped word
+_PROBE_S = 2.0
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> Any:
+    """The CUDA driver library (the one the runtime torch loaded uses)."""
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("libcuda (the CUDA driver library) not found")
+
+
+def _bind(lib: Any, name: str, argtypes: list[Any]) -> Any:
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class StreamMemOps:
+    """A stream waits, on the GPU, for a 32-bit word of mapped pinned host memory (CUDA driver API via ctypes).
+
+    - :meth:`unusable` says why this device cannot (None: it can): the driver's
+      entry point, the device attribute for the v1 API, and a probe (a stream
+      waits for a word, the host writes it, the stream must go on);
+    - :meth:`alloc_words` allocates device-mapped pinned host memory
+      (``cuMemHostAlloc(PORTABLE | DEVICEMAP)``: usable from every device);
+    - :meth:`wait_geq` queues ``cuStreamWaitValue32(stream, addr, value, GEQ)``.
+
+    Driver calls run with the device's primary context current (the one torch
+    uses), pushed for the call when the calling thread has another or none.
+
+    Raises (constructor):
+        OSError: no CUDA driver. AttributeError: a driver without stream memory operations.
+    """
+
+    def __init__(self, lib: Any) -> None:
+        c = ctypes
+        self._lib = lib
+        self._init = _bind(lib, "cuInit", [c.c_uint])
+        self._version = _bind(lib, "cuDriverGetVersion", [c.POINTER(c.c_int)])
+        self._device_get = _bind(lib, "cuDeviceGet", [c.POINTER(c.c_int), c.c_int])
+        self._attribute = _bind(lib, "cuDeviceGetAttribute", [c.POINTER(c.c_int), c.c_int, c.c_int])
+        self._retain = _bind(lib, "cuDevicePrimaryCtxRetain", [c.POINTER(c.c_void_p), c.c_int])
+        self._get_current = _bind(lib, "cuCtxGetCurrent", [c.POINTER(c.c_void_p)])
+        self._push = _bind(lib, "cuCtxPushCurrent_v2", [c.c_void_p])
+        self._pop = _bind(lib, "cuCtxPopCurrent_v2", [c.POINTER(c.c_void_p)])
+        self._host_alloc = _bind(lib, "cuMemHostAlloc", [c.POINTER(c.c_void_p), c.c_size_t, c.c_uint])
+        self._device_pointer = _bind(lib, "cuMemHostGetDevicePointer_v2", [c.POINTER(c.c_uint64), c.c_void_p, c.c_uint])
+        self._stream_create = _bind(lib, "cuStreamCreate", [c.POINTER(c.c_void_p), c.c_uint])
+        self._stream_query = _bind(lib, "cuStreamQuery", [c.c_void_p])
+        self._stream_destroy = _bind(lib, "cuStreamDestroy_v2", [c.c_void_p])
+        self._error_name = getattr(lib, "cuGetErrorName", None)
+        if self._error_name is not None:
+            self._error_name.argtypes = [c.c_int, c.POINTER(c.c_char_p)]
+            self._error_name.restype = c.c_int
+        self.api = "v2"
+        wait = getattr(lib, "cuStreamWaitValue32_v2", None)
+        if wait is None:
+            self.api = "v1"
+            wait = lib.cuStreamWaitValue32
+        wait.argtypes = [c.c_void_p, c.c_uint64, c.c_uint32, c.c_uint]
+        wait.restype = c.c_int
+        self._wait = wait
+        self._contexts: dict[int, int] = {}
+        self._devices: dict[int, int] = {}
+        self._verdicts: dict[int, str | None] = {}
+        self._lock = threading.Lock()
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def error_text(self, code: int) -> str:
+        if self._error_name is not None:
+            name = ctypes.c_char_p()
+            if self._error_name(code, ctypes.byref(name)) == 0 and name.value:
+                return f"{name.value.decode()} ({code})"
+        return f"CUDA driver error {code}"
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise OSError(f"{what}: {self.error_text(code)}")
+
+    def _context(self, device: int) -> int:
+        ctx = self._contexts.get(device)
+        if ctx is None:
+            self._check(self._init(0), "cuInit")
+            dev = ctypes.c_int()
+            self._check(self._device_get(ctypes.byref(dev), device), f"cuDeviceGet({device})")
+            handle = ctypes.c_void_p()
+            self._check(self._retain(ctypes.byref(handle), dev), f"cuDevicePrimaryCtxRetain({device})")
+            self._devices[device] = dev.value
+            ctx = self._contexts[device] = int(handle.value or 0)
+        return ctx
+
+    def _enter(self, device: int) -> bool:
+        """Make ``device``'s primary context current; True when it was pushed (then :meth:`_leave`)."""
+        ctx = self._context(device)
+        cur = ctypes.c_void_p()
+        if self._get_current(ctypes.byref(cur)) == 0 and int(cur.value or 0) == ctx:
+            return False
+        self._check(self._push(ctypes.c_void_p(ctx)), "cuCtxPushCurrent")
+        return True
+
+    def _leave(self, pushed: bool) -> None:
+        if pushed:
+            self._pop(ctypes.byref(ctypes.c_void_p()))
+
+    # -- the interface ------------------------------------------------------------------------------------
+    def alloc_words(self, nbytes: int, device: int) -> tuple[int, int]:
+        """``nbytes`` of zeroed, device-mapped, portable pinned host memory: (host address, device address).
+
+        Never freed by tensorwire (a stream may poll it until the process ends).
+
+        Raises:
+            OSError: the driver refused.
+        """
+        pushed = self._enter(device)
+        try:
+            host = ctypes.c_void_p()
+            flags = _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP
+            self._check(self._host_alloc(ctypes.byref(host), nbytes, flags), f"cuMemHostAlloc({nbytes})")
+            addr = int(host.value or 0)
+            ctypes.memset(addr, 0, nbytes)
+            dptr = ctypes.c_uint64()
+            self._check(self._device_pointer(ctypes.byref(dptr), ctypes.c_void_p(addr), 0), "cuMemHostGetDevicePointer")
+            return addr, int(dptr.value)
+        finally:
+            self._leave(pushed)
+
+    def wait_geq(self, device: int, stream: int, device_addr: int, value: int) -> int:
+        """Queue on ``stream`` (a raw handle of ``device``; 0: the legacy default stream) a wait until the word at
+        ``device_addr`` is at or past ``value`` (cyclic). Returns the driver's result code (0: queued)."""
+        try:
+            pushed = self._enter(device)
+        except OSError:
+            return -1
+        try:
+            return int(self._wait(ctypes.c_void_p(stream), device_addr, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ))
+        finally:
+            self._leave(pushed)
+
+    def unusable(self, device: int) -> str | None:
+        """Why streams of ``device`` cannot wait on host words here (None: they can). Probed once per device."""
+        with self._lock:
+            if device not in self._verdicts:
+                try:
+                    self._verdicts[device] = self._probe(device)
+                except OSError as exc:
+                    self._verdicts[device] = str(exc)
+            return self._verdicts[device]
+
+    def _probe(self, device: int) -> str | None:
+        version = ctypes.c_int()
+        self._check(self._version(ctypes.byref(version)), "cuDriverGetVersion")
+        if self.api == "v1":
+            enabled = ctypes.c_int()
+            self._context(device)
+            cu_device = self._devices[device]
+            self._check(
+                self._attribute(ctypes.byref(enabled), _CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1, cu_device),
+                "cuDeviceGetAttribute(CAN_USE_STREAM_MEM_OPS)",
+            )
+            if not enabled.value:
+                return (
+                    f"driver {version.value} has only the v1 stream memory operations, and they are disabled "
+                    "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS = 0; NVreg_EnableStreamMemOPs=1 enables them)"
+                )
+        host, dev_addr = self.alloc_words(64, device)
+        word = ctypes.c_uint32.from_address(host)
+        word.value = 1
+        pushed = self._enter(device)
+        try:
+            stream = ctypes.c_void_p()
+            self._check(self._stream_create(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            err = int(self._wait(stream, dev_addr, 2, CU_STREAM_WAIT_VALUE_GEQ))
+            if err != 0:
+                return f"cuStreamWaitValue32 ({self.api}) failed: {self.error_text(err)}"
+            word.value = 2  # the stream must see this host write and go on
+            deadline = time.monotonic() + _PROBE_S
+            while True:
+                err = int(self._stream_query(stream))
+                if err == 0:
+                    self._stream_destroy(stream)
+                    return None
+                if err != _CUDA_ERROR_NOT_READY:
+                    return f"a stream waiting on a mapped host word failed: {self.error_text(err)}"
+                if time.monotonic() > deadline:
+                    return f"a stream waiting on a mapped host word did not see the host's write within {_PROBE_S} s"
+                time.sleep(0.0005)
+        finally:
+            self._leave(pushed)
+
+
+@functools.lru_cache(maxsize=1)
+def stream_mem_ops() -> StreamMemOps | None:
+    """The driver's stream memory operations, or None where the driver or its entry points are missing."""
+    try:
+        return StreamMemOps(_libcuda())
+    except (OSError, AttributeError) as exc:
+        log.debug("no CUDA stream memory operations: %s", exc)
+        return None

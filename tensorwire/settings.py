@@ -100,6 +100,13 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _count(raw: str) -> int:
+    value = int(raw.strip())
+    if value < 0:
+        raise ValueError("must be a whole number >= 0")
+    return value
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -167,6 +174,26 @@ class Settings:
         None,
         shown="unset: from the rendezvous store",
     )
+    # -- TCP transport: same-host single copy -------------------------------------------------------------
+    cma: Literal["auto", "off"] = _var(
+        _choice("auto", "off"),
+        "Cross-memory attach on TCP links between processes of one host: the sender copies a large message "
+        "straight into the receiver's buffer (`process_vm_writev`, one copy instead of the socket's two). `auto`: "
+        "wherever a probe at connection set-up shows it works (links that proved the link secret only; never the "
+        "serve daemon's connections); `off`: every byte over the socket.",
+        "auto",
+    )
+    cma_min_bytes: int = _var(
+        parse_size,
+        "Messages of at least this many bytes (K/M/G suffixes) take cross-memory attach; smaller ones the socket.",
+        64 << 10,
+        shown="64K",
+    )
+    cma_threads: int = _var(
+        _count,
+        "Threads that copy one cross-memory message in pieces of at least 1 MiB; 0: a quarter of the cores, 1 to 4.",
+        0,
+    )
     # -- UCX ---------------------------------------------------------------------------------------------
     ucx_spin_us: float = _var(_microseconds, "Microseconds a wait polls UCX before it sleeps.", 100.0)
     ucx_cuda_spin_us: float = _var(_microseconds, "The same for a wait on a transfer of CUDA memory.", 2000.0)
@@ -177,6 +204,16 @@ class Settings:
         "tcp; cuda_ipc stays). `none`: cma's single-copy speed between trusted ranks of one host, at the risk of an "
         "abort when a peer dies mid-transfer. The listener tells the dialler its mode.",
         "peer",
+    )
+    # -- torch.distributed backend ------------------------------------------------------------------------
+    cuda_stream_wait: bool = _var(
+        _switch,
+        "`1` (experimental): `wait()` of a CUDA `isend`/`irecv` of backend `tensorwire` makes the current stream "
+        "wait for the bytes without blocking the host (a stream memory operation on a host flag), as NCCL does; "
+        "on an H100 some receives (TCP, and strided ones over UCX) never completed in this mode, so it is off by "
+        "default. `0` (the default): `wait()` blocks the host until the bytes are in place.",
+        False,
+        shown="0",
     )
     # -- serve client --------------------------------------------------------------------------------------
     shm_leases: bool = _var(

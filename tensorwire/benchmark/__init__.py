@@ -22,6 +22,7 @@ Layout:
 - :mod:`.worker`: what each spawned process runs (the driver loops, ``--check``);
 - :mod:`.runner`: spawns the pairs, bounds them in time, collects results;
 - :mod:`.memcheck`: 1,000 steps through a Link allocate nothing after the first;
+- :mod:`.figures`: figures, ratios and target verdicts from the raw timings;
 - :mod:`.report`: table (OSU/nccl-tests style), markdown, JSON, CSV, PNG;
 - :mod:`.environment`: CPU/GPU/topology/versions/effective ``UCX_*``;
 - :mod:`.cli`: ``tensorwire bench`` (argument parsing only).

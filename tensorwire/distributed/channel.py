@@ -23,9 +23,16 @@ Send (``isend``): never waits. A host tensor is posted in the caller's thread
 when that cannot block (UCX: the receiver's credit is already there; TCP: a
 credit is there and the message is small); otherwise the message goes to the
 tag's sender thread, which waits for the credit and sends (messages of one
-tag keep their order either way). CUDA tensors always go through the sender
-thread, which first waits for an event recorded on the caller's current
-stream: the bytes are read only after the work queued there before ``isend``.
+tag keep their order either way).
+
+CUDA tensors follow NCCL's stream semantics (:mod:`.streams`): an ``isend``
+goes through the sender thread, which first waits for an event recorded on the
+caller's current stream (the bytes are read only after the work queued there
+before ``isend``); an ``irecv`` is posted once the caller's stream has reached
+it (at once when that stream is idle; else by whoever drives the channel next);
+``wait()`` queues a stream wait on the channel's flag and returns, and the
+channel's completion thread finishes the receive and releases the flag -- also
+on failure, so no stream waits forever.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import logging
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -44,6 +51,7 @@ from ..buffers import as_bytes
 from ..errors import ConfigError, ProtocolError, TensorWireError, TransferTimeout
 from .errors import GroupClosed, SignatureMismatch, WorkTimeout, translate
 from .signatures import Signature, decode, signature_of
+from .streams import CudaOps, Flag
 from .work import Completer, Work
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,6 +136,8 @@ class SendWork(Work):
         self._keep: Any = None  # what UCX reads until the send completes
         self._chan: _SendChannel | None = None  # queued: the channel whose queue holds it
         self._staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
+        self._flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` when done
+        self._seq = 0
 
     def _finish(self, exc: BaseException | None = None) -> None:
         staging, self._staging = self._staging, None
@@ -135,6 +145,21 @@ class SendWork(Work):
         if staging is not None:
             self._peer.pool.give(*staging)
         super()._finish(exc)
+
+    def _finished(self, exc: BaseException | None, streamed: bool) -> None:
+        flag = self._flag
+        if flag is not None:
+            if exc is not None and streamed:
+                self._peer.async_failure(exc, self._what)
+            flag.release(self._seq)
+
+    def _stream_wait(self) -> bool:
+        flag, chan = self._flag, self._chan
+        if flag is None or chan is None or not self._peer.ops.order_after(flag, self._seq, self._tensors[0]):
+            return False
+        if self._mark_streamed():
+            chan.kick()  # nobody will help it out: the sender thread sends it now
+        return True
 
     def _drive(self, deadline: float) -> None:
         op = self._op
@@ -170,6 +195,10 @@ class RecvWork(Work):
         tensor: torch.Tensor,
         sig: Signature,
         staging: torch.Tensor | None,
+        *,
+        device_side: bool = False,
+        ready: Any = None,
+        flag: Flag | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
@@ -178,12 +207,25 @@ class RecvWork(Work):
         self._tensor = tensor
         self._sig = sig
         self._staging = staging
+        self._device_side = device_side  # CUDA tensor (stream semantics)
+        self._ready = ready  # staged CUDA receive: the caller's stream reached irecv (copy into the tensor after it)
+        self._flag = flag  # CUDA: the channel's flag, released with ``_seq`` once the bytes are in the tensor
+        self._seq: int | None = None
+        self._posted = False  # its buffer is posted to the transport
 
     def _drive(self, deadline: float) -> None:
         self._chan.drive(self, deadline)
 
     def _poll(self) -> None:
         self._chan.drive(self, None)
+
+    def _stream_wait(self) -> bool:
+        flag, seq = self._flag, self._seq
+        if flag is None or seq is None or not self._peer.ops.order_after(flag, seq, self._tensor):
+            return False
+        if self._mark_streamed():
+            self._chan.serve(self)
+        return True
 
     def _complete(self, got: "Received") -> None:
         theirs = decode(got.shape)
@@ -197,7 +239,26 @@ class RecvWork(Work):
             self._finish(self._peer.fail(exc, ""))
             return
         if self._staging is not None:
-            self._tensor.copy_(self._staging)  # host->device (pinned) or into a non-contiguous tensor
+            if self._device_side:
+                # host->device (pinned) or into a non-contiguous tensor: on tensorwire's copy stream, once the
+                # caller's stream has reached the irecv (earlier work may still read the tensor)
+                ops = self._peer.ops
+                ready, self._ready = self._ready, None
+                try:
+                    if not ops.wait_reached(ready, time.monotonic() + self._peer.timeout):
+                        raise WorkTimeout(
+                            f"{self._what}: the caller's CUDA stream did not reach the irecv within "
+                            f"{self._peer.timeout:.3g} s"
+                        )
+                    ops.copy(self._tensor, self._staging)
+                except BaseException as exc:  # noqa: BLE001
+                    self._release()
+                    self._finish(self._peer.fail(exc, self._what))
+                    return
+                finally:
+                    ops.recycle(ready)
+            else:
+                self._tensor.copy_(self._staging)  # into a non-contiguous host tensor
             self._release()
         self._finish()
 
@@ -211,26 +272,94 @@ class RecvWork(Work):
             self._release()
         super()._finish(exc)
 
+    def _finished(self, exc: BaseException | None, streamed: bool) -> None:
+        flag, seq = self._flag, self._seq
+        if flag is not None and seq is not None:
+            if exc is not None and streamed:
+                self._peer.async_failure(exc, self._what)
+            flag.release(seq)
+
 
 class _RecvChannel:
-    """Receives of one tag from one peer, completed in the order they were posted."""
+    """Receives of one tag from one peer, completed in the order they were posted.
+
+    ``fifo`` holds every incomplete receive in order; a CUDA receive whose caller's
+    stream had not reached it at ``irecv`` waits in ``unposted`` (in order: a later
+    one never overtakes it) until someone driving the channel sees the stream
+    reach it and posts it. Receives a stream waits for (``wait()`` of a CUDA
+    receive) are completed by the channel's thread, started on the first one.
+    """
 
     def __init__(self, peer: "Peer", tag: int) -> None:
         self.peer = peer
         self.tag = tag
         self.fifo: collections.deque[RecvWork] = collections.deque()
+        self.unposted: collections.deque[tuple[RecvWork, torch.Tensor, Any]] = collections.deque()
         self.post_lock = threading.Lock()
         self.drive_lock = threading.Lock()
+        self.flag: Flag | None = None
+        self.cond = threading.Condition()
+        self.served: collections.deque[RecvWork] = collections.deque()
+        self.thread: threading.Thread | None = None
+        self.closed = False
 
     def where(self, tensor: torch.Tensor) -> str:
-        return "pinned" if tensor.is_cuda and not self.peer.transport.reaches_cuda else "same"
+        return "pinned" if self.peer.ops.streamed(tensor) and not self.peer.transport.reaches_cuda else "same"
 
-    def post(self, work: RecvWork, buf: torch.Tensor) -> None:
+    def flag_for(self, tensor: torch.Tensor) -> Flag | None:
+        """The channel's flag (taken on its first CUDA receive), or None where streams cannot wait on one."""
+        ops = self.peer.ops
+        if not ops.usable(tensor.device):
+            return None
+        flag = self.flag
+        if flag is None:
+            with self.post_lock:
+                flag = self.flag
+                if flag is None:
+                    flag = self.flag = ops.new_flag(tensor.device)
+        return flag
+
+    def post(self, work: RecvWork, buf: torch.Tensor, *, after: Any = None) -> None:
+        """Post ``buf`` for ``work`` now, or once the caller's stream reached event ``after``."""
         t = self.peer.transport
         with self.post_lock:
             self.peer.check()
-            t.post_recv(self.tag, _wire(t, buf), header=True)
-            self.fifo.append(work)
+            if work._flag is not None:
+                work._seq = work._flag.issue()
+            if after is None and not self.unposted:
+                t.post_recv(self.tag, _wire(t, buf), header=True)
+                work._posted = True
+                self.fifo.append(work)
+            else:
+                self.fifo.append(work)
+                self.unposted.append((work, buf, after))
+
+    def flush(self, deadline: float | None) -> bool:
+        """Post the deferred receives whose stream reached them, oldest first; True when none is left.
+
+        ``deadline`` None: only those ready now; else wait for each (this thread) until ``deadline``.
+        """
+        ops = self.peer.ops
+        t = self.peer.transport
+        while True:
+            with self.post_lock:
+                if not self.unposted:
+                    return True
+                work, buf, ev = self.unposted[0]
+                if work.done or ops.reached(ev):
+                    self.unposted.popleft()
+                    ops.recycle(ev)
+                    if work.done:
+                        continue
+                    try:
+                        self.peer.check()
+                        t.post_recv(self.tag, _wire(t, buf), header=True)
+                    except BaseException as exc:  # noqa: BLE001
+                        raise self.peer.fail(exc, work._what) from None
+                    work._posted = True
+                    continue
+            if deadline is None or not ops.wait_reached(ev, deadline):
+                return False
 
     def drive(self, work: RecvWork, deadline: float | None) -> None:
         """Complete posted receives in order until ``work`` is done (``deadline`` None: without waiting)."""
@@ -241,6 +370,28 @@ class _RecvChannel:
             raise WorkTimeout(f"{work._what} not complete within {work._wait_seconds:.3g} s")
         try:
             while not work.done:
+                try:
+                    head = self.fifo[0]
+                except IndexError:
+                    return  # completed (or failed) by another thread just now
+                if head.done:  # failed while still queued: nothing of it is posted any more
+                    try:
+                        self.fifo.remove(head)
+                    except ValueError:
+                        pass
+                    continue
+                if not head._posted:
+                    # Nothing of it is posted yet: its caller's stream has to reach its irecv first.
+                    if not self.flush(deadline):
+                        if deadline is None:
+                            return
+                        raise WorkTimeout(
+                            f"{work._what} not complete within {work._wait_seconds:.3g} s (the CUDA stream of "
+                            f"an irecv did not reach it)"
+                        )
+                    continue
+                if self.unposted:
+                    self.flush(None)
                 got = self._wait_one(work, deadline)
                 if got is None:
                     return  # nothing yet (non-blocking)
@@ -265,6 +416,67 @@ class _RecvChannel:
             except BaseException as exc:  # noqa: BLE001
                 raise self.peer.fail(exc, f"{work._what}", tag=self.tag, work=work) from None
 
+    # -- the completion thread (receives a stream waits for) ------------------------------------------------
+    def serve(self, work: RecvWork) -> None:
+        """Complete ``work`` (a stream waits for it) in the channel's thread: it releases the flag, whatever happens."""
+        with self.cond:
+            if self.closed:
+                return  # the group is closing: close() fails every pending receive
+            self.served.append(work)
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._run, daemon=True, name=f"tw-dist-recv-{self.peer.peer}-{self.tag - 1}"
+                )
+                self.thread.start()
+            else:
+                self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.served and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                work = self.served[0]
+            try:
+                self.peer.ops.bind_thread(work._tensor.device)
+                self.drive(work, work._deadline)
+            except WorkTimeout:
+                # A stream waits for it: it cannot be left pending. Close the pair, which fails (and releases)
+                # every receive of it -- what NCCL's watchdog does to a communicator whose work timed out.
+                self.peer.fail(
+                    WorkTimeout(
+                        f"{work._what} not complete within {work._timeout:.3g} s of wait() (a CUDA stream waits "
+                        f"for it): the connection to rank {self.peer.peer} is closed"
+                    ),
+                    "",
+                )
+            except BaseException as exc:  # noqa: BLE001 - drive() failed the pair already; this is the backstop
+                self.peer.fail(exc, work._what)
+            if not work.done:
+                work._sleep_until_done(SLICE)  # taken off the queue by another thread, finishing it now
+            with self.cond:
+                while self.served and self.served[0].done:
+                    self.served.popleft()
+
+    def close(self) -> None:
+        """Stop the completion thread (after the pair failed: nothing is pending) and give the flag back."""
+        with self.cond:
+            self.closed = True
+            self.served.clear()
+            self.cond.notify_all()
+            thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+        with self.post_lock:
+            for _work, _buf, ev in self.unposted:
+                self.peer.ops.recycle(ev)
+            self.unposted.clear()
+            flag, self.flag = self.flag, None
+        if flag is not None:
+            self.peer.ops.give_flag(flag)
+
 
 class _SendChannel:
     """Sends of one tag to one peer, in order.
@@ -276,7 +488,12 @@ class _SendChannel:
     queued message once it has stayed at the head of the queue for ``DEFER``
     seconds (so an ``isend`` nobody waits on still goes out). The thread is
     woken only when it is parked (nothing queued): it never polls, and it never
-    contends for ``send_lock`` with a caller that is sending.
+    contends for ``send_lock`` with a caller that is sending. A ``wait()`` that
+    only makes a CUDA stream wait (nobody will help) wakes it at once (:meth:`kick`).
+
+    CUDA messages always queue (with an event recorded on the caller's stream,
+    or none when that stream was idle) and take sequence numbers of the
+    channel's flag in queue order; they complete in that order.
     """
 
     DEFER = 0.0005
@@ -289,19 +506,22 @@ class _SendChannel:
         self.send_lock = threading.Lock()  # held by whoever is sending a message of this tag
         self.thread: threading.Thread | None = None
         self.parked = False  # the thread sleeps until notified (nothing was queued)
+        self.urgent = False  # a stream waits for a queued message: send without DEFER
         self.closed = False
+        self.flag: Flag | None = None
 
     def submit(self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...]) -> None:
         peer = self.peer
         t = peer.transport
         if tensor.requires_grad:
             tensor = tensor.detach()
-        if not tensor.is_cuda and not tensor.is_contiguous():
+        device_side = peer.ops.streamed(tensor)
+        if not device_side and not tensor.is_contiguous():
             slot = peer.pool.take(sig, "same")
             slot.copy_(tensor)
             work._staging = (sig, "same", slot)
             tensor = slot
-        if not tensor.is_cuda and not self.pending and self.send_lock.acquire(blocking=False):
+        if not device_side and not self.pending and self.send_lock.acquire(blocking=False):
             try:
                 if not self.pending:
                     data = _wire(t, tensor)
@@ -321,12 +541,15 @@ class _SendChannel:
                         return
             finally:
                 self.send_lock.release()
-        ev = None
-        if tensor.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(tensor.device))
+        ev = flag = None
+        if device_side:
+            ev = peer.ops.mark(tensor)  # the bytes are final once the caller's stream reaches it
+            flag = self.flag_for(tensor)
         work._chan = self
         with self.cond:
+            if flag is not None:
+                work._flag = flag
+                work._seq = flag.issue()
             self.pending.append((work, tensor, sig, hdr, ev))
             if self.thread is None:
                 self.thread = threading.Thread(
@@ -335,6 +558,22 @@ class _SendChannel:
                 self.thread.start()
             elif self.parked:
                 self.cond.notify()
+
+    def flag_for(self, tensor: torch.Tensor) -> Flag | None:
+        """The channel's flag (taken on its first CUDA send), or None where streams cannot wait on one."""
+        ops = self.peer.ops
+        if not ops.usable(tensor.device):
+            return None
+        with self.cond:
+            if self.flag is None:
+                self.flag = ops.new_flag(tensor.device)
+            return self.flag
+
+    def kick(self) -> None:
+        """A stream waits for a queued message: the thread sends without waiting for a caller to help."""
+        with self.cond:
+            self.urgent = True
+            self.cond.notify()
 
     def help(self, work: SendWork, deadline: float) -> None:
         """(caller waiting on ``work``) Send queued messages up to and including ``work``'s."""
@@ -359,27 +598,34 @@ class _SendChannel:
         peer = self.peer
         t = peer.transport
         work, tensor, sig, hdr, ev = item
+        ops = peer.ops
         exc: BaseException | None = None
         try:
             peer.check()
-            if ev is not None:
-                ev.synchronize()
+            if ops.streamed(tensor):
+                # A CUDA tensor: read only once the caller's stream has reached the isend (this thread waits
+                # for that event, not for the device); copies go on tensorwire's own stream.
+                if not ops.wait_reached(ev, time.monotonic() + peer.timeout):
+                    raise WorkTimeout(
+                        f"{work._what}: the caller's CUDA stream did not reach the isend within {peer.timeout:.3g} s"
+                    )
                 if not t.reaches_cuda:  # through a pinned host slot (TCP)
                     slot = peer.pool.take(sig, "pinned")
                     work._staging = (sig, "pinned", slot)
-                    slot.copy_(tensor)
+                    ops.copy(slot, tensor)
                     tensor = slot
                 elif not tensor.is_contiguous():
                     slot = peer.pool.take(sig, "same", tensor.device)
                     work._staging = (sig, "same", slot)
-                    slot.copy_(tensor)
-                    torch.cuda.current_stream(tensor.device).synchronize()
+                    ops.copy(slot, tensor)
                     tensor = slot
             t.send(self.tag, _wire(t, tensor), shape=hdr, timeout=peer.timeout)
         except TransferTimeout as exc_:  # no credit within the group's timeout: nothing sent, the pair lives on
             exc = translate(exc_, work._what)
         except BaseException as exc_:  # noqa: BLE001
             exc = peer.fail(exc_, work._what, tag=self.tag, sig=sig)
+        finally:
+            ops.recycle(ev)
         work._finish(exc)
 
     def _run(self) -> None:
@@ -387,13 +633,16 @@ class _SendChannel:
             with self.cond:
                 while not self.pending and not self.closed:
                     self.parked = True
+                    self.urgent = False
                     self.cond.wait()
                     self.parked = False
                 if self.closed:
                     return
                 head = self.pending[0]
-                # A caller waiting on it sends it itself, without a hand-off: give it DEFER to do so.
-                self.cond.wait(self.DEFER)
+                # A caller waiting on it sends it itself, without a hand-off: give it DEFER to do so
+                # (unless a stream waits for it: then nobody will).
+                if not self.urgent:
+                    self.cond.wait(self.DEFER)
                 if self.closed:
                     return
                 if not self.pending or self.pending[0] is not head:
@@ -402,6 +651,11 @@ class _SendChannel:
                 with self.cond:
                     item = self.pending.popleft() if self.pending else None
                 if item is not None:
+                    if self.peer.ops.streamed(item[1]):
+                        try:
+                            self.peer.ops.bind_thread(item[1].device)
+                        except Exception as exc:  # noqa: BLE001 - _send reports what fails with the device
+                            log.debug("binding the sender thread to %s: %s", item[1].device, exc)
                     self._send(item)
 
     def close(self, reason: BaseException) -> None:
@@ -412,17 +666,33 @@ class _SendChannel:
             thread = self.thread
         for item in pending:
             item[0]._finish(reason)
+            self.peer.ops.recycle(item[4])
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
+        with self.cond:
+            flag, self.flag = self.flag, None
+        if flag is not None:
+            self.peer.ops.give_flag(flag)
 
 
 class Peer:
     """Everything between this rank and one other rank of the group: the link, channels, notices."""
 
     def __init__(
-        self, link: "Link", *, rank: int, group: str, timeout: float, pool: SlotPool, completer: Completer
+        self,
+        link: "Link",
+        *,
+        rank: int,
+        group: str,
+        timeout: float,
+        pool: SlotPool,
+        completer: Completer,
+        ops: CudaOps | None = None,
+        on_async_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.link = link
+        self.ops = ops if ops is not None else CudaOps()
+        self._on_async_error = on_async_error
         self.transport: "Transport" = link.connection
         self.peer = link.peer
         self.rank = rank
@@ -475,9 +745,13 @@ class Peer:
             staging = buf = self.pool.take(sig, "pinned")
         elif not tensor.is_contiguous():
             staging = buf = self.pool.take(sig, "same", tensor.device)
-        if tensor.is_cuda:
-            # The buffer may be written as soon as it is posted: work queued on it must be done.
-            torch.cuda.current_stream(tensor.device).synchronize()
+        device_side = self.ops.streamed(tensor)
+        ready = flag = None
+        if device_side:
+            # The tensor may be written only after the work queued on the caller's stream before this call
+            # (it may still read the tensor): posted once that stream reaches this event (None: idle now).
+            ready = self.ops.mark(tensor)
+            flag = chan.flag_for(tensor)
         peer = self.peer
         work = RecvWork(
             self,
@@ -485,6 +759,9 @@ class Peer:
             tensor,
             sig,
             staging,
+            device_side=device_side,
+            ready=ready if staging is not None else None,
+            flag=flag,
             what=lambda: f"irecv of {sig.describe()} from rank {peer} (tag {tag})",
             timeout=self.timeout,
             tensors=[tensor],
@@ -495,12 +772,17 @@ class Peer:
             work._finish(self.error)
             return work
         try:
-            chan.post(work, buf)
+            chan.post(work, buf, after=ready if staging is None else None)
         except BaseException as exc:  # noqa: BLE001
             work._finish(self.fail(exc, work._what))
         return work
 
     # -- failures ----------------------------------------------------------------------
+    def async_failure(self, exc: BaseException, what: str) -> None:
+        """A work a stream waited for failed after its ``wait()`` returned: tell the group (its next call raises)."""
+        if self._on_async_error is not None and not isinstance(exc, GroupClosed):
+            self._on_async_error(translate(exc, what))
+
     def check(self) -> None:
         if self.error is not None:
             raise self.error
@@ -595,6 +877,8 @@ class Peer:
         self.fail(reason, "")
         for chan in list(self._send.values()):
             chan.close(self.error or reason)
+        for rchan in list(self._recv.values()):
+            rchan.close()
         self.link.close()
 
 

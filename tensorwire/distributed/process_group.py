@@ -16,7 +16,10 @@ timeout torch hands it. At creation the group:
 
 Point-to-point (``send``/``recv`` and everything built on them: ``isend``,
 ``irecv``, ``batch_isend_irecv``, ``send_object_list``, pipelining) runs on
-those links (:mod:`.channel`). Collectives are delegated to an inner group
+those links (:mod:`.channel`), CUDA tensors with NCCL's stream semantics
+(:mod:`.streams`). A CUDA operation that fails after its ``wait()`` returned
+(a stream waited for it, then went on) makes every later call on the group
+raise, as NCCL's asynchronous error handling does. Collectives are delegated to an inner group
 built from the same store under a prefix of its own: gloo for CPU tensors,
 NCCL for CUDA tensors, each made on the first collective for its device type
 (every rank runs collectives in the same order, so every rank makes it then).
@@ -41,6 +44,7 @@ from ..p2p.torchrun import TorchrunEnv
 from ..settings import setting
 from .channel import Peer, SlotPool, check_tag
 from .errors import GroupClosed, translate
+from .streams import CudaOps
 from .work import Completer, Work
 
 __all__ = ["ProcessGroupTensorwire", "create", "BACKEND_NAME"]
@@ -101,6 +105,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._inner: dict[str, Any] = {}
         self._pool = SlotPool()
         self._completer = Completer(str(rank))
+        self._ops = CudaOps()
+        self._async_error: BaseException | None = None
         self._peers: dict[int, Peer] = {}
         self._node = Node(
             rank=rank,
@@ -122,6 +128,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                         timeout=self._timeout,
                         pool=self._pool,
                         completer=self._completer,
+                        ops=self._ops,
+                        on_async_error=self._async_failed,
                     )
         except BaseException:
             self._node.close()
@@ -159,10 +167,33 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ProcessGroupTensorwire(rank={self._rank}, size={self._size})"
 
+    # -- asynchronous errors ---------------------------------------------------------
+    def _async_failed(self, exc: BaseException) -> None:
+        """A CUDA operation failed after its ``wait()`` had returned (a stream waited for it, then went on)."""
+        with self._lock:
+            if self._async_error is not None or self._closed:
+                return
+            self._async_error = exc
+        log.error(
+            "tensorwire.distributed: rank %d: a CUDA operation failed after its wait() returned; the stream that "
+            "waited for it went on with undefined bytes, and every later call on this group raises: %s",
+            self._rank,
+            exc,
+        )
+
+    def _check_async(self, what: str) -> None:
+        err = self._async_error
+        if err is not None:
+            raise type(err)(
+                f"{what}: an earlier CUDA operation of this group failed after its wait() had returned (the stream "
+                f"that waited for it went on with undefined bytes): {err}. Destroy the group and make a new one"
+            ) from err
+
     # -- point-to-point -----------------------------------------------------------------
     def _peer(self, rank: int, what: str) -> Peer:
         if self._closed:
             raise GroupClosed(f"{what}: the tensorwire process group was shut down")
+        self._check_async(what)
         peer = self._peers.get(rank)
         if peer is None:
             raise ConfigError(f"{what}: rank {rank} is not another rank of this group of {self._size}")
@@ -186,6 +217,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     # -- collectives: the inner gloo / NCCL group ----------------------------------
     def _inner_for(self, device_type: str) -> Any:
+        self._check_async("collective")
         inner = self._inner.get(device_type)
         if inner is not None:
             return inner

@@ -6,6 +6,10 @@ They behave as torch documents for ``torch.distributed.Work``:
   raises its error; ``timeout`` 0 (torch's default) means the group's timeout.
   A wait that times out raises :class:`~tensorwire.distributed.errors.WorkTimeout`
   and leaves the operation going (wait again).
+- ``wait()`` of a CUDA operation, without a timeout, makes the caller's current
+  stream wait for it and returns at once, as NCCL's does (:mod:`.streams`); an
+  error found later is reported by ``exception()`` and by the group's next call.
+  ``wait(timeout)`` blocks the host, as NCCL's does with a timeout.
 - ``is_completed()`` never blocks (it makes what progress it can without waiting).
 - ``get_future()`` returns a ``torch.futures.Future`` completed with the
   tensors (or the error) when the operation completes, whether or not anyone
@@ -60,6 +64,8 @@ class Work(dist._Work):
         self._source = source
         self._completer = completer
         self._wait_seconds = timeout
+        self._streamed = False  # a stream waits for it (wait() returned before it completed)
+        self._deadline = 0.0  # streamed: when it must be complete
 
     # -- completion (called by the layers below) ------------------------------------
     def _finish(self, exc: BaseException | None = None) -> None:
@@ -70,10 +76,15 @@ class Work(dist._Work):
             self._is_done = True
             ev = self._event
             fut = self._fut
+            streamed = self._streamed
+        self._finished(exc, streamed)
         if ev is not None:
             ev.set()
         if fut is not None:
             self._settle(fut)
+
+    def _finished(self, exc: BaseException | None, streamed: bool) -> None:
+        """Hook: called once, right after the work completed (``streamed``: a stream waits for it)."""
 
     def _settle(self, fut: torch.futures.Future) -> None:
         if fut.done():
@@ -113,11 +124,36 @@ class Work(dist._Work):
     def _poll(self) -> None:
         """Non-blocking progress (default: none)."""
 
+    def _stream_wait(self) -> bool:
+        """Make the caller's current stream wait for this work instead of the host (True: done so).
+
+        Default: never (host tensors). CUDA works queue the wait, then call :meth:`_mark_streamed`.
+        """
+        return False
+
+    def _mark_streamed(self) -> bool:
+        """After a stream wait was queued: record it (True), unless the work completed meanwhile (False)."""
+        with self._state_lock:
+            if self._is_done:
+                return False
+            self._streamed = True
+            self._deadline = time.monotonic() + self._timeout
+            return True
+
     # -- torch's Work API ---------------------------------------------------------------------
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
         if seconds <= 0:
+            if not self._is_done and self._stream_wait():
+                exc = self._exc
+                if exc is not None and not self._streamed:
+                    raise exc  # it failed before the stream wait was recorded: report it now
+                return True
             seconds = self._timeout
+        return self._block(seconds)
+
+    def _block(self, seconds: float) -> bool:
+        """Wait (this thread) until done or ``seconds`` passed; raise the work's error."""
         if not self._is_done:
             self._wait_seconds = seconds
             self._drive(time.monotonic() + seconds)
@@ -204,7 +240,7 @@ class Completer:
                     return
                 work = self._queue.pop(0)
             try:
-                work.wait()
+                work._block(work._timeout)
             except Exception:  # noqa: BLE001 - the error goes to the future through _finish
                 if not work.done:  # timed out: it goes on; look again later
                     with self._cond:

@@ -3,8 +3,8 @@
 Wire format (little-endian, every frame starts with the same 88-byte header)::
 
     magic  "TW"        2s   protocol marker; anything else breaks the connection
-    type   u8          1 = DATA, 2 = CREDIT, 3 = BYE
-    ndim   u8          dims in use for DATA with a shape (0..8), 255 = no shape
+    type   u8          1 = DATA, 2 = CREDIT, 3 = BYE, 4 = CMA (control), 5 = WRITTEN
+    ndim   u8          dims in use for DATA with a shape (0..8), 255 = no shape; CMA: subtype
     tag    u32         DATA: slot tag
     step   u64         DATA: per-tag message counter (checked: +1 each time)
     nbytes u64         DATA: payload bytes that follow
@@ -14,6 +14,13 @@ Wire format (little-endian, every frame starts with the same 88-byte header)::
 
 DATA is followed by exactly ``nbytes`` payload bytes, received with
 ``recv_into`` directly into the posted slot buffer (no intermediate copy).
+
+On links between processes of one host, large messages skip the socket: the
+sender writes them straight into the receiver's posted buffer (cross-memory
+attach) and sends WRITTEN, a DATA header without payload. CMA frames carry the
+probe that turns this on and the addresses of posted buffers (a 64-byte body
+in place of ``dims``); see :mod:`tensorwire.transport.cma`. Only connections
+that proved the link secret take part.
 
 Flow control reproduces UCX's rendezvous: the receiver grants one CREDIT per
 posted buffer, and a sender spends one credit per DATA frame. So every DATA
@@ -79,22 +86,25 @@ from tensorwire.transport.base import HEADER_DIMS, NONCE_BYTES, PROOF_BYTES, Lis
 from tensorwire.transport.base import link_proof, proof_matches
 from tensorwire.transport.base import remaining as _remaining
 from tensorwire.transport._socket import dial, tune_socket
+from tensorwire.transport.cma import CmaPeer, new_cma_peer
 
 __all__ = ["TcpTransport", "TcpListener", "FRAME", "HELLO", "HELLO_HEAD"]
 
 log = logging.getLogger(__name__)
 
-#: v2: the hello carries a proof of the link secret after the nonce.
-PROTOCOL_VERSION = 2
+#: v2: the hello carries a proof of the link secret after the nonce. v3: CMA and WRITTEN frames.
+PROTOCOL_VERSION = 3
 FRAME = struct.Struct("<2sBBIQQII8q")
-assert FRAME.size == 96
+#: A CMA frame: the same header with a 64-byte body in place of the dims.
+CMA_FRAME = struct.Struct("<2sBBIQQII64s")
+assert FRAME.size == CMA_FRAME.size == 96
 #: magic, version, nonce (what every version of the hello starts with: the version is read first) ...
 HELLO_HEAD = struct.Struct(f"<8sI{NONCE_BYTES}s")
 #: ... then, from v2, the proof of the link secret (zeros without one).
 HELLO = struct.Struct(f"<8sI{NONCE_BYTES}s{PROOF_BYTES}s")
 HELLO_MAGIC = b"TWHELLO\0"
 HELLO_OK = b"TWOK"
-DATA, CREDIT, BYE = 1, 2, 3
+DATA, CREDIT, BYE, CMA, WRITTEN = 1, 2, 3, 4, 5
 NO_SHAPE = 255
 _MAGIC = b"TW"
 _ZERO_DIMS = (0,) * HEADER_DIMS
@@ -159,7 +169,10 @@ class TcpTransport(Transport):
     #: Posted-buffer views kept for reuse (a Link re-posts the same slots every step).
     VIEW_CACHE = 256
 
-    def __init__(self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0) -> None:
+    def __init__(
+        self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0, cma: CmaPeer | None = None
+    ) -> None:
+        """``cma``: cross-memory attach with the peer (links that proved the link secret); None: never."""
         sock.setblocking(True)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(self.READ_SLICE * 1e6)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, int(self.SEND_SLICE * 1e6)))
@@ -194,6 +207,12 @@ class TcpTransport(Transport):
         self._poll_rw.register(self._fd, select.POLLIN | select.POLLOUT)
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: Cross-memory attach with the peer (None: a connection that proved no link secret).
+        self.cma = cma
+        if cma is not None:
+            cma.start()
+            with _PENDING_LOCK:
+                _PENDING.add(self)  # the probe's first frame goes out with the first flush or send
 
     # -- public API ------------------------------------------------------------
     @property
@@ -213,7 +232,10 @@ class TcpTransport(Transport):
             self._views[id(buf)] = cached
         with self._lock:
             self._check_usable()
-            self._posted[tag].append(_Posted(cached[1], header))
+            post = _Posted(cached[1], header)
+            self._posted[tag].append(post)
+            if self.cma is not None:
+                self.cma.on_post(tag, post, cached[1])
             # The credit rides on our next DATA frame, or is flushed before any
             # thread of this process blocks (see flush_pending_credits).
             self._pending_credits[tag] += 1
@@ -275,25 +297,40 @@ class TcpTransport(Transport):
                 if self._credits[tag] > 0 or self._error is not None:
                     break
             self._send_lock.release()  # another sender took the credit first: wait again
+        cma = self.cma
         try:
             with self._lock:
                 self._check_usable()
                 self._credits[tag] -= 1
                 s = self._send_steps[tag] = self._send_steps[tag] + 1
+                wire_step = s if step is None else step
                 grants = self._take_credits()
-            if grants and self in _PENDING:
+                ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
+                slot = cma.slot_for(tag, wire_step) if cma is not None else None
+            if (grants or ctrl) and self in _PENDING:
                 with _PENDING_LOCK:
-                    if not self._pending_credits:
+                    if not self._has_pending():
                         _PENDING.discard(self)
+            ftype = DATA
+            if slot is not None and len(payload) >= cma.min_bytes:  # type: ignore[union-attr]
+                if grants or ctrl:  # hand them over before the copy, not after it
+                    self._write([memoryview(self._control_frames(grants, ctrl))], deadline)
+                    grants, ctrl = [], None
+                if self._cma_write(payload, slot):
+                    ftype = WRITTEN
             ctag, cn = grants.pop() if grants else (0, 0)
-            header = FRAME.pack(_MAGIC, DATA, ndim, tag, s if step is None else step, len(payload), ctag, cn, *dims)
-            views = [memoryview(header), payload] if len(payload) else [memoryview(header)]
-            if grants:
-                views.insert(0, memoryview(self._credit_frames(grants)))
+            header = FRAME.pack(_MAGIC, ftype, ndim, tag, wire_step, len(payload), ctag, cn, *dims)
+            views = [memoryview(header), payload] if len(payload) and ftype == DATA else [memoryview(header)]
+            if grants or ctrl:
+                views.insert(0, memoryview(self._control_frames(grants, ctrl)))
             self._write(views, deadline)
             self.bytes_sent += len(payload)
         finally:
             self._send_lock.release()
+        if self._has_pending():
+            # Receives posted while this frame was on the wire: their flush found the connection busy
+            # and left the credits to us. Nobody else may try again before blocking on the peer.
+            self._flush_credits()
 
     def close(self) -> None:
         with self._cond:
@@ -341,6 +378,8 @@ class TcpTransport(Transport):
     def _shutdown(self) -> None:
         with _PENDING_LOCK:
             _PENDING.discard(self)
+        if self.cma is not None:
+            self.cma.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -378,18 +417,39 @@ class TcpTransport(Transport):
     def _credit_frames(grants: list[tuple[int, int]]) -> bytes:
         return b"".join(FRAME.pack(_MAGIC, CREDIT, NO_SHAPE, 0, 0, 0, t, c, *_ZERO_DIMS) for t, c in grants)
 
+    def _has_pending(self) -> bool:
+        """Credits or cross-memory control frames wait to be sent."""
+        return bool(self._pending_credits) or (self.cma is not None and self.cma.has_frames)
+
+    def _control_frames(self, grants: list[tuple[int, int]], ctrl: list[Any] | None) -> bytes:
+        """CMA frames first (a buffer's SLOT goes ahead of its credit), then CREDIT frames."""
+        cma = b"".join(CMA_FRAME.pack(_MAGIC, CMA, *f[:2], f[2], f[3], 0, 0, f[4]) for f in ctrl) if ctrl else b""
+        return cma + (self._credit_frames(grants) if grants else b"")
+
+    def _cma_write(self, payload: memoryview, slot: tuple[int, int]) -> bool:
+        """Copy a message into the peer's announced buffer (see :meth:`CmaPeer.write`); a failure breaks
+        the connection: the message's step is spent and its bytes may be half there."""
+        assert self.cma is not None
+        try:
+            return self.cma.write(payload, slot)
+        except TensorWireError as exc:
+            self._fail(exc)
+            raise
+
     def _flush_credits(self) -> None:
-        """Send pending credits now, unless a send is in progress (it carries them)."""
+        """Send pending credits (and CMA frames) now, unless a send is in progress (it carries them)."""
         if not self._send_lock.acquire(blocking=False):
             return
         try:
+            cma = self.cma
             with self._cond:
                 if self._error is not None:
-                    grants = []
+                    grants, ctrl = [], None
                 else:
                     grants = self._take_credits()
-            if grants:
-                self._write([memoryview(self._credit_frames(grants))], time.monotonic() + self._peer_timeout)
+                    ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
+            if grants or ctrl:
+                self._write([memoryview(self._control_frames(grants, ctrl))], time.monotonic() + self._peer_timeout)
         except TransferTimeout as exc:
             self._fail(PeerLostError(f"could not grant credits to {self._peer}: {exc}"))
         except TensorWireError:
@@ -397,7 +457,7 @@ class TcpTransport(Transport):
         finally:
             self._send_lock.release()
             with self._cond:
-                still = bool(self._pending_credits)
+                still = self._has_pending()
             if not still:
                 with _PENDING_LOCK:
                     _PENDING.discard(self)
@@ -457,8 +517,9 @@ class TcpTransport(Transport):
             rem = _remaining(deadline)
             if rem is not None and rem <= 0:
                 return
-            if not block:
-                # About to block: first hand back every credit this process holds.
+            if not block or _PENDING:
+                # About to block (again): first hand back every credit this process holds. Again after
+                # every read slice: a flush can find a connection busy writing and leave its credits.
                 flush_pending_credits()
                 with self._cond:
                     if pred() or self._error is not None:
@@ -523,7 +584,17 @@ class TcpTransport(Transport):
             return True
         if ftype == BYE:
             raise PeerLostError(f"peer {self._peer} closed the link")
-        if ftype != DATA:
+        if ftype == CMA:
+            if self.cma is None:
+                raise ProtocolError(
+                    f"peer {self._peer} sent a cross-memory frame on a connection without a link secret"
+                )
+            self.cma.on_frame(ndim, tag, step, nbytes, CMA_FRAME.unpack(self._hdr)[8])
+            if self.cma.has_frames and self not in _PENDING:
+                with _PENDING_LOCK:
+                    _PENDING.add(self)
+            return True
+        if ftype != DATA and ftype != WRITTEN:
             raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
         with self._lock:
             q = self._posted.get(tag)
@@ -544,6 +615,17 @@ class TcpTransport(Transport):
             raise ProtocolError(f"bad ndim {ndim} from {self._peer}")
         self._rpost = post
         self._rmeta = (tag, step, nbytes, shape)
+        if ftype == WRITTEN:
+            # The sender wrote the bytes into this buffer itself: deliver them only if this side announced
+            # exactly this buffer for this step (never a buffer, or a length, the peer chose).
+            why = self.cma.landed(tag, step, post, nbytes) if self.cma is not None else "no cross-memory attach here"
+            if why is not None:
+                raise ProtocolError(f"peer {self._peer}: cross-memory message refused: {why}")
+            self.bytes_received += nbytes
+            self._complete_data()
+            return True
+        if self.cma is not None:
+            self.cma.streamed(tag, step)
         if nbytes == 0:
             self._complete_data()
             return True
@@ -891,7 +973,13 @@ class TcpListener(Listener):
                 conn.settimeout(self.HELLO_TIMEOUT)
                 conn.sendall(HELLO_OK + struct.pack("<I", PROTOCOL_VERSION))
                 tune_socket(conn, peer_timeout=self._peer_timeout)
-                transport = TcpTransport(conn, peer=f"{addr[0]}:{addr[1]}", peer_timeout=self._peer_timeout)
+                peer = f"{addr[0]}:{addr[1]}"
+                transport = TcpTransport(
+                    conn,
+                    peer=peer,
+                    peer_timeout=self._peer_timeout,
+                    cma=new_cma_peer(authenticated=self._secret is not None, peer=peer),
+                )
             except BaseException:
                 with self._cond:  # answering failed: nobody got in; the nonce may be presented again
                     if nonce in self._claimed:
@@ -973,7 +1061,7 @@ class TcpListener(Listener):
         delay = 0.02
         while True:
             try:
-                return cls._connect_once(host, port, nonce, proof, deadline, peer_timeout)
+                return cls._connect_once(host, port, nonce, proof, deadline, peer_timeout, linked=secret is not None)
             except (_Busy, _NoAnswer) as exc:
                 rem = _remaining(deadline)
                 if rem is not None and rem <= delay:
@@ -989,7 +1077,7 @@ class TcpListener(Listener):
 
     @staticmethod
     def _connect_once(
-        host: str, port: int, nonce: bytes, proof: bytes, deadline: float | None, peer_timeout: float
+        host: str, port: int, nonce: bytes, proof: bytes, deadline: float | None, peer_timeout: float, *, linked: bool
     ) -> TcpTransport:
         sock = dial(host, port, deadline)
         try:
@@ -1025,7 +1113,10 @@ class TcpListener(Listener):
         except BaseException:
             sock.close()
             raise
-        return TcpTransport(sock, peer=f"{host}:{port}", peer_timeout=peer_timeout)
+        peer = f"{host}:{port}"
+        return TcpTransport(
+            sock, peer=peer, peer_timeout=peer_timeout, cma=new_cma_peer(authenticated=linked, peer=peer)
+        )
 
 
 class _Busy(Exception):

@@ -194,7 +194,7 @@ def test_begin_put_calls_waiting_on_a_reserved_name_leave_the_control_plane_answ
             from tensorwire.v1 import store_pb2
 
             sid, _ = holder._session()
-            holder._stub.BeginPut(
+            holder._ctx.stub.BeginPut(
                 store_pb2.BeginPutRequest(
                     session_id=sid, spec=spec_to_proto(tw.TensorSpec("hot", (1024,), "float32")), timeout_ms=60_000
                 ),

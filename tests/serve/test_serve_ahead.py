@@ -48,7 +48,7 @@ def _granted(srv, c: Client, name: str) -> bool:
     """Whether the daemon holds a write-ahead grant of ``name`` for ``c``'s session (and the client knows it)."""
     s = _session(srv, c)
     g = s.ahead
-    return g is not None and g.entry.spec.name == name and _entry(srv, name).ahead is g and c._ahead is not None
+    return g is not None and g.entry.spec.name == name and _entry(srv, name).ahead is g and c._path.ahead is not None
 
 
 # -- used, counted, off -------------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def test_another_writer_takes_the_tensor_over_at_once(srv):
         t0 = time.monotonic()
         b.put("ahead-two", torch.full((N,), 2.0))  # revokes a's grant: a is not writing
         assert time.monotonic() - t0 < 5
-        assert int(a._page.ahead[0]) == 0  # the ticket a would check is gone
+        assert int(a._path.page.ahead[0]) == 0  # the ticket a would check is gone
         assert torch.equal(a.get("ahead-two"), torch.full((N,), 2.0))
         n = a.ahead_puts
         a.put("ahead-two", torch.full((N,), 3.0))  # the ordinary way (the get ended a's hold anyway)
@@ -114,7 +114,7 @@ def test_a_writer_waits_while_the_grant_holder_writes(srv):
     waits; once it lets go, that put goes ahead."""
     with Client(srv.address, transport="shm") as a, Client(srv.address, transport="shm") as b:
         _hold_grant(srv, a, "ahead-lock")
-        assert a._page.lock.try_lock()  # as a does from its check of the ticket to its COMMIT's reply
+        assert a._path.page.lock.try_lock()  # as a does from its check of the ticket to its COMMIT's reply
         done = threading.Event()
         errors: list[BaseException] = []
 
@@ -131,7 +131,7 @@ def test_a_writer_waits_while_the_grant_holder_writes(srv):
             assert not done.wait(0.5), "another writer got the slot while its grant's holder was writing"
             assert _entry(srv, "ahead-lock").put_waiting == 1
         finally:
-            a._page.lock.unlock()
+            a._path.page.lock.unlock()
         assert done.wait(10) and not errors, errors
         th.join(5)
         assert torch.equal(a.get("ahead-lock"), torch.full((N,), 5.0))
@@ -146,7 +146,7 @@ def test_any_other_request_ends_the_grant(srv):
         assert e.putting  # the grant is a put reservation
         a.get_rows("ahead-req", [0, 1])
         assert _session(srv, a).ahead is None and e.ahead is None and not e.putting
-        assert a._ahead is None and int(a._page.ahead[0]) == 0
+        assert a._path.ahead is None and int(a._path.page.ahead[0]) == 0
         a.delete("ahead-req")
 
 
@@ -174,9 +174,9 @@ def test_a_commit_of_a_grant_that_ended_changes_nothing_and_falls_back(srv):
     gets FALLBACK; the put then goes the ordinary way and lands whole."""
     with Client(srv.address, transport="shm") as a:
         _hold_grant(srv, a, "ahead-fb")
-        name, spec, region, ticket = a._ahead
-        a._ahead = (name, spec, region, ticket + 5)
-        a._page.ahead[0] = ticket + 5  # a confused client: the daemon never wrote that ticket
+        name, spec, region, ticket = a._path.ahead
+        a._path.ahead = (name, spec, region, ticket + 5)
+        a._path.page.ahead[0] = ticket + 5  # a confused client: the daemon never wrote that ticket
         v = a.stat("ahead-fb").version
         n = a.ahead_puts
         st = a.put("ahead-fb", torch.full((N,), 9.0))
@@ -214,10 +214,10 @@ _DIES_MID_WRITE = textwrap.dedent("""
     c = Client(sys.argv[1], transport="shm")
     c.put("ahead-kill", torch.zeros(1 << 18))
     c.put("ahead-kill", torch.ones(1 << 18))
-    name, spec, region, ticket = c._ahead
+    name, spec, region, ticket = c._path.ahead
     nbytes = 4 << 18
-    assert c._page.lock.try_lock() and int(c._page.ahead[0]) == ticket
-    c._maps.get(region, 0, nbytes)[: nbytes // 2].fill_(0xFF)  # half of the next version, then gone
+    assert c._path.page.lock.try_lock() and int(c._path.page.ahead[0]) == ticket
+    c._mem.maps.get(region, 0, nbytes)[: nbytes // 2].fill_(0xFF)  # half of the next version, then gone
     print("writing", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)

@@ -165,7 +165,7 @@ def test_repeated_gets_reuse_buffers_and_never_overwrite_a_held_result(client):
     client.put("reuse", torch.zeros(256))
     x = client.get("reuse")
     x = client.get("reuse")  # two buffers: one held by the caller, one being filled
-    pool = client._pools[("reuse", "get")]
+    pool = client._ctx.pools[("reuse", "get")]
     n = pool.allocations
     for _ in range(50):
         x = client.get("reuse")  # noqa: F841 - held across the next call, as in a loop
@@ -337,10 +337,10 @@ def test_auto_prefer_tcp_keeps_same_host_clients_on_tcp(monkeypatch):
 def test_tcp_only_server_with_auto_client_warns_and_uses_tcp(srv, caplog):
     import logging
 
-    import tensorwire.serve.client.client as cl
+    import tensorwire.serve.client.context as cl
 
     cl._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="tensorwire.serve.client.client"):
+    with caplog.at_level(logging.WARNING, logger="tensorwire.serve.client"):
         with Client(srv.address, transport="auto") as c:
             assert c.transport_kind == "tcp"
     assert any("using TCP" in r.getMessage() for r in caplog.records)

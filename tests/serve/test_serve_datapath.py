@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import tensorwire as tw
 from tensorwire.serve.client.client import Client
+from tensorwire.serve.client.grpc_path import GrpcPath
 from tensorwire.serve.protocol import wire
 from tensorwire.serve.protocol.common import DATA_REQUESTS_VERSION, MAX_INDEX_ROWS, TAG_REQUEST
 
@@ -182,7 +183,7 @@ def test_hot_operations_make_no_grpc_call(srv, kind):
     with Client(srv.address, transport=kind) as c:
         x = torch.randn(5000, 32)
         c.put(f"nogrpc/{kind}", x)  # learns the spec (get_rows splits by it)
-        stub, c._stub = c._stub, _NoGrpc()
+        stub, c._ctx.stub = c._ctx.stub, _NoGrpc()
         try:
             for i in range(20):
                 idx = torch.tensor([i, 4999 - i, 17])
@@ -194,7 +195,7 @@ def test_hot_operations_make_no_grpc_call(srv, kind):
             assert torch.equal(c.get(f"nogrpc/{kind}"), x)
             assert c.put(f"nogrpc/{kind}", x * 2).version == 42
         finally:
-            c._stub = stub
+            c._ctx.stub = stub
 
 
 @pytest.mark.timeout(120)
@@ -279,13 +280,13 @@ def test_both_paths_on_one_session_stay_in_step(srv, kind):
         c.put(name, x)
         sid = c._sid
         for i in range(12):
-            c._dp = bool(i % 2)  # alternate the gRPC calls and the requests on the same data connection
+            _use_requests(c, bool(i % 2))  # alternate the gRPC calls and the requests on the same data connection
             idx = torch.tensor([i, 2999 - i])
             assert torch.equal(c.get_rows(name, idx), x[idx])
             assert torch.equal(c.get(name), x)
             c.add_rows(name, [i], torch.ones(1, 16))
             x[i] += 1
-        c._dp = True
+        _use_requests(c, True)
         assert c._sid == sid and torch.equal(c.get(name), x)
 
 
@@ -397,10 +398,16 @@ _GARBAGE = {
 }
 
 
+def _use_requests(c: Client, on: bool) -> None:
+    """Switch a session that takes data-plane requests between them and the gRPC calls (same data connection)."""
+    with c.lock:
+        c._path = c._requests if on else GrpcPath(c._ctx, c._requests.session)
+
+
 def _send_raw(c: Client, payload: bytes) -> None:
     _, t = c._session()
-    c._req_id += 1
-    t.send(TAG_REQUEST, torch.tensor(list(payload), dtype=torch.uint8), step=c._req_id, timeout=10)
+    c._path.req_id += 1
+    t.send(TAG_REQUEST, torch.tensor(list(payload), dtype=torch.uint8), step=c._path.req_id, timeout=10)
 
 
 @pytest.mark.timeout(300)

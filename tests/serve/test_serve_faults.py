@@ -124,7 +124,9 @@ def test_second_sigint_forces_exit_while_draining():
             sid, _ = c._session()
             spec = tw.TensorSpec("p", (1000,), "float32")
             # a put whose bytes never come: the drain waits for it
-            c._rpc("BeginPut", store_pb2.BeginPutRequest(session_id=sid, spec=spec_to_proto(spec), timeout_ms=100_000))
+            c._ctx.rpc(
+                "BeginPut", store_pb2.BeginPutRequest(session_id=sid, spec=spec_to_proto(spec), timeout_ms=100_000)
+            )
             d.signal(signal.SIGINT)
             time.sleep(1.5)
             assert d.proc.poll() is None, "the first SIGINT should drain, not exit"

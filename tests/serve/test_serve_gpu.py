@@ -50,7 +50,7 @@ def test_cuda_tensors_put_get_rows_staged_through_pinned_memory():
 
 @pytest.mark.timeout(120)
 def test_cuda_destinations_read_from_leases_and_see_every_write():
-    from tensorwire.serve.client.client import _leases_wanted
+    from tensorwire.serve.client.shm_path import leases_wanted as _leases_wanted
 
     dev = torch.device("cuda")
     with in_process(transport="auto") as s, Client(s.address) as c, Client(s.address) as w:

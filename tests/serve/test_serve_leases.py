@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from tensorwire.serve.client.client import LEASES_ENV, Client, _leases_wanted
+from tensorwire.serve.client.client import LEASES_ENV, Client
+from tensorwire.serve.client.shm_path import leases_wanted as _leases_wanted
 from tensorwire.errors import NotFoundError, TensorWireError
 from tensorwire.serve.protocol import shm
 
@@ -76,13 +77,13 @@ def test_reads_after_the_first_are_served_from_the_lease_and_counted_by_the_daem
         assert c.lease_reads == 1  # that get already: a lease is per tensor, not per kind of read
         time.sleep(0.1)  # the client's helper gives the first read's pin back (a RELEASE request) meanwhile
         before_rows, before_get = _requests(srv, c, "GetRows"), _requests(srv, c, "Get")
-        sent = c._req_id
+        sent = c._path.req_id
         for _ in range(20):
             j = torch.randint(0, 5000, (64,))
             assert torch.equal(c.get_rows("lease-count", j), table[j])
             out = torch.empty_like(table)
             assert c.get("lease-count", out=out) is out and torch.equal(out, table)
-        assert c._req_id == sent, "a lease read sent a request"
+        assert c._path.req_id == sent, "a lease read sent a request"
         assert c.lease_reads == 41 and c.lease_misses == 0
         # the daemon never saw them, but counts them (from the session's page) at the next scrape
         assert _requests(srv, c, "GetRows") == before_rows + 20
@@ -97,7 +98,7 @@ def test_leases_off_by_environment(srv, monkeypatch):
         c.put("lease-off", torch.arange(100.0))
         for _ in range(3):
             assert torch.equal(c.get("lease-off"), torch.arange(100.0))
-        assert c.lease_reads == 0 and c._req_id >= 4  # every read asked
+        assert c.lease_reads == 0 and c._path.req_id >= 4  # every read asked
         c.delete("lease-off")
 
 
@@ -216,9 +217,9 @@ def test_the_session_page_only_adds_growth(srv):
         c.get("lease-page")
         c.get("lease-page")
         s = _session(srv, c)
-        assert s.shm_page is not None and c._page is not None
+        assert s.shm_page is not None and c._path.page is not None
         before = _requests(srv, c, "Get")
-        c._page.counts[0] = 0  # a client writing nonsense into its own page: counters never go back
+        c._path.page.counts[0] = 0  # a client writing nonsense into its own page: counters never go back
         assert _requests(srv, c, "Get") == before
         c.get("lease-page")
         assert _requests(srv, c, "Get") == before  # 1 again is below what was seen: nothing added

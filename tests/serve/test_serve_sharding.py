@@ -346,7 +346,7 @@ def test_a_killed_daemon_is_contained_and_the_same_client_recovers_from_its_snap
         t0 = time.monotonic()
         with pytest.raises(tw.PeerLostError) as ei:
             op()
-        assert time.monotonic() - t0 < TIMEOUT + 5
+        assert time.monotonic() - t0 < TIMEOUT + 1  # the client's timeout (plus scheduling)
         assert isinstance(ei.value, tw.ShardLostError) and ei.value.address == cluster.addresses[victim]
         assert cluster.addresses[victim] in str(ei.value)
     assert torch.equal(client.get_rows("kt", mine), t[mine])  # the others still work

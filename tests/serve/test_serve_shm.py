@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import tensorwire as tw
-from tensorwire.serve.client.client import Client, _Progress
+from tensorwire.serve.client.client import Client
+from tensorwire.serve.client.context import Progress
 from tensorwire.serve.protocol import shm, wire
 from tensorwire.serve.protocol.common import TAG_REQUEST
 
@@ -41,7 +42,7 @@ def _wait_for(pred, timeout: float = 10.0, what: str = "condition") -> None:
 
 
 def _socket_bytes(c: Client) -> int:
-    t = c._transport
+    t = c._path.transport
     return int(getattr(t, "bytes_sent", 0)) + int(getattr(t, "bytes_received", 0))
 
 
@@ -158,18 +159,19 @@ def test_a_pinned_version_is_not_overwritten_and_release_frees_it(srv):
     with Client(srv.address, transport="shm") as w, Client(srv.address, transport="shm") as r:
         w.put("pin", torch.full((n,), 1, dtype=torch.int32))
         w.put("pin", torch.full((n,), 2, dtype=torch.int32))  # both slots exist now; 2 is current
-        orig = r._shm_read
+        path = r._path
+        orig = path.shm_read
         pinned = threading.Event()
 
-        def slow(t, pr, rep, name, use):  # the reader holds its pin (and copies only) after a pause
+        def slow(pr, rep, name, use):  # the reader holds its pin (and copies only) after a pause
             def later(src):
                 pinned.set()
                 time.sleep(1.0)
                 return use(src)
 
-            return orig(t, pr, rep, name, later)
+            return orig(pr, rep, name, later)
 
-        r._shm_read = slow
+        path.shm_read = slow
         got: list = []
         th = threading.Thread(target=lambda: got.append(r.get("pin")))
         th.start()
@@ -181,7 +183,7 @@ def test_a_pinned_version_is_not_overwritten_and_release_frees_it(srv):
             waited = time.monotonic() - t0
         finally:
             th.join(30)
-        r._shm_read = orig
+        path.shm_read = orig
         assert bool((got[0] == 2).all()), "the reader saw a slot rewritten under it"
         assert waited > 0.3, waited
         # an idle reader holds nothing: RELEASE went out after its copy
@@ -198,21 +200,21 @@ def test_a_pinned_version_is_not_overwritten_and_release_frees_it(srv):
 _MID_WRITE_CLIENT = r"""
 import sys, time, torch
 import tensorwire as tw
-from tensorwire.serve.client.client import Client
+from tensorwire.serve.client.shm_path import ShmPath
 
 op = sys.argv[2]
 c = tw.Client(sys.argv[1], transport="shm")
 c.put("victim", torch.full((1024, 256), 1.0))
-orig = Client._shm_write
+orig = ShmPath.write_shm
 
-def stall(self, t, pr, wop, rep, name, nbytes, fill):
+def stall(self, pr, wop, rep, name, nbytes, fill):
     def half(dst):
         dst[: nbytes // 2].fill_(0xAB)  # garbage into the reserved region, then stall before COMMIT
         print("MIDWRITE", flush=True)
         time.sleep(600)
-    return orig(self, t, pr, wop, rep, name, nbytes, half)
+    return orig(self, pr, wop, rep, name, nbytes, half)
 
-Client._shm_write = stall
+ShmPath.write_shm = stall
 if op == "put":
     c.put("victim", torch.full((1024, 256), 2.0))
 else:
@@ -260,9 +262,9 @@ def test_an_uncommitted_shm_write_is_dropped_by_the_reaper():
         Client(s.address, transport="shm", timeout=1.0) as c,
         Client(s.address, transport="shm") as other,
     ):
-        _, t = c._session()
-        rep = c._dp_call(
-            t, _Progress(), wire.OP_PUT, "stuck", dtype=wire.dtype_code("float32"), shape=(4,), flags=wire.FLAG_SHM
+        c._session()
+        rep = c._path.call(
+            Progress(), wire.OP_PUT, "stuck", dtype=wire.dtype_code("float32"), shape=(4,), flags=wire.FLAG_SHM
         )
         assert rep.status == wire.SHM  # reserved; never committed
         sid = c._sid
@@ -303,7 +305,7 @@ def test_shm_transport_needs_data_requests(srv):
 
 @pytest.mark.timeout(60)
 def test_hello_region_out_of_reach_falls_back_silently(srv, monkeypatch, tmp_path, caplog):
-    caplog.set_level("DEBUG", logger="tensorwire.serve.client.client")
+    caplog.set_level("DEBUG", logger="tensorwire.serve.client")
     monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))  # this client's /dev/shm is not the daemon's
     with Client(srv.address) as c:
         assert not c.shm and c.data_path == c.transport_kind and c.data_path in ("ucx", "tcp")
@@ -339,7 +341,7 @@ def test_region_unmappable_mid_operation_reruns_over_the_socket(srv, monkeypatch
     with Client(srv.address) as c:
         c.put("mid", x)
         assert c.shm
-        c._maps.close()  # forget the mappings: the next get maps again, and that fails
+        c._mem.maps.close()  # forget the mappings: the next get maps again, and that fails
 
         def refuse(name, need):
             raise shm.ShmError(13, "permission denied (test)")
@@ -384,7 +386,7 @@ def test_regions_are_0600_unlinked_after_delete_and_at_shutdown_and_scratch_is_c
             c.put("life", tab)
             c.put("life", tab * 2)  # the staging slot: a second region
             assert torch.equal(c.get("life"), tab * 2)
-            slots = set(c._regions_of["life"])
+            slots = set(c._mem.regions_of["life"])
             assert len(slots) == 2
             for name in slots:
                 st = os.stat(os.path.join(shm.SHM_DIR, name))
@@ -402,7 +404,8 @@ def test_regions_are_0600_unlinked_after_delete_and_at_shutdown_and_scratch_is_c
             )
             assert os.path.exists(scratch.path)  # the session's, until it closes
         _wait_for(lambda: not os.path.exists(scratch.path), what="the scratch region to go with its session")
-        assert s.service.store.reserved == 0
+        # The session's thread unlinks its regions, then returns their charge: wait for both.
+        _wait_for(lambda: s.service.store.reserved == 0, what="every reservation to be returned")
         c2 = Client(s.address, transport="shm")
         c2.put("kept", torch.ones(1000))
         assert len(_files(prefix)) >= 2
@@ -413,7 +416,7 @@ def test_regions_are_0600_unlinked_after_delete_and_at_shutdown_and_scratch_is_c
 @pytest.mark.timeout(120)
 def test_daemon_exit_leaves_nothing_and_a_sigkilled_daemons_files_are_cleaned_by_the_next():
     def prefix_of(c: Client) -> str:
-        return next(iter(c._maps.names())).rsplit("-", 1)[0]
+        return next(iter(c._mem.maps.names())).rsplit("-", 1)[0]
 
     with Daemon() as d:
         with Client(d.address, transport="shm") as c:
@@ -475,8 +478,8 @@ def test_client_maps_only_region_names():
 
 def _send_raw(c: Client, payload: bytes) -> None:
     _, t = c._session()
-    c._req_id += 1
-    t.send(TAG_REQUEST, torch.tensor(list(payload), dtype=torch.uint8), step=c._req_id, timeout=10)
+    c._path.req_id += 1
+    t.send(TAG_REQUEST, torch.tensor(list(payload), dtype=torch.uint8), step=c._path.req_id, timeout=10)
 
 
 def _request(op: int, name: bytes, *, flags: int = 0, shape: tuple[int, ...] = ()) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -38,5 +39,11 @@ def token_file_job(rank, world, store, token_file, transport="tcp"):
                 out["other"] = "linked"
             except tw.TensorWireError as exc:
                 out["other"] = type(exc).__name__
+            # Rank 2 stays until rank 0 has tried too: a rank 2 gone before rank 0 (still busy with its
+            # first link on a loaded machine) gets there would turn rank 0's AuthError into a ConnectTimeout.
+            if rank == 0:
+                store.set("other-tried", "1")
+            else:
+                store.wait(["other-tried"], datetime.timedelta(seconds=90))
         out["store_secret"] = bool(store.check([node.prefix + "link/secret"]))
     return out

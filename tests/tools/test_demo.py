@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tensorwire import demo
+from tensorwire.demo import workers
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAUSE = 0.2  # seconds the receiver sleeps after each check in the small run
@@ -26,11 +27,11 @@ def small_run() -> demo.DemoResult:
 def test_count_bad_flags_one_changed_byte_and_a_stale_message():
     import torch
 
-    ramp = demo._ramp(4096)
+    ramp = workers.make_ramp(4096)
     scratch = torch.empty(4096, dtype=torch.uint8)
     msgs = [torch.empty(4096, dtype=torch.uint8) for _ in range(3)]
     for v, m in zip((5, 6, 7), msgs):
-        demo._fill(m, ramp, v)
+        workers.fill(m, ramp, v)
     assert demo.count_bad(msgs, ramp, [5, 6, 7], scratch) == 0
     msgs[1][4095] ^= 1
     assert demo.count_bad(msgs, ramp, [5, 6, 7], scratch) == 1
@@ -40,7 +41,7 @@ def test_count_bad_flags_one_changed_byte_and_a_stale_message():
 def test_consecutive_rounds_expect_different_bytes():
     for row in range(3):
         for path in range(3):
-            seen = [demo._value(row, path, rnd, m, 8) for rnd in range(20) for m in range(8)]
+            seen = [workers.message_value(row, path, rnd, m, 8) for rnd in range(20) for m in range(8)]
             assert len(set(seen)) == len(seen)
 
 
@@ -54,7 +55,7 @@ def test_default_rows_run_back_to_back_and_a_stale_slot_is_caught():
         n = row.per_round
         assert n + 1 <= MAX_DEPTH  # the receiver holds a whole round in tensorwire's slots
         # a slot is reused a round later: two consecutive rounds must expect different bytes everywhere
-        seen = [demo._value(i, p, rnd, k, n) for p in range(3) for rnd in (7, 8) for k in range(n)]
+        seen = [workers.message_value(i, p, rnd, k, n) for p in range(3) for rnd in (7, 8) for k in range(n)]
         for p in range(3):
             two_rounds = seen[p * 2 * n : (p + 1) * 2 * n]
             assert len(set(two_rounds)) == 2 * n
@@ -70,7 +71,7 @@ def test_grpc_server_runs_in_the_receivers_process_not_the_clients(small_run):
 
 @pytest.mark.timeout(180)
 def test_every_message_is_checked_and_none_is_corrupted(small_run):
-    plan = demo._Plan(SMALL, 1, "tcp", True, 90, PAUSE)
+    plan = workers.RunPlan(SMALL, 1, "tcp", True, 90, PAUSE)
     expect = sum((plan.warmup(r) + plan.timed(r)) * r.per_round * r.size for r in SMALL) * len(demo.PATHS)
     assert small_run.checked_bytes == expect
     assert small_run.bad == {p: 0 for p in demo.PATHS}

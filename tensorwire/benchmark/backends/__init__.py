@@ -17,6 +17,11 @@ __all__ = ["BACKENDS", "ALIASES", "resolve", "load", "default_backends", "is_ten
 #: name -> (module, constructor argument, one-line description)
 BACKENDS: dict[str, tuple[str, str | None, str]] = {
     "tensorwire-tcp": ("tw", "tcp", "tensorwire Node/Link, TCP transport"),
+    "tensorwire-tcp-stream": (
+        "tw",
+        "tcp-stream",
+        "as tensorwire-tcp with cross-memory attach off (TENSORWIRE_CMA=off): every byte over the socket",
+    ),
     "tensorwire-ucx": ("tw", "ucx", "tensorwire Node/Link, UCX transport (ucxx)"),
     "tensorwire-ucx-isend": (
         "tw",

@@ -4,7 +4,8 @@ Each message size gets its own link (``name="bench-<size>"``): its slots are
 allocated when it is negotiated, so the first transfer of a size is the first
 transfer of fresh slots. Data goes 0 -> 1 on spec ``data`` (uint8[size] on the
 bench device), the ack 1 -> 0 on spec ``ack`` (uint8[1] on the host).
-The transport is the backend's argument (``tcp``/``ucx``) or ``auto``; ``ucx-isend`` sends the
+The transport is the backend's argument (``tcp``/``ucx``) or ``auto``; ``tcp-stream`` is TCP with
+cross-memory attach off in this worker process (``TENSORWIRE_CMA=off``), so one run compares both; ``ucx-isend`` sends the
 stream pattern through ``Link.isend`` with up to two messages in flight, ``ucx-isend4`` with up to four
 (the receiver's link made with ``depth=4``).
 The sender closes a size's link first (the receiver waits for its word on the
@@ -16,11 +17,13 @@ the held slot before waiting, and ``post_recv`` raises once the goodbye arrived)
 from __future__ import annotations
 
 import collections
+import os
 from typing import TYPE_CHECKING
 
 from tensorwire.benchmark.backends.base import PairContext, Prepare
 from tensorwire.benchmark.backends.base import Receiver as _Receiver
 from tensorwire.benchmark.backends.base import Sender as _Sender
+from tensorwire.settings import env_var
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -32,6 +35,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _node(ctx: PairContext, transport: str) -> "Node":
     from tensorwire.p2p.node import Node
+
+    if transport == "tcp-stream":
+        os.environ[env_var("cma")] = "off"  # this worker process only: it runs this one backend
+        transport = "tcp"
 
     return Node(
         rank=ctx.rank,

@@ -7,7 +7,7 @@
     c = tw.Client(["h1:7100", "h2:7100", "h3:7100"], token=...)   # or tw.Client("dns:///tw-serve.ns.svc:7100")
     c.put("weights", w)                          # a whole tensor, on the daemon its name hashes to
     c.put("emb", table, shard="rows")            # rows split over the three daemons
-    rows = c.get_rows("emb", idx)                # each daemon gathers its rows, in parallel
+    rows = c.get_rows("emb", idx)                # one gather over all shards (same host), or per daemon
     c.add_rows("emb", idx, grads)                # duplicates accumulate, as index_add_
 
 Placement is a pure function of the ordered daemon list
@@ -18,14 +18,18 @@ gives it -- on daemon ``k``. Each daemon is reached through its own
 :class:`tensorwire.serve.client.Client` (its fastest path: shared memory on this
 host, UCX or TCP otherwise); the parts of an operation that spans daemons run
 on them in parallel and the result is what one daemon holding the whole table
-would return.
+would return. A ``get_rows`` whose daemons all share this host's memory is one
+gather by this process over their slots, mapped side by side
+(:mod:`tensorwire.serve.client.sharded_rows`).
 
 Layout check: every shard is stored with its :class:`~tensorwire.serve.protocol.layout.ShardLayout`
 (shard count, index, rows, the daemon list's fingerprint) and every request of
 its data carries the layout this client expects. A daemon holding something
 else refuses (:class:`~tensorwire.errors.LayoutMismatchError`), so a client
 over another list -- other members, another order -- never reads or writes the
-wrong rows. There is no reshard command.
+wrong rows. There is no reshard command: a table moves to another list by a
+get through a client over the old list, a delete, and a put with
+``shard="rows"`` through a client over the new one (the error says so).
 
 Consistency: each shard an operation touches is read whole (one version of
 it) or written atomically, as on one daemon; an operation spanning shards is
@@ -41,11 +45,9 @@ once it is back (restored from its snapshot) the next call reconnects.
 
 from __future__ import annotations
 
+import builtins
 import logging
-import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from tensorwire.errors import (
@@ -55,16 +57,17 @@ from tensorwire.errors import (
     LayoutMismatchError,
     NotFoundError,
     ShapeMismatchError,
-    ShardLostError,
     SpecError,
-    TransportError,
     VersionMismatchError,
 )
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat
-from tensorwire.serve.client.sharding import RowSplit, owner, resolve_daemons
-from tensorwire.serve.protocol.tls import TLSConfig
+from tensorwire.serve.client.daemons import Daemons, Task
+from tensorwire.serve.client.sharded_rows import ShardedRows
+from tensorwire.serve.client.sharding import owner, resolve_daemons
+from tensorwire.serve.client.tables import ShardedStat, ShardStat, Table, layouts_of, merge_stats, same, sharded_stat
 from tensorwire.serve.protocol.common import as_index
 from tensorwire.serve.protocol.layout import ShardLayout, check_layout, fingerprint
+from tensorwire.serve.protocol.tls import TLSConfig
 from tensorwire.spec import TensorSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,89 +83,6 @@ log = logging.getLogger(__name__)
 _MAX_TABLES = 1 << 16
 
 
-@dataclass(frozen=True)
-class ShardStat:
-    """One shard of a sharded table: the daemon holding it, its layout, and what it holds."""
-
-    address: str
-    layout: ShardLayout
-    stat: TensorStat
-
-
-@dataclass(frozen=True)
-class ShardedStat(TensorStat):
-    """A table sharded by rows: ``spec`` is the whole table's; ``version`` the sum of its shards' versions
-    (it grows with every write); ``nbytes`` the whole table's; ``shards`` one :class:`ShardStat` per shard found."""
-
-    shards: tuple[ShardStat, ...] = ()
-
-
-class _Buffers:
-    """Reusable host buffers by key: one is handed out again only when no tensor but the pool's refers to it.
-
-    A fresh 2 MiB ``torch.empty`` per call costs its page faults every time (~1 ms for a 4,096 x 128 float32
-    result on the 2-core VM, more than the gather itself), as the one-daemon client's per-name buffers avoid.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict[Any, tuple["torch.Tensor", int | None]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, key: Any, shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tensor":
-        import torch
-
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        with self._lock:
-            got = self._bufs.get(key)
-            if got is not None and got[0].numel() >= nbytes and got[1] is not None and _use_count(got[0]) == got[1]:
-                raw = got[0]
-            else:
-                raw = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-                if len(self._bufs) >= 256:
-                    self._bufs.clear()
-                self._bufs[key] = (raw, _use_count(raw))
-        if not nbytes:
-            return torch.empty(shape, dtype=dtype)
-        return raw[:nbytes].view(dtype).view(shape)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._bufs.clear()
-
-
-def _use_count(t: "torch.Tensor") -> int | None:
-    import torch
-
-    fn = getattr(torch._C, "_storage_Use_Count", None)
-    return None if fn is None else int(fn(t.untyped_storage()._cdata))
-
-
-class _Table:
-    """What a client knows of a sharded table: its spec and the layout of each shard under this client's list."""
-
-    __slots__ = ("spec", "layouts", "ranges", "starts", "versions")
-
-    def __init__(self, spec: TensorSpec, layouts: list[ShardLayout]) -> None:
-        import numpy as np
-
-        self.spec = spec
-        self.layouts = layouts
-        self.ranges = [(la.row_start, la.row_stop) for la in layouts]
-        self.starts = np.array([a for a, _ in self.ranges[1:]], dtype=np.int64)
-        self.versions = [0] * len(layouts)
-
-    @property
-    def rows(self) -> int:
-        return self.spec.shape[0]
-
-    def shard_spec(self, k: int) -> TensorSpec:
-        a, b = self.ranges[k]
-        return TensorSpec(self.spec.name, (b - a, *self.spec.shape[1:]), self.spec.dtype)
-
-    def stat(self) -> TensorStat:
-        return TensorStat(self.spec, sum(self.versions), self.spec.nbytes)
-
-
 class ShardedClient:
     """A client over an ordered list of ``tensorwire serve`` daemons. See the module docstring.
 
@@ -176,12 +96,13 @@ class ShardedClient:
             reverse-DNS names (stable across pod restarts in a StatefulSet).
         parallel: run the parts of an operation on several daemons in
             threads (True), or one after the other in the calling thread
-            (False). None (default): threads, except for a read (get,
-            get_rows) whose daemons are all reached through shared memory --
-            then each part is a copy by this process of a fraction of a
-            millisecond, and handing it to another thread cost more than it
-            saved (measured on the 2-core VM: bench/bench_sharded.py). Writes
-            keep their threads: each daemon applies its part itself.
+            (False). None (default): threads (a pool made once, one thread
+            per daemon but the first), except for a ``get`` whose daemons are
+            all reached through shared memory -- then each part is a copy by
+            this process, and handing it to another thread costs more than it
+            saves on a few cores. A ``get_rows`` over shared memory is one
+            gather in the calling thread whatever this says. Writes keep
+            their threads: each daemon applies its part itself.
 
     Raises:
         AuthError, ConfigError: from any daemon (nothing is kept open).
@@ -218,25 +139,23 @@ class ShardedClient:
         self.address = ",".join(self.addresses)
         #: The list's fingerprint: every shard this client writes records it.
         self.fingerprint: bytes = fingerprint(self.addresses)
-        self._n = n = len(self.addresses)
-        self._kw: dict[str, Any] = dict(
+        n = len(self.addresses)
+        kw: dict[str, Any] = dict(
             token=token,
             tls=TLSConfig.coerce(tls),
             transport=transport,
             timeout=timeout,
-            connect_timeout=connect_timeout,
+            # a daemon reached again during an operation is so within the operation's timeout
+            connect_timeout=min(connect_timeout, timeout),
             name=name,
             data_requests=data_requests,
         )
-        self._clients: list[Client | None] = [None] * n
-        self._connecting = [threading.Lock() for _ in range(n)]
-        self._tables: dict[str, _Table | None] = {}  # name -> sharded table, or None: a whole tensor
+        self._daemons = Daemons(self.addresses, single, kw, parallel=parallel)
+        self._tables: dict[str, Table | None] = {}  # name -> sharded table, or None: a whole tensor
         self._lock = threading.Lock()
         self._closed = False
-        self._parallel = parallel
-        self._bufs = _Buffers()
-        self._pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="tensorwire-shard") if n > 1 else None
-        outcomes = self._fan([(k, lambda c: None) for k in range(n)], settle=True)
+        self._rows = ShardedRows(self._daemons, self._sharded)
+        outcomes = self._daemons.fan([(k, lambda c: None) for k in range(n)], settle=True)
         errs = [e for e in outcomes if isinstance(e, BaseException)]
         fatal = [e for e in errs if isinstance(e, (AuthError, ConfigError, VersionMismatchError))]
         if fatal or len(errs) == n:
@@ -246,82 +165,6 @@ class ShardedClient:
             log.warning("sharded client: %s; operations that need it fail until it is back", e)
 
     # -- daemons -------------------------------------------------------------------------------
-    def _lost(self, k: int, exc: BaseException) -> ShardLostError:
-        a = self.addresses[k]
-        return ShardLostError(f"daemon {a} (number {k} of {self._n}) is unreachable: {exc}", address=a)
-
-    def _client(self, k: int) -> Client:
-        c = self._clients[k]
-        if c is not None:
-            return c
-        with self._connecting[k]:
-            c = self._clients[k]
-            if c is None:
-                if self._closed:
-                    raise ClosedError("client is closed")
-                try:
-                    c = self._single(self.addresses[k], **self._kw)
-                except TransportError as exc:
-                    raise self._lost(k, exc) from exc
-                if not c.layout_checks:
-                    c.close()
-                    raise ConfigError(
-                        f"daemon {self.addresses[k]} does not record shard layouts (an older "
-                        f"tensorwire serve): a client over several daemons needs every one to"
-                    )
-                self._clients[k] = c
-            return c
-
-    def _on(self, k: int, fn: Callable[[Client], Any]) -> Any:
-        """``fn(client of daemon k)``; a transport failure becomes ShardLostError naming the daemon."""
-        try:
-            return fn(self._client(k))
-        except ShardLostError:
-            raise
-        except TransportError as exc:
-            raise self._lost(k, exc) from exc
-
-    def _fan(
-        self, tasks: list[tuple[int, Callable[[Client], Any]]], *, settle: bool = False, read: bool = False
-    ) -> list[Any]:
-        """Run ``fn`` on each daemon of ``tasks`` (in parallel when more than one); their results, in order.
-
-        Every task runs to its end; then the first error is raised (``settle``: returned in its place).
-        ``read``: the tasks are reads, which may run in this thread (see ``parallel``).
-        """
-        if len(tasks) == 1 and not settle:
-            k, fn = tasks[0]
-            return [self._on(k, fn)]
-        if read and not settle and not self._threads([k for k, _ in tasks]):
-            return [self._on(k, fn) for k, fn in tasks]  # an error stops the rest (reads: nothing to finish)
-
-        def run(k: int, fn: Callable[[Client], Any]) -> Any:
-            try:
-                return self._on(k, fn)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                return _Failed(exc)
-
-        # the first part in this thread, the others on the pool's (n - 1 threads: one per other daemon)
-        futs = [self._pool.submit(run, k, fn) for k, fn in tasks[1:]] if self._pool is not None else []
-        out = [run(*tasks[0])] if tasks else []
-        out += [f.result() for f in futs]
-        if settle:
-            return [r.exc if isinstance(r, _Failed) else r for r in out]
-        for r in out:
-            if isinstance(r, _Failed):
-                raise r.exc
-        return out
-
-    def _threads(self, ks: Sequence[int]) -> bool:
-        """Whether parts on daemons ``ks`` run in threads (see ``parallel``)."""
-        if self._parallel is not None:
-            return self._parallel
-        for k in ks:
-            c = self._clients[k]
-            if c is None or not c.shm:
-                return True
-        return False
-
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("client is closed")
@@ -332,9 +175,9 @@ class ShardedClient:
         return self.addresses[owner(name, self.addresses)]
 
     def _layouts(self, rows: int) -> list[ShardLayout]:
-        return [ShardLayout.of(self.fingerprint, self._n, k, rows) for k in range(self._n)]
+        return layouts_of(self.fingerprint, self._daemons.n, rows)
 
-    def _remember(self, name: str, table: _Table | None) -> None:
+    def _remember(self, name: str, table: Table | None) -> None:
         with self._lock:
             if len(self._tables) >= _MAX_TABLES:
                 self._tables.clear()
@@ -344,7 +187,7 @@ class ShardedClient:
         with self._lock:
             self._tables.pop(name, None)
 
-    def _table(self, name: str) -> _Table | None:
+    def _table(self, name: str) -> Table | None:
         """The sharded table ``name`` (None: a whole tensor), asked of its owner the first time.
 
         Raises:
@@ -356,15 +199,18 @@ class ShardedClient:
             if name in self._tables:
                 return self._tables[name]
         k = owner(name, self.addresses)
-        st = self._on(k, lambda c: c.stat(name))
+        st = self._daemons.on(k, lambda c: c.stat(name))
         if st.layout is None:
             self._remember(name, None)
             return None
         rows = st.layout.rows
         check_layout(
-            name, st.layout, ShardLayout.of(self.fingerprint, self._n, k, rows), where=f"daemon {self.addresses[k]}"
+            name,
+            st.layout,
+            ShardLayout.of(self.fingerprint, self._daemons.n, k, rows),
+            where=f"daemon {self.addresses[k]}",
         )
-        t = _Table(TensorSpec(name, (rows, *st.spec.shape[1:]), st.spec.dtype), self._layouts(rows))
+        t = Table(TensorSpec(name, (rows, *st.spec.shape[1:]), st.spec.dtype), self._layouts(rows))
         t.versions[k] = st.version
         self._remember(name, t)
         return t
@@ -376,11 +222,9 @@ class ShardedClient:
             c.expect_layout(name, None)
             return fn(c)
 
-        return self._on(owner(name, self.addresses), call)
+        return self._daemons.on(owner(name, self.addresses), call)
 
-    def _sharded(
-        self, name: str, t: _Table, tasks: list[tuple[int, Callable[[Client], Any]]], *, read: bool = False
-    ) -> list[Any]:
+    def _sharded(self, name: str, t: Table, tasks: list[Task], read: bool = False) -> list[Any]:
         """Run per-shard tasks of table ``t``, each client expecting its shard's layout; a layout refusal makes
         this client forget what it knew of ``name`` (the next call asks again)."""
 
@@ -392,12 +236,12 @@ class ShardedClient:
             return call
 
         try:
-            return self._fan([(k, bind(k, fn)) for k, fn in tasks], read=read)
+            return self._daemons.fan([(k, bind(k, fn)) for k, fn in tasks], read=read)
         except LayoutMismatchError:
             self._forget(name)
             raise
 
-    def _read(self, name: str, whole: Callable[[Client], Any], sharded: Callable[[_Table], Any]) -> Any:
+    def _read(self, name: str, whole: Callable[[Client], Any], sharded: Callable[[Table], Any]) -> Any:
         """A read of ``name``: once more after a layout refusal if the table turned out to have changed."""
         for attempt in (0, 1):
             t = self._table(name)
@@ -407,9 +251,13 @@ class ShardedClient:
                 return sharded(t)
             except LayoutMismatchError:
                 self._forget(name)
-                if attempt or _same(self._table(name), t):
+                self._rows.drop_window(name)
+                if attempt or same(self._table(name), t):
                     raise
                 log.debug("%s changed its layout; reading again", name)
+            except NotFoundError:
+                self._rows.drop_window(name)
+                raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- the API ------------------------------------------------------------------------------------
@@ -440,7 +288,9 @@ class ShardedClient:
             raise SpecError(f"{name}: a 0-d tensor has no rows to shard")
         t = self._declare_all(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
         stats = self._sharded(
-            name, t, [(k, lambda c, k=k: c.put(name, tensor[t.ranges[k][0] : t.ranges[k][1]])) for k in range(self._n)]
+            name,
+            t,
+            [(k, _put(name, tensor[a:b])) for k, (a, b) in enumerate(t.ranges)],
         )
         t.versions = [s.version for s in stats]
         self._remember(name, t)
@@ -459,13 +309,14 @@ class ShardedClient:
             t, [TensorStat(t.shard_spec(k), v, t.shard_spec(k).nbytes, t.layouts[k]) for k, v in enumerate(t.versions)]
         )
 
-    def _declare_all(self, spec: TensorSpec) -> _Table:
+    def _declare_all(self, spec: TensorSpec) -> Table:
         """Declare every shard of ``spec`` (each daemon checks the layout and reserves its memory under
         ``--max-bytes``). If one refuses, the shards declared here that hold no data are deleted again."""
         name = spec.name
-        t = _Table(spec, self._layouts(spec.shape[0]))
-        declared = self._fan(
-            [(k, _bound(t, name, k, lambda c, k=k: c.declare(t.shard_spec(k)))) for k in range(self._n)], settle=True
+        t = Table(spec, self._layouts(spec.shape[0]))
+        declared = self._daemons.fan(
+            [(k, _bound(t, name, k, _declare(t.shard_spec(k)))) for k in range(self._daemons.n)],
+            settle=True,
         )
         failed = [e for e in declared if isinstance(e, BaseException)]
         if failed:
@@ -475,7 +326,7 @@ class ShardedClient:
                 if isinstance(st, TensorStat) and st.version == 0
             ]
             if undo:
-                self._fan(undo, settle=True)
+                self._daemons.fan(undo, settle=True)
             self._forget(name)
             raise failed[0]
         t.versions = [st.version for st in declared]
@@ -485,82 +336,32 @@ class ShardedClient:
         """The current version of ``name``: a whole tensor, or a sharded table assembled from its shards
         (each one a whole version of itself; see the module docstring)."""
 
-        def sharded(t: _Table) -> "torch.Tensor":
-            import torch
-
-            spec = t.spec
-            dest = out
-            if out is not None:
-                _check_out(spec, out, spec.shape)
-                if not (out.device.type == "cpu" and out.is_contiguous()):
-                    dest = None
-            if dest is None:
-                dest = torch.empty(spec.shape, dtype=spec.torch_dtype)
-            tasks = [(k, lambda c, a=a, b=b: c.get(name, out=dest[a:b])) for k, (a, b) in enumerate(t.ranges) if b > a]
-            if tasks:
-                self._sharded(name, t, tasks, read=True)
-            if out is not None and dest is not out:
-                out.copy_(dest)
-                return out
-            return dest
-
-        return self._read(name, lambda c: c.get(name, out=out), sharded)
+        return self._read(name, lambda c: c.get(name, out=out), lambda t: self._rows.get(name, t, out))
 
     def get_rows(self, name: str, index: Any, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
-        """Rows ``index`` of dim 0 of ``name``, in the order given; each daemon gathers its own rows, in parallel.
+        """Rows ``index`` of dim 0 of ``name``, in the order given.
+
+        With every daemon it needs on this host (shared memory), one gather by this process over their
+        slots, straight into the result; else each daemon gathers its own rows, in parallel, and they are
+        put in the caller's order here (:mod:`tensorwire.serve.client.sharded_rows`).
 
         Raises:
             SpecError: an index out of range (nothing is sent).
         """
         idx = as_index(index)
-
-        def sharded(t: _Table) -> "torch.Tensor":
-
-            spec = t.spec
-            split = RowSplit(idx, t.rows, self._n, t.starts)
-            shape = (split.n, *spec.shape[1:])
-            if out is not None:
-                _check_out(spec, out, shape)
-            direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
-            dtype = spec.torch_dtype
-            if split.order is None:
-                dest = out if direct else self._bufs.take((name, "rows"), shape, dtype)
-            else:
-                # rows in shard order (a scratch buffer of this call), then into the caller's order
-                dest = self._bufs.take((name, "sorted", threading.get_ident()), shape, dtype)
-            if split.parts:
-                self._sharded(
-                    name,
-                    t,
-                    [
-                        (k, lambda c, k=k, local=local, a=a, b=b: c.get_rows(name, local, out=dest[a:b]))
-                        for k, local, a, b in split.parts
-                    ],
-                    read=True,
-                )
-            if split.order is not None:
-                if direct:
-                    return split.gather(dest, out)
-                result = split.gather(dest, self._bufs.take((name, "rows"), shape, dtype))
-                del dest
-            else:
-                result = dest
-            if out is not None and result is not out:
-                out.copy_(result)
-                return out
-            return result
-
-        return self._read(name, lambda c: c.get_rows(name, idx, out=out), sharded)
+        return self._read(
+            name, lambda c: c.get_rows(name, idx, out=out), lambda t: self._rows.get_rows(name, t, idx, out)
+        )
 
     def put_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
         """Overwrite rows ``index`` of ``name`` with ``values`` (indices unique), each shard's part on its daemon."""
-        return self._rows(name, index, values, add=False)
+        return self._update(name, index, values, add=False)
 
     def add_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
         """Add ``values`` to rows ``index`` of ``name`` (duplicates accumulate, as ``index_add_``)."""
-        return self._rows(name, index, values, add=True)
+        return self._update(name, index, values, add=True)
 
-    def _rows(self, name: str, index: Any, values: "torch.Tensor", *, add: bool) -> TensorStat:
+    def _update(self, name: str, index: Any, values: "torch.Tensor", *, add: bool) -> TensorStat:
         import torch
 
         idx = as_index(index)
@@ -571,26 +372,11 @@ class ShardedClient:
             raise ShapeMismatchError(f"{name}: {n} indices but values of shape {list(values.shape)}")
         t = self._table(name)
         if t is None:
-            return self._whole(name, lambda c: (c.add_rows if add else c.put_rows)(name, idx, values))
-        split = RowSplit(idx, t.rows, self._n, t.starts)
-        vals = split.sort(values)
-        parts = split.parts or [(0, idx, 0, 0)]  # nothing to write: shard 0 still checks the values' spec
-        stats = self._sharded(
-            name,
-            t,
-            [
-                (k, lambda c, k=k, local=local, a=a, b=b: (c.add_rows if add else c.put_rows)(name, local, vals[a:b]))
-                for k, local, a, b in parts
-            ],
-        )
-        for (k, *_), s in zip(parts, stats):
-            t.versions[k] = s.version
-        return t.stat()
+            return self._whole(name, lambda c: c.update_rows(name, idx, values, add=add))
+        return self._rows.update(name, t, idx, values, add=add)
 
-    def _sharded_stat(self, t: _Table, stats: Sequence[TensorStat], ks: Sequence[int] | None = None) -> ShardedStat:
-        ks = range(len(stats)) if ks is None else ks
-        shards = tuple(ShardStat(self.addresses[k], t.layouts[k], s) for k, s in zip(ks, stats))
-        return ShardedStat(t.spec, sum(s.version for s in stats), t.spec.nbytes, None, shards)
+    def _sharded_stat(self, t: Table, stats: Sequence[TensorStat]) -> ShardedStat:
+        return sharded_stat(t, stats, self.addresses)
 
     def stat(self, name: str) -> TensorStat:
         """Spec, version and size of ``name``; for a sharded table a :class:`ShardedStat` listing every shard.
@@ -602,7 +388,7 @@ class ShardedClient:
         t = self._table(name)
         if t is None:
             return self._whole(name, lambda c: c.stat(name))
-        stats = self._sharded(name, t, [(k, lambda c: c.stat(name)) for k in range(self._n)])
+        stats = self._sharded(name, t, [(k, lambda c: c.stat(name)) for k in range(self._daemons.n)])
         for k, s in enumerate(stats):
             check_layout(name, s.layout, t.layouts[k], where=f"daemon {self.addresses[k]}")
         t.versions = [s.version for s in stats]
@@ -616,27 +402,8 @@ class ShardedClient:
             ShardLostError: a daemon is unreachable (the listing would be incomplete).
         """
         self._check_open()
-        per = self._fan([(k, lambda c: c.stats()) for k in range(self._n)])
-        out: dict[str, TensorStat] = {}
-        shards: dict[str, dict[int, TensorStat]] = {}
-        for k, d in enumerate(per):
-            for nm, st in d.items():
-                la = st.layout
-                if la is None:
-                    if nm not in out or owner(nm, self.addresses) == k:
-                        out[nm] = st
-                elif la.fingerprint == self.fingerprint and la.shards == self._n and la.index == k:
-                    shards.setdefault(nm, {})[k] = st
-                else:
-                    log.debug("%s on %s is %s: not this client's list", nm, self.addresses[k], la.describe())
-        for nm, got in shards.items():
-            any_st = next(iter(got.values()))
-            la = any_st.layout
-            assert la is not None
-            t = _Table(TensorSpec(nm, (la.rows, *any_st.spec.shape[1:]), any_st.spec.dtype), self._layouts(la.rows))
-            ks = sorted(got)
-            out[nm] = self._sharded_stat(t, [got[k] for k in ks], ks)
-        return dict(sorted(out.items()))
+        per = self._daemons.fan([(k, lambda c: c.stats()) for k in range(self._daemons.n)])
+        return merge_stats(per, self.addresses, self.fingerprint)
 
     def list(self) -> dict[str, TensorSpec]:
         """Every name the daemons hold, with its spec (a sharded table's: the whole table's)."""
@@ -650,26 +417,29 @@ class ShardedClient:
             ShardLostError: a daemon holding a shard is unreachable (the others' shards are deleted).
         """
         self._forget(name)  # ask afresh: never delete on what this client remembers
+        self._rows.drop_window(name)
         t = self._table(name)
         self._forget(name)
         if t is None:
             self._whole(name, lambda c: c.delete(name))
             return
-        got = self._fan([(k, _bound(t, name, k, lambda c: c.delete(name))) for k in range(self._n)], settle=True)
+        got = self._daemons.fan(
+            [(k, _bound(t, name, k, lambda c: c.delete(name))) for k in range(self._daemons.n)], settle=True
+        )
         errs = [e for e in got if isinstance(e, BaseException) and not isinstance(e, NotFoundError)]
         if errs:
             raise errs[0]
 
-    def snapshot(self) -> list[SnapshotInfo]:
+    def snapshot(self) -> "builtins.list[SnapshotInfo]":
         """Ask every daemon to write its snapshot now; one :class:`SnapshotInfo` per daemon, in list order."""
         self._check_open()
-        return self._fan([(k, lambda c: c.snapshot()) for k in range(self._n)])
+        return self._daemons.fan([(k, lambda c: c.snapshot()) for k in range(self._daemons.n)])
 
     # -- state ------------------------------------------------------------------------------------------
     @property
     def data_paths(self) -> dict[str, str | None]:
         """How tensor bytes move to each daemon connected so far (``"shm"``, ``"ucx"``, ``"tcp"``; None: not now)."""
-        return {a: (c.data_path if c is not None else None) for a, c in zip(self.addresses, self._clients)}
+        return {a: (c.data_path if c is not None else None) for a, c in zip(self.addresses, self._daemons.clients)}
 
     @property
     def data_path(self) -> str | None:
@@ -678,20 +448,15 @@ class ShardedClient:
         return None if not paths else paths.pop() if len(paths) == 1 else "mixed"
 
     def bytes_moved(self) -> int:
-        return sum(c.bytes_moved() for c in self._clients if c is not None)
+        return sum(c.bytes_moved() for c in self._daemons.clients if c is not None)
 
     def close(self) -> None:
         """Close every daemon's client. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for k in range(self._n):
-            with self._connecting[k]:
-                c, self._clients[k] = self._clients[k], None
-            if c is not None:
-                c.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self._daemons.close()
+        self._rows.close()
 
     @property
     def closed(self) -> bool:
@@ -707,14 +472,15 @@ class ShardedClient:
         return f"ShardedClient({self.addresses!r}, {'closed' if self._closed else self.data_path or 'not connected'})"
 
 
-class _Failed:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
+def _put(name: str, part: "torch.Tensor") -> Callable[[Client], Any]:
+    return lambda c: c.put(name, part)
 
 
-def _bound(t: _Table, name: str, k: int, fn: Callable[[Client], Any]) -> Callable[[Client], Any]:
+def _declare(spec: TensorSpec) -> Callable[[Client], Any]:
+    return lambda c: c.declare(spec)
+
+
+def _bound(t: Table, name: str, k: int, fn: Callable[[Client], Any]) -> Callable[[Client], Any]:
     """``fn`` with daemon k's client expecting shard k of ``t``."""
 
     def call(c: Client) -> Any:
@@ -722,21 +488,3 @@ def _bound(t: _Table, name: str, k: int, fn: Callable[[Client], Any]) -> Callabl
         return fn(c)
 
     return call
-
-
-def _same(a: _Table | None, b: _Table | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.spec == b.spec and a.layouts == b.layouts
-
-
-def _check_out(spec: TensorSpec, out: "torch.Tensor", shape: tuple[int, ...]) -> None:
-    import torch
-
-    if not isinstance(out, torch.Tensor):
-        raise SpecError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape) or out.dtype != spec.torch_dtype:
-        raise ShapeMismatchError(
-            f"{spec.name}: out= is {str(out.dtype).removeprefix('torch.')}{list(out.shape)}, "
-            f"the stored tensor gives {spec.dtype}{list(shape)}"
-        )

@@ -162,11 +162,18 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self._snapshot_lock = threading.Lock()
         if metrics is not None:
             metrics.before_collect(self._fold_pages)
+            metrics.inflight.set_function(self._inflight)
 
     def _fold_pages(self) -> None:
-        """Before a scrape: add what clients read through read leases (counted in their sessions' pages)."""
+        """Before a scrape: add what clients read through read leases (counted in their sessions' pages) and
+        what the sessions' data-plane requests counted."""
         for s in self.sessions():
             s.fold_page()
+            s.fold_tally()
+
+    def _inflight(self) -> float:
+        """Transfers scheduled or running, over every session (the tensorwire_inflight_transfers gauge)."""
+        return float(sum(s.active for s in self.sessions()))
 
     # -- sessions ---------------------------------------------------------------------
     def _session(self, sid: str) -> Session:

@@ -59,7 +59,8 @@ from tensorwire.serve.protocol.shm import (
 from tensorwire.buffers import allocate_host
 from tensorwire.serve.daemon.store import AheadGrant, region_of
 from tensorwire.errors import ResourceExhaustedError
-from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES, MalformedRequest
+from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES, REPLY_BYTES, MalformedRequest
+from tensorwire.serve.daemon.metrics import Tally
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -86,7 +87,8 @@ def _free(t: "torch.Tensor | None") -> None:
 #: long before it blocks: the client is copying meanwhile (no bytes cross the connection), and a thread
 #: that has gone to sleep took ~0.2 ms longer to answer on the 2-core VM (measured: a 16 MiB put's two
 #: round trips 400 -> 190 us each). At most one session per CPU but one polls at a time, so many busy
-#: clients never spin the daemon's cores away; the others block as before. 0 = never poll.
+#: clients never spin the daemon's cores away; the others block as before. 0 = never poll. Only on a data
+#: connection whose zero-timeout receive reads (UCX): TCP's does not look at the socket (see _request_loop).
 SHM_SPIN_S = 0.002
 #: ... but not after a reply that leaves the client more than this many bytes to copy: that copy outlasts
 #: the poll anyway, and a polling daemon keeps the client from splitting its copy over two cores.
@@ -98,7 +100,41 @@ def _spin_slots() -> int:
 
 
 _SPIN_SLOTS = threading.BoundedSemaphore(max(1, _spin_slots()))
+#: Guards each job's cleanup-once flag (held for two bytecodes: one lock for all jobs is cheaper than one each).
+_CLEANUP_LOCK = threading.Lock()
+_allocate_lock = threading.Lock
 _CAN_SPIN = _spin_slots() > 0
+
+
+class Done:
+    """A one-way flag threads can wait on: what :class:`threading.Event` does for a job, for a tenth of its
+    cost (a job is made per data-plane request; an Event is a Condition, a lock and a deque)."""
+
+    __slots__ = ("_flag", "_lock")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._lock = _allocate_lock()
+        self._lock.acquire()  # held until set(): waiters block on it
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        if self._flag:
+            return
+        self._flag = True
+        try:
+            self._lock.release()
+        except RuntimeError:  # set by another thread at the same moment: released once already
+            pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._flag:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            self._lock.release()  # the next waiter wakes in turn
+        return self._flag
 
 
 class Job:
@@ -111,6 +147,27 @@ class Job:
     ``up`` says (the gRPC calls' transfers). ``step`` is the first step of the
     job's tag-1 messages, or of its tag-2 messages when it has none.
     """
+
+    __slots__ = (
+        "kind",
+        "_run",
+        "messages",
+        "step",
+        "down_step",
+        "up_step",
+        "reply_step",
+        "deadline",
+        "_cleanup",
+        "direction",
+        "nbytes",
+        "via",
+        "client_copy",
+        "done",
+        "holds_request",
+        "result",
+        "error",
+        "_cleaned",
+    )
 
     def __init__(
         self,
@@ -139,11 +196,12 @@ class Job:
         #: Bytes the client copies through shared memory after this reply (a read, or a write it fills before
         #: its COMMIT): a request thread that polls for the next request would only slow a long copy down.
         self.client_copy = 0
-        self.done = threading.Event()
+        self.done = Done()
+        #: The job reads the request's receive buffer (row numbers in place): it is posted again only after.
+        self.holds_request = False
         self.result: Any = None
         self.error: BaseException | None = None
         self._cleaned = False
-        self._lock = threading.Lock()
 
     def execute(self, transport: "Transport") -> None:
         try:
@@ -161,7 +219,7 @@ class Job:
             self.done.set()
 
     def cleanup(self) -> None:
-        with self._lock:
+        with _CLEANUP_LOCK:  # fail() (a closing session) and execute() may race here
             if self._cleaned:
                 return
             self._cleaned = True
@@ -254,11 +312,15 @@ class Session:
         self._req_bufs: "list[torch.Tensor]" = []
         self._holders = 1  # threads that use the charged buffers: the worker, and the request thread once started
         self._handler = handler
+        #: This session's data-plane counts (folded into the metrics at each scrape and at close).
+        self.tally: "Tally | None" = Tally() if metrics is not None else None
         self._exec = threading.Lock()  # held while a job runs (worker or request thread): one at a time
         self.gatherer: Any = (
             None  # the request path's helper thread (tensorwire.serve.daemon.datapath), made on first use
         )
         self.reply_buf: "torch.Tensor | None" = None  # the request path's reply buffer (jobs run one at a time)
+        self._reply: "tuple[memoryview, Any] | None" = None  # (view to pack into, what to send): reply_buffer()
+        self._req_views: "dict[int, tuple[torch.Tensor, memoryview]]" = {}  # request buffer -> its bytes
         self._probe_buf: Any = None
         # shared memory (see the module docstring)
         self.shm = False
@@ -296,9 +358,7 @@ class Session:
         self._up_step += up
         self._reply_step += replies
         job.step = job.down_step if down or not up else job.up_step
-        self.active += 1
-        if self._metrics is not None:
-            self._metrics.inflight.inc()
+        self.active += 1  # the tensorwire_inflight_transfers gauge sums it over the sessions at a scrape
 
     def schedule(self, job: Job, *, up: bool | None = None) -> int:
         """Queue ``job`` for the worker; returns its ``step`` (the step its message carries on its tag)."""
@@ -380,7 +440,25 @@ class Session:
 
         b = torch.empty(nbytes, dtype=torch.uint8)
         self._req_bufs.append(b)
+        self._req_views[id(b)] = (b, memoryview(b.numpy()))
         return b
+
+    def request_view(self, buf: "torch.Tensor") -> memoryview:
+        """The bytes of request buffer ``buf`` (made once per buffer, not per request)."""
+        v = self._req_views.get(id(buf))
+        return v[1] if v is not None and v[0] is buf else memoryview(buf.numpy())
+
+    def reply_buffer(self) -> "tuple[memoryview, Any]":
+        """The request path's reply buffer (made on first use; the thread running a job only): a view to pack
+        into and what to send -- on TCP that same view (its send takes one as it is), else the tensor."""
+        r = self._reply
+        if r is None:
+            import torch
+
+            self.reply_buf = buf = torch.zeros(REPLY_BYTES, dtype=torch.uint8)
+            mv = memoryview(buf.numpy())
+            r = self._reply = (mv, mv if self.kind == "tcp" else buf)
+        return r
 
     def _release_buffers(self) -> None:
         """The worker, once the session is closed: free the jobs' buffers now (not at the next garbage
@@ -393,8 +471,11 @@ class Session:
                 charge, self._scratch_charge_cap = self._scratch_charge_cap, 0
                 bufs = [self._scratch, self.reply_buf]
                 self._scratch = self.reply_buf = None
+                self._reply = None
             for b in bufs:
                 _free(b)
+            # the last of this session's counts: no job runs on it any more (and none after)
+            self.fold_tally()
         if charge and self._store is not None:
             self._store.uncharge(charge, buffers=True)
         self._drop_holder()
@@ -431,6 +512,11 @@ class Session:
                 self.shm_page, region = region, None
         if region is not None:
             region.close()
+
+    def fold_tally(self) -> None:
+        """Add this session's data-plane counts since the last fold to the metrics (a scrape, or close)."""
+        if self._metrics is not None and self.tally is not None:
+            self._metrics.fold(self.tally)
 
     def fold_page(self) -> None:
         """Add the reads this session's client served from leases since the last fold to the metrics.
@@ -503,6 +589,11 @@ class Session:
             old[0]()
         if closed:
             release()
+
+    @property
+    def holds_pin(self) -> bool:
+        """Whether a read pin is held for the client (set and cleared by the thread running its requests)."""
+        return self._pin is not None
 
     def release_pin(self, name: str | None = None) -> bool:
         """Release the held pin (of ``name``, when given). Returns whether one was held (and matched)."""
@@ -606,18 +697,12 @@ class Session:
             if self._metrics is not None:
                 self._metrics.errors.labels(type(err).__name__).inc()
             self.close(f"{job.kind} transfer failed: {err}")
-        elif self._metrics is not None and job.direction:
-            m = self._metrics
-            kind = job.via or self.kind
-            m.bytes.labels(kind, job.direction).inc(job.nbytes)
-            m.transfers.labels(kind, job.direction).inc()
-            m.transfer_seconds.labels(kind, job.direction).observe(time.monotonic() - t0)
+        elif job.direction and self.tally is not None:
+            self.tally.transfer(job.via or self.kind, job.direction, job.nbytes, time.monotonic() - t0)
 
     def _job_done(self) -> None:
         with self._lock:
             self.active -= 1
-        if self._metrics is not None:
-            self._metrics.inflight.dec()
 
     def _drain_queue(self) -> None:
         while True:
@@ -635,6 +720,7 @@ class Session:
         finally:
             # this thread's own buffers: nothing else reads them, and it is done with them now
             bufs, self._req_bufs = self._req_bufs, []
+            self._req_views = {}
             for b in bufs:
                 _free(b)
             self._drop_holder()
@@ -655,6 +741,11 @@ class Session:
         # (measured with a RELEASE after every read: a tiny get 210 -> 120 us).
         posted: "collections.deque[torch.Tensor]" = collections.deque()
         expected = 0
+        # Poll only where a zero-timeout receive looks for a message (UCX progresses its worker): TCP's
+        # returns at once without reading the socket, so polling there would burn up to SHM_SPIN_S of CPU per
+        # request and leave the request unread until it ends (measured on the 2-core VM: a 4 KiB shared-memory
+        # get 2.7 ms and ~2 ms of the daemon's CPU with the poll, 0.37 ms and 0.18 ms without).
+        can_spin = SHM_SPIN_S > 0 and _CAN_SPIN and t.kind != "tcp"
         try:
             t.post_recv(TAG_WATCH, self._probe_buf)  # for nudge(); the client never sends on it
             for _ in range(2):
@@ -675,19 +766,24 @@ class Session:
                     raise MalformedRequest(f"request step {r.step}, expected {expected}")
                 self.touch()
                 job = handler(self, buf, r.nbytes)  # validated; may read ``buf`` until it is done
+                early = job is None or not job.holds_request
+                if early:
+                    # Its bytes are parsed and copied: post it again now, so its credit rides on the reply
+                    # (posted after the reply, the credit went out in a frame of its own, a send per request).
+                    t.post_recv(TAG_REQUEST, buf, header=True)
+                    posted.append(buf)
                 if job is not None:  # None: answered by nothing (a RELEASE), done already
                     self.submit(job)
                     while not job.done.wait(1.0):  # queued behind the worker's jobs: wait for it
                         self.check_open()
-                t.post_recv(TAG_REQUEST, buf, header=True)
-                posted.append(buf)
+                if not early:
+                    t.post_recv(TAG_REQUEST, buf, header=True)
+                    posted.append(buf)
                 if self.shm and len(posted) < 3:
                     b = self.request_buffer(MAX_REQUEST_BYTES)
                     t.post_recv(TAG_REQUEST, b, header=True)
                     posted.append(b)
-                spin = (
-                    self.shm and SHM_SPIN_S > 0 and _CAN_SPIN and (job is None or job.client_copy <= SHM_SPIN_MAX_BYTES)
-                )
+                spin = can_spin and self.shm and (job is None or job.client_copy <= SHM_SPIN_MAX_BYTES)
                 spin_until = time.monotonic() + SHM_SPIN_S if spin else 0.0
         except ClosedError:
             pass
@@ -730,7 +826,7 @@ class Session:
             ProtocolError: the client sent on the watch tag.
         """
         t = self.transport
-        if t is None:
+        if t is None or t.kind == "tcp":  # TCP's zero-timeout receive reads nothing: no progress to make
             return
         try:
             t.wait_recv(TAG_WATCH, timeout=0.0)

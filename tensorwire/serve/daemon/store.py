@@ -73,7 +73,7 @@ def normalise_spec(spec: TensorSpec) -> TensorSpec:
 class StoreSlot:
     """A slot whose bytes live in a shared-memory region (``raw``/``tensor`` as :class:`~tensorwire.buffers.Slot`)."""
 
-    __slots__ = ("spec", "raw", "tensor", "region", "pinned")
+    __slots__ = ("spec", "raw", "tensor", "region", "pinned", "_np")
 
     def __init__(self, spec: TensorSpec, region: "Region") -> None:
         self.spec = spec
@@ -81,10 +81,17 @@ class StoreSlot:
         self.raw: "torch.Tensor" = region.tensor[: spec.nbytes]
         self.tensor = self.raw.view(spec.torch_dtype).view(spec.shape)
         self.pinned = region.pinned
+        self._np: Any = None
 
     @property
     def nbytes(self) -> int:
         return self.spec.nbytes
+
+    def host_array(self) -> Any:
+        """Zero-copy NumPy uint8 view of the slot (cached), as :meth:`tensorwire.buffers.Slot.host_array`."""
+        if self._np is None:
+            self._np = self.raw.numpy()
+        return self._np
 
     def __repr__(self) -> str:
         return f"StoreSlot({self.spec}, {self.region.name})"
@@ -94,6 +101,9 @@ def region_of(slot: object) -> "Region | None":
     """The shared-memory region behind a slot (None: ordinary memory)."""
     r = getattr(slot, "region", None)
     return None if r is None or r.closed else r
+
+
+_NO_LEASE = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -197,11 +207,30 @@ class Entry:
         self.ahead: AheadGrant | None = None  # the write-ahead grant holding the put reservation
         self.deleted = False
         self.cond = threading.Condition(threading.Lock())
+        self._waiters = 0  # threads in _wait_for (under cond): a release with nobody waiting notifies nobody
         #: Cell in the store's lease table (0: no read leases; see tensorwire.serve.protocol.shm.Leases).
         self.lease = store._lease_cell() if isinstance(self.slots[0], StoreSlot) else 0
 
     def info(self) -> Info:
         return Info(self.spec, self.version, self.nbytes, self.layout)
+
+    def _wait_for(self, pred: "Callable[[], bool]", deadline: float, poll: "Callable[[], float] | None" = None) -> None:
+        """Under ``cond``: :func:`_wait`, counted in ``_waiters``."""
+        if pred():
+            return
+        self._waiters += 1
+        try:
+            if poll is None:
+                _wait(self.cond, pred, deadline, self.spec.name)
+            else:
+                _wait(self.cond, pred, deadline, self.spec.name, poll)
+        finally:
+            self._waiters -= 1
+
+    def _notify(self) -> None:
+        """Under ``cond``: wake the waiters, if any."""
+        if self._waiters:
+            self.cond.notify_all()
 
     # -- readers ---------------------------------------------------------------
     def acquire_read(self, deadline: float) -> tuple[int, int]:
@@ -217,14 +246,15 @@ class Entry:
         """:meth:`acquire_read`, with the lease of that slot and version: (cell, generation), read in the
         same breath ((0, 0): no lease)."""
         with self.cond:
-            _wait(
-                self.cond, lambda: self.deleted or not (self.row_writer or self.row_waiting), deadline, self.spec.name
-            )
-            self._check_readable()
-            self.readers[self.cur] += 1
+            if self.row_writer or self.row_waiting:  # a row update holds readers off (writer preference)
+                self._wait_for(lambda: self.deleted or not (self.row_writer or self.row_waiting), deadline)
+            if self.deleted or not self.version:
+                self._check_readable()
+            cur = self.cur
+            self.readers[cur] += 1
             leases = self._store.leases
-            lease = (self.lease, leases.gen(self.lease)) if leases is not None and self.lease else (0, 0)
-            return self.cur, self.version, lease
+            lease = (self.lease, leases.gen(self.lease)) if leases is not None and self.lease else _NO_LEASE
+            return cur, self.version, lease
 
     def _bump(self, by: int = 2) -> None:
         """Under ``cond``: the current slot's bytes or identity change (leases on it must fail)."""
@@ -236,8 +266,9 @@ class Entry:
         with self.cond:
             self.readers[idx] -= 1
             if self.readers[idx] == 0:
-                self.cond.notify_all()
-                self._retire()
+                self._notify()
+                if self.deleted:
+                    self._retire()
 
     def _retire(self) -> None:
         """Under ``cond``: once deleted and idle (no pins, no put writing), unlink the shared-memory regions.
@@ -265,11 +296,9 @@ class Entry:
             try:
                 # a write-ahead grant is revoked unless its client is writing: then it commits soon, but its
                 # page lock wakes nobody, so look again every millisecond
-                _wait(
-                    self.cond,
+                self._wait_for(
                     lambda: self.deleted or not self.putting or self._revoke_ahead(),
                     deadline,
-                    self.spec.name,
                     poll=lambda: 0.001 if self.ahead is not None else 1.0,
                 )
             finally:
@@ -291,7 +320,7 @@ class Entry:
                     raise NotFoundError(f"no tensor named {self.spec.name!r} (deleted)")
             with self.cond:
                 # a slot with readers on it is not reused until they finish
-                _wait(self.cond, lambda: self.readers[idx] == 0, deadline, self.spec.name)
+                self._wait_for(lambda: self.readers[idx] == 0, deadline)
             return idx
         except BaseException:
             self.end_put()
@@ -300,7 +329,7 @@ class Entry:
     def commit_put(self, idx: int, deadline: float) -> Info:
         with self.cond:
             try:
-                _wait(self.cond, lambda: self.deleted or not self.row_writer, deadline, self.spec.name)
+                self._wait_for(lambda: self.deleted or not self.row_writer, deadline)
                 if self.deleted:
                     raise NotFoundError(f"{self.spec.name!r} was deleted while being written")
                 if idx != self.cur:
@@ -347,7 +376,7 @@ class Entry:
 
     def _end_put_locked(self) -> None:
         self.putting = False
-        self.cond.notify_all()
+        self._notify()
         self._retire()
 
     def slot(self, idx: int) -> Slot:
@@ -361,12 +390,7 @@ class Entry:
         with self.cond:
             self.row_waiting += 1
             try:
-                _wait(
-                    self.cond,
-                    lambda: self.deleted or not (self.row_writer or self.readers[self.cur]),
-                    deadline,
-                    self.spec.name,
-                )
+                self._wait_for(lambda: self.deleted or not (self.row_writer or self.readers[self.cur]), deadline)
             finally:
                 self.row_waiting -= 1
             if self.deleted:
@@ -522,18 +546,20 @@ class Store:
             raise NotFoundError(f"no tensor named {name!r}")
         return e
 
-    def check_layout(self, name: str, expected: ShardLayout | None) -> None:
+    def check_layout(self, name: str, expected: ShardLayout | None) -> "Entry | None":
         """Refuse a request for ``name`` that expects another shard layout than the tensor has (None: whole).
 
         A name not held passes (the operation itself reports it, or creates it with ``expected``).
+        Returns the entry found (None: not held), which the request may use instead of looking it up again.
 
         Raises:
             LayoutMismatchError: saying what is held and what was expected.
         """
         with self._lock:
             e = self._entries.get(name)
-        if e is not None:
+        if e is not None and (e.layout is not None or expected is not None):
             check_layout(name, e.layout, expected)
+        return e
 
     def declare(self, spec: TensorSpec, *, layout: ShardLayout | None = None) -> tuple[Entry, bool]:
         """The entry for ``spec.name``, creating (and allocating) it if new, as a shard of ``layout`` if given.

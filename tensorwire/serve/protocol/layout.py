@@ -40,7 +40,8 @@ FINGERPRINT_BYTES = 16
 #: What every layout error says about changing a table's daemon list (there is no reshard command).
 RESHARD_HINT = (
     "tensorwire has no reshard command: to move a table to another daemon list, get it through a "
-    "client over the list it was put with and put it (shard='rows') through a client over the new one"
+    "client over the list it was put with (c.get(name)), delete it there (c.delete(name)), and put it "
+    "with shard='rows' through a client over the new list (see docs/serve-sharding.md)"
 )
 
 

@@ -139,6 +139,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+_READONLY_WARNING_SILENCED = False
+
+
+def _silence_readonly_warning() -> None:
+    """A read-only mapping of a daemon's table goes to ``torch.index_select``, which only reads it, but torch
+    warns about any tensor over a read-only array: silence exactly that message."""
+    global _READONLY_WARNING_SILENCED
+    import warnings
+
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+    _READONLY_WARNING_SILENCED = True
+
+
 class ShmError(OSError):
     """A region could not be created or mapped (the caller falls back to the socket path)."""
 
@@ -1017,6 +1030,8 @@ class Copier:
         if pool and self.TORCH_GATHER and self._cpus >= self.TORCH_GATHER_MIN_CPUS:
             import torch
 
+            if not table.flags.writeable and not _READONLY_WARNING_SILENCED:
+                _silence_readonly_warning()
             torch.index_select(torch.from_numpy(table), 0, torch.from_numpy(index), out=torch.from_numpy(out))
             return
         pieces = min(rows, max(self.PIECES, 2 * (helpers + 1)))

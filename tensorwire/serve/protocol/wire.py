@@ -143,6 +143,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tensorwire import errors
 from tensorwire.spec import DTYPE_BY_CODE, DTYPE_CODES
@@ -224,6 +225,8 @@ FLAG_LAYOUT = 0x04
 OK, ERROR, GO, SHM, FALLBACK = 0, 1, 2, 3, 4
 
 assert REQUEST.size == 96 and REPLY.size == 152
+#: Zeros to clear a reply's message area with (no allocation per reply).
+_ZEROS = memoryview(bytes(REPLY_BYTES))
 
 
 class MalformedRequest(ValueError):
@@ -251,9 +254,11 @@ def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
 
-@dataclass(frozen=True)
-class Request:
-    """A parsed request header; the index stays in the receive buffer at ``index_offset``."""
+class Request(NamedTuple):
+    """A parsed request header; the index stays in the receive buffer at ``index_offset``.
+
+    (A named tuple: a parse per request, and a tuple is made for a fraction of a frozen dataclass.)
+    """
 
     op: int
     req_id: int
@@ -326,6 +331,15 @@ def pack_request(
     return end
 
 
+#: Ops that carry a shape (PUT, PUT_ROWS, ADD_ROWS): op -> True; and the other sets, as frozensets (one hash).
+_SHAPED_SET = frozenset(_SHAPED)
+_INDEXED_SET = frozenset(_INDEXED)
+_SHM_CAPABLE_SET = frozenset(_SHM_CAPABLE)
+_OK_FLAGS = FLAG_SHM | FLAG_LAYOUT
+_ZERO_DIMS = tuple((0,) * (MAX_DIMS - n) for n in range(MAX_DIMS + 1))
+_NO_DIMS: tuple[int, ...] = ()
+
+
 def parse_request(data: memoryview) -> Request:
     """Check the format of a received request (not its meaning: the server validates that).
 
@@ -333,48 +347,57 @@ def parse_request(data: memoryview) -> Request:
         MalformedRequest: saying what is wrong.
     """
     n = len(data)
-    if n < REQUEST.size:
+    if n < 96:  # REQUEST.size
         raise MalformedRequest(f"request of {n} bytes is shorter than its {REQUEST.size}-byte header")
-    magic, version, op, flags, ndim, req_id, timeout_ms, dtype, name_len, nindex, *dims = REQUEST.unpack_from(data)
+    fields = REQUEST.unpack_from(data)
+    magic, version, op, flags, ndim, req_id, timeout_ms, dtype, name_len, nindex = fields[:10]
     if magic != REQ_MAGIC:
         raise MalformedRequest(f"bad request magic {bytes(magic)!r}")
     if version != DATA_REQUESTS_VERSION:
         raise MalformedRequest(f"request format v{version}, this server speaks v{DATA_REQUESTS_VERSION}")
     if op not in OPS:
         raise MalformedRequest(f"unknown request op {op}")
-    ahead = op == OP_COMMIT and flags == FLAG_AHEAD  # carries the grant's ticket as its shape
-    if not ahead and (flags & ~(FLAG_SHM | FLAG_LAYOUT) or (flags and op not in _SHM_CAPABLE)):
-        raise MalformedRequest(f"request flags {flags:#x} for op {OPS[op]}")
-    if ahead and (ndim != 1 or dims[0] <= 0):
-        raise MalformedRequest("a write-ahead COMMIT has rank 1 (the grant's ticket, > 0)")
-    rows_shm = op == OP_GET_ROWS and bool(flags & FLAG_SHM)  # carries the row count as its shape, no index
-    if rows_shm and (ndim != 1 or nindex or dims[0] < 0):
-        raise MalformedRequest("a shared-memory GET_ROWS has rank 1 (the row count) and no index")
-    if ndim > MAX_DIMS or (ndim and op not in _SHAPED and not rows_shm and not ahead):
-        raise MalformedRequest(f"request rank {ndim} for op {OPS[op]}")
-    if any(dims[ndim:]):
+    ahead = False
+    rows_shm = False
+    if flags:
+        ahead = op == OP_COMMIT and flags == FLAG_AHEAD  # carries the grant's ticket as its shape
+        if not ahead and (flags & ~_OK_FLAGS or op not in _SHM_CAPABLE_SET):
+            raise MalformedRequest(f"request flags {flags:#x} for op {OPS[op]}")
+        if ahead and (ndim != 1 or fields[10] <= 0):
+            raise MalformedRequest("a write-ahead COMMIT has rank 1 (the grant's ticket, > 0)")
+        rows_shm = op == OP_GET_ROWS and bool(flags & FLAG_SHM)  # carries the row count as its shape, no index
+        if rows_shm and (ndim != 1 or nindex or fields[10] < 0):
+            raise MalformedRequest("a shared-memory GET_ROWS has rank 1 (the row count) and no index")
+    shaped = op in _SHAPED_SET
+    if ndim:
+        if ndim > MAX_DIMS or not (shaped or rows_shm or ahead):
+            raise MalformedRequest(f"request rank {ndim} for op {OPS[op]}")
+        dims = fields[10 : 10 + ndim]
+    else:
+        dims = _NO_DIMS
+    if fields[10 + ndim :] != _ZERO_DIMS[ndim]:
         raise MalformedRequest("request dims past its rank are not zero")
-    if (dtype != 0) != (op in _SHAPED):
+    if (dtype != 0) != shaped:
         raise MalformedRequest(f"request dtype {dtype} for op {OPS[op]}")
     if not 1 <= name_len <= MAX_NAME_BYTES:
         raise MalformedRequest(f"request name of {name_len} bytes (1..{MAX_NAME_BYTES})")
-    if nindex and op not in _INDEXED:
-        raise MalformedRequest(f"request index of {nindex} rows for op {OPS[op]}")
-    if nindex > MAX_INDEX_ROWS:
-        raise MalformedRequest(f"request index of {nindex} rows exceeds the limit of {MAX_INDEX_ROWS}")
+    if nindex:
+        if op not in _INDEXED_SET:
+            raise MalformedRequest(f"request index of {nindex} rows for op {OPS[op]}")
+        if nindex > MAX_INDEX_ROWS:
+            raise MalformedRequest(f"request index of {nindex} rows exceeds the limit of {MAX_INDEX_ROWS}")
     has_layout = not ahead and bool(flags & FLAG_LAYOUT)
-    want = request_size(name_len, nindex, layout=has_layout)
+    end = 96 + ((name_len + 7) & ~7)
+    want = end + (LAYOUT_BYTES if has_layout else 0) + 8 * nindex
     if n != want:
         raise MalformedRequest(f"request of {n} bytes, its header describes {want}")
-    off = REQUEST.size
-    raw_name = bytes(data[off : off + name_len])
-    if any(data[off + name_len : off + _pad8(name_len)]):
+    raw_name = bytes(data[96:end])  # the name and its padding
+    if name_len != end - 96 and raw_name[name_len:].count(0) != end - 96 - name_len:
         raise MalformedRequest("request name padding is not zero")
     try:
-        name = raw_name.decode("utf-8")
+        name = raw_name[:name_len].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedRequest(f"request name is not UTF-8: {exc}") from None
-    end = off + _pad8(name_len)
     layout = None
     if has_layout:
         try:
@@ -382,7 +405,7 @@ def parse_request(data: memoryview) -> Request:
         except errors.SpecError as exc:
             raise MalformedRequest(f"request layout: {exc}") from None
         end += LAYOUT_BYTES
-    return Request(op, req_id, timeout_ms, dtype, name, tuple(dims[:ndim]), nindex, end, flags, layout)
+    return Request(op, req_id, timeout_ms, dtype, name, dims, nindex, end, flags, layout)
 
 
 @dataclass(frozen=True)
@@ -418,10 +441,15 @@ def pack_reply(
     lease: int = 0,
 ) -> None:
     """Fill ``buf`` (REPLY_BYTES) with a reply; a long message is cut to fit (at a character boundary)."""
-    dims = tuple(shape) + (0,) * (MAX_DIMS - len(shape))
-    msg = message.encode("utf-8")
-    if len(msg) > MAX_MESSAGE:
-        msg = msg[: MAX_MESSAGE - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
+    ndim = len(shape)
+    if ndim > MAX_DIMS:
+        raise ValueError(f"rank {ndim} exceeds {MAX_DIMS}")
+    if message:
+        msg = message.encode("utf-8")
+        if len(msg) > MAX_MESSAGE:
+            msg = msg[: MAX_MESSAGE - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
+    else:
+        msg = b""
     REPLY.pack_into(
         buf,
         0,
@@ -438,11 +466,14 @@ def pack_reply(
         dtype,
         len(msg),
         lease,
-        *dims,
-        error.encode("ascii", "replace")[:32],
+        *shape,
+        *_ZERO_DIMS[ndim],
+        error.encode("ascii", "replace")[:32] if error else b"",
     )
-    buf[REPLY.size : REPLY.size + len(msg)] = msg
-    buf[REPLY.size + len(msg) : REPLY_BYTES] = bytes(REPLY_BYTES - REPLY.size - len(msg))
+    end = 152 + len(msg)  # REPLY.size
+    if msg:
+        buf[152:end] = msg
+    buf[end:REPLY_BYTES] = _ZEROS[: REPLY_BYTES - end]
 
 
 def parse_reply(data: memoryview) -> Reply:

@@ -1,0 +1,259 @@
+"""The two worker processes of ``tensorwire demo``: what they exchange, time and check.
+
+:class:`Row` is one row of the table and :class:`RunPlan` one run; :func:`worker`
+is what each spawned process runs (rank 0 sends and times, rank 1 receives,
+times and checks every byte, outside both clocks). Results go back to the
+parent on a queue. torch and tensorwire are imported in the worker, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Sequence
+
+from tensorwire.demo.paths import (
+    GrpcReceiver,
+    GrpcSender,
+    SocketReceiver,
+    SocketSender,
+    TwReceiver,
+    TwSender,
+    nodelay,
+    recv_exact,
+)
+
+__all__ = ["Row", "DEFAULT_ROWS", "PATHS", "RunPlan", "worker", "make_ramp", "message_value", "fill", "count_bad"]
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of the table: ``exchanges`` exchanges back to back per round, each ``messages`` messages
+    of ``size`` bytes then one ack; every exchange is timed (a stream row: one exchange per round)."""
+
+    label: str
+    size: int
+    messages: int
+    #: timed rounds per unit of ``--rounds``
+    scale: int
+    #: exchanges per round, back to back (each timed)
+    exchanges: int = 1
+
+    @property
+    def round_trip(self) -> bool:
+        return self.messages == 1
+
+    @property
+    def per_round(self) -> int:
+        """Messages per round: all stay in their own receive buffers until the round is checked."""
+        return self.messages * self.exchanges
+
+
+DEFAULT_ROWS: tuple[Row, ...] = (
+    Row("4 KiB round trip", 4 * KIB, 1, 4, exchanges=50),  # 20 rounds of 50: 1,000 timed round trips
+    Row("1 MiB stream", 1 * MIB, 32, 2),  # 10 rounds of 32 MiB
+    Row("64 MiB stream", 64 * MIB, 2, 1),  # 5 rounds of 128 MiB
+)
+PATHS: tuple[str, ...] = ("tensorwire", "raw socket", "gRPC")
+_GO = b"g"
+
+
+# -- what is sent and checked -------------------------------------------------------------------------
+
+
+def make_ramp(size: int) -> Any:
+    """The byte pattern 0, 1, ..., 255, 0, 1, ... of ``size`` bytes (``size`` a multiple of 256)."""
+    import torch
+
+    return torch.arange(256, dtype=torch.uint8).repeat(size // 256)
+
+
+def message_value(row: int, path: int, rnd: int, msg: int, messages: int) -> int:
+    """What message ``msg`` of round ``rnd`` (``messages`` per round) adds to the ramp.
+
+    Any 251 consecutive messages of a path differ, so a slot still holding an earlier round's message
+    is caught (a slot is reused one round later).
+    """
+    return (row * 17 + path * 5 + rnd * messages + msg + 1) % 251
+
+
+def fill(out: Any, ramp: Any, value: int) -> None:
+    import torch
+
+    torch.add(ramp, value, out=out)  # uint8 arithmetic wraps around
+
+
+def count_bad(received: Sequence[Any], ramp: Any, values: Sequence[int], scratch: Any) -> int:
+    """How many of ``received`` differ anywhere from ``ramp + value`` (every byte compared)."""
+    import torch
+
+    bad = 0
+    for buf, value in zip(received, values):
+        fill(scratch, ramp, value)
+        if buf.shape != scratch.shape or not torch.equal(buf, scratch):
+            bad += 1
+    return bad
+
+
+# -- the two worker processes -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    rows: tuple[Row, ...]
+    rounds: int
+    transport: str
+    grpc: bool
+    timeout: float
+    check_pause: float
+
+    def paths(self) -> tuple[str, ...]:
+        return PATHS if self.grpc else PATHS[:2]
+
+    def timed(self, row: Row) -> int:
+        return max(1, self.rounds * row.scale)
+
+    def warmup(self, row: Row) -> int:
+        return max(1, self.timed(row) // 10)
+
+
+def _specs(plan: RunPlan) -> tuple[list[Any], Any, dict[str, int]]:
+    import tensorwire as tw
+
+    rows = [tw.TensorSpec(f"row{i}", (r.size,), "uint8") for i, r in enumerate(plan.rows)]
+    depth = {s.name: r.per_round + 1 for s, r in zip(rows, plan.rows)}
+    return rows, tw.TensorSpec("ack", (1,), "uint8"), depth
+
+
+def _sender(plan: RunPlan, store: Any, q: Any) -> None:
+    import torch
+
+    import tensorwire as tw
+
+    rows, ack, _ = _specs(plan)
+    with tw.Node(rank=0, world_size=2, store=store, transport=plan.transport, timeout=plan.timeout) as node:
+        link = node.link(1, send=rows, recv=[ack])
+        ports = [int(p) for p in store.get("demo/ports").decode().split(",")]
+        ctrl = nodelay(socket.create_connection(("127.0.0.1", ports[0]), timeout=plan.timeout), plan.timeout)
+        data = nodelay(socket.create_connection(("127.0.0.1", ports[1]), timeout=plan.timeout), plan.timeout)
+        paths: list[Any] = [TwSender(link), SocketSender(data)]
+        grpc_pid = None
+        if plan.grpc:
+            paths.append(GrpcSender(f"127.0.0.1:{ports[2]}", plan.timeout))
+            grpc_pid = paths[2].server_pid
+        q.put(("ready", 0, {"transport": link.transport, "pid": os.getpid(), "grpc_server_pid": grpc_pid}))
+        go = memoryview(bytearray(1))
+        times: dict[str, list[float]] = {}
+        try:
+            perf = time.perf_counter
+            for i, row in enumerate(plan.rows):
+                q.put(("start", 0, i))
+                ramp = make_ramp(row.size)
+                n, m = row.per_round, row.messages
+                srcs = [torch.empty(row.size, dtype=torch.uint8) for _ in range(n)]
+                parts = [(srcs[e * m : (e + 1) * m], e * m) for e in range(row.exchanges)]
+                row_times: dict[str, list[float]] = {p: [] for p in plan.paths()}
+                warm = plan.warmup(row)
+                for rnd in range(warm + plan.timed(row)):
+                    for p, path in enumerate(paths):
+                        for k, t in enumerate(srcs):  # the "model" writes its outputs: not timed
+                            fill(t, ramp, message_value(i, p, rnd, k, n))
+                        recv_exact(ctrl, go)  # the receiver has checked the last round and is ready
+                        stamps = [perf()]
+                        for part, first in parts:  # back to back, as training steps are
+                            path.exchange(i, part, first)
+                            stamps.append(perf())
+                        if rnd >= warm:
+                            row_times[plan.paths()[p]] += [b - a for a, b in zip(stamps, stamps[1:])]
+                for kind in row_times:
+                    times[f"{i}/{kind}"] = row_times[kind]
+                q.put(("row", 0, (i, row_times)))
+        finally:
+            if plan.grpc:
+                paths[2].close()
+            ctrl.close()
+            data.close()
+    q.put(("done", 0, {"times": times}))
+
+
+def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
+    import torch
+
+    import tensorwire as tw
+
+    rows, ack, depth = _specs(plan)
+    ctrl_l = socket.create_server(("127.0.0.1", 0))
+    data_l = socket.create_server(("127.0.0.1", 0))
+
+    def buffers() -> list[list[Any]]:
+        return [[torch.empty(r.size, dtype=torch.uint8) for _ in range(r.per_round)] for r in plan.rows]
+
+    grpc_rx = GrpcReceiver(buffers(), plan.timeout) if plan.grpc else None
+    store.set("demo/ports", f"{ctrl_l.getsockname()[1]},{data_l.getsockname()[1]},{grpc_rx.port if grpc_rx else 0}")
+    try:
+        with tw.Node(rank=1, world_size=2, store=store, transport=plan.transport, timeout=plan.timeout) as node:
+            link = node.link(0, send=[ack], recv=rows, depth=depth)
+            ctrl_l.settimeout(plan.timeout)
+            data_l.settimeout(plan.timeout)
+            ctrl = nodelay(ctrl_l.accept()[0], plan.timeout)
+            data = nodelay(data_l.accept()[0], plan.timeout)
+            paths: list[Any] = [TwReceiver(link, torch.ones(1, dtype=torch.uint8)), SocketReceiver(data, buffers())]
+            if grpc_rx is not None:
+                paths.append(grpc_rx)
+            names = plan.paths()
+            times: dict[str, list[float]] = {}
+            bad = {p: 0 for p in names}
+            checked = 0
+            perf = time.perf_counter
+            for i, row in enumerate(plan.rows):
+                ramp = make_ramp(row.size)
+                scratch = torch.empty(row.size, dtype=torch.uint8)
+                warm = plan.warmup(row)
+                row_times: dict[str, list[float]] = {p: [] for p in names}
+                n, m = row.per_round, row.messages
+                for rnd in range(warm + plan.timed(row)):
+                    for p, path in enumerate(paths):
+                        got: list[Any] = []
+                        ctrl.sendall(_GO)
+                        stamps = [perf()]
+                        for first in range(0, n, m):  # back to back, as training steps are
+                            got += path.exchange(i, first, m)
+                            stamps.append(perf())
+                        if rnd >= warm:
+                            row_times[names[p]] += [b - a for a, b in zip(stamps, stamps[1:])]
+                        values = [message_value(i, p, rnd, k, n) for k in range(n)]
+                        bad[names[p]] += count_bad(got, ramp, values, scratch)  # every byte: not timed
+                        checked += row.size * len(got)
+                        if plan.check_pause:
+                            time.sleep(plan.check_pause)  # tests: a slow check must stay off both clocks
+                for kind in names:
+                    times[f"{i}/{kind}"] = row_times[kind]
+            # wait for the sender to hang up before tearing the gRPC server and the link down
+            ctrl.settimeout(plan.timeout)
+            ctrl.recv(1)
+            ctrl.close()
+            data.close()
+    finally:
+        if grpc_rx is not None:
+            grpc_rx.close()
+        ctrl_l.close()
+        data_l.close()
+    q.put(("done", 1, {"times": times, "bad": bad, "checked_bytes": checked, "pid": os.getpid()}))
+
+
+def worker(rank: int, port: int, plan: RunPlan, q: Any) -> None:
+    try:
+        import torch
+        from torch.distributed import TCPStore
+
+        torch.set_num_threads(1)  # two processes share the cores: no intra-op pool fighting the exchange
+        store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=plan.timeout))
+        (_sender if rank == 0 else _receiver)(plan, store, q)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
