@@ -515,6 +515,17 @@ def make_cells(d: Daemon, paths: list[str], kinds: list[str], sizes: list[str]) 
     return cells
 
 
+def requests_sent(client: Any) -> int:
+    """Data-plane requests ``client`` has sent on its session so far (its request counter; 0: none to read)."""
+    if client is None:
+        return 0
+    path = getattr(client, "_path", None)  # the client's path object, which numbers its requests
+    n = getattr(path, "req_id", None)
+    if n is None:
+        n = getattr(client, "_req_id", 0)  # a client of before the path objects
+    return int(n)
+
+
 def measure(daemons: "list[Any]", cells: dict[str, list[Cell]], calls: int, rounds: int, warmup: int) -> None:
     """``calls`` calls of every cell of every daemon, in ``rounds`` turns; accumulates CPU time and wall time."""
     for d in daemons:
@@ -526,7 +537,7 @@ def measure(daemons: "list[Any]", cells: dict[str, list[Cell]], calls: int, roun
         for d in daemons:
             for cell in cells[d.label]:
                 client = d.clients.get(cell.path)
-                req0 = client._req_id if client is not None else 0
+                req0 = requests_sent(client)
                 k0 = cpu_ticks_s(d.pid)[1]
                 c0 = cpu_ns(d.pid)
                 t0 = time.perf_counter()
@@ -538,7 +549,7 @@ def measure(daemons: "list[Any]", cells: dict[str, list[Cell]], calls: int, roun
                 cell.cpu_ns += c1 - c0
                 cell.wall_s += t1 - t0
                 cell.calls += per[r]
-                cell.requests += max(0, client._req_id - req0) if client is not None else per[r]
+                cell.requests += requests_sent(client) - req0 if client is not None else per[r]
 
 
 def idle_rate(d: Daemon, seconds: float = 1.0) -> float:

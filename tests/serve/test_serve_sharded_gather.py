@@ -27,6 +27,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _perms(win: RowWindow) -> set[str]:
+    """The permissions of this process's mappings of daemon regions inside ``win``'s address range."""
+    lo, hi = win.array.ctypes.data, win.array.ctypes.data + win.array.nbytes
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            addr, perms, *rest = line.split()
+            a, b = (int(x, 16) for x in addr.split("-"))
+            if lo <= a and b <= hi and rest and "tensorwire-" in rest[-1]:
+                out.add(perms)
+    return out
+
+
 def _mapped(regions: list[str]) -> set[str]:
     """Which of ``regions`` this process maps now."""
     with open("/proc/self/maps") as f:
@@ -59,7 +72,7 @@ def test_a_window_puts_rows_of_every_shard_on_one_grid_and_one_take_gathers_them
         out = np.empty((idx.size, row_bytes), np.uint8)
         np.take(win.array, idx + win.delta[shard], axis=0, out=out)
         assert np.array_equal(out, table[idx])
-        assert not win.array.flags.writeable  # the daemon's memory is read through it, never written
+        assert _perms(win) == {"r--s"}  # the daemon's memory is read through it, never written
 
         # another slot for shard 1 (a new version): rebinding maps it in place of the old one
         a, b = ranges[1]
@@ -73,9 +86,12 @@ def test_a_window_puts_rows_of_every_shard_on_one_grid_and_one_take_gathers_them
             win.bind(0, ShardView(regions[0].name, 0, row_bytes, spec))
         with pytest.raises(shm.ShmError):  # never a path or a name a daemon would not make
             win.bind(2, ShardView("../etc/passwd", 0, (ranges[2][1] - ranges[2][0]) * row_bytes, spec))
+        kept = win.array[win.first[0] : win.first[0] + 3]  # an array of the window that outlives it
+        assert bool((kept == table[:3]).all())  # shard 0 is still bound (shard 2 was let go by the refusal)
         win.close()
         win.close()
         assert win.array is None and win.regions() == []
+        assert int(kept.sum()) == 0  # the slots are let go: zeros in their place, never a fault
     finally:
         reg.close()
 
@@ -344,3 +360,26 @@ def _wait_stopped(pid: int) -> None:
                 return
         assert time.monotonic() < deadline, "the daemon did not stop"
         time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_gather_through_torchs_thread_pool_reads_the_same_rows_without_a_warning(
+    daemons, monkeypatch, no_per_daemon_get_rows
+):
+    # what a many-core host does with a lease read (shm.Copier.TORCH_GATHER): torch's index_select over the window
+    rows = 20_000
+    table = torch.randn(rows, 16)
+    idx = torch.randint(0, rows, (3_000,))
+    with _client(daemons) as c:
+        c.put("tg", table, shard="rows")
+        assert torch.equal(c.get_rows("tg", idx), table[idx])  # pinned: maps the window, takes the leases
+        copier = c._rows._copier
+        monkeypatch.setattr(copier, "_cpus", max(copier._cpus, shm.Copier.TORCH_GATHER_MIN_CPUS))
+        monkeypatch.setattr(copier, "_split", lambda nbytes, least: 1)
+        taken = []
+        real = torch.index_select
+        monkeypatch.setattr(torch, "index_select", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+        before = sum(d.lease_reads for d in c._daemons.clients)
+        assert torch.equal(c.get_rows("tg", idx), table[idx])  # pytest turns any warning into an error
+        assert taken and sum(d.lease_reads for d in c._daemons.clients) == before + 3
+        c.delete("tg")

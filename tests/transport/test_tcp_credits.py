@@ -20,7 +20,7 @@ import torch
 from tensorwire.transport.base import new_nonce
 from tensorwire.transport.tcp import TcpListener
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 BIG = 32 << 20  # far more than the socket buffers: the send holds the connection until the peer reads
 
@@ -33,7 +33,7 @@ def _peer_process(port: int, nonce: bytes, go, result) -> None:
         big_dst = torch.zeros(BIG, dtype=torch.uint8)
         y.post_recv(1, big_dst)  # grants the big message's credit ...
         y.send(0, torch.zeros(4, dtype=torch.uint8), timeout=10)  # ... which rides to x here
-        if not go.wait(20):
+        if not go.wait(60):
             raise TimeoutError("no go")
         y.send(2, torch.full((8,), 2, dtype=torch.uint8), timeout=25)  # needs x's credit for tag 2
         y.send(3, torch.full((8,), 3, dtype=torch.uint8), timeout=25)
@@ -46,7 +46,9 @@ def _peer_process(port: int, nonce: bytes, go, result) -> None:
 
 
 def test_a_credit_posted_during_a_send_reaches_the_peer():
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a child forked after an earlier test ran a parallel torch operation in this
+    # process hangs in torch's inherited thread pool (its first torch.zeros never returns).
+    ctx = mp.get_context("spawn")
     go, result = ctx.Event(), ctx.Queue()
     lst = TcpListener("127.0.0.1", port=0)
     nonce = new_nonce()
@@ -56,7 +58,7 @@ def test_a_credit_posted_during_a_send_reaches_the_peer():
     errors: list[BaseException] = []
     x = None
     try:
-        x = lst.accept(nonce, timeout=10)
+        x = lst.accept(nonce, timeout=90)  # a spawned peer imports torch first
         got = torch.zeros(4, dtype=torch.uint8)
         x.post_recv(0, got)
         x.wait_recv(0, timeout=10)

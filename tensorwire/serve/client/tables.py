@@ -156,7 +156,7 @@ class Buffers:
     def take(self, key: Any, shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tensor":
         import torch
 
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             got = self._bufs.get(key)
             if got is not None and got[0].numel() >= nbytes and got[1] is not None and use_count(got[0]) == got[1]:

@@ -127,10 +127,17 @@ class ShardView:
 
 
 class _Raw:
-    """What ``numpy.asarray`` needs to view ``shape`` bytes at ``addr`` (read-only)."""
+    """What ``numpy.asarray`` needs to view ``shape`` bytes at ``addr``.
 
-    def __init__(self, addr: int, shape: tuple[int, int]) -> None:
-        self.__array_interface__ = {"data": (addr, True), "shape": shape, "typestr": "|u1", "version": 3}
+    numpy is told the bytes are writable: the copier may gather through torch, whose ``from_numpy``
+    warns about read-only arrays. They are not: the pages are mapped ``PROT_READ``, so a write would
+    fault rather than change a daemon's tensor, and nothing here writes. ``owner``: the window, kept
+    alive (its address range reserved) by every array made from this.
+    """
+
+    def __init__(self, addr: int, shape: tuple[int, int], owner: "RowWindow") -> None:
+        self.owner = owner
+        self.__array_interface__ = {"data": (addr, False), "shape": shape, "typestr": "|u1", "version": 3}
 
 
 class RowWindow:
@@ -139,7 +146,10 @@ class RowWindow:
     ``first[k]``: the row of :attr:`array` where shard ``k``'s rows begin;
     ``delta[k] = first[k] - row_start[k]`` turns a row of the whole table into
     its row of the window. Hold :attr:`lock` while binding and gathering: a
-    rebind or :meth:`close` unmaps what a gather would read.
+    rebind or :meth:`close` replaces what a gather would read. A part that is
+    not bound (or no longer: rebound, closed) reads as zeros, never as another
+    mapping, and the range stays reserved while any array of the window lives
+    (a traceback's, say); it is given back when the last one goes.
 
     Raises (constructor):
         ShmError: not supported here, or the range cannot be reserved.
@@ -163,15 +173,16 @@ class RowWindow:
         self.rows = list(rows)
         self._libc = libc
         # reserved with room to start at a huge-page boundary (a huge-page tmpfs maps 2 MiB at a time there)
-        self._reserved = self._span + _HUGE
+        reserved = self._span + _HUGE
         self._region = _check(
-            libc.mmap(None, self._reserved, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0),
-            f"reserving {self._reserved} bytes of address space",
+            libc.mmap(None, reserved, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0),
+            f"reserving {reserved} bytes of address space",
         )
+        self._reserved = reserved
         self._base = -(-self._region // _HUGE) * _HUGE
         self.first = [s // w for s in self._starts]
         self.delta = np.array([f - a for f, a in zip(self.first, row_starts)], dtype=np.int64)
-        self.array: Any = np.asarray(_Raw(self._base, (self._span // w, w)))
+        self.array: Any = np.asarray(_Raw(self._base, (self._span // w, w), self))
         self._bound: list[tuple[str, int, int] | None] = [None] * len(rows)
         self.lock = threading.Lock()
         self.closed = False
@@ -222,7 +233,7 @@ class RowWindow:
         self._bound[k] = key
 
     def _unbind(self, k: int) -> None:
-        """Put shard ``k``'s part back to reserved, unmapped address space (its slot's memory is let go)."""
+        """Map zeros over shard ``k``'s part (its slot's memory is let go; a stale read reads zeros)."""
         if self._bound[k] is None or not self._sizes[k]:
             self._bound[k] = None
             return
@@ -231,7 +242,7 @@ class RowWindow:
             self._libc.mmap(
                 self._base + self._starts[k],
                 self._sizes[k],
-                _PROT_NONE,
+                _PROT_READ,
                 mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED,
                 -1,
                 0,
@@ -244,14 +255,16 @@ class RowWindow:
         return [b[0] for b in self._bound if b is not None and b[2]]
 
     def close(self) -> None:
-        """Unmap everything. Idempotent; the caller holds :attr:`lock` (or no other thread uses the window)."""
+        """Let every slot go (zeros in their place). Idempotent; the caller holds :attr:`lock` (or no other
+        thread uses the window). The address range itself goes with the last array of the window."""
         if self.closed:
             return
         self.closed = True
+        for k in range(len(self._bound)):
+            self._unbind(k)
         self.array = None
-        self._bound = [None] * len(self._bound)
-        self._libc.munmap(self._region, self._reserved)
 
-    def __del__(self) -> None:  # a window dropped without close() still gives its address range back
-        if not getattr(self, "closed", True):
-            self.close()
+    def __del__(self) -> None:  # no array of the window is left: give the address range back
+        if getattr(self, "_reserved", 0):
+            self._libc.munmap(self._region, self._reserved)
+            self._reserved = 0
