@@ -19,8 +19,10 @@ without branching on the kind of tensor or transport:
 
 Messages carry the transport's own per-tag step counter (every send of a tag
 goes through one path, so no step is kept here): the fast paths hold no lock.
-The general and staged sends share a staging slot and keep a lock for it. ``isend``'s
-handle and the link's sender thread:
+The general and staged sends share a staging slot and keep a lock for it. A
+receive path has its slots described for the transport once
+(``Transport.prepare_recv``: over UCX, their descriptors and receive records),
+so a re-post builds nothing. ``isend``'s handle and the link's sender thread:
 :mod:`tensorwire.p2p.isend`.
 """
 
@@ -338,6 +340,7 @@ class SlotRecv:
         self._keep = len(slots) - 2  # slots that stay held once a recv returns one more
         self._nbytes = spec.nbytes
         self._raws = [s.raw for s in slots]
+        self._bufs = [transport.prepare_recv(r) for r in self._raws]  # what post/repost take
         self._cuda = bool(slots[0].raw.is_cuda)
         self._header = spec.is_dynamic
         self._static = not spec.is_dynamic
@@ -346,8 +349,8 @@ class SlotRecv:
         self._wait = transport.wait_recv
 
     def post_all(self) -> None:
-        for raw in self._raws:
-            self._post(self.tag, raw, header=self._header)
+        for buf in self._bufs:
+            self._post(self.tag, buf, header=self._header)
 
     def all_slots(self) -> list[Slot]:
         return list(self.slots)
@@ -376,7 +379,7 @@ class SlotRecv:
                     wait_for.synchronize()  # recv(out=)'s copy out of it, nothing else
                 if last is not None:
                     self._post(tag, last, header=self._header)
-                last = self._raws[idx_]
+                last = self._bufs[idx_]
             if last is not None:
                 # The last slot goes back and the next message is awaited in one call: the transport
                 # may do the post once the wait has started (transport docs).
@@ -439,7 +442,7 @@ class SlotRecv:
         if self.held:
             self.held.append((idx, _FREE))
         else:
-            self._post(self.tag, self._raws[idx], header=self._header)
+            self._post(self.tag, self._bufs[idx], header=self._header)
 
 
 def _out_mismatch(name: str, out: torch.Tensor, view: torch.Tensor) -> ShapeMismatchError:
@@ -464,7 +467,7 @@ class WholeStagedRecv(SlotRecv):
         dev_view = self.device_slot.view(shape)
         dev_view.copy_(view, non_blocking=True)
         torch.cuda.current_stream(dev_view.device).synchronize()  # host slot is re-posted right away
-        self._post(self.tag, self._raws[idx], header=self._header)
+        self._post(self.tag, self._bufs[idx], header=self._header)
         if out is None:
             return dev_view
         if tuple(out.shape) != tuple(dev_view.shape) or out.dtype != dev_view.dtype:
