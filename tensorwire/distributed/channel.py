@@ -20,10 +20,19 @@ operations between the two ranks raise the same error (torch's rule for a
 failed communicator) -- never wrong bytes, never a hang.
 
 Send (``isend``): never waits. A host tensor is posted in the caller's thread
-when that cannot block (UCX: the receiver's credit is already there; TCP: a
-credit is there and the message is small); otherwise the message goes to the
-tag's sender thread, which waits for the credit and sends (messages of one
-tag keep their order either way).
+when that cannot block (UCX: the receiver's credit is already there; TCP:
+:meth:`~tensorwire.transport.tcp.TcpTransport.try_send` -- a credit or an
+eager buffer of the peer's is there and the socket takes the frame at once);
+otherwise the message is queued, and the caller waiting on it or the tag's
+sender thread sends it (messages of one tag keep their order either way). A
+frame the socket took in part is finished the same way, before anything else.
+
+Small messages over TCP: every pair offers the other ``EAGER_SLOTS`` buffers
+of ``EAGER_MAX`` bytes when the group is made (and waits for the other's
+offer), so a small message goes before its receive is posted or its credit
+has come back. A 4 KiB ping-pong is then one ``sendmsg`` and one ``recv`` per
+message on each side, in the caller's thread, with no lock contended, no
+Event and no thread woken (``bench/results/distributed_cpu2_2026-11-24-2.md``).
 
 CUDA tensors follow NCCL's stream semantics (:mod:`.streams`): an ``isend``
 goes through the sender thread, which first waits for an event recorded on the
@@ -51,6 +60,7 @@ from ..buffers import as_bytes
 from ..errors import ConfigError, ProtocolError, TensorWireError, TransferTimeout
 from .errors import GroupClosed, SignatureMismatch, WorkTimeout, translate
 from .signatures import Signature, decode, signature_of
+from ..transport.tcp import PartialSend, TcpTransport
 from .streams import CudaOps, Flag
 from .work import Completer, Work
 
@@ -65,8 +75,11 @@ log = logging.getLogger(__name__)
 NOTICE_TAG = 0
 #: torch tags map to transport tags 1 .. 2**31 - 1
 MAX_TAG = (1 << 31) - 2
-#: host messages up to this size are sent in the caller's thread over TCP when a credit is there
-INLINE_MAX = 256 * 1024
+#: TCP: each rank lets each peer send this many messages of at most EAGER_MAX bytes before their receive is
+#: posted (one buffer of EAGER_SLOTS * EAGER_MAX bytes per peer, set aside when the group is made; the
+#: transport keeps eager messages below the size it copies across processes, TENSORWIRE_CMA_MIN_BYTES)
+EAGER_SLOTS = 8
+EAGER_MAX = 64 * 1024
 #: how long a receive waits on its tag before looking at notices (a mismatch refused on the sender)
 SLICE = 0.05
 NOTICE = struct.Struct("<I")
@@ -74,6 +87,7 @@ _NOTICE_SLOTS = 2
 #: flat byte views of host memory by (address, size), for transports that take bytes (TCP)
 _VIEWS: dict[tuple[int, int], memoryview] = {}
 _VIEWS_MAX = 4096
+_EMPTY = memoryview(b"")
 
 
 def _wire(t: "Transport", tensor: torch.Tensor) -> Any:
@@ -90,6 +104,11 @@ def _wire(t: "Transport", tensor: torch.Tensor) -> Any:
     n = tensor.nbytes
     if n == 0 or tensor.is_cuda:
         return as_bytes(tensor)
+    return _host_bytes(tensor, n)
+
+
+def _host_bytes(tensor: torch.Tensor, n: int) -> memoryview:
+    """The ``n`` bytes of a contiguous host tensor (``n`` > 0), as a cached flat view (see :func:`_wire`)."""
     key = (tensor.data_ptr(), n)
     mv = _VIEWS.get(key)
     if mv is None:
@@ -129,21 +148,30 @@ class SlotPool:
 class SendWork(Work):
     """``isend``: done once the bytes are out of the tensor."""
 
-    def __init__(self, peer: "Peer", **kw: Any) -> None:
-        super().__init__(**kw)
+    _op: Any = None  # UCX send posted in the caller's thread: complete it in wait()
+    _keep: Any = None  # what UCX reads until the send completes
+    _chan: "_SendChannel | None" = None  # queued: the channel whose queue holds it
+    _staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
+    _flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` when done
+    _seq = 0
+
+    def __init__(self, peer: "Peer", sig: Signature, tag: int, tensors: list[torch.Tensor]) -> None:
+        super().__init__(peer.timeout, tensors)
         self._peer = peer
-        self._op: Any = None  # UCX send posted in the caller's thread: complete it in wait()
-        self._keep: Any = None  # what UCX reads until the send completes
-        self._chan: _SendChannel | None = None  # queued: the channel whose queue holds it
-        self._staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
-        self._flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` when done
-        self._seq = 0
+        self._sig = sig
+        self._tag = tag
+        self._completer = peer.completer
+
+    def _describe(self) -> str:
+        return f"isend of {self._sig.describe()} to rank {self._peer.peer} (tag {self._tag})"
 
     def _finish(self, exc: BaseException | None = None) -> None:
-        staging, self._staging = self._staging, None
-        self._keep = None
+        staging = self._staging
         if staging is not None:
+            self._staging = None
             self._peer.pool.give(*staging)
+        if self._keep is not None:
+            self._keep = None
         super()._finish(exc)
 
     def _finished(self, exc: BaseException | None, streamed: bool) -> None:
@@ -188,30 +216,33 @@ class SendWork(Work):
 class RecvWork(Work):
     """``irecv``: done once the message is in the tensor (checked against the sender's signature)."""
 
+    _device_side = False  # CUDA tensor (stream semantics)
+    _ready: Any = None  # staged CUDA receive: the caller's stream reached irecv (copy into the tensor after it)
+    _flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` once the bytes are in the tensor
+    _seq: int | None = None
+
     def __init__(
         self,
         peer: "Peer",
         chan: "_RecvChannel",
         tensor: torch.Tensor,
         sig: Signature,
+        hdr: tuple[int, ...],
         staging: torch.Tensor | None,
-        *,
-        device_side: bool = False,
-        ready: Any = None,
-        flag: Flag | None = None,
-        **kw: Any,
     ) -> None:
-        super().__init__(**kw)
+        super().__init__(peer.timeout, [tensor])
         self._peer = peer
         self._chan = chan
         self._tensor = tensor
         self._sig = sig
+        self._hdr = hdr  # the header words of ``sig``: a message with the same words fits
         self._staging = staging
-        self._device_side = device_side  # CUDA tensor (stream semantics)
-        self._ready = ready  # staged CUDA receive: the caller's stream reached irecv (copy into the tensor after it)
-        self._flag = flag  # CUDA: the channel's flag, released with ``_seq`` once the bytes are in the tensor
-        self._seq: int | None = None
         self._posted = False  # its buffer is posted to the transport
+        self._source = peer.peer
+        self._completer = peer.completer
+
+    def _describe(self) -> str:
+        return f"irecv of {self._sig.describe()} from rank {self._peer.peer} (tag {self._chan.tag - 1})"
 
     def _drive(self, deadline: float) -> None:
         self._chan.drive(self, deadline)
@@ -228,16 +259,17 @@ class RecvWork(Work):
         return True
 
     def _complete(self, got: "Received") -> None:
-        theirs = decode(got.shape)
         mine = self._sig
-        if not theirs.fills(mine) or got.nbytes != mine.nbytes:
-            exc = SignatureMismatch(
-                f"rank {self._peer.peer} sent {theirs.describe()} on tag {self._chan.tag - 1}; "
-                f"rank {self._peer.rank} receives into {mine.describe()} (group {self._peer.group!r})"
-            )
-            self._release()
-            self._finish(self._peer.fail(exc, ""))
-            return
+        if got.shape != self._hdr or got.nbytes != mine.nbytes:  # (the same words: the signature this side expects)
+            theirs = decode(got.shape)
+            if not theirs.fills(mine) or got.nbytes != mine.nbytes:
+                exc = SignatureMismatch(
+                    f"rank {self._peer.peer} sent {theirs.describe()} on tag {self._chan.tag - 1}; "
+                    f"rank {self._peer.rank} receives into {mine.describe()} (group {self._peer.group!r})"
+                )
+                self._release()
+                self._finish(self._peer.fail(exc, ""))
+                return
         if self._staging is not None:
             if self._device_side:
                 # host->device (pinned) or into a non-contiguous tensor: on tensorwire's copy stream, once the
@@ -334,6 +366,20 @@ class _RecvChannel:
                 self.fifo.append(work)
                 self.unposted.append((work, buf, after))
 
+    def post_wire(self, work: RecvWork, wire: Any, buf: torch.Tensor) -> None:
+        """Post a host receive (no stream to wait for) whose transport view is ``wire`` (:func:`_wire` of ``buf``)."""
+        peer = self.peer
+        with self.post_lock:
+            if peer.error is not None:
+                raise peer.error
+            if self.unposted:  # behind a CUDA receive whose stream has not reached it: after that one
+                self.fifo.append(work)
+                self.unposted.append((work, buf, None))
+                return
+            peer.transport.post_recv(self.tag, wire, header=True)
+            work._posted = True
+            self.fifo.append(work)
+
     def flush(self, deadline: float | None) -> bool:
         """Post the deferred receives whose stream reached them, oldest first; True when none is left.
 
@@ -363,13 +409,14 @@ class _RecvChannel:
 
     def drive(self, work: RecvWork, deadline: float | None) -> None:
         """Complete posted receives in order until ``work`` is done (``deadline`` None: without waiting)."""
-        if deadline is None:
-            if not self.drive_lock.acquire(blocking=False):
+        lock = self.drive_lock
+        if not lock.acquire(False):
+            if deadline is None:
                 return
-        elif not self.drive_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise WorkTimeout(f"{work._what} not complete within {work._wait_seconds:.3g} s")
+            if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise WorkTimeout(f"{work._what} not complete within {work._wait_seconds:.3g} s")
         try:
-            while not work.done:
+            while not work._is_done:
                 try:
                     head = self.fifo[0]
                 except IndexError:
@@ -511,6 +558,30 @@ class _SendChannel:
         self.flag: Flag | None = None
 
     def submit(self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...]) -> None:
+        tcp = self.peer.tcp
+        if tcp is not None and not self.pending and tensor.is_contiguous() and not self.peer.ops.streamed(tensor):
+            # TCP, host memory, nothing queued before it: out in this thread if the socket takes it at once
+            if self.send_lock.acquire(False):
+                try:
+                    if not self.pending:
+                        n = sig.nbytes
+                        try:
+                            sent = tcp.try_send(self.tag, _host_bytes(tensor, n) if n else _EMPTY, shape=hdr)
+                        except BaseException as exc:  # noqa: BLE001
+                            work._finish(self.peer.fail(exc, work._what, tag=self.tag, sig=sig))
+                            return
+                        if sent is True:
+                            work._finish()
+                            return
+                        if sent is not False:  # the socket took part of it: the rest before anything else
+                            self._queue_partial(work, tensor, sig, hdr, sent)
+                            return
+                finally:
+                    self.send_lock.release()
+        self._submit(work, tensor, sig, hdr)
+
+    def _submit(self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...]) -> None:
+        """Everything but the TCP fast path: out in this thread when that cannot block, else queued."""
         peer = self.peer
         t = peer.transport
         if tensor.requires_grad:
@@ -526,13 +597,17 @@ class _SendChannel:
                 if not self.pending:
                     data = _wire(t, tensor)
                     try:
-                        if t.async_send:
+                        if peer.tcp is not None:  # (a non-contiguous tensor, copied into its slot)
+                            sent = peer.tcp.try_send(self.tag, data, shape=hdr)
+                            if sent is True:
+                                work._finish()
+                                return
+                            if sent is not False:
+                                self._queue_partial(work, tensor, sig, hdr, sent)
+                                return
+                        elif t.async_send:
                             work._keep = tensor
                             work._op = t.start_send(self.tag, data, shape=hdr, timeout=0.0)
-                            return
-                        if sig.nbytes <= INLINE_MAX and t.has_credit(self.tag):
-                            t.send(self.tag, data, shape=hdr, timeout=peer.timeout)
-                            work._finish()
                             return
                     except TransferTimeout:
                         pass  # no credit yet: queued
@@ -550,14 +625,28 @@ class _SendChannel:
             if flag is not None:
                 work._flag = flag
                 work._seq = flag.issue()
-            self.pending.append((work, tensor, sig, hdr, ev))
-            if self.thread is None:
-                self.thread = threading.Thread(
-                    target=self._run, daemon=True, name=f"tw-dist-send-{peer.peer}-{self.tag - 1}"
-                )
-                self.thread.start()
-            elif self.parked:
-                self.cond.notify()
+            self.pending.append((work, tensor, sig, hdr, ev, None))
+            self._wake()
+
+    def _queue_partial(
+        self, work: SendWork, tensor: torch.Tensor, sig: Signature, hdr: tuple[int, ...], partial: PartialSend
+    ) -> None:
+        """(caller holds ``send_lock``; nothing queued) A frame the socket took only part of: its rest is written
+        first, by whoever sends next on this channel -- the caller waiting on it, or the sender thread."""
+        work._chan = self
+        with self.cond:
+            self.pending.appendleft((work, tensor, sig, hdr, None, partial))
+            self._wake()
+
+    def _wake(self) -> None:
+        """(under ``cond``) Start the sender thread, or wake it if it sleeps with nothing queued."""
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self._run, daemon=True, name=f"tw-dist-send-{self.peer.peer}-{self.tag - 1}"
+            )
+            self.thread.start()
+        elif self.parked:
+            self.cond.notify()
 
     def flag_for(self, tensor: torch.Tensor) -> Flag | None:
         """The channel's flag (taken on its first CUDA send), or None where streams cannot wait on one."""
@@ -597,9 +686,17 @@ class _SendChannel:
         """Send one queued message (caller holds ``send_lock``)."""
         peer = self.peer
         t = peer.transport
-        work, tensor, sig, hdr, ev = item
+        work, tensor, sig, hdr, ev, partial = item
         ops = peer.ops
         exc: BaseException | None = None
+        if partial is not None:  # the connection's send lock is ours until the rest of this frame is out
+            try:
+                assert peer.tcp is not None  # only TCP sends part of a frame
+                peer.tcp.finish_send(partial, timeout=peer.timeout)
+            except BaseException as exc_:  # noqa: BLE001 - a cut frame: the pair is broken
+                exc = peer.fail(exc_, work._what, tag=self.tag, sig=sig)
+            work._finish(exc)
+            return
         try:
             peer.check()
             if ops.streamed(tensor):
@@ -694,6 +791,10 @@ class Peer:
         self.ops = ops if ops is not None else CudaOps()
         self._on_async_error = on_async_error
         self.transport: "Transport" = link.connection
+        #: the TCP transport (messages go out in the caller's thread when the socket takes them at once)
+        self.tcp: TcpTransport | None = self.transport if isinstance(self.transport, TcpTransport) else None
+        if self.tcp is not None:
+            self.tcp.offer_eager(slots=EAGER_SLOTS, size=EAGER_MAX)
         self.peer = link.peer
         self.rank = rank
         self.group = group
@@ -711,33 +812,49 @@ class Peer:
             self.transport.post_recv(NOTICE_TAG, buf, header=True)
             self._notices.append(buf)
 
+    def settle(self, timeout: float) -> None:
+        """Wait until the peer's half of the set-up arrived (TCP: its eager offer), so that even the first
+        message goes without waiting for a credit. Call once every peer of the group was made (each side
+        offers as it makes its Peer, then waits: nobody waits on a Peer not made yet).
+
+        Raises:
+            TransferTimeout, PeerLostError: nothing within ``timeout``.
+        """
+        if self.tcp is not None:
+            self.tcp.wait_eager_offer(timeout=timeout)
+
     # -- operations ------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, tag: int) -> SendWork:
         sig, hdr = signature_of(tensor)
-        peer = self.peer
-        work = SendWork(
-            self,
-            what=lambda: f"isend of {sig.describe()} to rank {peer} (tag {tag})",
-            timeout=self.timeout,
-            tensors=[tensor],
-            completer=self.completer,
-        )
+        work = SendWork(self, sig, tag, [tensor])
         if self.error is not None:
             work._finish(self.error)
             return work
         chan = self._send.get(tag + 1)
         if chan is None:
             with self._lock:
-                chan = self._send.setdefault(tag + 1, _SendChannel(self, tag + 1))
+                chan = self._send.get(tag + 1) or self._send.setdefault(tag + 1, _SendChannel(self, tag + 1))
         chan.submit(work, tensor, sig, hdr)
         return work
 
     def irecv(self, tensor: torch.Tensor, tag: int) -> RecvWork:
-        sig, _ = signature_of(tensor)
+        sig, hdr = signature_of(tensor)
         chan = self._recv.get(tag + 1)
         if chan is None:
             with self._lock:
-                chan = self._recv.setdefault(tag + 1, _RecvChannel(self, tag + 1))
+                chan = self._recv.get(tag + 1) or self._recv.setdefault(tag + 1, _RecvChannel(self, tag + 1))
+        if self.tcp is not None and tensor.is_contiguous() and not self.ops.streamed(tensor):
+            # TCP, host memory: the sender's bytes land in the tensor itself
+            work = RecvWork(self, chan, tensor, sig, hdr, None)
+            if self.error is not None:
+                work._finish(self.error)
+                return work
+            n = sig.nbytes
+            try:
+                chan.post_wire(work, _host_bytes(tensor, n) if n else _EMPTY, tensor)
+            except BaseException as exc:  # noqa: BLE001
+                work._finish(self.fail(exc, work._what))
+            return work
         staging = None
         buf = tensor
         where = chan.where(tensor)
@@ -745,29 +862,15 @@ class Peer:
             staging = buf = self.pool.take(sig, "pinned")
         elif not tensor.is_contiguous():
             staging = buf = self.pool.take(sig, "same", tensor.device)
-        device_side = self.ops.streamed(tensor)
-        ready = flag = None
-        if device_side:
+        work = RecvWork(self, chan, tensor, sig, hdr, staging)
+        ready = None
+        if self.ops.streamed(tensor):
             # The tensor may be written only after the work queued on the caller's stream before this call
             # (it may still read the tensor): posted once that stream reaches this event (None: idle now).
             ready = self.ops.mark(tensor)
-            flag = chan.flag_for(tensor)
-        peer = self.peer
-        work = RecvWork(
-            self,
-            chan,
-            tensor,
-            sig,
-            staging,
-            device_side=device_side,
-            ready=ready if staging is not None else None,
-            flag=flag,
-            what=lambda: f"irecv of {sig.describe()} from rank {peer} (tag {tag})",
-            timeout=self.timeout,
-            tensors=[tensor],
-            source=self.peer,
-            completer=self.completer,
-        )
+            work._device_side = True
+            work._ready = ready if staging is not None else None
+            work._flag = chan.flag_for(tensor)
         if self.error is not None:
             work._finish(self.error)
             return work

@@ -42,7 +42,7 @@ from ..p2p.bootstrap import reachable_address
 from ..p2p.node import Node
 from ..p2p.torchrun import TorchrunEnv
 from ..settings import setting
-from .channel import Peer, SlotPool, check_tag
+from .channel import MAX_TAG, Peer, SlotPool, check_tag
 from .errors import GroupClosed, translate
 from .streams import CudaOps
 from .work import Completer, Work
@@ -131,6 +131,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                         ops=self._ops,
                         on_async_error=self._async_failed,
                     )
+            for p in self._peers.values():
+                p.settle(self._timeout)
         except BaseException:
             self._node.close()
             raise
@@ -200,14 +202,37 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return peer
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:
-        if len(tensors) != 1:
-            raise ConfigError(f"send takes exactly one tensor, got {len(tensors)}")
-        return self._peer(dstRank, "send").isend(tensors[0], check_tag(tag))
+        peer = self._peers.get(dstRank)
+        if (
+            peer is None
+            or self._closed
+            or self._async_error is not None
+            or len(tensors) != 1
+            or type(tag) is not int
+            or not 0 <= tag <= MAX_TAG
+        ):
+            peer = self._checked(tensors, dstRank, tag, "send")
+        return peer.isend(tensors[0], tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:
+        peer = self._peers.get(srcRank)
+        if (
+            peer is None
+            or self._closed
+            or self._async_error is not None
+            or len(tensors) != 1
+            or type(tag) is not int
+            or not 0 <= tag <= MAX_TAG
+        ):
+            peer = self._checked(tensors, srcRank, tag, "recv")
+        return peer.irecv(tensors[0], tag)
+
+    def _checked(self, tensors: list[torch.Tensor], rank: int, tag: int, what: str) -> Peer:
+        """The peer of a send/recv whose arguments the fast check did not pass: raises what is wrong."""
         if len(tensors) != 1:
-            raise ConfigError(f"recv takes exactly one tensor, got {len(tensors)}")
-        return self._peer(srcRank, "recv").irecv(tensors[0], check_tag(tag))
+            raise ConfigError(f"{what} takes exactly one tensor, got {len(tensors)}")
+        check_tag(tag)
+        return self._peer(rank, what)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
         raise ConfigError(

@@ -20,7 +20,7 @@ hot path is one dictionary lookup.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, ProtocolError
@@ -47,10 +47,11 @@ class Signature:
     dtype: str
     shape: tuple[int, ...]
     device: str
+    #: bytes of one message (derived; not compared)
+    nbytes: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * _itemsize(self.dtype))
 
     def describe(self) -> str:
         return f"{self.dtype}{list(self.shape)} on {self.device} ({self.nbytes} bytes)"
@@ -115,8 +116,8 @@ def decode(words: tuple[int, ...] | None) -> Signature:
     return Signature(_NAMES[code], tuple(dims), _DEVICE_NAMES[device])
 
 
-# (torch dtype, shape, device type) -> (Signature, header words); grows by one entry per new signature
-_CACHE: dict[tuple[Any, tuple[int, ...], str], tuple[Signature, tuple[int, ...]]] = {}
+# (torch dtype, shape, is_cpu, is_cuda) -> (Signature, header words); grows by one entry per new signature
+_CACHE: dict[tuple[Any, tuple[int, ...], bool, bool], tuple[Signature, tuple[int, ...]]] = {}
 _CACHE_MAX = 4096
 
 
@@ -126,18 +127,21 @@ def signature_of(tensor: "torch.Tensor") -> tuple[Signature, tuple[int, ...]]:
     Raises:
         ConfigError: a dtype outside the allowlist or a device other than cpu/cuda (names both).
     """
-    key = (tensor.dtype, tuple(tensor.shape), tensor.device.type)
+    # torch.Size hashes and compares as the tuple of its dims; the two flags tell cpu, cuda and anything else apart
+    key = (tensor.dtype, tensor.shape, tensor.is_cpu, tensor.is_cuda)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in _CODES:
         raise ConfigError(f"backend 'tensorwire' does not move {tensor.dtype}; supported: {', '.join(DTYPES)}")
-    if key[2] not in _DEVICES:
+    device = tensor.device.type
+    if device not in _DEVICES:
         raise ConfigError(f"backend 'tensorwire' moves cpu and cuda tensors, not {tensor.device}")
-    if len(key[1]) > MAX_RANK:
-        raise ConfigError(f"backend 'tensorwire' moves tensors of rank <= {MAX_RANK}, got shape {key[1]}")
-    sig = Signature(name, key[1], key[2])
+    shape = tuple(tensor.shape)
+    if len(shape) > MAX_RANK:
+        raise ConfigError(f"backend 'tensorwire' moves tensors of rank <= {MAX_RANK}, got shape {shape}")
+    sig = Signature(name, shape, device)
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
     hit = _CACHE[key] = (sig, sig.encode())

@@ -33,43 +33,44 @@ from .errors import WorkTimeout
 
 __all__ = ["Work", "DoneWork", "Completer"]
 
+#: Guards the completion state of every work (held for a few instructions: one lock for all of them
+#: costs nothing in contention and saves making one per message).
+_STATE = threading.Lock()
+_NO_TIMEOUT = timedelta(0)
+
 
 class Work(dist._Work):
     """Base of the backend's works: completion state, torch's Work API, an optional future.
 
     Subclasses implement :meth:`_drive` (make progress until done or the
-    deadline) and may override :meth:`_poll` (non-blocking progress).
+    deadline) and :meth:`_describe` (what the work is, for errors), and may
+    override :meth:`_poll` (non-blocking progress).
     """
 
-    def __init__(
-        self,
-        *,
-        what: "str | Callable[[], str]",
-        timeout: float,
-        tensors: list[torch.Tensor],
-        source: int = -1,
-        completer: "Completer | None" = None,
-    ) -> None:
+    # Completion is a flag; an Event is made only for a thread that has to sleep on it (most
+    # works complete in the thread that waits on them: no Event, no wake-up). What is rarely
+    # set is a class attribute until it is (a work per message makes no lock and sets few fields).
+    _event: threading.Event | None = None
+    _exc: BaseException | None = None
+    _fut: torch.futures.Future | None = None
+    _source = -1
+    _completer: "Completer | None" = None
+    _streamed = False  # a stream waits for it (wait() returned before it completed)
+    _deadline = 0.0  # streamed: when it must be complete
+
+    def __init__(self, timeout: float, tensors: list[torch.Tensor]) -> None:
         super().__init__()
-        # Completion is a flag; an Event is made only for a thread that has to sleep on it (most
-        # works complete in the thread that waits on them: no Event, no wake-up).
         self._is_done = False
-        self._event: threading.Event | None = None
-        self._exc: BaseException | None = None
-        self._fut: torch.futures.Future | None = None
-        self._state_lock = threading.Lock()
-        self._what_src = what  # the description, or a callable making it (built only for an error)
         self._timeout = timeout
-        self._tensors = tensors
-        self._source = source
-        self._completer = completer
         self._wait_seconds = timeout
-        self._streamed = False  # a stream waits for it (wait() returned before it completed)
-        self._deadline = 0.0  # streamed: when it must be complete
+        self._tensors = tensors
+
+    def _describe(self) -> str:
+        return "operation"
 
     # -- completion (called by the layers below) ------------------------------------
     def _finish(self, exc: BaseException | None = None) -> None:
-        with self._state_lock:
+        with _STATE:
             if self._is_done:
                 return
             self._exc = exc
@@ -100,14 +101,12 @@ class Work(dist._Work):
 
     @property
     def _what(self) -> str:
-        what = self._what_src
-        if not isinstance(what, str):
-            what = self._what_src = what()
-        return what
+        """What the work is (built only when an error or a timeout names it)."""
+        return self._describe()
 
     def _sleep_until_done(self, timeout: float) -> bool:
         """Sleep until another thread finishes this work (True) or ``timeout`` passes (False)."""
-        with self._state_lock:
+        with _STATE:
             if self._is_done:
                 return True
             ev = self._event
@@ -133,7 +132,7 @@ class Work(dist._Work):
 
     def _mark_streamed(self) -> bool:
         """After a stream wait was queued: record it (True), unless the work completed meanwhile (False)."""
-        with self._state_lock:
+        with _STATE:
             if self._is_done:
                 return False
             self._streamed = True
@@ -141,7 +140,11 @@ class Work(dist._Work):
             return True
 
     # -- torch's Work API ---------------------------------------------------------------------
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+    def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
+        if self._is_done:  # (most host works: completed in the calling thread already)
+            if self._exc is not None:
+                raise self._exc
+            return True
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
         if seconds <= 0:
             if not self._is_done and self._stream_wait():
@@ -188,7 +191,7 @@ class Work(dist._Work):
         return self._tensors
 
     def get_future(self) -> torch.futures.Future:
-        with self._state_lock:
+        with _STATE:
             fut = self._fut
             if fut is None:
                 fut = self._fut = torch.futures.Future()
@@ -204,8 +207,12 @@ class DoneWork(Work):
     """A work that completed when it was made (or failed then)."""
 
     def __init__(self, *, what: str, tensors: list[torch.Tensor], exc: BaseException | None = None) -> None:
-        super().__init__(what=what, timeout=0.0, tensors=tensors)
+        super().__init__(0.0, tensors)
+        self._description = what
         self._finish(exc)
+
+    def _describe(self) -> str:
+        return self._description
 
 
 class Completer:

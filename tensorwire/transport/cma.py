@@ -124,8 +124,10 @@ _REASONS = {
 }
 _OFF, _UNSUPPORTED, _OTHER_HOST, _OTHER_PIDNS, _NO_GRANT, _NO_PIDFD = 1, 2, 3, 4, 5, 6
 
-#: A message is split into pieces of at least this many bytes for the copy threads.
-PIECE_MIN = 1 << 20
+#: A message is split into pieces of at least this many bytes for the copy threads. One thread copied
+#: about 3 GB/s on a 16-core host (1 MiB messages of bench/results/distributed_h100_2026-11-24-2.md, against
+#: 11-13 GB/s for 16 MiB and more in four pieces), so a 1 MiB message is already worth splitting.
+PIECE_MIN = 256 << 10
 _PAGE = 4096
 _PR_SET_PTRACER = 0x59616D61
 
@@ -446,6 +448,11 @@ class CmaPeer:
         with self._lock:
             out, self._out = self._out, []
         return out
+
+    def put_back(self, frames: list[Frame]) -> None:
+        """Frames :meth:`take_frames` gave that were not sent after all (no byte of them): first again."""
+        with self._lock:
+            self._out[:0] = frames
 
     def on_frame(self, sub: int, tag: int, step: int, nbytes: int, body: bytes) -> None:
         """A control frame arrived (the connection's reader thread). Never raises for a failed probe."""

@@ -3,11 +3,12 @@
 Wire format (little-endian, every frame starts with the same 88-byte header)::
 
     magic  "TW"        2s   protocol marker; anything else breaks the connection
-    type   u8          1 = DATA, 2 = CREDIT, 3 = BYE, 4 = CMA (control), 5 = WRITTEN
+    type   u8          1 = DATA, 2 = CREDIT, 3 = BYE, 4 = CMA (control), 5 = WRITTEN,
+                       6 = EAGER (DATA sent ahead of its credit)
     ndim   u8          dims in use for DATA with a shape (0..8), 255 = no shape; CMA: subtype
     tag    u32         DATA: slot tag
     step   u64         DATA: per-tag message counter (checked: +1 each time)
-    nbytes u64         DATA: payload bytes that follow
+    nbytes u64         DATA/EAGER: payload bytes that follow; CREDIT of EAGER_TAG: eager buffer size
     ctag   u32         credits granted for this tag ...
     ccount u32         ... this many (any frame type may carry a grant)
     dims   8 x i64     DATA: actual shape (dynamic specs)
@@ -26,6 +27,19 @@ Flow control reproduces UCX's rendezvous: the receiver grants one CREDIT per
 posted buffer, and a sender spends one credit per DATA frame. So every DATA
 frame that arrives has a free buffer waiting and the reader never blocks on
 the application — two peers can send large tensors at each other at once.
+
+Eager messages (opt-in, :meth:`TcpTransport.offer_eager`): a receiver may set
+aside a few small buffers of its own and grant them to the peer on the pseudo
+tag ``EAGER_TAG`` (the grant's ``nbytes`` says how large each is). A sender
+with no credit on a tag then sends a message that fits such a buffer at once,
+as an EAGER frame, instead of waiting a round trip for the credit: the receiver
+reads it straight into the posted buffer when there is one (zero-copy), else
+into a free eager buffer, copied into the buffer posted next on that tag. The
+per-tag credit it went ahead of is still granted when that buffer is posted,
+and the sender's balance for the tag (which went one below zero) comes back to
+zero: one credit per posted buffer and one message per posted buffer, in order,
+as before. An eager buffer goes back to the sender as an ``EAGER_TAG`` credit
+once its bytes left it. A receiver that made no offer refuses EAGER frames.
 Credits ride in the header of the next DATA frame going the other way; a
 separate CREDIT frame is sent only when a thread of this process is about to
 block (then every pending credit of every connection is flushed, so no cycle
@@ -36,7 +50,13 @@ Progress model ("caller progresses"): there is no background thread per
 connection. A thread waiting for a receive or a credit becomes the *reader*
 (one at a time) and pumps frames off the socket into posted buffers; a thread
 whose write would block also pumps reads when no one else does. This keeps the
-small-message path free of thread hand-offs (see bench/ for the figures).
+small-message path free of thread hand-offs (see bench/ for the figures). The
+reader reads up to ``READ_AHEAD`` bytes at a time, so a small frame (header and
+payload) and the credits riding behind it take one system call; the payload
+bytes past the read-ahead are received straight into the posted buffer.
+:meth:`TcpTransport.try_send` sends a frame only if that needs no waiting at
+all (a credit is there and the socket takes the frame), for callers that must
+never block.
 
 Connection set-up: the connecting side sends a hello (magic, protocol version,
 16-byte nonce learned over the control plane, then a 16-byte proof that it
@@ -88,23 +108,32 @@ from tensorwire.transport.base import remaining as _remaining
 from tensorwire.transport._socket import dial, tune_socket
 from tensorwire.transport.cma import CmaPeer, new_cma_peer
 
-__all__ = ["TcpTransport", "TcpListener", "FRAME", "HELLO", "HELLO_HEAD"]
+__all__ = ["TcpTransport", "TcpListener", "PartialSend", "FRAME", "HELLO", "HELLO_HEAD", "EAGER_TAG"]
 
 log = logging.getLogger(__name__)
 
-#: v2: the hello carries a proof of the link secret after the nonce. v3: CMA and WRITTEN frames.
+#: v2: the hello carries a proof of the link secret after the nonce. v3: CMA and WRITTEN frames. (EAGER frames
+#: go only to a peer that offered eager buffers: no new version.)
 PROTOCOL_VERSION = 3
 FRAME = struct.Struct("<2sBBIQQII8q")
 #: A CMA frame: the same header with a 64-byte body in place of the dims.
 CMA_FRAME = struct.Struct("<2sBBIQQII64s")
 assert FRAME.size == CMA_FRAME.size == 96
+#: the same header in two parts: the fields, then the eight dims (read only when a shape is there)
+_HEAD = struct.Struct("<2sBBIQQII")
+_DIMS = struct.Struct("<8q")
+_DIMS_AT = _HEAD.size
 #: magic, version, nonce (what every version of the hello starts with: the version is read first) ...
 HELLO_HEAD = struct.Struct(f"<8sI{NONCE_BYTES}s")
 #: ... then, from v2, the proof of the link secret (zeros without one).
 HELLO = struct.Struct(f"<8sI{NONCE_BYTES}s{PROOF_BYTES}s")
 HELLO_MAGIC = b"TWHELLO\0"
 HELLO_OK = b"TWOK"
-DATA, CREDIT, BYE, CMA, WRITTEN = 1, 2, 3, 4, 5
+DATA, CREDIT, BYE, CMA, WRITTEN, EAGER = 1, 2, 3, 4, 5, 6
+#: The pseudo tag on which a receiver grants (and gives back) its eager buffers (transport tags are < 2**31).
+EAGER_TAG = 0xFFFFFFFF
+#: Bytes the reader takes off the socket at once (header, small payloads and the frames behind them).
+READ_AHEAD = 32 * 1024
 NO_SHAPE = 255
 _MAGIC = b"TW"
 _ZERO_DIMS = (0,) * HEADER_DIMS
@@ -128,21 +157,66 @@ class _Posted:
         self.result: Received | None = None
 
 
-# Transports holding credits not yet sent. Before any thread blocks, every one
-# of them is flushed: a peer may be blocked on a credit we still hold, on this
-# link or on another one that closes a cycle.
+class PartialSend:
+    """A frame :meth:`TcpTransport.try_send` began to write but the socket did not take whole.
+
+    The connection's send lock stays held (no other frame may start) until
+    :meth:`TcpTransport.finish_send` writes the rest, from any thread.
+    """
+
+    __slots__ = ("views", "nbytes")
+
+    def __init__(self, views: list[memoryview], nbytes: int) -> None:
+        self.views = views
+        self.nbytes = nbytes
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of a gather list (in place)."""
+    while n:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
+# Transports holding credits not yet sent (_PENDING), and those of them holding a credit a peer may be
+# waiting for (_URGENT). Before any thread blocks, every urgent one is flushed: a peer may be blocked on
+# a credit we still hold, on this link or on another one that closes a cycle. A credit is *not* urgent
+# when the peer needs no credit to send what fits its buffer: the buffer is no larger than the eager
+# buffers this side offered and one of them is free (the peer sends such a message eagerly; the credit
+# rides on our next DATA frame and only settles the peer's balance; eager buffers given back are always
+# urgent). Such credits wait for a frame going the other way, or until
+# a blocked reader saw nothing for a whole read slice (a peer sending a larger message than the buffer
+# -- a mismatch the receiver reports -- waits for it that long).
 _PENDING: "set[TcpTransport]" = set()
+_URGENT: "set[TcpTransport]" = set()
 _PENDING_LOCK = threading.Lock()
 
 
-def flush_pending_credits(exclude: "TcpTransport | None" = None) -> None:
-    """Send every credit this process still holds back (called before blocking)."""
-    if not _PENDING:  # fast path, no lock: a stale answer only delays by one read slice
+def flush_pending_credits(exclude: "TcpTransport | None" = None, *, held: bool = False) -> None:
+    """Send the credits a peer may be waiting for (``held``: every credit) this process still holds back
+    (called before blocking)."""
+    which = _PENDING if held else _URGENT
+    if not which:  # fast path, no lock: a stale answer only delays by one read slice
         return
     with _PENDING_LOCK:
-        todo = [t for t in _PENDING if t is not exclude]
+        todo = [t for t in which if t is not exclude]
     for t in todo:
         t._flush_credits()
+
+
+def _shape_words(shape: tuple[int, ...] | None) -> tuple[int, tuple[int, ...]]:
+    """(ndim field, the eight dims) of a frame header."""
+    if shape is None:
+        return NO_SHAPE, _ZERO_DIMS
+    if len(shape) > HEADER_DIMS:
+        raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
+    if len(shape) == HEADER_DIMS:
+        return HEADER_DIMS, tuple(shape)
+    return len(shape), tuple(shape) + (0,) * (HEADER_DIMS - len(shape))
 
 
 def _host_view(buf: Any) -> memoryview:
@@ -168,6 +242,8 @@ class TcpTransport(Transport):
     SEND_SLICE = 0.02
     #: Posted-buffer views kept for reuse (a Link re-posts the same slots every step).
     VIEW_CACHE = 256
+    #: Largest cross-memory copy :meth:`try_send` makes in the caller's thread (larger ones: :meth:`send`).
+    INLINE_COPY = 256 * 1024
 
     def __init__(
         self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0, cma: CmaPeer | None = None
@@ -187,19 +263,31 @@ class TcpTransport(Transport):
         self._credits: dict[int, int] = collections.defaultdict(int)
         self._recv_steps: dict[int, int] = collections.defaultdict(int)
         self._send_steps: dict[int, int] = collections.defaultdict(int)
-        self._pending_credits: collections.Counter[int] = collections.Counter()
+        # credits granted but not sent yet, by tag (a defaultdict: a missing key costs no Python call, unlike a Counter)
+        self._pending_credits: dict[int, int] = collections.defaultdict(int)
         self._reader_busy = False
         self._waiters = 0  # threads in cond.wait: notify only when someone listens
         self._send_lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
+        # eager messages (offer_eager): buffers of ours free for the peer, their size (0: none offered), what
+        # arrived in them per tag before its buffer was posted; the size the peer takes (0: never send eager)
+        self._eager_free: list[memoryview] = []
+        self._eager_size = 0
+        self._stash: dict[int, Deque[tuple[memoryview, Received]]] = {}
+        self._peer_eager = 0
+        self._peer_offered = False  # the peer's offer arrived (its size may be 0: then nothing goes eagerly)
+        self._offered = False
         # reader state (touched only by the thread holding the reader role)
-        self._hdr = bytearray(FRAME.size)
-        self._hdr_view = memoryview(self._hdr)
+        self._rbuf = bytearray(READ_AHEAD)
+        self._rview = memoryview(self._rbuf)
+        self._rpos = 0  # read-ahead bytes [_rpos, _rend) not parsed yet
+        self._rend = 0
         self._rphase = 0  # 0: header, 1: payload
         self._roff = 0
         self._rtarget: memoryview | None = None
         self._rpost: _Posted | None = None
+        self._reager: memoryview | None = None  # the eager buffer the payload goes to (no buffer posted)
         self._rmeta: tuple[int, int, int, tuple[int, ...] | None] | None = None
         self._poll_w = select.poll()
         self._poll_w.register(self._fd, select.POLLOUT)
@@ -211,8 +299,7 @@ class TcpTransport(Transport):
         self.cma = cma
         if cma is not None:
             cma.start()
-            with _PENDING_LOCK:
-                _PENDING.add(self)  # the probe's first frame goes out with the first flush or send
+            self._owe(urgent=True)  # the probe's first frame goes out with the first flush or send
 
     # -- public API ------------------------------------------------------------
     @property
@@ -230,21 +317,93 @@ class TcpTransport(Transport):
                 self._views.clear()  # callers posting ever-new buffers (serve) must not grow this
             cached = (buf, _host_view(buf))
             self._views[id(buf)] = cached
+        view = cached[1]
         with self._lock:
             self._check_usable()
-            post = _Posted(cached[1], header)
+            post = _Posted(view, header)
+            cma = self.cma
+            stash = self._stash.get(tag)
+            if stash:  # the message this buffer is for came early, into an eager buffer: copy it here
+                if cma is not None:
+                    cma.on_post(tag, post, view[:0])  # counted, never announced: its message is here already
+                ebuf, got = stash.popleft()
+                if got.nbytes > len(view):
+                    if self._error is None:  # the next wait on this connection raises it
+                        self._error = ProtocolError(
+                            f"peer {self._peer} sent {got.nbytes} bytes on tag {tag}; the slot holds {len(view)}"
+                        )
+                    self._cond.notify_all()
+                else:
+                    view[: got.nbytes] = ebuf[: got.nbytes]
+                    post.result = got
+                    self._eager_free.append(ebuf)
+                    self._pending_credits[EAGER_TAG] += 1
+            elif cma is not None:
+                cma.on_post(tag, post, view)
             self._posted[tag].append(post)
-            if self.cma is not None:
-                self.cma.on_post(tag, post, cached[1])
             # The credit rides on our next DATA frame, or is flushed before any
             # thread of this process blocks (see flush_pending_credits).
             self._pending_credits[tag] += 1
-        if self not in _PENDING:
-            with _PENDING_LOCK:
-                _PENDING.add(self)
+            # held back only where the peer needs no credit: the buffer fits one of our eager buffers, one of them
+            # is free, and nothing is to go back (see _URGENT)
+            urgent = (
+                not self._eager_free
+                or len(view) > self._eager_size
+                or post.result is not None
+                or (cma is not None and cma.has_frames)  # a SLOT goes ahead of its credit, at once
+            )
+        self._owe(urgent=urgent)
 
     def has_credit(self, tag: int) -> bool:
         return self._credits.get(tag, 0) > 0 and self._error is None
+
+    def can_send(self, tag: int, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` on ``tag`` could go now without waiting for a credit (never blocks)."""
+        return self._error is None and (
+            self._credits.get(tag, 0) > 0 or (nbytes <= self._peer_eager and self._credits.get(EAGER_TAG, 0) > 0)
+        )
+
+    def offer_eager(self, *, slots: int, size: int) -> None:
+        """Let the peer send up to ``slots`` messages of at most ``size`` bytes before their receive is posted.
+
+        Sets aside ``slots * size`` bytes once and grants them to the peer (see the
+        module docstring); a no-op if already offered. Both ends of a connection
+        may offer, independently. Call before traffic starts (it writes one frame).
+
+        Raises:
+            ClosedError, PeerLostError: the connection is unusable.
+        """
+        if slots <= 0 or size <= 0:
+            raise ValueError(f"offer_eager needs slots > 0 and size > 0, got {slots}, {size}")
+        with self._send_lock:
+            with self._lock:
+                self._check_usable()
+                if self._offered:
+                    return
+                self._offered = True
+                if self.cma is not None:
+                    # a buffer the peer may write into (cross-memory: at least min_bytes) is never one a message
+                    # goes to eagerly: eager messages stay below that size
+                    size = max(0, min(size, self.cma.min_bytes - 1))
+                pool = memoryview(bytearray(slots * size))
+                self._eager_free = [pool[i * size : (i + 1) * size] for i in range(slots)]
+                self._eager_size = size
+            grant = FRAME.pack(_MAGIC, CREDIT, NO_SHAPE, 0, 0, size, EAGER_TAG, slots, *_ZERO_DIMS)
+            self._write([memoryview(grant)], time.monotonic() + self._peer_timeout)
+
+    def wait_eager_offer(self, *, timeout: float | None) -> None:
+        """Wait until the peer's :meth:`offer_eager` arrived (for two ends that both offer: then the first
+        message of either already goes eagerly).
+
+        Raises:
+            TransferTimeout: no offer within ``timeout``.
+            PeerLostError, ClosedError.
+        """
+        self._wait_for(
+            lambda: self._peer_offered,
+            None if timeout is None else time.monotonic() + timeout,
+            "eager offer of the peer",
+        )
 
     def forget_buffer(self, buf: Any) -> None:
         cached = self._views.get(id(buf))
@@ -252,17 +411,16 @@ class TcpTransport(Transport):
             del self._views[id(buf)]
 
     def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
-        q = self._posted.get(tag)
-        if not (q and q[0].result is not None):  # not there yet: wait (fast path skips this)
-            deadline = None if timeout is None else time.monotonic() + timeout
-
-            def ready() -> bool:
-                q = self._posted.get(tag)
-                return bool(q) and q[0].result is not None
-
-            self._wait_for(ready, deadline, what=f"receive on tag {tag}")
+        q = self._posted[tag]  # (the deque of a tag is never replaced)
+        if not q or q[0].result is None:  # not there yet: wait (fast path skips this)
+            self._wait_for(
+                lambda: bool(q) and q[0].result is not None,
+                None if timeout is None else time.monotonic() + timeout,
+                "receive on tag %d",
+                tag,
+            )
         with self._lock:
-            return self._posted[tag].popleft().result  # type: ignore[return-value]
+            return q.popleft().result  # type: ignore[return-value]
 
     def send(
         self,
@@ -275,62 +433,137 @@ class TcpTransport(Transport):
     ) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         payload = buf if type(buf) is memoryview else _host_view(buf)
-        if shape is None:
-            ndim, dims = NO_SHAPE, _ZERO_DIMS
-        else:
-            if len(shape) > HEADER_DIMS:
-                raise ProtocolError(f"rank {len(shape)} exceeds {HEADER_DIMS}")
-            ndim, dims = len(shape), tuple(shape) + (0,) * (HEADER_DIMS - len(shape))
+        ndim, dims = _shape_words(shape)
+        n = len(payload)
+
+        def ready() -> bool:
+            return self._credits[tag] > 0 or (n <= self._peer_eager and self._credits[EAGER_TAG] > 0)
+
         # Fast path: a credit is there and nobody else is sending.
-        have = self._credits[tag] > 0 and self._send_lock.acquire(False)
+        have = ready() and self._send_lock.acquire(False)
         if have:
             with self._lock:
-                if not (self._credits[tag] > 0 or self._error is not None):
+                if not (ready() or self._error is not None):
                     have = False
             if not have:
                 self._send_lock.release()
         while not have:
-            self._wait_for(lambda: self._credits[tag] > 0, deadline, what=f"credit to send on tag {tag}")
+            self._wait_for(ready, deadline, "credit to send on tag %d", tag)
             if not self._send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
                 raise TransferTimeout(f"send on tag {tag}: another send held the connection past the timeout")
             with self._lock:
-                if self._credits[tag] > 0 or self._error is not None:
+                if ready() or self._error is not None:
                     break
             self._send_lock.release()  # another sender took the credit first: wait again
         cma = self.cma
         try:
             with self._lock:
                 self._check_usable()
-                self._credits[tag] -= 1
-                s = self._send_steps[tag] = self._send_steps[tag] + 1
-                wire_step = s if step is None else step
-                grants = self._take_credits()
-                ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
+                claim = self._claim(tag, n, step)
+                assert claim is not None  # a credit was there under the send lock: only senders take credits
+                ftype, wire_step, grants, ctrl = claim
                 slot = cma.slot_for(tag, wire_step) if cma is not None else None
-            if (grants or ctrl) and self in _PENDING:
-                with _PENDING_LOCK:
-                    if not self._has_pending():
-                        _PENDING.discard(self)
-            ftype = DATA
-            if slot is not None and len(payload) >= cma.min_bytes:  # type: ignore[union-attr]
+            if slot is not None and n >= cma.min_bytes:  # type: ignore[union-attr]
                 if grants or ctrl:  # hand them over before the copy, not after it
                     self._write([memoryview(self._control_frames(grants, ctrl))], deadline)
                     grants, ctrl = [], None
                 if self._cma_write(payload, slot):
                     ftype = WRITTEN
-            ctag, cn = grants.pop() if grants else (0, 0)
-            header = FRAME.pack(_MAGIC, ftype, ndim, tag, wire_step, len(payload), ctag, cn, *dims)
-            views = [memoryview(header), payload] if len(payload) and ftype == DATA else [memoryview(header)]
-            if grants or ctrl:
-                views.insert(0, memoryview(self._control_frames(grants, ctrl)))
-            self._write(views, deadline)
-            self.bytes_sent += len(payload)
+            header = self._header(ftype, ndim, tag, wire_step, n, grants, ctrl, dims)
+            self._write([memoryview(header), payload] if n and ftype != WRITTEN else [memoryview(header)], deadline)
+            self.bytes_sent += n
         finally:
             self._send_lock.release()
-        if self._has_pending():
+        if self in _URGENT:
             # Receives posted while this frame was on the wire: their flush found the connection busy
             # and left the credits to us. Nobody else may try again before blocking on the peer.
             self._flush_credits()
+
+    def try_send(
+        self, tag: int, buf: Any, *, step: int | None = None, shape: tuple[int, ...] | None = None
+    ) -> "bool | PartialSend":
+        """Send ``buf`` as the next message on ``tag`` only as far as that needs no waiting at all.
+
+        Returns True: the whole frame is out of ``buf``. False: nothing was sent (no
+        credit, another send in progress, or the socket full): send it later. A
+        :class:`PartialSend`: the socket took part of the frame; ``buf`` must stay
+        untouched and the connection's sends wait until :meth:`finish_send` wrote the rest.
+        A message for which the peer announced its buffer (cross-memory attach) is copied
+        into it here when it is at most ``INLINE_COPY`` bytes (a bounded copy, no waiting),
+        else left to :meth:`send`.
+
+        Raises:
+            PeerLostError, ClosedError, ProtocolError: the connection is unusable.
+        """
+        if not self._send_lock.acquire(False):
+            return False
+        keep = False
+        try:
+            payload = buf if type(buf) is memoryview else _host_view(buf)
+            n = len(payload)
+            cma = self.cma
+            copy = cma is not None and cma.sending and n >= cma.min_bytes
+            if copy and n > self.INLINE_COPY:
+                return False  # a long cross-memory copy: that is send()'s, on the caller's sender thread
+            ndim, dims = _shape_words(shape)
+            with self._lock:
+                if self._error is not None:
+                    self._check_usable()
+                claim = self._claim(tag, n, step)
+            if claim is None:  # perhaps a credit came that nobody read yet: look once
+                self._look()
+                with self._lock:
+                    self._check_usable()
+                    claim = self._claim(tag, n, step)
+                if claim is None:
+                    return False
+            ftype, wire_step, grants, ctrl = claim
+            slot = cma.slot_for(tag, wire_step) if cma is not None else None  # (used or not: forgotten)
+            if copy and slot is not None and self._cma_write(payload, slot):
+                ftype = WRITTEN  # the bytes are in the peer's buffer: the header alone follows
+            header = self._header(ftype, ndim, tag, wire_step, n, grants, ctrl, dims)
+            if ftype == WRITTEN:
+                n = 0
+            views = [header, payload] if n else [header]
+            try:
+                sent = self._sock.sendmsg(views, (), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                err = ClosedError("transport closed") if self._closed else self._translate(exc, "send")
+                self._fail(err)
+                raise err from exc
+            if sent == len(header) + n:
+                self.bytes_sent += len(payload)
+                return True
+            if sent == 0 and ftype != WRITTEN:  # (a message copied already is spent: its header must follow)
+                self._unframe(tag, header, ctrl)
+                return False
+            rest = [memoryview(header), payload] if n else [memoryview(header)]
+            _advance(rest, sent)
+            keep = True
+            return PartialSend(rest, len(payload))
+        finally:
+            if not keep:
+                self._send_lock.release()
+
+    def finish_send(self, partial: PartialSend, *, timeout: float | None) -> None:
+        """Write the rest of a frame :meth:`try_send` began (any thread; exactly once per PartialSend).
+
+        Raises:
+            TransferTimeout: not all out within ``timeout`` (the connection is then broken: a frame was cut).
+            PeerLostError, ClosedError.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._write(partial.views, deadline)
+            self.bytes_sent += partial.nbytes
+        except TransferTimeout:
+            # part of the frame is out already: nobody can frame anything after it any more
+            self._fail(PeerLostError(f"send to {self._peer} stalled mid-frame past its timeout"))
+            raise
+        finally:
+            self._send_lock.release()
 
     def close(self) -> None:
         with self._cond:
@@ -378,6 +611,7 @@ class TcpTransport(Transport):
     def _shutdown(self) -> None:
         with _PENDING_LOCK:
             _PENDING.discard(self)
+            _URGENT.discard(self)
         if self.cma is not None:
             self.cma.close()
         try:
@@ -413,9 +647,66 @@ class TcpTransport(Transport):
         self._pending_credits.clear()
         return grants
 
+    def _claim(self, tag: int, n: int, step: int | None) -> tuple[int, int, list[Any], Any] | None:
+        """Under the lock and the send lock: take a credit for the next message on ``tag`` (``n`` bytes), or
+        an eager buffer of the peer's, and what goes with it: ``(frame type, step on the wire, grants,
+        cross-memory control frames)``; None without a credit."""
+        have = self._credits
+        if have[tag] > 0:
+            ftype = DATA
+        elif n <= self._peer_eager and have[EAGER_TAG] > 0:
+            ftype = EAGER
+            have[EAGER_TAG] -= 1
+        else:
+            return None
+        have[tag] -= 1  # below zero after an eager frame, until the buffer's credit arrives
+        s = self._send_steps[tag] = self._send_steps[tag] + 1
+        cma = self.cma
+        ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
+        owed = self._pending_credits
+        if owed:
+            grants = list(owed.items())
+            owed.clear()
+        else:
+            grants = []
+        if grants or ctrl:
+            self._settled()
+        return ftype, s if step is None else step, grants, ctrl
+
+    def _header(
+        self, ftype: int, ndim: int, tag: int, step: int, n: int, grants: list[Any], ctrl: Any, dims: tuple[int, ...]
+    ) -> bytes:
+        """A frame's header bytes: control frames (CMA, then CREDIT) first; the last grant rides in the header."""
+        ctag, cn = grants.pop() if grants else (0, 0)
+        header = FRAME.pack(_MAGIC, ftype, ndim, tag, step, n, ctag, cn, *dims)
+        if grants or ctrl:
+            return self._control_frames(grants, ctrl) + header
+        return header
+
+    def _unframe(self, tag: int, headers: bytes, ctrl: list[Any] | None) -> None:
+        """Undo :meth:`_claim` for a frame of which no byte was written (still under the send lock):
+        ``headers`` are its header bytes (control frames first, then the DATA/EAGER header), ``ctrl`` the
+        cross-memory frames among them (they go back to be sent first)."""
+        ftype = DATA
+        if ctrl:
+            assert self.cma is not None
+            self.cma.put_back(ctrl)
+        with self._lock:
+            for off in range(0, len(headers), FRAME.size):
+                _, ftype, _, _, _, _, ctag, cn = _HEAD.unpack_from(headers, off)
+                if ftype != CMA and cn:
+                    self._pending_credits[ctag] += cn
+            self._credits[tag] += 1
+            if ftype == EAGER:
+                self._credits[EAGER_TAG] += 1
+            self._send_steps[tag] -= 1
+            owed = self._has_pending()
+        if owed:
+            self._owe(urgent=True)
+
     @staticmethod
     def _credit_frames(grants: list[tuple[int, int]]) -> bytes:
-        return b"".join(FRAME.pack(_MAGIC, CREDIT, NO_SHAPE, 0, 0, 0, t, c, *_ZERO_DIMS) for t, c in grants)
+        return b"".join([FRAME.pack(_MAGIC, CREDIT, NO_SHAPE, 0, 0, 0, t, c, *_ZERO_DIMS) for t, c in grants])
 
     def _has_pending(self) -> bool:
         """Credits or cross-memory control frames wait to be sent."""
@@ -456,23 +747,39 @@ class TcpTransport(Transport):
             pass  # recorded by _write; waiters will see it
         finally:
             self._send_lock.release()
-            with self._cond:
-                still = self._has_pending()
-            if not still:
-                with _PENDING_LOCK:
-                    _PENDING.discard(self)
+            self._settled()
 
-    def _wait_for(self, pred: Any, deadline: float | None, *, what: str) -> None:
-        """Wait until ``pred()`` (evaluated under the lock) holds, reading the socket when no one else is."""
+    def _owe(self, *, urgent: bool) -> None:
+        """(not under the lock) Pending credits were added: make sure a flush before blocking finds them."""
+        with _PENDING_LOCK:  # always: a check outside the lock could race _settled's discard
+            _PENDING.add(self)
+            if urgent:
+                _URGENT.add(self)
+
+    def _settled(self) -> None:
+        """Pending credits were taken (may be under the lock): forget this transport if none are left."""
+        if self in _PENDING:
+            with _PENDING_LOCK:
+                if not self._has_pending():
+                    _PENDING.discard(self)
+                    _URGENT.discard(self)
+
+    def _wait_for(self, pred: Any, deadline: float | None, what: str, arg: int | None = None) -> None:
+        """Wait until ``pred()`` (evaluated under the lock) holds, reading the socket when no one else is.
+        ``what % arg`` names the wait in a timeout. A deadline already past still reads what the socket
+        holds, without waiting, once (a poll makes progress)."""
+        read = False
         with self._cond:
             while True:
                 if pred():
                     return
-                self._check_usable()
-                rem = _remaining(deadline)
-                if rem is not None and rem <= 0:
-                    raise TransferTimeout(f"{what} timed out (peer {self._peer})")
+                if self._error is not None:
+                    self._check_usable()
+                rem = None if deadline is None else deadline - time.monotonic()
+                if rem is not None and rem <= 0 and (read or self._reader_busy):
+                    raise TransferTimeout(f"{what if arg is None else what % arg} timed out (peer {self._peer})")
                 if not self._reader_busy:
+                    read = True
                     self._reader_busy = True
                     self._cond.release()
                     try:
@@ -497,7 +804,8 @@ class TcpTransport(Transport):
 
     def _pump(self, pred: Any, deadline: float | None) -> None:
         """Reader role: read frames until pred() holds, the deadline passes, or an error."""
-        block = not _PENDING  # with credits to hand back, look before blocking
+        # with credits to hand back, look before blocking; past the deadline, only look
+        block = not _URGENT and (deadline is None or time.monotonic() < deadline)
         while True:
             try:
                 progressed = self._read_some(block=block)
@@ -505,26 +813,34 @@ class TcpTransport(Transport):
                 self._fail(exc)
                 return
             if progressed:
+                try:  # frames that came in the same read (credits riding behind): take them now, no system call
+                    while self._read_some(block=False, buffered=True):
+                        pass
+                except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by waiters
+                    self._fail(exc)
+                    return
                 with self._lock:
                     if self._waiters:
                         self._cond.notify_all()
                     if pred() or self._error is not None:
                         return
-                block = not _PENDING
+                block = not _URGENT and (deadline is None or time.monotonic() < deadline)
                 continue
             if self._error is not None:
                 return
             rem = _remaining(deadline)
             if rem is not None and rem <= 0:
                 return
-            if not block or _PENDING:
-                # About to block (again): first hand back every credit this process holds. Again after
-                # every read slice: a flush can find a connection busy writing and leave its credits.
+            if not block:
+                # About to block: first hand back every credit a peer may be waiting for.
                 flush_pending_credits()
                 with self._cond:
                     if pred() or self._error is not None:
                         return
                 block = True
+            elif _PENDING:
+                # A whole read slice without a byte: hand back the credits held back too (see _URGENT).
+                flush_pending_credits(held=True)
 
     def _recv(self, view: memoryview, n: int, block: bool) -> int:
         try:
@@ -538,26 +854,44 @@ class TcpTransport(Transport):
                 raise ClosedError("transport closed") from exc
             raise self._translate(exc, "receive") from exc
 
-    def _read_some(self, *, block: bool) -> bool:
-        """Advance the frame reader. True if a whole frame completed; False if no data (yet)."""
+    def _read_some(self, *, block: bool, buffered: bool = False) -> bool:
+        """Advance the frame reader. True if a whole frame completed; False if no data (yet).
+
+        ``buffered``: only from what the read-ahead buffer holds (no system call).
+        """
+        rview = self._rview
         while True:
             if self._rphase == 0:
-                n = self._recv(self._hdr_view[self._roff :], FRAME.size - self._roff, block)
-                if n < 0:
-                    return False
-                if n == 0:
-                    raise (
-                        ClosedError("transport closed")
-                        if self._closed
-                        else PeerLostError(f"peer {self._peer} closed the connection")
-                    )
-                self._roff += n
-                if self._roff < FRAME.size:
+                pos, end = self._rpos, self._rend
+                if end - pos < FRAME.size:
+                    if buffered or self._fill(block or end > pos) < 0:
+                        return False
                     continue
-                self._roff = 0
-                if self._on_header():
+                if buffered and self._rbuf[pos + 2] == BYE:
+                    return False  # the peer's goodbye waits for a reader that needs more: what came before it is used
+                self._rpos = pos + FRAME.size
+                if self._on_header(pos):
                     return True
+                # the payload: first what the read-ahead holds, the rest straight from the socket
+                target = self._rtarget
+                assert target is not None
+                pos, end = self._rpos, self._rend
+                k = min(end - pos, len(target))
+                if k:
+                    target[:k] = rview[pos : pos + k]
+                    self._rpos = pos + k
+                    self.bytes_received += k
+                self._roff = k
+                if k == len(target):
+                    self._complete_data()
+                    return True
+                self._rpos = self._rend = 0  # the read-ahead is empty (the payload took all of it)
+                block = True  # a frame has started: wait for the rest of it
+                if buffered:
+                    return False
             else:
+                if buffered:
+                    return False
                 target = self._rtarget
                 assert target is not None
                 n = self._recv(target[self._roff :], len(target) - self._roff, block)
@@ -570,50 +904,120 @@ class TcpTransport(Transport):
                 if self._roff == len(target):
                     self._complete_data()
                     return True
-            block = True  # a frame has started: wait for the rest of it
+                block = True  # a frame has started: wait for the rest of it
 
-    def _on_header(self) -> bool:
-        """Parse a header. True if the frame is complete (no payload)."""
-        magic, ftype, ndim, tag, step, nbytes, ctag, ccount, *dims = FRAME.unpack(self._hdr)
+    def _fill(self, block: bool) -> int:
+        """(reader, between frames) Read into the read-ahead buffer: bytes read, -1 if none (not blocking)."""
+        pos, end = self._rpos, self._rend
+        if pos:  # keep the start of a header (if any) at the front of the buffer
+            if end > pos:
+                self._rbuf[: end - pos] = bytes(self._rview[pos:end])
+            end -= pos
+            self._rpos, self._rend = 0, end
+        n = self._recv(self._rview[end:], READ_AHEAD - end, block)
+        if n == 0:
+            raise (
+                ClosedError("transport closed")
+                if self._closed
+                else PeerLostError(f"peer {self._peer} closed the connection")
+            )
+        if n > 0:
+            self._rend = end + n
+        return n
+
+    def _look(self) -> None:
+        """Take what the socket holds right now, if no other thread is reading: one read of at most
+        ``READ_AHEAD`` bytes that does not wait, whole frames only (credits that came while nobody read)."""
+        with self._lock:
+            if self._reader_busy or self._error is not None or self._rphase:
+                return
+            self._reader_busy = True
+        try:
+            if self._fill(False) > 0:
+                while self._read_some(block=False, buffered=True):
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by whoever uses the connection
+            self._fail(exc)
+        finally:
+            with self._cond:
+                self._reader_busy = False
+                if self._waiters:
+                    self._cond.notify_all()
+
+    def _on_header(self, pos: int) -> bool:
+        """Parse the header at ``pos`` of the read-ahead buffer. True if the frame is complete (no payload)."""
+        magic, ftype, ndim, tag, step, nbytes, ctag, ccount = _HEAD.unpack_from(self._rbuf, pos)
         if magic != _MAGIC:
             raise ProtocolError(f"bad frame magic {bytes(magic)!r} from {self._peer}")
-        if ccount:
+        if ftype == CREDIT:
             with self._lock:
                 self._credits[ctag] += ccount
-        if ftype == CREDIT:
+            if ctag == EAGER_TAG and ccount:  # the peer's offer (its buffers come back as grants without a size)
+                if not self._peer_offered:
+                    self._peer_eager = nbytes
+                    self._peer_offered = True
             return True
-        if ftype == BYE:
-            raise PeerLostError(f"peer {self._peer} closed the link")
-        if ftype == CMA:
-            if self.cma is None:
-                raise ProtocolError(
-                    f"peer {self._peer} sent a cross-memory frame on a connection without a link secret"
-                )
-            self.cma.on_frame(ndim, tag, step, nbytes, CMA_FRAME.unpack(self._hdr)[8])
-            if self.cma.has_frames and self not in _PENDING:
-                with _PENDING_LOCK:
-                    _PENDING.add(self)
-            return True
-        if ftype != DATA and ftype != WRITTEN:
-            raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
+        if ftype != DATA and ftype != EAGER:
+            if ftype == BYE:
+                raise PeerLostError(f"peer {self._peer} closed the link")
+            if ftype == CMA:
+                if self.cma is None:
+                    raise ProtocolError(
+                        f"peer {self._peer} sent a cross-memory frame on a connection without a link secret"
+                    )
+                self.cma.on_frame(ndim, tag, step, nbytes, CMA_FRAME.unpack_from(self._rbuf, pos)[8])
+                if self.cma.has_frames:
+                    self._owe(urgent=True)
+                return True
+            if ftype != WRITTEN:
+                raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
+        post = ebuf = None
         with self._lock:
+            if ccount:
+                self._credits[ctag] += ccount
             q = self._posted.get(tag)
-            post = next((p for p in q if p.result is None), None) if q else None
+            if q:
+                for post in q:
+                    if post.result is None:
+                        break
+                else:
+                    post = None
+            if ftype == EAGER:
+                if not self._offered or nbytes > self._eager_size:
+                    raise ProtocolError(
+                        f"peer {self._peer} sent {nbytes} bytes eagerly on tag {tag}; eager buffers hold "
+                        f"{self._eager_size if self._offered else 'nothing (none offered)'}"
+                    )
+                if post is None:
+                    if not self._eager_free:
+                        raise ProtocolError(f"peer {self._peer} sent on tag {tag} beyond its eager credits")
+                    ebuf = self._eager_free.pop()
+                else:
+                    self._pending_credits[EAGER_TAG] += 1  # its eager buffer was not needed: back to the peer
         if post is None:
-            raise ProtocolError(f"peer {self._peer} sent on tag {tag} without a credit")
-        if nbytes > len(post.view):
-            raise ProtocolError(f"peer {self._peer} sent {nbytes} bytes on tag {tag}; the slot holds {len(post.view)}")
+            if ebuf is None:
+                raise ProtocolError(f"peer {self._peer} sent on tag {tag} without a credit")
+        else:
+            if nbytes > len(post.view):
+                raise ProtocolError(
+                    f"peer {self._peer} sent {nbytes} bytes on tag {tag}; the slot holds {len(post.view)}"
+                )
+            if ftype == EAGER:
+                self._owe(urgent=True)
         expected = self._recv_steps[tag] + 1
         if step != expected:
             raise ProtocolError(f"tag {tag}: step {step} arrived, expected {expected} (lost or reordered message)")
         self._recv_steps[tag] = step
         if ndim == NO_SHAPE:
             shape = None
-        elif ndim <= HEADER_DIMS:
-            shape = tuple(dims[:ndim])
+        elif ndim == HEADER_DIMS:
+            shape = _DIMS.unpack_from(self._rbuf, pos + _DIMS_AT)
+        elif ndim < HEADER_DIMS:
+            shape = _DIMS.unpack_from(self._rbuf, pos + _DIMS_AT)[:ndim]
         else:
             raise ProtocolError(f"bad ndim {ndim} from {self._peer}")
         self._rpost = post
+        self._reager = ebuf
         self._rmeta = (tag, step, nbytes, shape)
         if ftype == WRITTEN:
             # The sender wrote the bytes into this buffer itself: deliver them only if this side announced
@@ -629,21 +1033,48 @@ class TcpTransport(Transport):
         if nbytes == 0:
             self._complete_data()
             return True
-        self._rtarget = post.view[:nbytes]
+        self._rtarget = (post.view if post is not None else ebuf)[:nbytes]
         self._rphase = 1
         return False
 
     def _complete_data(self) -> None:
         post, meta = self._rpost, self._rmeta
-        assert post is not None and meta is not None
-        _, step, nbytes, shape = meta
-        with self._lock:
-            post.result = Received(nbytes, shape, step)
+        assert meta is not None
+        tag, step, nbytes, shape = meta
+        got = Received(nbytes, shape, step)
         self._rphase = 0
         self._roff = 0
         self._rtarget = None
         self._rpost = None
         self._rmeta = None
+        if post is not None:
+            with self._lock:
+                post.result = got
+            return
+        ebuf, self._reager = self._reager, None
+        assert ebuf is not None
+        with self._lock:
+            q = self._posted.get(tag)
+            if q:
+                for post in q:
+                    if post.result is None:
+                        break
+                else:
+                    post = None
+            if post is None:
+                self._stash.setdefault(tag, collections.deque()).append((ebuf, got))
+                return
+            if nbytes > len(post.view):  # posted while the payload came in: refused as on the header
+                raise ProtocolError(
+                    f"peer {self._peer} sent {nbytes} bytes on tag {tag}; the slot holds {len(post.view)}"
+                )
+            post.view[:nbytes] = ebuf[:nbytes]
+            post.result = got
+            self._eager_free.append(ebuf)
+            self._pending_credits[EAGER_TAG] += 1
+            if self.cma is not None:
+                self.cma.streamed(tag, step)  # (an announcement made for the buffer is not used)
+        self._owe(urgent=True)
 
     def _write(self, views: list[memoryview], deadline: float | None) -> None:
         """Write all views (gather) without ever blocking the peer's progress.
@@ -671,13 +1102,7 @@ class TcpTransport(Transport):
                 raise err from exc
             if n:
                 sent_any = True
-                while n:
-                    if n >= len(views[0]):
-                        n -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][n:]
-                        n = 0
+                _advance(views, n)
                 if not views:
                     return
                 if interleave:
@@ -694,7 +1119,7 @@ class TcpTransport(Transport):
                 # About to block: other links' credits must not wait on us. (Our
                 # own cannot be written mid-frame; the peer reads while it waits.)
                 flushed = True
-                flush_pending_credits(exclude=self)
+                flush_pending_credits(exclude=self, held=True)
             with self._lock:
                 self._check_usable()
                 can_read = not self._reader_busy

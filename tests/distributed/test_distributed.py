@@ -260,3 +260,11 @@ def test_a_signature_fills_only_its_own_shape_or_one_scalar_with_another():
     assert not Signature("float32", (4, 4), "cpu").fills(Signature("float32", (2, 8), "cpu"))  # same count
     assert not Signature("float32", (), "cpu").fills(Signature("float32", (), "cuda"))
     assert not Signature("float32", (2,), "cpu").fills(Signature("float32", (1,), "cpu"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_small_messages_go_in_the_callers_thread_beyond_the_eager_buffers_and_by_polling(transport):
+    res = run_ranks(W.small_messages, 2, timeout=150, transport=transport)
+    if transport == "tcp":  # every 4 KiB send of the ping-pong went out inline: no sender thread was needed
+        assert res[0]["send_threads"] == [] and res[1]["send_threads"] == [], res

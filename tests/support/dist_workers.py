@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -434,3 +435,66 @@ def overlapping_groups(rank: int, world: int, store: Any, transport: str) -> dic
     dist.destroy_process_group(b) if rank in (0, 2) else None
     dist.destroy_process_group()
     return got
+
+
+def small_messages(rank: int, world: int, store: Any, transport: str) -> dict:
+    """Small messages: a 4 KiB ping-pong goes out in the caller's thread (no sender thread is ever started), more
+    isends than the peer has eager buffers before any receive is posted, a receive completed by polling
+    is_completed() alone, and messages just over the eager size."""
+    _init(rank, world, store, transport)
+    peer = 1 - rank
+    report: dict[str, Any] = {}
+    x = torch.zeros(1024)
+    for k in range(300):
+        if rank == 0:
+            x.fill_(float(k))
+            dist.send(x, peer)
+            dist.recv(x, peer)
+            assert x[0].item() == k + 0.5 and x[-1].item() == k + 0.5, (k, x[0].item())
+        else:
+            dist.recv(x, peer)
+            assert x.eq(float(k)).all(), k
+            x.add_(0.5)
+            dist.send(x, peer)
+    report["send_threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("tw-dist-send-"))
+    # 20 isends of 4 KiB before the receiver posts anything (more than its eager buffers): in order, none lost
+    n = 20
+    if rank == 0:
+        sends = [dist.isend(torch.full((1024,), float(k)), 1, tag=2) for k in range(n)]
+        dist.barrier()
+        for w in sends:
+            w.wait()
+    else:
+        dist.barrier()
+        time.sleep(0.2)
+        bufs = [torch.zeros(1024) for _ in range(n)]
+        for w in [dist.irecv(b, 0, tag=2) for b in bufs]:
+            w.wait()
+        assert [b[0].item() for b in bufs] == [float(k) for k in range(n)] and all(b.eq(b[0]).all() for b in bufs)
+    # a receive nobody waits on completes by polling is_completed()
+    if rank == 1:
+        y = torch.zeros(256)
+        w = dist.irecv(y, 0, tag=3)
+        dist.barrier()
+        deadline = time.monotonic() + 20
+        while not w.is_completed():
+            assert time.monotonic() < deadline, "is_completed() never saw the message"
+            time.sleep(0.001)
+        assert y.eq(7.0).all() and w.is_success()
+    else:
+        dist.barrier()
+        dist.send(torch.full((256,), 7.0), 1, tag=3)
+    # just over the eager size, both ways, a few times
+    big = torch.zeros((64 << 10) // 4 + 1)
+    for k in range(5):
+        if rank == 0:
+            big.fill_(float(k))
+            dist.send(big, 1, tag=4)
+            dist.recv(big, 1, tag=4)
+            assert big.eq(k + 1.0).all()
+        else:
+            dist.recv(big, 0, tag=4)
+            big.add_(1.0)
+            dist.send(big, 0, tag=4)
+    dist.destroy_process_group()
+    return report

@@ -453,6 +453,41 @@ def test_connections_without_the_link_secret_refuse_cma_frames():
         lst.close()
 
 
+# -- the copy itself --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [C.PIECE_MIN - 1, 3 * C.PIECE_MIN + 123, (4 << 20) + 4097])
+def test_a_copy_in_pieces_is_exact(n):
+    libc = C._libc()
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    C.copy(libc.writev, os.getpid(), src.data_ptr(), dst.data_ptr(), n, threads=3)
+    assert torch.equal(dst, src)
+
+
+def test_a_failed_piece_fails_the_copy_after_every_piece_finished():
+    """The third piece's target is unmapped: the copy raises EFAULT, and only once no thread still copies."""
+    libc = C._libc()
+    n = 4 * C.PIECE_MIN
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    calls: list[int] = []
+
+    def writev(pid, liov, lcnt, riov, rcnt, flags):
+        remote = riov._obj.iov_base
+        calls.append(remote)
+        if remote - dst.data_ptr() >= 2 * C.PIECE_MIN and remote - dst.data_ptr() < 3 * C.PIECE_MIN:
+            riov._obj.iov_base = 4096  # a page that is never mapped
+        return libc.writev(pid, liov, lcnt, riov, rcnt, flags)
+
+    with pytest.raises(OSError) as info:
+        C.copy(writev, os.getpid(), src.data_ptr(), dst.data_ptr(), n, threads=4)
+    assert info.value.errno == errno.EFAULT
+    assert len(calls) >= 4
+    assert int(dst[: 2 * C.PIECE_MIN].sum()) == 2 * C.PIECE_MIN  # the other pieces were copied, whole
+    assert int(dst[3 * C.PIECE_MIN :].sum()) == C.PIECE_MIN
+
+
 # -- Yama --------------------------------------------------------------------------------------------------
 
 
