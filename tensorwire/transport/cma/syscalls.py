@@ -38,10 +38,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: A message is split into pieces of at least this many bytes for the copy threads. One thread copied
-#: about 3 GB/s on a 16-core host (1 MiB messages of bench/results/distributed_h100_2026-11-24-2.md, against
-#: 11-13 GB/s for 16 MiB and more in four pieces), so a 1 MiB message is already worth splitting.
-PIECE_MIN = 256 << 10
+#: A message is split into pieces of at least this many bytes for the copy threads. Handing a piece to a
+#: thread costs a wake-up and a wait: 1 MiB in four 256 KiB pieces took 1013 us per round trip on a 16-core
+#: host against 828 us in one piece (bench/results/distributed_h100_2026-11-24-4.md and -2), while 16 MiB
+#: and more in four pieces copy at 11-15 GB/s; so a message is split only from 2 MiB.
+PIECE_MIN = 1 << 20
 _PAGE = 4096
 _PR_SET_PTRACER = 0x59616D61
 
