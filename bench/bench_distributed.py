@@ -18,7 +18,11 @@ tensorwire), so a change of load on a shared machine hits both.
 - **GPipe step**: ``torch.distributed.pipelining.ScheduleGPipe`` over two
   stages whose compute is one elementwise scale each, so the step is the
   exchange of the activations (``--act-mib`` per microbatch, default 16) and
-  of their gradients; 4 microbatches. Reported: median step time.
+  of their gradients; 4 microbatches. Reported: median step time, and each
+  rank's compute alone (its stage's forward and backward over the same
+  microbatches, no exchange) -- what no backend can take away. The compute runs
+  on ``--threads`` threads per rank (default: a quarter of the cores, at least
+  one), so on a many-core host the step is mostly the exchange.
 - **RSS**: the resident set of each rank over ``--rss-steps`` (1,000) ping-pong
   steps (4 KiB and 1 MiB alternating) after a warm-up, per backend, and over
   ``--rss-gpipe`` GPipe steps.
@@ -90,6 +94,15 @@ def _gpipe(torch, group, rank: int, act_mib: int, n_mb: int = 4):
             sched.step(target=y)
         return time.perf_counter() - t0
 
+    def compute_alone() -> float:
+        mod = Scale(width)
+        t0 = time.perf_counter()
+        for mb in (x if rank == 0 else y).chunk(n_mb):
+            out = mod(mb)
+            (torch.nn.functional.mse_loss(out, mb) if rank == 1 else out.sum()).backward()
+        return time.perf_counter() - t0
+
+    step.compute_alone = compute_alone  # type: ignore[attr-defined]
     return step
 
 
@@ -99,7 +112,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import tensorwire  # noqa: F401 - registers the backend
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tw = dist.new_group([0, 1], backend="tensorwire")
@@ -125,6 +138,9 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             gp[name].append(steps[name]())
     out["gpipe"] = {k: statistics.median(v) for k, v in gp.items()}
+    steps["gloo"].compute_alone()  # warm-up
+    out["compute_alone"] = statistics.median(steps["gloo"].compute_alone() for _ in range(args.gpipe_steps))
+    out["threads"] = args.threads
     # RSS over many steps after warm-up, per backend
     small, large = torch.zeros(1024), torch.zeros(1 << 18)
     for name, g in groups.items():
@@ -194,9 +210,10 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
         "",
         f"## GPipe step (2 stages, 4 microbatches, {args.act_mib} MiB activations per microbatch, elementwise compute)",
         "",
-        "| gloo | tensorwire | tw/gloo |",
-        "| ---: | ---: | ---: |",
-        f"| {g * 1e3:.1f} ms | {t * 1e3:.1f} ms | {t / g:.2f}x |",
+        "| gloo | tensorwire | tw/gloo | compute alone, rank 0 / rank 1 (no exchange) |",
+        "| ---: | ---: | ---: | ---: |",
+        f"| {g * 1e3:.1f} ms | {t * 1e3:.1f} ms | {t / g:.2f}x | {r0.get('compute_alone', 0) * 1e3:.1f} / "
+        f"{results.get(1, {}).get('compute_alone', 0) * 1e3:.1f} ms on {r0.get('threads', 1)} thread(s) per rank |",
         "",
         f"## RSS (MiB) over {args.rss_steps} ping-pong steps (4 KiB / 1 MiB alternating) and {args.rss_gpipe} GPipe "
         "steps, after warm-up",
@@ -223,6 +240,9 @@ def main() -> None:
     ap.add_argument("--rss-steps", type=int, default=1000)
     ap.add_argument("--rss-gpipe", type=int, default=20)
     ap.add_argument("--machine", default="cpu2")
+    ap.add_argument(
+        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="compute threads per rank"
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.worker:
@@ -251,8 +271,10 @@ def main() -> None:
         str(args.rss_steps),
         "--rss-gpipe",
         str(args.rss_gpipe),
+        "--threads",
+        str(args.threads),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["PYTHONPATH"] = os.pathsep.join([str(here.parent.parent), env.get("PYTHONPATH", "")])
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)

@@ -14,12 +14,18 @@ Usage::
     python3 bench/bench_link_ucx.py --rounds 5 --sizes 4K,1M,16M,64M
     python3 bench/bench_link_ucx.py --device cuda --sizes 64K,1M,16M   # targets 2x / 0.8x
     python3 bench/bench_link_ucx.py --cpu                              # CPU per round trip, one thread
+    python3 bench/bench_link_ucx.py --trees OLD,NEW --bursts 30        # the same, two source trees interleaved
 
 ``--cpu`` measures what a Link round trip costs the CPU, free of scheduling:
 two Links over one in-process UCX connection, driven by one thread (send,
 recv, send the ack, recv it), ``thread_time`` per round trip, 7 x 4,000.
 UCX's ``self`` transport then carries the messages (more expensive than
 shared memory), so compare versions of the code with it, not with raw ucxx.
+
+``--trees A,B`` compares versions of the code on a loaded machine: one process per
+source tree (``PYTHONPATH`` set to it), each holding the one-thread set-up above
+warm, run bursts of round trips in alternation (A B, B A, ...), so both trees see
+the same load; the per-burst-pair ratio B / A is the figure to read.
 
 Machines with few cores and other load are noisy: read the spread, not only the median.
 """
@@ -102,6 +108,95 @@ def cpu_per_round_trip(size: int, n: int = 4000, reps: int = 7) -> list[float]:
     return out
 
 
+def _burst_worker(size: int) -> None:
+    """``--burst-worker``: keep a one-thread Link pair warm; for each line ``n`` on stdin, run ``n`` round
+    trips and print the CPU microseconds per round trip."""
+    import os
+    import threading
+
+    import torch
+
+    from tensorwire.p2p.link import Link
+    from tensorwire.spec import TensorSpec
+    from tensorwire.transport.base import new_nonce
+    from tensorwire.transport.ucx import UcxListener
+
+    lst = UcxListener()
+    nonce = new_nonce()
+    lst.expect(nonce)
+    box: list = []
+    th = threading.Thread(
+        target=lambda: box.append(UcxListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10)), daemon=True
+    )
+    th.start()
+    tb = lst.accept(nonce, timeout=10)
+    th.join(10)
+    data, ack = TensorSpec("data", (size,), "uint8", "cpu"), TensorSpec("ack", (1,), "uint8", "cpu")
+    a = Link(node_rank=0, peer=1, name="cpu", transport=box[0], send=[data], recv=[ack], timeout=30.0, device=None)
+    b = Link(node_rank=1, peer=0, name="cpu", transport=tb, send=[ack], recv=[data], timeout=30.0, device=None)
+    src, one = torch.ones(size, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
+
+    def loop(k: int) -> None:
+        for _ in range(k):
+            a.send("data", src)
+            b.recv("data")
+            b.send("ack", one)
+            a.recv("ack")
+
+    loop(1000)
+    import tensorwire
+
+    print("ready", os.path.dirname(os.path.dirname(os.path.abspath(tensorwire.__file__))), flush=True)
+    for line in sys.stdin:
+        n = int(line)
+        t0 = time.thread_time_ns()
+        loop(n)
+        print((time.thread_time_ns() - t0) / n / 1e3, flush=True)
+    a.close()
+    b.close()
+    lst.close()
+
+
+def compare_trees(trees: list[str], size: int, bursts: int, n: int = 2000) -> str:
+    """CPU per round trip of each source tree, bursts of ``n`` interleaved across one process per tree."""
+    import os
+    import subprocess
+
+    procs = {}
+    for t in trees:
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(t))
+        procs[t] = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--burst-worker", str(size)],  # this script, their library
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=t,
+        )
+        hello = procs[t].stdout.readline().split()  # type: ignore[union-attr]
+        if hello[:1] != ["ready"] or os.path.realpath(hello[1]) != os.path.realpath(t):
+            raise RuntimeError(f"the worker of {t} did not start with that tree's tensorwire: {hello}")
+    res: dict[str, list[float]] = {t: [] for t in trees}
+    try:
+        for i in range(bursts):
+            for t in trees if i % 2 == 0 else trees[::-1]:
+                p = procs[t]
+                p.stdin.write(f"{n}\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+                res[t].append(float(p.stdout.readline()))  # type: ignore[union-attr]
+    finally:
+        for p in procs.values():
+            p.stdin.close()  # type: ignore[union-attr]
+            p.wait(30)
+    lines = [f"CPU per {size}-byte Link round trip, one thread, {bursts} interleaved bursts of {n}:"]
+    for t in trees:
+        lines.append(f"  {t}: {_spread(res[t], '.2f')} us")
+    for t in trees[1:]:
+        r = [b / a for a, b in zip(res[trees[0]], res[t])]
+        lines.append(f"  {t} / {trees[0]}, per burst pair: {_spread(r, '.3f')}")
+    return "\n".join(lines)
+
+
 def raw_cpu_per_round_trip(size: int, n: int = 4000, reps: int = 7) -> list[float]:
     """The same with raw ucxx (its own context, an endpoint to its own worker): tag receive posted,
     tag send, progress until both complete -- for the data, then for the 1-byte ack."""
@@ -150,7 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters-scale", type=float, default=1.0)
     ap.add_argument("--markdown", help="also write the table here")
     ap.add_argument("--cpu", action="store_true", help="only the one-thread CPU per round trip (first size)")
+    ap.add_argument("--trees", help="comma-separated source trees: their --cpu figures, interleaved bursts")
+    ap.add_argument("--bursts", type=int, default=30)
+    ap.add_argument("--burst-worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.burst_worker:
+        _burst_worker(args.burst_worker)
+        return 0
+    if args.trees:
+        trees = [t for t in args.trees.split(",") if t]
+        print(compare_trees(trees, parse_size(args.sizes.split(",")[0]), args.bursts))
+        return 0
     if args.cpu:
         size = parse_size(args.sizes.split(",")[0])
         tw: list[float] = []

@@ -191,7 +191,7 @@ class Settings:
     )
     cma_threads: int = _var(
         _count,
-        "Threads that copy one cross-memory message in pieces of at least 256 KiB; 0: a quarter of the cores, 1 to 4.",
+        "Threads that copy one cross-memory message in pieces of at least 1 MiB; 0: a quarter of the cores, 1 to 4.",
         0,
     )
     # -- UCX ---------------------------------------------------------------------------------------------
@@ -210,8 +210,9 @@ class Settings:
         _switch,
         "`1` (experimental): `wait()` of a CUDA `isend`/`irecv` of backend `tensorwire` makes the current stream "
         "wait for the bytes without blocking the host (a stream memory operation on a host flag), as NCCL does; "
-        "on an H100 some receives (TCP, and strided ones over UCX) never completed in this mode, so it is off by "
-        "default. `0` (the default): `wait()` blocks the host until the bytes are in place.",
+        "sends and contiguous receives over UCX only (a receive through a slot blocks the host); over UCX some "
+        "transfers stalled now and then in this mode on an H100, so it is off by default. `0` (the default): "
+        "`wait()` blocks the host until the bytes are in place.",
         False,
         shown="0",
     )

@@ -3,6 +3,7 @@
 Like trio's ``check_two_way_stream``: give :func:`check_transport` a function
 that returns a fresh connected pair ``(a, b)`` and it exercises the contract —
 FIFO per tag, credits (a send waits for a posted buffer), bit-exact bytes,
+buffers prepared once and posted again (``prepare_recv``),
 empty messages, shapes carried for dynamic tags, both directions at once,
 timeouts, and close/peer-loss errors. The in-memory, TCP and UCX transports
 all run it (``tests/transport/test_transport_conformance.py``).
@@ -168,6 +169,48 @@ def check_repost_and_wait(make: PairMaker) -> None:
         b.close()
 
 
+def check_prepared_buffers(make: PairMaker) -> None:
+    """prepare_recv: what it returns is posted again and again in place of the buffer (double-buffered,
+    header and plain tags) and fills the buffer itself; posted twice at once it takes two messages."""
+    a, b = make()
+    try:
+        bufs = [_empty(1024), _empty(1024)]
+        prep = [b.prepare_recv(x) for x in bufs]
+        for p in prep:
+            b.post_recv(2, p)
+        hbuf = _empty(64)
+        hprep = b.prepare_recv(hbuf)
+        n = 8
+
+        def sender() -> None:
+            for k in range(n):
+                a.send(2, _u8(1024, seed=300 + k), step=k + 1, timeout=10)
+                a.send(3, _u8(8 * (k + 1), seed=400 + k), shape=(2, 4 * (k + 1)), timeout=10)
+
+        th = _run(sender)
+        held = None
+        for k in range(n):
+            got = b.wait_recv(2, timeout=10) if held is None else b.repost_and_wait(2, prep[held], timeout=10)
+            held = k % 2
+            assert got.nbytes == 1024 and bool((bufs[held] == _u8(1024, seed=300 + k)).all()), f"message {k}"
+            h = b.repost_and_wait(3, hprep, header=True, timeout=10)
+            assert h.shape == (2, 4 * (k + 1)) and h.nbytes == 8 * (k + 1), f"header message {k}: {h}"
+            assert bool((hbuf[: h.nbytes] == _u8(h.nbytes, seed=400 + k)).all()), f"header message {k}: bytes"
+        _join(th)
+        # The same prepared buffer posted twice before either is filled: two receives, in order.
+        one = _empty(8)
+        p1 = b.prepare_recv(one)
+        b.post_recv(5, p1)
+        b.post_recv(5, p1)
+        a.send(5, _u8(8, seed=7), step=1, timeout=10)
+        a.send(5, _u8(8, seed=8), step=2, timeout=10)
+        assert b.wait_recv(5, timeout=10).nbytes == 8 and b.wait_recv(5, timeout=10).nbytes == 8
+        assert bool((one == _u8(8, seed=8)).all())
+    finally:
+        a.close()
+        b.close()
+
+
 def check_shape_travels(make: PairMaker) -> None:
     """A shape given to send is reported by wait_recv on a header tag."""
     a, b = make()
@@ -325,6 +368,7 @@ CHECKS: dict[str, Callable[[PairMaker], None]] = {
     "roundtrip_bytes": check_roundtrip_bytes,
     "fifo_per_tag": check_fifo_per_tag,
     "repost_and_wait": check_repost_and_wait,
+    "prepared_buffers": check_prepared_buffers,
     "credit_blocks_sender": check_credit_blocks_sender,
     "shape_travels": check_shape_travels,
     "both_directions_at_once": check_both_directions_at_once,

@@ -20,6 +20,17 @@
   ``exception()``) and to the group (its next call raises), as NCCL reports
   asynchronous errors. ``wait(timeout)`` blocks the host, as NCCL's does.
 
+tensorwire's threads queue no GPU work and allocate nothing for an operation a
+stream may wait on: GPU work queued by the thread that releases a flag, while a
+stream waits on that flag, may never run (measured on an H100: a copy kernel
+never did, a pinned-memory copy on a stream of its own now and then not), and an
+allocation of pinned or device memory synchronizes with the device. So slots are
+taken in the caller's thread, a send's copy into its slot goes on the caller's
+stream at ``isend`` (:meth:`CudaOps.copy_on_stream`), and a receive through a
+slot (TCP's pinned one, a non-contiguous tensor's) has no flag: its ``wait()``
+blocks the host. UCX's own GPU work for a transfer is out of tensorwire's hands:
+the mode stays off by default.
+
 Where a device cannot (no driver entry point, v1 operations disabled, the probe
 failed) or ``TENSORWIRE_CUDA_STREAM_WAIT=0``, ``wait()`` blocks the host until
 the bytes are in the tensor -- the result is the same, only later; one log line
@@ -262,15 +273,23 @@ class CudaOps:
         import torch
 
         device = dst.device if dst.is_cuda else src.device
-        stream = self._copy_streams.get(device.index or 0)
-        if stream is None:
-            with self._lock:
-                stream = self._copy_streams.get(device.index or 0)
-                if stream is None:
-                    stream = self._copy_streams[device.index or 0] = torch.cuda.Stream(device=device)
+        stream = self._copy_streams.get(device.index or 0) or self._copy_stream(device)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         stream.synchronize()
+
+    def copy_on_stream(self, dst: "torch.Tensor", src: "torch.Tensor") -> None:
+        """``dst.copy_(src)`` queued on the current stream of the CUDA side's device (a caller's thread only)."""
+        dst.copy_(src, non_blocking=True)
+
+    def _copy_stream(self, device: "torch.device") -> Any:
+        import torch
+
+        with self._lock:
+            stream = self._copy_streams.get(device.index or 0)
+            if stream is None:
+                stream = self._copy_streams[device.index or 0] = torch.cuda.Stream(device=device)
+        return stream
 
     # -- stream waits on flags -------------------------------------------------------------------------------
     def usable(self, device: "torch.device") -> bool:
@@ -282,6 +301,10 @@ class CudaOps:
                 ok = self._usable.get(index)
                 if ok is None:
                     ok = self._usable[index] = self._decide(index)
+            # made here, in a caller's thread, before any stream waits on a flag: no CUDA call that may
+            # synchronize with the device runs later in tensorwire's threads on this account
+            if ok and device.type == "cuda" and index not in self._copy_streams:
+                self._copy_stream(device)
         return ok
 
     def _decide(self, index: int) -> bool:

@@ -19,21 +19,24 @@ without branching on the kind of tensor or transport:
 
 Messages carry the transport's own per-tag step counter (every send of a tag
 goes through one path, so no step is kept here): the fast paths hold no lock.
-The general and staged sends share a staging slot and keep a lock for it.
+The general and staged sends share a staging slot and keep a lock for it. A
+receive path has its slots described for the transport once
+(``Transport.prepare_recv``: over UCX, their descriptors and receive records),
+so a re-post builds nothing. ``isend``'s handle and the link's sender thread:
+:mod:`tensorwire.p2p.isend`.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.buffers import Slot, as_bytes
 from tensorwire.cuda import current_stream_idle, sync_current_stream
-from tensorwire.errors import ProtocolError, ShapeMismatchError, TransferTimeout
+from tensorwire.errors import ProtocolError, ShapeMismatchError
+from tensorwire.p2p.isend import IsendQueue, SendHandle
 from tensorwire.p2p.staging import StagedReceiver, StagedSender, chunk_plan
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.base import Transport
@@ -61,90 +64,6 @@ def _uint8() -> torch.dtype:
     import torch
 
     return torch.uint8
-
-
-class SendHandle:
-    """Completion handle of :meth:`Link.isend`."""
-
-    __slots__ = ("_future", "_name", "_op", "_t")
-
-    def __init__(
-        self,
-        future: concurrent.futures.Future[Any] | None,
-        name: str,
-        *,
-        op: Any = None,
-        transport: Transport | None = None,
-    ) -> None:
-        self._future = future
-        self._name = name
-        self._op = op  # a transport send op (async_send transports): the message is already posted
-        self._t = transport
-
-    def done(self) -> bool:
-        if self._op is not None:
-            return bool(self._op.done())
-        assert self._future is not None
-        if not self._future.done():
-            return False
-        if self._t is not None and self._future.exception() is None:
-            return bool(self._future.result().done())  # posted by the link's thread: is it out?
-        return True
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait until the bytes are out of the tensor given to ``isend``.
-
-        Raises:
-            TransferTimeout: not done within ``timeout`` (the send goes on).
-            the send's own error (PeerLostError, ...).
-        """
-        if self._op is not None:
-            assert self._t is not None
-            self._t.wait_send(self._op, timeout=timeout)
-            return
-        assert self._future is not None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            op = self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            if self._future.done():
-                raise  # the send's own error (TransferTimeout is a TimeoutError too), not this wait's timeout
-            raise TransferTimeout(f"isend of {self._name!r} not complete within {timeout}s") from None
-        if self._t is not None:  # the link's thread posted it (CUDA isend): now wait for the bytes to leave
-            self._op = op
-            self._t.wait_send(op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-
-class IsendQueue:
-    """The link's sender thread: isends that cannot be posted in the caller's thread run here, in order.
-
-    ``pending`` counts the submitted calls not finished yet; while it is non-zero,
-    later sends and isends of any name queue behind them.
-    """
-
-    def __init__(self, peer: int, check_open: Callable[[], None]) -> None:
-        self.pending = 0
-        self.check_open = check_open  # raises ClosedError once the link is closed
-        self._peer = peer
-        self._lock = threading.Lock()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        with self._lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tw-isend-{self._peer}")
-            self.pending += 1
-            fut = self._executor.submit(fn, *args)
-        fut.add_done_callback(self._done)
-        return fut
-
-    def _done(self, _: Any) -> None:
-        with self._lock:
-            self.pending -= 1
-
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 # -- send ----------------------------------------------------------------------------
@@ -421,6 +340,7 @@ class SlotRecv:
         self._keep = len(slots) - 2  # slots that stay held once a recv returns one more
         self._nbytes = spec.nbytes
         self._raws = [s.raw for s in slots]
+        self._bufs = [transport.prepare_recv(r) for r in self._raws]  # what post/repost take
         self._cuda = bool(slots[0].raw.is_cuda)
         self._header = spec.is_dynamic
         self._static = not spec.is_dynamic
@@ -429,8 +349,8 @@ class SlotRecv:
         self._wait = transport.wait_recv
 
     def post_all(self) -> None:
-        for raw in self._raws:
-            self._post(self.tag, raw, header=self._header)
+        for buf in self._bufs:
+            self._post(self.tag, buf, header=self._header)
 
     def all_slots(self) -> list[Slot]:
         return list(self.slots)
@@ -459,7 +379,7 @@ class SlotRecv:
                     wait_for.synchronize()  # recv(out=)'s copy out of it, nothing else
                 if last is not None:
                     self._post(tag, last, header=self._header)
-                last = self._raws[idx_]
+                last = self._bufs[idx_]
             if last is not None:
                 # The last slot goes back and the next message is awaited in one call: the transport
                 # may do the post once the wait has started (transport docs).
@@ -522,7 +442,7 @@ class SlotRecv:
         if self.held:
             self.held.append((idx, _FREE))
         else:
-            self._post(self.tag, self._raws[idx], header=self._header)
+            self._post(self.tag, self._bufs[idx], header=self._header)
 
 
 def _out_mismatch(name: str, out: torch.Tensor, view: torch.Tensor) -> ShapeMismatchError:
@@ -547,7 +467,7 @@ class WholeStagedRecv(SlotRecv):
         dev_view = self.device_slot.view(shape)
         dev_view.copy_(view, non_blocking=True)
         torch.cuda.current_stream(dev_view.device).synchronize()  # host slot is re-posted right away
-        self._post(self.tag, self._raws[idx], header=self._header)
+        self._post(self.tag, self._bufs[idx], header=self._header)
         if out is None:
             return dev_view
         if tuple(out.shape) != tuple(dev_view.shape) or out.dtype != dev_view.dtype:

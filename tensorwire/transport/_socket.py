@@ -1,7 +1,7 @@
 """Socket helpers shared by the TCP and UCX transports: dialing with a deadline, tuning a socket.
 
 Both transports open plain TCP sockets (TCP for its data, UCX for its handshake), so
-these live below both of them instead of in ``tcp.py``.
+these live below both of them instead of in ``tcp/``.
 """
 
 from __future__ import annotations

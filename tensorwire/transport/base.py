@@ -172,6 +172,16 @@ class Transport(abc.ABC):
             ClosedError, PeerLostError.
         """
 
+    def prepare_recv(self, buf: "torch.Tensor") -> Any:
+        """``buf`` as this transport wants it for :meth:`post_recv` and :meth:`repost_and_wait`, made once.
+
+        For buffers posted again and again (a Link's slots): what this returns may be passed to
+        those two in place of ``buf``, and spares them the per-call work of describing ``buf``
+        (UCX: its descriptor and the record of its receive). Valid while ``buf`` lives at the same
+        address. Default: ``buf`` itself.
+        """
+        return buf
+
     @abc.abstractmethod
     def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
         """Wait for the oldest posted buffer on ``tag`` to be filled.

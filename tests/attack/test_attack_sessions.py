@@ -65,15 +65,15 @@ def _slow_handshakes(monkeypatch) -> None:
     nonce and claims it in two steps then admits every racer that got between them."""
     import time
 
-    import tensorwire.transport.tcp as tcp
+    import tensorwire.transport.tcp.listener as tcp_listener
 
-    real = tcp.tune_socket
+    real = tcp_listener.tune_socket
 
     def slow(sock, **kw):
         time.sleep(0.02)
         return real(sock, **kw)
 
-    monkeypatch.setattr(tcp, "tune_socket", slow)
+    monkeypatch.setattr(tcp_listener, "tune_socket", slow)
 
 
 @pytest.mark.timeout(120)

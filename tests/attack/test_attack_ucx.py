@@ -237,7 +237,7 @@ def test_malformed_hellos_on_the_ucx_listener_are_dropped():
 # An untrusted listener alone in its process: a garbage worker address goes to the sandbox, which must
 # unpack it with the untrusted engine's transport list, without making a trusted engine here.
 _SANDBOX_ENGINE = r"""
-import os, socket
+import os, socket, time
 from tensorwire.transport import ucx as U
 from tensorwire.transport.ucx import engine as E
 lst = U.UcxListener("127.0.0.1", untrusted=True)
@@ -249,6 +249,9 @@ with socket.create_connection(("127.0.0.1", lst.address[1]), timeout=10) as s:
     s.settimeout(60)
     reply = s.recv(U.REPLY.size)
 assert reply[:8] in (U.REPLY_NO, b""), reply
+end = time.monotonic() + 10  # the refusal is counted just after its answer went out
+while lst.rejected != 1 and time.monotonic() < end:
+    time.sleep(0.01)
 assert lst.rejected == 1 and lst._check.started == 1, (lst.rejected, lst._check.started)
 tls = E.ENGINES[True].ctx.config["TLS"]
 assert "cma" in tls and tls.startswith("^"), tls

@@ -316,7 +316,27 @@ def test_isend_reads_the_tensor_only_after_the_work_queued_before_it(pairs, ops_
     w.wait(timedelta(seconds=10))
 
 
-@pytest.mark.parametrize("ops_cls,transport", [(SimOps, "memory"), (SimOps, "tcp"), (NoStreamWaitOps, "memory")])
+def test_wait_of_a_receive_through_a_slot_blocks_the_host_until_the_bytes_are_in(pairs):
+    """Over TCP a CUDA receive lands in a pinned slot and a thread copies it into the tensor: GPU work that thread
+    queued while the stream waited on a flag could hang (see test_streamed_operations_queue_no_gpu_work_...), so
+    its wait() blocks the host -- and the consumer queued after it sees the bytes."""
+    pair = pairs(SimOps(), SimOps(), transports=_tcp_pair())
+    rx = pair.ops[1]
+    y = torch.zeros(1 << 16)
+    r = pair.peers[1].irecv(y, 0)
+    sender = _send_later(pair.peers[0], torch.full((1 << 16,), 5.0), 0.5)
+    t0 = time.perf_counter()
+    r.wait()
+    took = time.perf_counter() - t0
+    sender.join(10)
+    assert r.is_completed() and not r._streamed and took > 0.3, took
+    seen = []
+    rx.kernel(lambda: seen.append(y.clone()))
+    rx.stream.flush()
+    assert torch.all(seen[0] == 5.0) and rx.waits == [] and rx.copies == 1
+
+
+@pytest.mark.parametrize("ops_cls,transport", [(SimOps, "memory"), (NoStreamWaitOps, "memory")])
 def test_wait_of_a_receive_returns_at_once_and_orders_the_consumer_after_the_bytes(pairs, ops_cls, transport):
     pair = pairs(SimOps(), ops_cls(), transports=_tcp_pair() if transport == "tcp" else None)
     rx = pair.ops[1]
@@ -337,8 +357,6 @@ def test_wait_of_a_receive_returns_at_once_and_orders_the_consumer_after_the_byt
         return
     assert torch.all(seen[0] == 5.0)
     assert rx.waits == [1] and r.is_completed() and r.exception() is None
-    if transport == "tcp":
-        assert rx.copies == 1  # through a pinned slot, copied into the tensor before the flag was released
 
 
 @pytest.mark.parametrize("ops_cls", [SimOps, NoEventOps])
@@ -545,3 +563,57 @@ def test_cuda_ops_use_stream_waits_only_where_the_driver_can_and_say_so_once(mon
     assert failing.usable(dev)
     assert not failing.order_after(failing.new_flag(dev), 1, t)  # refused: the caller blocks instead
     assert not failing.usable(dev)  # and from now on
+
+
+@pytest.mark.parametrize("transport", ["ucx-like", "tcp"])
+def test_no_kernel_copies_in_tensorwire_threads_for_non_contiguous_tensors(pairs, transport):
+    """While a caller's stream waits on a flag, a kernel launched by the thread that releases it may never run (it
+    hung on an H100): copies out of and into non-contiguous CUDA tensors are kernels, so the sender queues its copy
+    on the caller's stream at isend and a non-contiguous receive's wait() blocks the host instead of the stream."""
+    pair = pairs(SimOps(), SimOps(), transports=_tcp_pair() if transport == "tcp" else None)
+    tx, rx = pair.ops
+    src = torch.full((64, 2), 3.0)[:, 1]
+    dst = torch.zeros(64, 2)[:, 0]
+    for step in range(2):
+        src.fill_(float(step + 3))
+        r = pair.peers[1].irecv(dst, 0)
+        w = pair.peers[0].isend(src, 0)
+        w.wait()  # the send's wait() only queues a stream wait (its slot was filled on the stream)
+        assert w._streamed or w.is_completed()
+        tx.stream.flush()
+        r.wait()  # blocks until the bytes are in dst
+        assert not r._streamed and r.is_completed()
+        assert torch.all(dst == float(step + 3))
+    assert all(tx.thread_copies) and all(rx.thread_copies), (tx.thread_copies, rx.thread_copies)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("stream_wait", [True, False], ids=["stream-wait", "blocking"])
+def test_streamed_operations_queue_no_gpu_work_in_tensorwire_threads(pairs, stream_wait, layout):
+    """While a caller's stream waits on a flag, GPU work that the thread releasing it queues may never run (on an
+    H100 a copy kernel never did, and now and then a copy on a stream of its own): with stream waits on, a send's
+    copy into its pinned slot goes on the caller's stream at isend, and the threads copy nothing. Blocking (the
+    instrument's control): the sender's thread makes that copy."""
+    pair = pairs(SimOps(stream_wait=stream_wait), SimOps(stream_wait=stream_wait), transports=_tcp_pair())
+    tx, rx = pair.ops
+    src = torch.full((64, 2), 3.0)[:, 1] if layout == "strided" else torch.full((64,), 3.0)
+    dst = torch.zeros(64)
+    for step in range(2):
+        src.fill_(float(step + 3))
+        r = pair.peers[1].irecv(dst, 0)
+        w = pair.peers[0].isend(src, 0)
+        gpu = threading.Thread(target=tx.stream.flush)  # "the GPU" runs the sender's stream meanwhile
+        gpu.start()
+        if stream_wait:
+            w.wait()
+            r.wait()
+        else:  # the receive first: the sender's thread sends (a caller waiting on the send would help it out)
+            r.wait()
+            w.wait()
+        gpu.join(10)
+        tx.stream.flush()
+        assert torch.all(dst == float(step + 3))
+    if stream_wait:
+        assert tx.thread_copies == [] and tx.waits, (tx.thread_copies, tx.waits)
+    else:
+        assert len(tx.thread_copies) == 2, tx.thread_copies

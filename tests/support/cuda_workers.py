@@ -124,8 +124,12 @@ def killed_mid_receive(rank: int, world: int, store: Any, transport: str) -> dic
         os._exit(17)  # never sends
     w = dist.irecv(y, 0)
     t0 = time.perf_counter()
-    w.wait()
-    report: dict[str, Any] = {"wait_s": time.perf_counter() - t0, "streamed": _streamed(w)}
+    raised = None
+    try:
+        w.wait()  # through a slot (TCP): blocks the host, and raises once the peer is lost
+    except dist.DistBackendError as err:
+        raised = type(err).__name__
+    report: dict[str, Any] = {"wait_s": time.perf_counter() - t0, "streamed": _streamed(w), "wait_raised": raised}
     z = y + 1.0  # queued behind the stream wait
     done = torch.cuda.Event()
     done.record()

@@ -66,6 +66,11 @@ class SimEvent:
         self.stream.run_until(self.pos)
 
 
+def _ours(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is one of the channels' own (a caller's thread is any other)."""
+    return thread.name.startswith("tw-dist-")
+
+
 class SimOps:
     """What :class:`tensorwire.distributed.streams.CudaOps` does, on one simulated stream (every tensor is "CUDA")."""
 
@@ -76,6 +81,8 @@ class SimOps:
         self.pool = FlagPool(self._alloc)
         self.waits: list[int] = []
         self.copies = 0
+        #: per copy a thread of tensorwire's made: whether both ends were contiguous
+        self.thread_copies: list[bool] = []
 
     def _alloc(self, n: int) -> tuple[int, int]:
         buf = ctypes.create_string_buffer(n)
@@ -108,8 +115,15 @@ class SimOps:
     def bind_thread(self, device: Any) -> None:
         pass
 
+    def copy_on_stream(self, dst: Any, src: Any) -> None:
+        assert not _ours(threading.current_thread()), "queued on a stream by a thread of tensorwire's"
+        self.stream.enqueue(lambda: dst.copy_(src))
+
     def copy(self, dst: Any, src: Any) -> None:
         self.copies += 1
+        thread = threading.current_thread()
+        if _ours(thread):
+            self.thread_copies.append(dst.is_contiguous() and src.is_contiguous())
         dst.copy_(src)
 
     def usable(self, device: Any) -> bool:

@@ -24,6 +24,8 @@ import cma_workers as W
 from tensorwire.errors import PeerLostError, ProtocolError, TransportError
 from tensorwire.testing import CHECKS
 from tensorwire.transport import cma as C
+from tensorwire.transport.cma import peer as CP
+from tensorwire.transport.cma import syscalls as CS
 from tensorwire.transport.base import new_nonce
 from tensorwire.transport.tcp import CMA, CMA_FRAME, FRAME, NO_SHAPE, WRITTEN, TcpListener, TcpTransport
 
@@ -178,8 +180,8 @@ class _RefusingLibc:
 
 
 def test_a_failed_probe_leaves_the_byte_stream_with_one_log_line(listener, monkeypatch, caplog):
-    real = C._libc()
-    monkeypatch.setattr(C, "_LIBC", _RefusingLibc(real))
+    real = CS.load_libc()
+    monkeypatch.setattr(CS, "_LIBC", _RefusingLibc(real))
     monkeypatch.setenv("TENSORWIRE_CMA_MIN_BYTES", "1")
     caplog.set_level(logging.WARNING, logger="tensorwire.transport.cma")
     a, b = _pair(listener)
@@ -263,7 +265,7 @@ def test_a_peer_that_withdraws_its_permission_gets_the_stream(listener, monkeypa
         _settle(a, b)
         assert a.cma is not None and a.cma.sending
         before = a.cma.messages_written
-        monkeypatch.setattr(C, "_LIBC", _RefusingLibc(C._libc()))
+        monkeypatch.setattr(CS, "_LIBC", _RefusingLibc(CS.load_libc()))
         for k in range(2):
             src = torch.randint(0, 256, (2 << 20,), dtype=torch.uint8)
             dst = torch.zeros_like(src)
@@ -382,7 +384,7 @@ def test_written_longer_than_the_announced_buffer_is_refused(listener, monkeypat
 
 
 def _forge_slot(t: TcpTransport, tag: int, step: int, addr: int, length: int) -> None:
-    _inject(t, CMA_FRAME.pack(b"TW", CMA, C.SLOT, tag, step, length, 0, 0, C._SLOT_BODY.pack(addr)))
+    _inject(t, CMA_FRAME.pack(b"TW", CMA, C.SLOT, tag, step, length, 0, 0, CP._SLOT_BODY.pack(addr)))
 
 
 def test_a_message_longer_than_the_announced_buffer_is_not_written(listener, monkeypatch):
@@ -458,7 +460,7 @@ def test_connections_without_the_link_secret_refuse_cma_frames():
 
 @pytest.mark.parametrize("n", [C.PIECE_MIN - 1, 3 * C.PIECE_MIN + 123, (4 << 20) + 4097])
 def test_a_copy_in_pieces_is_exact(n):
-    libc = C._libc()
+    libc = CS.load_libc()
     src = torch.randint(0, 256, (n,), dtype=torch.uint8)
     dst = torch.zeros(n, dtype=torch.uint8)
     C.copy(libc.writev, os.getpid(), src.data_ptr(), dst.data_ptr(), n, threads=3)
@@ -467,7 +469,7 @@ def test_a_copy_in_pieces_is_exact(n):
 
 def test_a_failed_piece_fails_the_copy_after_every_piece_finished():
     """The third piece's target is unmapped: the copy raises EFAULT, and only once no thread still copies."""
-    libc = C._libc()
+    libc = CS.load_libc()
     n = 4 * C.PIECE_MIN
     src = torch.ones(n, dtype=torch.uint8)
     dst = torch.zeros(n, dtype=torch.uint8)
@@ -492,9 +494,9 @@ def test_a_failed_piece_fails_the_copy_after_every_piece_finished():
 
 
 def test_yama_grant_names_the_peer_then_the_nearest_common_ancestor(monkeypatch):
-    monkeypatch.setattr(C, "_GRANTED_PEERS", set())
-    monkeypatch.setattr(C, "_GRANTED", None)
-    monkeypatch.setattr(C, "_GRANT_PID", os.getpid())
+    monkeypatch.setattr(CS, "_GRANTED_PEERS", set())
+    monkeypatch.setattr(CS, "_GRANTED", None)
+    monkeypatch.setattr(CS, "_GRANT_PID", os.getpid())
     tree = {101: [101, 50, 10, 1], 102: [102, 50, 10, 1], 201: [201, 60, 10, 1], 301: [301, 1]}
     calls: list[int] = []
 
@@ -512,9 +514,9 @@ def test_yama_grant_names_the_peer_then_the_nearest_common_ancestor(monkeypatch)
 
 
 def test_yama_grant_reports_a_refused_prctl(monkeypatch):
-    monkeypatch.setattr(C, "_GRANTED_PEERS", set())
-    monkeypatch.setattr(C, "_GRANTED", None)
-    monkeypatch.setattr(C, "_GRANT_PID", os.getpid())
+    monkeypatch.setattr(CS, "_GRANTED_PEERS", set())
+    monkeypatch.setattr(CS, "_GRANTED", None)
+    monkeypatch.setattr(CS, "_GRANT_PID", os.getpid())
     why = C.grant_ptrace(7, scope=1, prctl=lambda pid: errno.EINVAL, ancestry=lambda q: [q, 1])
     assert why is not None and "PR_SET_PTRACER" in why
 

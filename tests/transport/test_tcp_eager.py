@@ -11,6 +11,7 @@ import torch
 
 import tensorwire as tw
 from tensorwire.transport import tcp
+from tensorwire.transport.tcp import credits as tcp_credits
 from tensorwire.transport.base import new_nonce
 from tensorwire.transport.tcp import PartialSend, TcpListener, flush_pending_credits
 
@@ -185,7 +186,7 @@ def test_a_receive_posted_while_credits_are_flushed_stays_registered_for_the_flu
             flush.start()
             post.join()
             flush.join()
-            if b._pending_credits and b not in tcp._PENDING:
+            if b._pending_credits and b not in tcp_credits.PENDING:
                 lost += 1
                 b._flush_credits()
             with b._lock:
@@ -198,20 +199,20 @@ def test_a_receive_posted_while_credits_are_flushed_stays_registered_for_the_flu
 def test_only_credits_a_peer_can_do_without_are_held_back(pair):
     a, b = pair
     b.post_recv(1, torch.zeros(0, dtype=torch.uint8))  # no eager offer (a Link, the serve daemon): every credit
-    assert b in tcp._URGENT
+    assert b in tcp_credits.URGENT
     b._flush_credits()
-    assert b not in tcp._PENDING and b not in tcp._URGENT
+    assert b not in tcp_credits.PENDING and b not in tcp_credits.URGENT
     b.offer_eager(slots=1, size=4096)
     b.post_recv(1, torch.zeros(64, dtype=torch.uint8))  # fits an eager buffer, one is free: held back
-    assert b in tcp._PENDING and b not in tcp._URGENT
+    assert b in tcp_credits.PENDING and b not in tcp_credits.URGENT
     b.post_recv(2, torch.zeros(8192, dtype=torch.uint8))  # larger than the eager buffers: goes before blocking
-    assert b in tcp._URGENT
+    assert b in tcp_credits.URGENT
     b._flush_credits()
     _read_what_came(a)
     assert a.try_send(3, _bytes(10, 9)) is True  # takes b's only eager buffer (nothing posted on tag 3)
     _read_what_came(b)  # ... where it waits
     b.post_recv(1, torch.zeros(64, dtype=torch.uint8))  # no eager buffer free: the peer may need this credit
-    assert b in tcp._URGENT
+    assert b in tcp_credits.URGENT
 
 
 @pytest.fixture()

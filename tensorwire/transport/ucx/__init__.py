@@ -12,8 +12,8 @@ measurements behind each choice: ``docs/transports.md``, "The UCX transport".
 Modules: :mod:`._ucxx` (the ucxx import), :mod:`.wire` (tag layout, messages,
 handshake format), :mod:`.engine` (the process-wide engines and their progress),
 :mod:`.connection` (an endpoint's life: liveness, goodbye, errors, teardown),
-:mod:`.endpoint` (:class:`UcxTransport`: receives, credits, sends),
-:mod:`.listener` (:class:`UcxListener` and the handshake), :mod:`.addrcheck`
+:mod:`.endpoint` (:class:`UcxTransport`: receives, credits, sends), :mod:`.tagstate`
+(what one tag needs on the hot path, made once), :mod:`.listener` (:class:`UcxListener` and the handshake), :mod:`.addrcheck`
 (the sandbox that unpacks untrusted worker addresses).
 """
 

@@ -7,7 +7,7 @@ tensorwire never changes the process environment. Importing this module raises
 :class:`ImportError` when ucxx is not installed or cannot load (the caller falls
 back to TCP).
 
-Also here: the small helpers on ucxx requests and endpoints the other modules share.
+Also here: the small functions on ucxx requests and endpoints the other modules share.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from tensorwire.transport._socket import tune_socket
 from tensorwire.transport.base import Transport
 from tensorwire.transport.ucx._ucxx import LOST_ERRORS, Array, Tag, cancelled, close_ep, np, u8, ucx
 from tensorwire.transport.ucx.engine import GRAVEYARD, Engine
+from tensorwire.transport.ucx.tagstate import TagState
 from tensorwire.transport.ucx.wire import ACK, BYE, CTRL, KIND_SHIFT, RID_MASK, RID_SHIFT
 
 __all__ = ["BYE_GRACE_S", "CLOSE_ACK_S", "CLOSE_DRAIN_S", "LOST_GRACE_S", "EpState", "UcxConnection", "watch"]
@@ -65,8 +66,8 @@ def watch(ep: Any) -> EpState:
 class UcxConnection(Transport):
     """A UCX endpoint to one peer, from its handshake to its teardown. See the module docstring.
 
-    Subclasses hold the posted receives and implement :meth:`_posted_requests`
-    and :meth:`_forget_requests`, so a teardown can release them.
+    It holds the connection's tag states (:class:`~tensorwire.transport.ucx.tagstate.TagState`),
+    which the subclass fills, so a teardown can release their receives.
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class UcxConnection(Transport):
         peer_errors: bool = True,
     ) -> None:
         # Called with the engine lock held, after the subclass set up its own state.
+        self._st: dict[int, TagState] = {}  # slot tag -> its state (UcxTransport makes them on first use)
         self._eng = eng
         self._eh = peer_errors  # the endpoint was made with UCX peer error handling
         self._ep = ep
@@ -119,17 +121,22 @@ class UcxConnection(Transport):
     def abort(self) -> None:
         self._close(goodbye=False)
 
-    # -- what the subclass's receives are (for a teardown) ------------------------------
+    # -- the receives of the connection's tags (for a teardown) ----------------------
     def _posted_requests(self) -> list[tuple[int, Any]]:
         """(full 64-bit tag, request) of every receive of this connection still posted (not the CTRL one)."""
-        return []
+        out: list[tuple[int, Any]] = []
+        for st in self._st.values():
+            out.extend(st.posted_requests(self._rid))
+        return out
 
     def _receive_buffers(self) -> Any:
         """What the buffers of those receives hang on (kept referenced for good if they stay posted)."""
-        return None
+        return dict(self._st)
 
     def _forget_requests(self) -> None:
-        """After the teardown: drop the receives' bookkeeping that is of no use any more."""
+        """After the teardown: no credit receive is armed any more."""
+        for st in self._st.values():
+            st.cred_req = None
 
     # -- internals (engine lock held unless noted) ------------------------------------
     def _attach_liveness(self, sock: socket.socket) -> None:

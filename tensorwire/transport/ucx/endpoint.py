@@ -18,17 +18,16 @@ from typing import Any
 
 from tensorwire.errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from tensorwire.transport.base import HEADER_DIMS, Received
-from tensorwire.transport.ucx._ucxx import Tag, cancelled, ucx
+from tensorwire.transport.ucx._ucxx import ucx
 from tensorwire.transport.ucx.connection import BYE_GRACE_S, EpState, UcxConnection
 from tensorwire.transport.ucx.engine import CUDA_SPIN, Engine, as_array, is_cuda
 from tensorwire.transport.ucx.tagstate import Post, TagState
-from tensorwire.transport.ucx.wire import CRED, DATA, F_HEADER, HDR, HEADER, KIND_SHIFT, NO_SHAPE, check_tag
+from tensorwire.transport.ucx.wire import check_tag
 
 __all__ = ["UcxTransport"]
 
 #: byte count -> Received(byte count) of a header-less tag (immutable, shared)
 _RECEIVED: dict[int, Received] = {}
-_NO_DIMS = (0,) * HEADER_DIMS
 
 
 class _SendOp:
@@ -70,7 +69,6 @@ class UcxTransport(UcxConnection):
         peer_errors: bool = True,
     ) -> None:
         # Called with the engine lock held.
-        self._st: dict[int, TagState] = {}  # slot tag -> its state, made on first use
         self.bytes_sent = 0
         self.bytes_received = 0
         super().__init__(
@@ -93,37 +91,53 @@ class UcxTransport(UcxConnection):
         return st
 
     # -- receiving -----------------------------------------------------------------
+    def prepare_recv(self, buf: Any) -> Post:
+        """``buf`` described once (its UCX descriptor and the record of its receive), for buffers posted
+        again and again (a Link's slots): :meth:`post_recv` and :meth:`repost_and_wait` take it in place of
+        ``buf`` and then build nothing per message. Valid while ``buf`` lives at the same address."""
+        return Post(*as_array(buf, writable=True))
+
     def post_recv(self, tag: int, buf: Any, *, header: bool = False) -> None:
         st = self._st.get(tag) or self._tagst(tag)
-        keep, arr, cap = as_array(buf, writable=True)
+        p = buf if type(buf) is Post and not buf.busy else self._fresh(buf)
         eng = self._eng
         eng.wanted.append(None)
         eng.lock.acquire()
         eng.wanted.pop()
         try:
             self._check_usable()
-            self._post(st, keep, arr, cap, header)
+            self._post(st, p, header)
         finally:
             eng.lock.release()
 
-    def _post(self, st: TagState, keep: Any, arr: Any, cap: int, header: bool) -> None:
+    @staticmethod
+    def _fresh(buf: Any) -> Post:
+        """A new record for a plain buffer (or for a prepared one posted twice)."""
+        return Post(buf.keep, buf.arr, buf.cap) if type(buf) is Post else Post(*as_array(buf, writable=True))
+
+    def _post(self, st: TagState, p: Post, header: bool) -> None:
         """post_recv under the engine lock (usability already checked): a receive, and a credit for it."""
-        hbuf = harr = None
         if header:
-            hbuf, harr = st.header_buffer()
+            p.hbuf, p.harr = st.header_buffer()
+        else:
+            p.harr = None
         if self._bye_at is not None or self._lost_at is not None:
             # The peer said goodbye (or its endpoint failed moments ago): like a TCP
             # stream not yet read up to its end, accept the post; no credit goes out and
             # only a message already sent can fill it (else its wait raises PeerLostError).
-            st.posted.append(Post(None, keep, arr, cap, None, hbuf, harr))
+            p.req = p.hreq = None
+            st.posted.append(p)
+            p.busy = True
             return
         ep = self._ep
         try:
-            req = ep.tag_recv(arr, tag=st.data_rx)
-            hreq = ep.tag_recv(harr, tag=st.hdr_rx) if header else None
-            st.posted.append(Post(req, keep, arr, cap, hreq, hbuf, harr))
+            p.req = ep.tag_recv(p.arr, tag=st.data_rx)
+            p.hreq = ep.tag_recv(p.harr, tag=st.hdr_rx) if header else None
+            st.posted.append(p)
+            p.busy = True
             # The credit: one 16-byte message, built once per buffer size (eager: usually out at once).
-            g = st.grants.get((cap, F_HEADER if header else 0)) or st.grant_message(cap, F_HEADER if header else 0)
+            cap = p.cap
+            g = st.grants.get((cap, header)) or st.grant_message(cap, header)
             creq = ep.tag_send(g[1], tag=st.cred_tx)
         except ucx.UCXError as exc:
             raise self._fail_from(exc, f"posting a receive on tag {st.tag}") from exc
@@ -146,10 +160,10 @@ class UcxTransport(UcxConnection):
         # one awaited here. Measured on 2 x H200 (a probe in bench/'s history, tw-trace): posting
         # first put the post on the critical path of every message of a stream.
         st = self._st.get(tag) or self._tagst(tag)
-        keep, arr, cap = as_array(buf, writable=True)
-        return self._wait_recv(st, timeout, (keep, arr, cap, header))
+        p = buf if type(buf) is Post and not buf.busy else self._fresh(buf)
+        return self._wait_recv(st, timeout, (p, header))
 
-    def _wait_recv(self, st: TagState, timeout: float | None, repost: tuple[Any, Any, int, bool] | None) -> Received:
+    def _wait_recv(self, st: TagState, timeout: float | None, repost: tuple[Post, bool] | None) -> Received:
         eng = self._eng
         q = st.posted
         out: list[Received] = []
@@ -173,6 +187,7 @@ class UcxTransport(UcxConnection):
                     got = self._finish(st, p)
                     if got is not None:
                         q.popleft()
+                        p.busy = False
                         out.append(got)
                         if repost is not None:
                             again, repost = repost, None
@@ -193,7 +208,7 @@ class UcxTransport(UcxConnection):
                     raise PeerLostError(f"peer {self._peer} closed the link (nothing more arrived on tag {st.tag})")
             return False
 
-        head = q[0].keep if q else (repost[0] if repost is not None else None)
+        head = q[0].keep if q else (repost[0].keep if repost is not None else None)
         cuda = head is not None and is_cuda(head)
         # Host memory: the post goes first when the awaited message is not complete yet -- the wait is
         # idle then (a round trip: the peer has not answered), where after the message it would delay
@@ -228,33 +243,19 @@ class UcxTransport(UcxConnection):
                 if len(_RECEIVED) < 4096:
                     _RECEIVED[p.cap] = got
             return got
-        step, nbytes, ndim, *dims = HDR.unpack_from(p.hbuf)
-        st.hfree.append((p.hbuf, p.harr))
-        if nbytes > p.cap:
-            self._fail(ProtocolError(f"peer {self._peer} announced {nbytes} bytes for a {p.cap}-byte slot"))
-            self._check_usable()
-        if ndim == NO_SHAPE:
-            shape = None
-        elif ndim <= HEADER_DIMS:
-            shape = tuple(dims[:ndim])
-        else:
-            self._fail(ProtocolError(f"bad ndim {ndim} from {self._peer}"))
-            self._check_usable()
-        self.bytes_received += nbytes
-        return Received(nbytes, shape, step)
+        try:
+            got = st.read_header(p)
+        except ProtocolError as exc:
+            self._fail(ProtocolError(f"peer {self._peer}: {exc}"))
+            raise self._fail_from(exc, f"receive on tag {st.tag}") from exc  # (the error just recorded)
+        self.bytes_received += got.nbytes
+        return got
 
     def _salvage(self, st: TagState, p: Post) -> None:
         """The peer is gone: refill a receive UCX cancelled (or never posted) from the unexpected queue."""
-        if self._closed:
-            return
-        worker = self._eng.worker
-        for kind, attr, arr in ((DATA, "req", p.arr), (HEADER, "hreq", p.harr)):
-            if arr is None or not cancelled(getattr(p, attr)):
-                continue
+        if not self._closed:
             try:
-                probe = worker.tag_probe(Tag(self._rid | (kind << KIND_SHIFT) | st.tag), remove=True)
-                if probe.matched:
-                    setattr(p, attr, worker.tag_recv_with_handle(arr, probe))
+                st.salvage(self._eng.worker, self._rid, p)
             except ucx.UCXError as exc:
                 raise self._fail_from(exc, f"receive on tag {st.tag}") from exc
 
@@ -278,22 +279,16 @@ class UcxTransport(UcxConnection):
             if self._lost_at is not None:
                 self._fail(PeerLostError(f"peer {self._peer} lost (its connection closed or timed out)"))
                 self._check_usable()
-        q = st.credits
-        if q:
-            credit = q.popleft()
-        else:
-            r = st.cred_req
-            try:
-                if r is None:
-                    r = st.cred_req = self._ep.tag_recv(st.cred_arr, tag=st.cred_rx)
-                if not r.completed:
-                    return False
-                st.cred_req = None
-                r.check_error()
-            except ucx.UCXError as exc:
-                raise self._fail_from(exc, f"waiting for a credit on tag {st.tag}") from exc
-            credit = CRED.unpack_from(st.cred_buf)
-        self._post_send(st, credit, keep, arr, n, step, shape, reqs)
+        try:
+            credit = st.credits.popleft() if st.credits else st.take_credit(self._ep)
+        except ucx.UCXError as exc:
+            raise self._fail_from(exc, f"waiting for a credit on tag {st.tag}") from exc
+        if credit is None:
+            return False
+        try:
+            st.post_message(self._ep, credit, keep, arr, n, step, shape, reqs)
+        except ucx.UCXError as exc:
+            raise self._fail_from(exc, f"send on tag {st.tag}") from exc
         if st.cred_req is None:
             # Armed for the next credit after the data, so the message goes out first (credits sent
             # meanwhile wait in UCX's unexpected queue).
@@ -435,51 +430,3 @@ class UcxTransport(UcxConnection):
             )
         op.finished = True
         self.bytes_sent += op.n
-
-    def _post_send(
-        self,
-        st: TagState,
-        credit: tuple[int, int],
-        keep: Any,
-        arr: Any,
-        n: int,
-        step: int | None,
-        shape: tuple[int, ...] | None,
-        reqs: list[Any],
-    ) -> None:
-        """Spend ``credit``: post the header (if the receiver wants one) and the payload."""
-        cap, flags = credit
-        if n != cap and (n > cap or not flags & F_HEADER):
-            st.credits.appendleft(credit)  # kept: nothing was sent
-            raise ProtocolError(
-                f"{n} bytes do not fit the peer's {cap}-byte buffer on tag {st.tag}"
-                + ("" if flags & F_HEADER else " (a tag without header takes exactly its buffer's size)")
-            )
-        s = st.step = st.step + 1
-        try:
-            if flags & F_HEADER:
-                h = st.header_to_send()
-                if shape is None:
-                    HDR.pack_into(h[0], 0, s if step is None else step, n, NO_SHAPE, *_NO_DIMS)
-                else:
-                    dims = tuple(int(d) for d in shape) + (0,) * (HEADER_DIMS - len(shape))
-                    HDR.pack_into(h[0], 0, s if step is None else step, n, len(shape), *dims)
-                hreq = h[2] = self._ep.tag_send(h[1], tag=st.hdr_tx)
-                reqs.append((hreq, h))
-            reqs.append((self._ep.tag_send(arr, tag=st.data_tx), (keep, arr)))
-        except ucx.UCXError as exc:
-            raise self._fail_from(exc, f"send on tag {st.tag}") from exc
-
-    # -- what a teardown releases ---------------------------------------------------
-    def _posted_requests(self) -> list[tuple[int, Any]]:
-        out: list[tuple[int, Any]] = []
-        for st in self._st.values():
-            out.extend(st.posted_requests(self._rid))
-        return out
-
-    def _receive_buffers(self) -> Any:
-        return dict(self._st)
-
-    def _forget_requests(self) -> None:
-        for st in self._st.values():
-            st.cred_req = None

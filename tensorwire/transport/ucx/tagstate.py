@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 from typing import Any, Deque
 
-from tensorwire.transport.ucx._ucxx import Array, Tag, u8
-from tensorwire.transport.ucx.wire import CRED, CREDIT, DATA, HDR, HEADER, KIND_SHIFT
+from tensorwire.errors import ProtocolError
+from tensorwire.transport.base import HEADER_DIMS, Received
+from tensorwire.transport.ucx._ucxx import Array, Tag, cancelled, u8
+from tensorwire.transport.ucx.wire import CRED, CREDIT, DATA, F_HEADER, HDR, HEADER, KIND_SHIFT, NO_SHAPE
 
 __all__ = ["Post", "TagState"]
 
@@ -24,21 +26,28 @@ __all__ = ["Post", "TagState"]
 MAX_GRANTS = 16
 #: Header buffers a tag keeps for the headers it sends (one is enough while each goes out at once).
 MAX_HEADERS_IN_FLIGHT = 4
+_NO_DIMS = (0,) * HEADER_DIMS
 
 
 class Post:
-    """A buffer posted on a tag: its receive, and its header's receive on a header tag."""
+    """A receive buffer (what UCX writes into, built once) and, while it is posted on a tag, its receives.
 
-    __slots__ = ("req", "keep", "arr", "cap", "hreq", "hbuf", "harr")
+    :meth:`UcxTransport.prepare_recv <tensorwire.transport.ucx.endpoint.UcxTransport.prepare_recv>`
+    makes one per slot for good, and posting it again reuses it (no descriptor, no object per message);
+    a plain buffer gets a fresh one per post. ``busy``: posted and not consumed yet.
+    """
 
-    def __init__(self, req: Any, keep: Any, arr: Any, cap: int, hreq: Any, hbuf: Any, harr: Any) -> None:
-        self.req = req  # None: posted after the peer left, filled only from UCX's unexpected queue
+    __slots__ = ("req", "keep", "arr", "cap", "hreq", "hbuf", "harr", "busy")
+
+    def __init__(self, keep: Any, arr: Any, cap: int) -> None:
         self.keep = keep
         self.arr = arr
         self.cap = cap
-        self.hreq = hreq
-        self.hbuf = hbuf
-        self.harr = harr
+        self.req: Any = None  # None: posted after the peer left, filled only from UCX's unexpected queue
+        self.hreq: Any = None
+        self.hbuf: Any = None
+        self.harr: Any = None
+        self.busy = False
 
 
 class TagState:
@@ -77,20 +86,20 @@ class TagState:
         self.cred_req: Any = None  # the receive armed for the peer's next credit
         self.cred_buf = u8(CRED.size)
         self.cred_arr = Array(self.cred_buf)
-        self.grants: dict[tuple[int, int], tuple[Any, Any]] = {}  # (capacity, flags) -> credit message
+        self.grants: dict[tuple[int, bool], tuple[Any, Any]] = {}  # (capacity, header) -> credit message
         self.hfree: list[tuple[Any, Any]] = []  # header receive buffers free for the next post
         self.hsend: list[list[Any]] = []  # [buffer, ucxx Array, its last send] of the headers this side sends
         self.step = 0  # messages sent on this tag
 
-    def grant_message(self, cap: int, flags: int) -> tuple[Any, Any]:
+    def grant_message(self, cap: int, header: bool) -> tuple[Any, Any]:
         """The credit message for a buffer of ``cap`` bytes (buffer, ucxx Array), built once per size."""
-        g = self.grants.get((cap, flags))
+        g = self.grants.get((cap, header))
         if g is None:
             if len(self.grants) >= MAX_GRANTS:
                 self.grants.clear()  # (messages in flight keep their buffers referenced)
             buf = u8(CRED.size)
-            CRED.pack_into(buf, 0, cap, flags)
-            g = self.grants[(cap, flags)] = (buf, Array(buf))
+            CRED.pack_into(buf, 0, cap, F_HEADER if header else 0)
+            g = self.grants[(cap, header)] = (buf, Array(buf))
         return g
 
     def header_buffer(self) -> tuple[Any, Any]:
@@ -100,18 +109,103 @@ class TagState:
         hbuf = u8(HDR.size)
         return hbuf, Array(hbuf)
 
-    def header_to_send(self) -> list[Any]:
-        """[buffer, ucxx Array, last send] for the next header: one whose last send completed (a header is
-        eager: usually the first), a new one the first times, or an unkept one if all are still busy."""
+    def take_credit(self, ep: Any) -> tuple[int, int] | None:
+        """The peer's next credit for this tag that has arrived -- (capacity, flags) -- or None.
+
+        Raises:
+            ucx.UCXError: from UCX (the caller translates it).
+        """
+        r = self.cred_req
+        if r is None:
+            r = self.cred_req = ep.tag_recv(self.cred_arr, tag=self.cred_rx)
+        if not r.completed:
+            return None
+        self.cred_req = None  # armed again after the message it is spent on (UcxTransport._try_post)
+        r.check_error()
+        return CRED.unpack_from(self.cred_buf)
+
+    def post_message(
+        self,
+        ep: Any,
+        credit: tuple[int, int],
+        keep: Any,
+        arr: Any,
+        n: int,
+        step: int | None,
+        shape: tuple[int, ...] | None,
+        reqs: list[Any],
+    ) -> None:
+        """Spend ``credit``: post the header (if the receiver wants one) and the payload, appending
+        (request, what it reads) to ``reqs``.
+
+        Raises:
+            ProtocolError: ``n`` bytes do not fit the credit's buffer (the credit is kept, nothing sent).
+            ucx.UCXError: from UCX (the caller translates it).
+        """
+        cap, flags = credit
+        if n != cap and (n > cap or not flags & F_HEADER):
+            self.credits.appendleft(credit)  # kept: nothing was sent
+            raise ProtocolError(
+                f"{n} bytes do not fit the peer's {cap}-byte buffer on tag {self.tag}"
+                + ("" if flags & F_HEADER else " (a tag without header takes exactly its buffer's size)")
+            )
+        s = self.step = self.step + 1
+        if flags & F_HEADER:
+            h = self.header_to_send(s if step is None else step, n, shape)
+            hreq = h[2] = ep.tag_send(h[1], tag=self.hdr_tx)
+            reqs.append((hreq, h))
+        reqs.append((ep.tag_send(arr, tag=self.data_tx), (keep, arr)))
+
+    def header_to_send(self, step: int, nbytes: int, shape: tuple[int, ...] | None) -> list[Any]:
+        """[buffer, ucxx Array, last send] holding the header of the next message.
+
+        The buffer is one whose last send completed (a header is eager: usually the first), a new one the
+        first times, or an unkept one if all are still in flight.
+        """
         for h in self.hsend:
             r = h[2]
             if r is None or r.completed:
-                return h
-        hbuf = u8(HDR.size)
-        h = [hbuf, Array(hbuf), None]
-        if len(self.hsend) < MAX_HEADERS_IN_FLIGHT:
-            self.hsend.append(h)
+                break
+        else:
+            hbuf = u8(HDR.size)
+            h = [hbuf, Array(hbuf), None]
+            if len(self.hsend) < MAX_HEADERS_IN_FLIGHT:
+                self.hsend.append(h)
+        if shape is None:
+            HDR.pack_into(h[0], 0, step, nbytes, NO_SHAPE, *_NO_DIMS)
+        else:
+            dims = tuple(int(d) for d in shape) + (0,) * (HEADER_DIMS - len(shape))
+            HDR.pack_into(h[0], 0, step, nbytes, len(shape), *dims)
         return h
+
+    def read_header(self, p: Post) -> Received:
+        """What the header received with ``p`` says (its buffer goes back to the free list).
+
+        Raises:
+            ProtocolError: more bytes announced than ``p`` holds, or a bad rank.
+        """
+        step, nbytes, ndim, *dims = HDR.unpack_from(p.hbuf)
+        self.hfree.append((p.hbuf, p.harr))
+        if nbytes > p.cap:
+            raise ProtocolError(f"{nbytes} bytes announced for a {p.cap}-byte slot on tag {self.tag}")
+        if ndim == NO_SHAPE:
+            return Received(nbytes, None, step)
+        if ndim > HEADER_DIMS:
+            raise ProtocolError(f"bad ndim {ndim} on tag {self.tag}")
+        return Received(nbytes, tuple(dims[:ndim]), step)
+
+    def salvage(self, worker: Any, rid: int, p: Post) -> None:
+        """The peer is gone: refill a receive of ``p`` UCX cancelled (or never posted) from the unexpected queue.
+
+        Raises:
+            ucx.UCXError: from UCX (the caller translates it).
+        """
+        for kind, attr, arr in ((DATA, "req", p.arr), (HEADER, "hreq", p.harr)):
+            if arr is None or not cancelled(getattr(p, attr)):
+                continue
+            probe = worker.tag_probe(Tag(rid | (kind << KIND_SHIFT) | self.tag), remove=True)
+            if probe.matched:
+                setattr(p, attr, worker.tag_recv_with_handle(arr, probe))
 
     def posted_requests(self, rid: int) -> list[tuple[int, Any]]:
         """(full tag, request) of this tag's receives still posted (``rid``: this side's id, shifted)."""

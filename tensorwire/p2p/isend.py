@@ -1,0 +1,103 @@
+"""What :meth:`Link.isend <tensorwire.p2p.link.Link.isend>` hands out and where queued isends run.
+
+:class:`SendHandle`: the completion handle of one isend (a transport send op posted in the
+caller's thread, or a future of the link's sender thread). :class:`IsendQueue`: that thread,
+which runs, in order, the isends that cannot be posted where they are called.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tensorwire.errors import TransferTimeout
+from tensorwire.transport.base import Transport
+
+__all__ = ["IsendQueue", "SendHandle"]
+
+
+class SendHandle:
+    """Completion handle of :meth:`Link.isend`."""
+
+    __slots__ = ("_future", "_name", "_op", "_t")
+
+    def __init__(
+        self,
+        future: concurrent.futures.Future[Any] | None,
+        name: str,
+        *,
+        op: Any = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self._future = future
+        self._name = name
+        self._op = op  # a transport send op (async_send transports): the message is already posted
+        self._t = transport
+
+    def done(self) -> bool:
+        if self._op is not None:
+            return bool(self._op.done())
+        assert self._future is not None
+        if not self._future.done():
+            return False
+        if self._t is not None and self._future.exception() is None:
+            return bool(self._future.result().done())  # posted by the link's thread: is it out?
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the bytes are out of the tensor given to ``isend``.
+
+        Raises:
+            TransferTimeout: not done within ``timeout`` (the send goes on).
+            the send's own error (PeerLostError, ...).
+        """
+        if self._op is not None:
+            assert self._t is not None
+            self._t.wait_send(self._op, timeout=timeout)
+            return
+        assert self._future is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            op = self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self._future.done():
+                raise  # the send's own error (TransferTimeout is a TimeoutError too), not this wait's timeout
+            raise TransferTimeout(f"isend of {self._name!r} not complete within {timeout}s") from None
+        if self._t is not None:  # the link's thread posted it (CUDA isend): now wait for the bytes to leave
+            self._op = op
+            self._t.wait_send(op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+class IsendQueue:
+    """The link's sender thread: isends that cannot be posted in the caller's thread run here, in order.
+
+    ``pending`` counts the submitted calls not finished yet; while it is non-zero,
+    later sends and isends of any name queue behind them.
+    """
+
+    def __init__(self, peer: int, check_open: Callable[[], None]) -> None:
+        self.pending = 0
+        self.check_open = check_open  # raises ClosedError once the link is closed
+        self._peer = peer
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tw-isend-{self._peer}")
+            self.pending += 1
+            fut = self._executor.submit(fn, *args)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, _: Any) -> None:
+        with self._lock:
+            self.pending -= 1
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,432 @@
+"""The receive side of a TCP data connection: posted buffers and the reader role.
+
+Progress model ("caller progresses"): there is no background thread per
+connection. A thread waiting for a receive or a credit becomes the *reader*
+(one at a time) and pumps frames off the socket into posted buffers; a thread
+whose write would block also pumps reads when no one else does. This keeps the
+small-message path free of thread hand-offs (see bench/ for the figures). The
+reader reads up to ``READ_AHEAD`` bytes at a time, so a small frame (header and
+payload) and the credits riding behind it take one system call; the payload
+bytes past the read-ahead are received straight into the posted buffer.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import time
+from typing import Any
+
+from tensorwire.errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout
+from tensorwire.transport.base import HEADER_DIMS, Received, remaining
+from tensorwire.transport.tcp.credits import PENDING, URGENT, CreditBook, flush_pending_credits
+from tensorwire.transport.tcp.wire import (
+    BYE,
+    CMA,
+    CMA_FRAME,
+    CREDIT,
+    DATA,
+    DIMS,
+    DIMS_AT,
+    EAGER,
+    EAGER_TAG,
+    FRAME,
+    HEAD,
+    MAGIC,
+    NO_SHAPE,
+    READ_AHEAD,
+    WRITTEN,
+    Posted,
+    host_view,
+)
+
+__all__ = ["FrameReader"]
+
+
+class FrameReader(CreditBook):
+    """Receives of a connection: buffers posted per tag, and the reader role that fills them (whichever
+    thread waits first reads the socket for everyone)."""
+
+    def post_recv(self, tag: int, buf: Any, *, header: bool = False) -> None:
+        # Posted buffers are long-lived slots: cache their views (the cache holds the object, so its id stays unique).
+        cached = self._views.get(id(buf))
+        if cached is None or cached[0] is not buf:
+            if len(self._views) >= self.VIEW_CACHE:
+                self._views.clear()  # callers posting ever-new buffers (serve) must not grow this
+            cached = (buf, host_view(buf))
+            self._views[id(buf)] = cached
+        view = cached[1]
+        with self._lock:
+            self._check_usable()
+            post = Posted(view, header)
+            cma = self.cma
+            stash = self._stash.get(tag)
+            if stash:  # the message this buffer is for came early, into an eager buffer: copy it here
+                if cma is not None:
+                    cma.on_post(tag, post, view[:0])  # counted, never announced: its message is here already
+                ebuf, got = stash.popleft()
+                if got.nbytes > len(view):
+                    if self._error is None:  # the next wait on this connection raises it
+                        self._error = ProtocolError(
+                            f"peer {self._peer} sent {got.nbytes} bytes on tag {tag}; the slot holds {len(view)}"
+                        )
+                    self._cond.notify_all()
+                else:
+                    view[: got.nbytes] = ebuf[: got.nbytes]
+                    post.result = got
+                    self._eager_free.append(ebuf)
+                    self._pending_credits[EAGER_TAG] += 1
+            elif cma is not None:
+                cma.on_post(tag, post, view)
+            self._posted[tag].append(post)
+            # The credit rides on our next DATA frame, or is flushed before any
+            # thread of this process blocks (see flush_pending_credits).
+            self._pending_credits[tag] += 1
+            # held back only where the peer needs no credit: the buffer fits one of our eager buffers, one of them
+            # is free, and nothing is to go back (see URGENT)
+            urgent = (
+                not self._eager_free
+                or len(view) > self._eager_size
+                or post.result is not None
+                or (cma is not None and cma.has_frames)  # a SLOT goes ahead of its credit, at once
+            )
+        self._owe(urgent=urgent)
+
+    def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
+        q = self._posted[tag]  # (the deque of a tag is never replaced)
+        if not q or q[0].result is None:  # not there yet: wait (fast path skips this)
+            self._wait_for(
+                lambda: bool(q) and q[0].result is not None,
+                None if timeout is None else time.monotonic() + timeout,
+                "receive on tag %d",
+                tag,
+            )
+        with self._lock:
+            return q.popleft().result  # type: ignore[return-value]
+
+    def wait_eager_offer(self, *, timeout: float | None) -> None:
+        """Wait until the peer's :meth:`offer_eager` arrived (for two ends that both offer: then the first
+        message of either already goes eagerly).
+
+        Raises:
+            TransferTimeout: no offer within ``timeout``.
+            PeerLostError, ClosedError.
+        """
+        self._wait_for(
+            lambda: self._peer_offered,
+            None if timeout is None else time.monotonic() + timeout,
+            "eager offer of the peer",
+        )
+
+    # -- the reader role -----------------------------------------------------------------------------------
+    def _wait_for(self, pred: Any, deadline: float | None, what: str, arg: int | None = None) -> None:
+        """Wait until ``pred()`` (evaluated under the lock) holds, reading the socket when no one else is.
+        ``what % arg`` names the wait in a timeout. A deadline already past still reads what the socket
+        holds, without waiting, once (a poll makes progress)."""
+        read = False
+        with self._cond:
+            while True:
+                if pred():
+                    return
+                if self._error is not None:
+                    self._check_usable()
+                rem = None if deadline is None else deadline - time.monotonic()
+                if rem is not None and rem <= 0 and (read or self._reader_busy):
+                    raise TransferTimeout(f"{what if arg is None else what % arg} timed out (peer {self._peer})")
+                if not self._reader_busy:
+                    read = True
+                    self._reader_busy = True
+                    self._cond.release()
+                    try:
+                        self._pump(pred, deadline)
+                    finally:
+                        self._cond.acquire()
+                        self._reader_busy = False
+                        if self._waiters:
+                            self._cond.notify_all()
+                else:
+                    self._cond.release()
+                    try:
+                        flush_pending_credits()
+                    finally:
+                        self._cond.acquire()
+                    if not pred():
+                        self._waiters += 1
+                        try:
+                            self._cond.wait(self.READ_SLICE if rem is None else min(rem, self.READ_SLICE))
+                        finally:
+                            self._waiters -= 1
+
+    def _pump(self, pred: Any, deadline: float | None) -> None:
+        """Reader role: read frames until pred() holds, the deadline passes, or an error."""
+        # with credits to hand back, look before blocking; past the deadline, only look
+        block = not URGENT and (deadline is None or time.monotonic() < deadline)
+        while True:
+            try:
+                progressed = self._read_some(block=block)
+            except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by waiters
+                self._fail(exc)
+                return
+            if progressed:
+                try:  # frames that came in the same read (credits riding behind): take them now, no system call
+                    while self._read_some(block=False, buffered=True):
+                        pass
+                except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by waiters
+                    self._fail(exc)
+                    return
+                with self._lock:
+                    if self._waiters:
+                        self._cond.notify_all()
+                    if pred() or self._error is not None:
+                        return
+                block = not URGENT and (deadline is None or time.monotonic() < deadline)
+                continue
+            if self._error is not None:
+                return
+            rem = remaining(deadline)
+            if rem is not None and rem <= 0:
+                return
+            if not block:
+                # About to block: first hand back every credit a peer may be waiting for.
+                flush_pending_credits()
+                with self._cond:
+                    if pred() or self._error is not None:
+                        return
+                block = True
+            elif PENDING:
+                # A whole read slice without a byte: hand back the credits held back too (see URGENT).
+                flush_pending_credits(held=True)
+
+    def _recv(self, view: memoryview, n: int, block: bool) -> int:
+        try:
+            if block:
+                return self._sock.recv_into(view, n, socket.MSG_WAITALL if n > 65536 else 0)
+            return self._sock.recv_into(view, n, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return -1
+        except OSError as exc:
+            if self._closed:
+                raise ClosedError("transport closed") from exc
+            raise self._translate(exc, "receive") from exc
+
+    def _read_some(self, *, block: bool, buffered: bool = False) -> bool:
+        """Advance the frame reader. True if a whole frame completed; False if no data (yet).
+
+        ``buffered``: only from what the read-ahead buffer holds (no system call).
+        """
+        rview = self._rview
+        while True:
+            if self._rphase == 0:
+                pos, end = self._rpos, self._rend
+                if end - pos < FRAME.size:
+                    if buffered or self._fill(block or end > pos) < 0:
+                        return False
+                    continue
+                if buffered and self._rbuf[pos + 2] == BYE:
+                    return False  # the peer's goodbye waits for a reader that needs more: what came before it is used
+                self._rpos = pos + FRAME.size
+                if self._on_header(pos):
+                    return True
+                # the payload: first what the read-ahead holds, the rest straight from the socket
+                target = self._rtarget
+                assert target is not None
+                pos, end = self._rpos, self._rend
+                k = min(end - pos, len(target))
+                if k:
+                    target[:k] = rview[pos : pos + k]
+                    self._rpos = pos + k
+                    self.bytes_received += k
+                self._roff = k
+                if k == len(target):
+                    self._complete_data()
+                    return True
+                self._rpos = self._rend = 0  # the read-ahead is empty (the payload took all of it)
+                block = True  # a frame has started: wait for the rest of it
+                if buffered:
+                    return False
+            else:
+                if buffered:
+                    return False
+                target = self._rtarget
+                assert target is not None
+                n = self._recv(target[self._roff :], len(target) - self._roff, block)
+                if n < 0:
+                    return False
+                if n == 0:
+                    raise PeerLostError(f"peer {self._peer} closed the connection mid-message")
+                self._roff += n
+                self.bytes_received += n
+                if self._roff == len(target):
+                    self._complete_data()
+                    return True
+                block = True  # a frame has started: wait for the rest of it
+
+    def _fill(self, block: bool) -> int:
+        """(reader, between frames) Read into the read-ahead buffer: bytes read, -1 if none (not blocking)."""
+        pos, end = self._rpos, self._rend
+        if pos:  # keep the start of a header (if any) at the front of the buffer
+            if end > pos:
+                self._rbuf[: end - pos] = bytes(self._rview[pos:end])
+            end -= pos
+            self._rpos, self._rend = 0, end
+        n = self._recv(self._rview[end:], READ_AHEAD - end, block)
+        if n == 0:
+            raise (
+                ClosedError("transport closed")
+                if self._closed
+                else PeerLostError(f"peer {self._peer} closed the connection")
+            )
+        if n > 0:
+            self._rend = end + n
+        return n
+
+    def _look(self) -> None:
+        """Take what the socket holds right now, if no other thread is reading: one read of at most
+        ``READ_AHEAD`` bytes that does not wait, whole frames only (credits that came while nobody read)."""
+        with self._lock:
+            if self._reader_busy or self._error is not None or self._rphase:
+                return
+            self._reader_busy = True
+        try:
+            if self._fill(False) > 0:
+                while self._read_some(block=False, buffered=True):
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by whoever uses the connection
+            self._fail(exc)
+        finally:
+            with self._cond:
+                self._reader_busy = False
+                if self._waiters:
+                    self._cond.notify_all()
+
+    def _on_header(self, pos: int) -> bool:
+        """Parse the header at ``pos`` of the read-ahead buffer. True if the frame is complete (no payload)."""
+        magic, ftype, ndim, tag, step, nbytes, ctag, ccount = HEAD.unpack_from(self._rbuf, pos)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad frame magic {bytes(magic)!r} from {self._peer}")
+        if ftype == CREDIT:
+            with self._lock:
+                self._credits[ctag] += ccount
+            if ctag == EAGER_TAG and ccount:  # the peer's offer (its buffers come back as grants without a size)
+                if not self._peer_offered:
+                    self._peer_eager = nbytes
+                    self._peer_offered = True
+            return True
+        if ftype != DATA and ftype != EAGER:
+            if ftype == BYE:
+                raise PeerLostError(f"peer {self._peer} closed the link")
+            if ftype == CMA:
+                if self.cma is None:
+                    raise ProtocolError(
+                        f"peer {self._peer} sent a cross-memory frame on a connection without a link secret"
+                    )
+                self.cma.on_frame(ndim, tag, step, nbytes, CMA_FRAME.unpack_from(self._rbuf, pos)[8])
+                if self.cma.has_frames:
+                    self._owe(urgent=True)
+                return True
+            if ftype != WRITTEN:
+                raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
+        post = ebuf = None
+        with self._lock:
+            if ccount:
+                self._credits[ctag] += ccount
+            q = self._posted.get(tag)
+            if q:
+                for post in q:
+                    if post.result is None:
+                        break
+                else:
+                    post = None
+            if ftype == EAGER:
+                if not self._offered or nbytes > self._eager_size:
+                    raise ProtocolError(
+                        f"peer {self._peer} sent {nbytes} bytes eagerly on tag {tag}; eager buffers hold "
+                        f"{self._eager_size if self._offered else 'nothing (none offered)'}"
+                    )
+                if post is None:
+                    if not self._eager_free:
+                        raise ProtocolError(f"peer {self._peer} sent on tag {tag} beyond its eager credits")
+                    ebuf = self._eager_free.pop()
+                else:
+                    self._pending_credits[EAGER_TAG] += 1  # its eager buffer was not needed: back to the peer
+        if post is None:
+            if ebuf is None:
+                raise ProtocolError(f"peer {self._peer} sent on tag {tag} without a credit")
+        else:
+            if nbytes > len(post.view):
+                raise ProtocolError(
+                    f"peer {self._peer} sent {nbytes} bytes on tag {tag}; the slot holds {len(post.view)}"
+                )
+            if ftype == EAGER:
+                self._owe(urgent=True)
+        expected = self._recv_steps[tag] + 1
+        if step != expected:
+            raise ProtocolError(f"tag {tag}: step {step} arrived, expected {expected} (lost or reordered message)")
+        self._recv_steps[tag] = step
+        if ndim == NO_SHAPE:
+            shape = None
+        elif ndim == HEADER_DIMS:
+            shape = DIMS.unpack_from(self._rbuf, pos + DIMS_AT)
+        elif ndim < HEADER_DIMS:
+            shape = DIMS.unpack_from(self._rbuf, pos + DIMS_AT)[:ndim]
+        else:
+            raise ProtocolError(f"bad ndim {ndim} from {self._peer}")
+        self._rpost = post
+        self._reager = ebuf
+        self._rmeta = (tag, step, nbytes, shape)
+        if ftype == WRITTEN:
+            # The sender wrote the bytes into this buffer itself: deliver them only if this side announced
+            # exactly this buffer for this step (never a buffer, or a length, the peer chose).
+            why = self.cma.landed(tag, step, post, nbytes) if self.cma is not None else "no cross-memory attach here"
+            if why is not None:
+                raise ProtocolError(f"peer {self._peer}: cross-memory message refused: {why}")
+            self.bytes_received += nbytes
+            self._complete_data()
+            return True
+        if self.cma is not None:
+            self.cma.streamed(tag, step)
+        if nbytes == 0:
+            self._complete_data()
+            return True
+        self._rtarget = (post.view if post is not None else ebuf)[:nbytes]
+        self._rphase = 1
+        return False
+
+    def _complete_data(self) -> None:
+        post, meta = self._rpost, self._rmeta
+        assert meta is not None
+        tag, step, nbytes, shape = meta
+        got = Received(nbytes, shape, step)
+        self._rphase = 0
+        self._roff = 0
+        self._rtarget = None
+        self._rpost = None
+        self._rmeta = None
+        if post is not None:
+            with self._lock:
+                post.result = got
+            return
+        ebuf, self._reager = self._reager, None
+        assert ebuf is not None
+        with self._lock:
+            q = self._posted.get(tag)
+            if q:
+                for post in q:
+                    if post.result is None:
+                        break
+                else:
+                    post = None
+            if post is None:
+                self._stash.setdefault(tag, collections.deque()).append((ebuf, got))
+                return
+            if nbytes > len(post.view):  # posted while the payload came in: refused as on the header
+                raise ProtocolError(
+                    f"peer {self._peer} sent {nbytes} bytes on tag {tag}; the slot holds {len(post.view)}"
+                )
+            post.view[:nbytes] = ebuf[:nbytes]
+            post.result = got
+            self._eager_free.append(ebuf)
+            self._pending_credits[EAGER_TAG] += 1
+            if self.cma is not None:
+                self.cma.streamed(tag, step)  # (an announcement made for the buffer is not used)
+        self._owe(urgent=True)
