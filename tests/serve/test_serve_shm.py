@@ -319,7 +319,8 @@ def test_hello_region_out_of_reach_falls_back_silently(srv, monkeypatch, tmp_pat
         assert not _session(srv, c).shm and _session(srv, c).shm_hello is None  # withdrawn by the first request
         c.delete("far")
     assert any("not reachable from this process" in r.getMessage() for r in caplog.records)
-    assert not any(r.levelname == "WARNING" for r in caplog.records)
+    # the client falls back without a warning (the in-process daemon may still log an earlier test's session)
+    assert not any(r.levelname == "WARNING" and r.name.startswith("tensorwire.serve.client") for r in caplog.records)
     with pytest.raises(tw.ConfigError, match="not reachable"):
         Client(srv.address, transport="shm")
 
