@@ -191,7 +191,7 @@ class Settings:
     )
     cma_threads: int = _var(
         _count,
-        "Threads that copy one cross-memory message in pieces of at least 1 MiB; 0: a quarter of the cores, 1 to 4.",
+        "Threads that copy one cross-memory message in pieces of at least 1 MiB; 0: a quarter of the cores, 2 to 4 (1 on one core).",
         0,
     )
     # -- UCX ---------------------------------------------------------------------------------------------
