@@ -34,9 +34,17 @@ class Connection(Transport):
     VIEW_CACHE = 256
 
     def __init__(
-        self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0, cma: CmaPeer | None = None
+        self,
+        sock: socket.socket,
+        *,
+        peer: str = "",
+        peer_timeout: float = 30.0,
+        cma: CmaPeer | None = None,
+        spin_us: float = 0.0,
     ) -> None:
-        """``cma``: cross-memory attach with the peer (links that proved the link secret); None: never."""
+        """``cma``: cross-memory attach with the peer (links that proved the link secret); None: never.
+        ``spin_us``: how long a blocking read first polls the socket without sleeping."""
+        self._spin = spin_us * 1e-6
         sock.setblocking(True)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(self.READ_SLICE * 1e6)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, int(self.SEND_SLICE * 1e6)))

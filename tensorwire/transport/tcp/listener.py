@@ -37,6 +37,7 @@ from tensorwire.errors import (
 )
 from tensorwire.transport._socket import dial, tune_socket
 from tensorwire.transport.admission import AdmissionLimits, PendingTable
+from tensorwire.settings import setting
 from tensorwire.transport.base import Listener, link_proof, proof_matches, remaining
 from tensorwire.transport.cma import new_cma_peer
 from tensorwire.transport.tcp.transport import TcpTransport
@@ -303,6 +304,7 @@ class TcpListener(Listener):
                     peer=peer,
                     peer_timeout=self._peer_timeout,
                     cma=new_cma_peer(authenticated=self._secret is not None, peer=peer),
+                    spin_us=setting("tcp_spin_us") if self._secret is not None else 0.0,
                 )
             except BaseException:
                 with self._cond:  # answering failed: nobody got in; the nonce may be presented again
@@ -439,7 +441,11 @@ class TcpListener(Listener):
             raise
         peer = f"{host}:{port}"
         return TcpTransport(
-            sock, peer=peer, peer_timeout=peer_timeout, cma=new_cma_peer(authenticated=linked, peer=peer)
+            sock,
+            peer=peer,
+            peer_timeout=peer_timeout,
+            cma=new_cma_peer(authenticated=linked, peer=peer),
+            spin_us=setting("tcp_spin_us") if linked else 0.0,
         )
 
 

@@ -200,6 +200,14 @@ class FrameReader(CreditBook):
     def _recv(self, view: memoryview, n: int, block: bool) -> int:
         try:
             if block:
+                if self._spin:  # poll first: a peer answering within it is seen without a wake-up
+                    end = time.perf_counter() + self._spin
+                    while True:
+                        try:
+                            return self._sock.recv_into(view, n, socket.MSG_DONTWAIT)
+                        except (BlockingIOError, InterruptedError):
+                            if time.perf_counter() >= end:
+                                break
                 return self._sock.recv_into(view, n, socket.MSG_WAITALL if n > 65536 else 0)
             return self._sock.recv_into(view, n, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):

@@ -54,10 +54,18 @@ class TcpTransport(FrameReader):
     INLINE_COPY = 256 * 1024
 
     def __init__(
-        self, sock: socket.socket, *, peer: str = "", peer_timeout: float = 30.0, cma: CmaPeer | None = None
+        self,
+        sock: socket.socket,
+        *,
+        peer: str = "",
+        peer_timeout: float = 30.0,
+        cma: CmaPeer | None = None,
+        spin_us: float = 0.0,
     ) -> None:
-        """``cma``: cross-memory attach with the peer (links that proved the link secret); None: never."""
-        super().__init__(sock, peer=peer, peer_timeout=peer_timeout, cma=cma)
+        """``cma``: cross-memory attach with the peer (links that proved the link secret); None: never.
+        ``spin_us``: how long a blocking read first polls the socket without sleeping (``TENSORWIRE_TCP_SPIN_US``
+        for links; 0: never)."""
+        super().__init__(sock, peer=peer, peer_timeout=peer_timeout, cma=cma, spin_us=spin_us)
         if cma is not None:
             cma.start()
             self._owe(urgent=True)  # the probe's first frame goes out with the first flush or send
