@@ -36,7 +36,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from tensorwire.benchmark.config import BenchConfig, parse_size
 from tensorwire.benchmark.runner import run_pair
@@ -65,53 +65,9 @@ def _spread(xs: list[float], fmt: str) -> str:
     return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}..{max(xs):{fmt}})"
 
 
-def cpu_per_round_trip(size: int, n: int = 4000, reps: int = 7) -> list[float]:
-    """Microseconds of CPU per round trip (both ends in this thread), ``reps`` times."""
-    import threading
-
-    import torch
-
-    from tensorwire.p2p.link import Link
-    from tensorwire.spec import TensorSpec
-    from tensorwire.transport.base import new_nonce
-    from tensorwire.transport.ucx import UcxListener
-
-    lst = UcxListener()
-    nonce = new_nonce()
-    lst.expect(nonce)
-    box: list = []
-    th = threading.Thread(
-        target=lambda: box.append(UcxListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10)), daemon=True
-    )
-    th.start()
-    tb = lst.accept(nonce, timeout=10)
-    th.join(10)
-    data, ack = TensorSpec("data", (size,), "uint8", "cpu"), TensorSpec("ack", (1,), "uint8", "cpu")
-    a = Link(node_rank=0, peer=1, name="cpu", transport=box[0], send=[data], recv=[ack], timeout=30.0, device=None)
-    b = Link(node_rank=1, peer=0, name="cpu", transport=tb, send=[ack], recv=[data], timeout=30.0, device=None)
-    src, one = torch.ones(size, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
-    out = []
-    try:
-        for rep in range(reps + 1):
-            t0 = time.thread_time_ns()
-            for _ in range(n if rep else n // 8):  # the first pass warms up
-                a.send("data", src)
-                b.recv("data")
-                b.send("ack", one)
-                a.recv("ack")
-            if rep:
-                out.append((time.thread_time_ns() - t0) / n / 1e3)
-    finally:
-        a.close()
-        b.close()
-        lst.close()
-    return out
-
-
-def _burst_worker(size: int) -> None:
-    """``--burst-worker``: keep a one-thread Link pair warm; for each line ``n`` on stdin, run ``n`` round
-    trips and print the CPU microseconds per round trip."""
-    import os
+def _one_thread_pair(size: int) -> tuple[Any, Callable[[int], None]]:
+    """Two Links over a UCX pair in this process (``size``-byte data, 1-byte ack): a closer and ``loop(k)``,
+    which runs ``k`` round trips with both ends in the calling thread."""
     import threading
 
     import torch
@@ -143,6 +99,35 @@ def _burst_worker(size: int) -> None:
             b.send("ack", one)
             a.recv("ack")
 
+    def close() -> None:
+        a.close()
+        b.close()
+        lst.close()
+
+    return close, loop
+
+
+def cpu_per_round_trip(size: int, n: int = 4000, reps: int = 7) -> list[float]:
+    """Microseconds of CPU per round trip (both ends in this thread), ``reps`` times."""
+    close, loop = _one_thread_pair(size)
+    out = []
+    try:
+        for rep in range(reps + 1):
+            t0 = time.thread_time_ns()
+            loop(n if rep else n // 8)  # the first pass warms up
+            if rep:
+                out.append((time.thread_time_ns() - t0) / n / 1e3)
+    finally:
+        close()
+    return out
+
+
+def _burst_worker(size: int) -> None:
+    """``--burst-worker``: keep a one-thread Link pair warm; for each line ``n`` on stdin, run ``n`` round
+    trips and print the CPU microseconds per round trip."""
+    import os
+
+    close, loop = _one_thread_pair(size)
     loop(1000)
     import tensorwire
 
@@ -152,9 +137,7 @@ def _burst_worker(size: int) -> None:
         t0 = time.thread_time_ns()
         loop(n)
         print((time.thread_time_ns() - t0) / n / 1e3, flush=True)
-    a.close()
-    b.close()
-    lst.close()
+    close()
 
 
 def compare_trees(trees: list[str], size: int, bursts: int, n: int = 2000) -> str:
