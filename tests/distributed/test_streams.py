@@ -27,13 +27,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from stream_sim import NoEventOps, NoStreamWaitOps, SimOps  # noqa: E402
+from tcp_pairs import tcp_pair  # noqa: E402
 
 from tensorwire.cuda import StreamMemOps  # noqa: E402
 from tensorwire.distributed.channel import Peer, SlotPool  # noqa: E402
 from tensorwire.distributed.errors import PeerLost, WorkTimeout  # noqa: E402
 from tensorwire.distributed.streams import FLAG_PAGE, FLAG_STRIDE, Flag, FlagPool, seq_reached  # noqa: E402
 from tensorwire.distributed.work import Completer  # noqa: E402
-from tensorwire.transport.base import new_nonce  # noqa: E402
 from tensorwire.transport.memory import MemoryTransport, memory_pair  # noqa: E402
 from tensorwire.transport.tcp import TcpListener  # noqa: E402
 
@@ -286,15 +286,10 @@ def pairs():
 
 def _tcp_pair():
     lst = TcpListener("127.0.0.1", port=0)
-    nonce = new_nonce()
-    lst.expect(nonce)
-    out = {}
-    th = threading.Thread(target=lambda: out.setdefault("b", lst.accept(nonce, timeout=10)))
-    th.start()
-    a = TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10)
-    th.join(10)
-    lst.close()
-    return a, out["b"]
+    try:
+        return tcp_pair(lst)
+    finally:
+        lst.close()
 
 
 def _send_later(peer, tensor, delay: float):

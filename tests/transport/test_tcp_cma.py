@@ -14,13 +14,13 @@ import errno
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 
 import pytest
 import torch
 
 import cma_workers as W
+from tcp_pairs import tcp_pair
 from tensorwire.errors import PeerLostError, ProtocolError, TransportError
 from tensorwire.testing import CHECKS
 from tensorwire.transport import cma as C
@@ -55,18 +55,7 @@ def listener():
 
 
 def _pair(lst: TcpListener, *, secret: bytes | None = W.SECRET) -> tuple[TcpTransport, TcpTransport]:
-    nonce = new_nonce()
-    lst.expect(nonce)
-    out: dict[str, TcpTransport] = {}
-    th = threading.Thread(
-        target=lambda: out.setdefault(
-            "c", TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10, secret=secret)
-        )
-    )
-    th.start()
-    server = lst.accept(nonce, timeout=10)
-    th.join(10)
-    return out["c"], server  # type: ignore[return-value]
+    return tcp_pair(lst, secret=secret)
 
 
 def _settle(a: TcpTransport, b: TcpTransport, rounds: int = 6) -> None:

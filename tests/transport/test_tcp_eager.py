@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from tcp_pairs import tcp_pair
+
 import tensorwire as tw
 from tensorwire.transport import tcp
 from tensorwire.transport.tcp import credits as tcp_credits
@@ -220,18 +222,7 @@ def linked_pair():
     """A pair that proved a link secret (so it has cross-memory attach, whose probe may still run)."""
     secret = b"s" * 32
     lst = TcpListener("127.0.0.1", port=0, secret=secret)
-    nonce = new_nonce()
-    lst.expect(nonce)
-    out = {}
-    th = threading.Thread(
-        target=lambda: out.setdefault(
-            "a", TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10, secret=secret)
-        )
-    )
-    th.start()
-    b = lst.accept(nonce, timeout=10)
-    th.join(10)
-    a = out["a"]
+    a, b = tcp_pair(lst, secret=secret)
     yield a, b
     a.close()
     b.close()

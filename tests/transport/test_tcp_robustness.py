@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import threading
 import time
 
 import pytest
 import torch
+
+from tcp_pairs import tcp_pair
 
 import tensorwire as tw
 from tensorwire.transport.base import new_nonce
@@ -27,16 +28,7 @@ def listener():
 
 
 def _good_pair(listener):
-    nonce = new_nonce()
-    listener.expect(nonce)
-    out = {}
-    th = threading.Thread(
-        target=lambda: out.setdefault("c", TcpListener.connect("127.0.0.1", listener.address[1], nonce, timeout=10))
-    )
-    th.start()
-    server = listener.accept(nonce, timeout=10)
-    th.join(10)
-    return out["c"], server
+    return tcp_pair(listener)
 
 
 def _exchange_ok(listener) -> None:

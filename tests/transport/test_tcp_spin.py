@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tensorwire.transport.base import new_nonce
+from tcp_pairs import tcp_pair
+
 from tensorwire.transport.tcp import TcpListener, TcpTransport
 
 torch = pytest.importorskip("torch")
@@ -18,18 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _pair(secret: bytes | None) -> tuple[TcpTransport, TcpTransport, TcpListener]:
     lst = TcpListener("127.0.0.1", port=0, secret=secret)
-    nonce = new_nonce()
-    lst.expect(nonce)
-    out: dict[str, TcpTransport] = {}
-    th = threading.Thread(
-        target=lambda: out.setdefault(
-            "a", TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10, secret=secret)
-        )
-    )
-    th.start()
-    b = lst.accept(nonce, timeout=10)
-    th.join(10)
-    return out["a"], b, lst
+    return (*tcp_pair(lst, secret=secret), lst)
 
 
 def test_links_spin_as_configured_and_connections_without_a_secret_never(monkeypatch):

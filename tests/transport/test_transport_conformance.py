@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
+from tcp_pairs import tcp_pair
+
 from tensorwire.testing import CHECKS
-from tensorwire.transport.base import new_nonce
 from tensorwire.transport.memory import memory_pair
 from tensorwire.transport.tcp import TcpListener
 
@@ -21,16 +21,7 @@ def tcp_listener():
 
 def _tcp_maker(listener: TcpListener):
     def make():
-        nonce = new_nonce()
-        listener.expect(nonce)
-        out = {}
-        th = threading.Thread(
-            target=lambda: out.setdefault("c", TcpListener.connect("127.0.0.1", listener.address[1], nonce, timeout=10))
-        )
-        th.start()
-        server = listener.accept(nonce, timeout=10)
-        th.join(10)
-        return out["c"], server
+        return tcp_pair(listener)
 
     return make
 
