@@ -102,8 +102,7 @@ def _gpipe(torch, group, rank: int, act_mib: int, n_mb: int = 4):
             (torch.nn.functional.mse_loss(out, mb) if rank == 1 else out.sum()).backward()
         return time.perf_counter() - t0
 
-    step.compute_alone = compute_alone  # type: ignore[attr-defined]
-    return step
+    return step, compute_alone
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -122,14 +121,16 @@ def worker(args: argparse.Namespace) -> None:
     for size in sizes:
         x = torch.zeros(size // 4)
         samples: dict[str, list[float]] = {"gloo": [], "tensorwire": []}
-        for name, g in groups.items():  # warm-up (first message of each signature, connections)
+        for g in groups.values():  # warm-up (first message of each signature, connections)
             _pingpong(dist, torch, g, rank, x, 2)
         for _ in range(args.rounds):
             for name, g in groups.items():
                 dist.barrier()
                 samples[name].append(_pingpong(dist, torch, g, rank, x, max(1, _iters(size) // args.rounds)))
         out["pingpong"][size] = {k: statistics.median(v) for k, v in samples.items()}
-    steps = {name: _gpipe(torch, g, rank, args.act_mib) for name, g in groups.items()}
+    made = {name: _gpipe(torch, g, rank, args.act_mib) for name, g in groups.items()}
+    steps = {name: step for name, (step, _) in made.items()}
+    compute_alone = made["gloo"][1]  # (the same stage and microbatches in either group)
     for name in groups:
         steps[name]()  # warm-up: shape inference, first messages
     gp: dict[str, list[float]] = {"gloo": [], "tensorwire": []}
@@ -138,8 +139,8 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             gp[name].append(steps[name]())
     out["gpipe"] = {k: statistics.median(v) for k, v in gp.items()}
-    steps["gloo"].compute_alone()  # warm-up
-    out["compute_alone"] = statistics.median(steps["gloo"].compute_alone() for _ in range(args.gpipe_steps))
+    compute_alone()  # warm-up
+    out["compute_alone"] = statistics.median(compute_alone() for _ in range(args.gpipe_steps))
     out["threads"] = args.threads
     # RSS over many steps after warm-up, per backend
     small, large = torch.zeros(1024), torch.zeros(1 << 18)
