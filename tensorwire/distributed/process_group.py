@@ -120,7 +120,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         try:
             for peer in range(size):
                 if peer != rank:
-                    link = self._node.link(peer, name="pg", timeout=self._timeout)
+                    link = self._node.link(peer, name="pg", timeout=self._timeout, cuda_hint=True)
                     self._peers[peer] = Peer(
                         link,
                         rank=rank,

@@ -106,7 +106,7 @@ class RecvWork(Work):
                             f"{self._what}: the caller's CUDA stream did not reach the irecv within "
                             f"{self._peer.timeout:.3g} s"
                         )
-                    ops.copy(self._tensor, self._staging)
+                    ops.copy(self._tensor.detach(), self._staging)  # detached: a leaf may require grad
                 except BaseException as exc:  # noqa: BLE001
                     self._release()
                     self._finish(self._peer.fail(exc, self._what))
@@ -114,7 +114,7 @@ class RecvWork(Work):
                 finally:
                     ops.recycle(ready)
             else:
-                self._tensor.copy_(self._staging)  # into a non-contiguous host tensor
+                self._tensor.detach().copy_(self._staging)  # into a non-contiguous host tensor
             self._release()
         self._finish()
 
@@ -157,6 +157,8 @@ class RecvChannel:
         self.cond = threading.Condition()
         self.served: collections.deque[RecvWork] = collections.deque()
         self.thread: threading.Thread | None = None
+        self.poster: threading.Thread | None = None
+        self.post_wanted = False
         self.closed = False
 
     def where(self, tensor: torch.Tensor) -> str:
@@ -189,6 +191,42 @@ class RecvChannel:
             else:
                 self.fifo.append(work)
                 self.unposted.append((work, buf, after))
+                self._post_later(buf.device)
+
+    def _post_later(self, device: torch.device) -> None:
+        """A receive waits for its caller's stream to reach it: a thread posts it then, whoever waits on what.
+
+        Without it the receive would be posted only when its caller waits on it; two ranks that each wait on
+        their ``isend`` first (``batch_isend_irecv`` and pipelining's schedules do) would each hold the receive
+        the other's send needs a credit for -- a deadlock until the timeout (seen on two GPUs over UCX).
+        """
+        with self.cond:
+            self.post_wanted = True
+            if self.poster is None:
+                self.poster = threading.Thread(
+                    target=self._run_poster,
+                    args=(device,),
+                    daemon=True,
+                    name=f"tw-dist-post-{self.peer.peer}-{self.tag - 1}",
+                )
+                self.poster.start()
+            else:
+                self.cond.notify_all()
+
+    def _run_poster(self, device: torch.device) -> None:
+        self.peer.ops.bind_thread(device)  # UCX's CUDA transports expect a context in the posting thread
+        while True:
+            with self.cond:
+                while not self.post_wanted and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                self.post_wanted = False
+            try:
+                # waits on events only (no GPU work queued, nothing allocated): safe while a stream waits
+                self.flush(time.monotonic() + self.peer.timeout)
+            except BaseException:  # noqa: BLE001 - flush failed the pair; the receives' callers see it
+                return
 
     def post_wire(self, work: RecvWork, wire: Any, buf: torch.Tensor) -> None:
         """Post a host receive (no stream to wait for) whose transport view is ``wire`` (:func:`wire_view` of ``buf``)."""
@@ -337,9 +375,10 @@ class RecvChannel:
             self.closed = True
             self.served.clear()
             self.cond.notify_all()
-            thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
+            threads = (self.thread, self.poster)
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=5.0)
         with self.post_lock:
             for _work, _buf, ev in self.unposted:
                 self.peer.ops.recycle(ev)

@@ -37,7 +37,7 @@ from tensorwire.spec import TensorSpec, check_same_specs
 from tensorwire.p2p.link import Link, slot_depths
 from tensorwire.p2p.linkauth import SECRET_KEY, resolve_link_secret
 from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
-from tensorwire.transport.select import TransportChoice, check_choice, choose_transport, host_id
+from tensorwire.transport.select import TransportChoice, carries_cuda, check_choice, choose_transport, host_id
 from tensorwire.p2p.torchrun import bootstrap_store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -192,6 +192,7 @@ class Node:
         timeout: float | None = None,
         name: str = "default",
         depth: "int | Mapping[str, int] | None" = None,
+        cuda_hint: bool = False,
     ) -> Link:
         """Negotiate a link with ``peer``; both ranks must call this with mirrored specs.
 
@@ -205,6 +206,10 @@ class Node:
                 at least 2, at most 64): a slot returned by ``recv`` stays valid until ``depth - 1``
                 more ``recv`` calls of its name. Local to this side (the peer's credits follow the
                 slots posted); costs ``depth`` x the tensor's bytes. See :meth:`Link.depth`.
+            cuda_hint: the link will also carry undeclared tensors that may be on CUDA (the
+                torch.distributed backend): where both sides have CUDA, the transport is chosen as
+                for CUDA specs (UCX, whose CUDA paths move device memory without staging). Both
+                sides must pass the same value.
 
         Raises:
             ShapeMismatchError: the declarations differ (raised on both sides;
@@ -269,7 +274,12 @@ class Node:
                 # The peer must see the same mismatch: let it fetch our declaration before we go.
                 self._control.wait_served(peer, name, max(0.0, min(10.0, deadline - time.monotonic())))
                 raise ShapeMismatchError("; ".join(errors))
-            needs_cuda = any(s.device == "cuda" for s in send_l + recv_l)
+            needs_cuda = carries_cuda(
+                any(s.device == "cuda" for s in send_l + recv_l),
+                hint=cuda_hint,
+                mine_has_cuda=mine.has_cuda,
+                theirs_has_cuda=theirs.has_cuda,
+            )
             order = choose_transport(mine, theirs, needs_cuda=needs_cuda)
             if not order:
                 raise ConfigError(f"no transport in common with rank {peer}")

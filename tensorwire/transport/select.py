@@ -110,6 +110,17 @@ def same_host(mine: Offer, theirs: Offer) -> bool:
     return bool(mine.host_id) and mine.host_id == theirs.host_id
 
 
+def carries_cuda(specs_on_cuda: bool, *, hint: bool, mine_has_cuda: bool, theirs_has_cuda: bool) -> bool:
+    """Whether a link is chosen as one carrying CUDA tensors (the same answer on both sides).
+
+    ``specs_on_cuda``: a declared spec is on CUDA (both sides see the same specs). ``hint``: the caller
+    will send tensors it did not declare and that may be on CUDA (the torch.distributed backend, whose
+    links are made before any tensor is seen); it counts only where both sides have CUDA, so a CPU-only
+    peer still gets the host-memory choice.
+    """
+    return specs_on_cuda or (hint and mine_has_cuda and theirs_has_cuda)
+
+
 def choose_transport(mine: Offer, theirs: Offer, *, needs_cuda: bool) -> list[str]:
     """Transports to try, in order, for a link between two offers (symmetric).
 

@@ -59,6 +59,13 @@ def test_p2p_every_dtype_and_shape_both_ways_tags_in_flight_futures_collectives(
     assert 0.25 <= res[1]["timeout_after_s"] < 5, res[1]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_receive_into_leaves_that_require_grad_contiguous_or_not(transport):
+    res = run_ranks(W.into_leaves_requiring_grad, 2, timeout=90, transport=transport)
+    assert res[1] == {"flat": True, "strided": True, "leaves": True}, res[1]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_256_mib_tensor_each_way(transport):
@@ -185,7 +192,20 @@ def _cuda() -> bool:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_cuda_isend_after_queued_writes_and_irecv_before_consuming_kernel(transport):
     res = run_ranks(W.cuda_p2p, 2, timeout=200, transport=transport)
-    assert set(res[1]) == {"wait_s_0", "wait_s_1", "wait_s_2"}
+    assert {k for k in res[1] if k.startswith("wait_s")} == {"wait_s_0", "wait_s_1", "wait_s_2"}
+    assert res[0]["transports"] == {1: transport}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+@pytest.mark.timeout(240)
+def test_cuda_auto_transport_is_ucx_where_ucx_runs():
+    """Links of a group are made before any tensor is seen; on CUDA hosts auto must pick UCX (device memory
+    moved by UCX's CUDA transports), not TCP staged through pinned host memory."""
+    from tensorwire.transport.base import available_kinds
+
+    res = run_ranks(W.cuda_p2p, 2, timeout=200, transport="auto")
+    assert res[0]["transports"] == {1: "ucx" if "ucx" in available_kinds() else "tcp"}, res[0]
 
 
 # -- two nodes: two network namespaces, torchrun --nnodes 2 ------------------------------------------------------

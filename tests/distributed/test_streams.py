@@ -612,3 +612,42 @@ def test_streamed_operations_queue_no_gpu_work_in_tensorwire_threads(pairs, stre
         assert tx.thread_copies == [] and tx.waits, (tx.thread_copies, tx.waits)
     else:
         assert len(tx.thread_copies) == 2, tx.thread_copies
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream_wait", [False, True], ids=["blocking", "stream-wait"])
+def test_ranks_waiting_on_their_sends_first_do_not_hold_back_each_others_receives(pairs, stream_wait):
+    """Each rank queues GPU work, then isend + irecv, then waits on the send first (batch_isend_irecv and
+    pipelining's schedules do). Each irecv is posted once its caller's stream reached it, by tensorwire, not
+    when its caller waits on it: otherwise each send waits for a credit the other rank never posts (this
+    deadlocked on two GPUs over UCX until the timeout)."""
+    pair = pairs(SimOps(stream_wait=stream_wait), SimOps(stream_wait=stream_wait), timeout=6.0)
+    xs = [torch.full((4096,), float(r + 1)) for r in range(2)]
+    ys = [torch.zeros(4096) for _ in range(2)]
+    for r in range(2):
+        pair.ops[r].kernel(lambda: None)  # earlier work on each caller's stream: its irecv waits for it
+    took: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            s = pair.peers[r].isend(xs[r], 0)
+            rv = pair.peers[r].irecv(ys[r], 0)
+            t0 = time.perf_counter()
+            s.wait(timedelta(seconds=5))
+            rv.wait(timedelta(seconds=5))
+            took[r] = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    gpus = [threading.Thread(target=lambda r=r: (time.sleep(0.1), pair.ops[r].stream.flush())) for r in range(2)]
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for th in ranks + gpus:
+        th.start()
+    for th in ranks + gpus:
+        th.join(20)
+    assert not errors, errors
+    assert set(took) == {0, 1} and max(took.values()) < 3.0, took
+    for r in range(2):
+        pair.ops[r].stream.flush()
+        assert torch.all(ys[r] == float(2 - r)), (r, ys[r][:3])

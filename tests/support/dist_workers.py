@@ -412,6 +412,7 @@ def cuda_p2p(rank: int, world: int, store: Any, transport: str) -> dict:
             results[f"wait_s_{step}"] = time.perf_counter() - t0
             z = y * 2  # a kernel consuming it right after wait()
             assert torch.all(z == 2.0 * (step + 1)).item(), f"step {step}: stale or partial bytes"
+    results["transports"] = dict(dist.group.WORLD.transports)
     dist.destroy_process_group()
     return results
 
@@ -498,3 +499,26 @@ def small_messages(rank: int, world: int, store: Any, transport: str) -> dict:
             dist.send(big, 0, tag=4)
     dist.destroy_process_group()
     return report
+
+
+def into_leaves_requiring_grad(rank: int, world: int, store: Any, transport: str) -> dict:
+    """Receive into leaf tensors that require grad (what pipelining's stage inputs are), contiguous and not:
+    the bytes land (as NCCL and gloo write them) and the tensors stay leaves that require grad."""
+    _init(rank, world, store, transport)
+    x = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    if rank == 0:
+        dist.send(x, 1)
+        dist.send(x, 1)
+        dist.destroy_process_group()
+        return {}
+    flat = torch.zeros(4, 8, requires_grad=True)
+    strided = torch.zeros(8, 4).t().requires_grad_()  # a leaf, not contiguous: received through a slot
+    assert not strided.is_contiguous() and strided.is_leaf
+    dist.recv(flat, 0)
+    dist.recv(strided, 0)
+    dist.destroy_process_group()
+    return {
+        "flat": torch.equal(flat.detach(), x),
+        "strided": torch.equal(strided.detach(), x),
+        "leaves": flat.is_leaf and strided.is_leaf and flat.requires_grad and strided.requires_grad,
+    }

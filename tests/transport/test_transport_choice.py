@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tensorwire.errors import ConfigError
-from tensorwire.transport.select import choose_transport, host_id
+from tensorwire.transport.select import carries_cuda, choose_transport, host_id
 from tensorwire.v1 import control_pb2, types_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,6 +47,15 @@ def test_cuda_specs_or_rdma_prefer_ucx_between_hosts(monkeypatch):
     assert choose_transport(_offer(hid="a"), _offer(hid="b"), needs_cuda=True) == ["ucx", "tcp"]
     monkeypatch.setattr("tensorwire.transport.select.ucx_has_rdma", lambda: True)
     assert choose_transport(_offer(hid="a"), _offer(hid="b"), needs_cuda=False) == ["ucx", "tcp"]
+
+
+def test_a_cuda_hint_counts_only_where_both_sides_have_cuda():
+    # the torch.distributed backend makes its links before it sees a tensor: it passes the hint
+    assert carries_cuda(False, hint=True, mine_has_cuda=True, theirs_has_cuda=True)
+    assert not carries_cuda(False, hint=True, mine_has_cuda=True, theirs_has_cuda=False)
+    assert not carries_cuda(False, hint=True, mine_has_cuda=False, theirs_has_cuda=True)
+    assert not carries_cuda(False, hint=False, mine_has_cuda=True, theirs_has_cuda=True)
+    assert carries_cuda(True, hint=False, mine_has_cuda=False, theirs_has_cuda=False)  # declared CUDA specs
 
 
 def test_auto_prefer_env_overrides(monkeypatch):
