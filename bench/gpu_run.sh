@@ -10,10 +10,11 @@
 # 3. `tensorwire bench --device cuda` GPU0 -> GPU1 with tensorwire-ucx, NCCL, raw ucxx (by worker address and
 # through a listener), gRPC (unary, stream; capped at $GRPC_MAX, they take seconds per message) and
 # tensorwire-tcp (staged through pinned memory);
-# 4. `pytest -m gpu tests/p2p/test_gpu.py`.
+# 4. `pytest -m gpu tests/p2p/test_gpu.py`; 5. the Link pipeline example vs NCCL; 6. torch.distributed on the
+# GPUs, backend tensorwire vs NCCL (bench/bench_distributed_gpu.py).
 # Files written to $OUT: doctor.txt doctor.json bench.log
-# gpu_nvlink.md gpu_nvlink.json gpu_nvlink.png gpu_tests.log
-# Knobs (environment): STEPS=bench,tests,staged,pipeline (a subset picks steps), BACKENDS, MIN_SIZE, MAX_SIZE,
+# gpu_nvlink.md gpu_nvlink.json gpu_nvlink.png gpu_tests.log pipeline_gpu.* distributed_gpu.*
+# Knobs (environment): STEPS=bench,tests,staged,pipeline,distributed (a subset picks steps), BACKENDS, MIN_SIZE, MAX_SIZE,
 # GRPC_MAX, SCALE (iterations), T_BENCH / T_TESTS (timeouts in s), OUT.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 set -u -o pipefail
@@ -84,7 +85,7 @@ EOF
 timeout 30 python3 -m tensorwire doctor --json > "$OUT/doctor.json" 2>/dev/null
 cat "$OUT/doctor.txt"
 
-STEPS=${STEPS:-bench,tests,staged,pipeline}
+STEPS=${STEPS:-bench,tests,staged,pipeline,distributed}
 has() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 if has tests; then
@@ -115,5 +116,10 @@ if has pipeline && [ "$MODE" = gpu ]; then
   timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_pipeline_gpu.py \
     --hidden 4096 --batch 4096 --microbatches 4 --steps 10 --warmup 3 --variants tensorwire,tensorwire-blocking,nccl,grpc \
     --out-md "$OUT/pipeline_gpu.md" --out-json "$OUT/pipeline_gpu.json" 2>&1 | tail -30 | tee "$OUT/pipeline_gpu.log"
+fi
+if has distributed && [ "$MODE" = gpu ]; then
+  echo "== bench/bench_distributed_gpu.py (torch.distributed: backend tensorwire vs NCCL, one GPU per rank)"
+  timeout 250 python3 bench/bench_distributed_gpu.py --timeout 240 --out "$OUT/distributed_gpu.md" 2>&1 \
+    | tail -40 | tee "$OUT/distributed_gpu.log"
 fi
 ls -l "$OUT"

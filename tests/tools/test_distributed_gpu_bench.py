@@ -1,0 +1,50 @@
+"""``bench/bench_distributed_gpu.py`` without a GPU: a clear refusal, and a CPU dry run (gloo stands in for NCCL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "bench_distributed_gpu.py")
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TENSORWIRE_TRANSPORT", None)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_refuses_clearly_without_cuda(tmp_path):
+    res = _run("--out", str(tmp_path / "d.md"), timeout=50)
+    assert res.returncode == 2, res
+    assert "CUDA is not available" in res.stderr
+    assert not (tmp_path / "d.md").exists()
+
+
+@pytest.mark.timeout(240)
+def test_cpu_dry_run_reports_every_part_and_equal_losses(tmp_path):
+    out = tmp_path / "d.md"
+    args = ["--device", "cpu", "--max-mib", "1", "--acts", "1", "--steps", "2", "--rounds", "1", "--width", "256"]
+    res = _run(*args, "--out", str(out), "--timeout", "200", timeout=220)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    text = out.read_text()
+    for heading in ("## Point-to-point", "## Overlap", "## torch.distributed.pipelining"):
+        assert heading in text, text
+    assert "| 1 MiB |" in text
+    results = json.loads(out.with_suffix(".json").read_text())
+    pipe = results["1"]["pipelining"]
+    assert set(pipe) == {"gpipe/1", "1f1b/1"}
+    for key, v in pipe.items():  # the same model and data over either backend: the same loss
+        assert v["gloo"]["loss"] == v["tensorwire"]["loss"], (key, v)
+    assert results["0"]["transport"] == {"1": "tcp"}
