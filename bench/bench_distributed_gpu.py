@@ -6,8 +6,8 @@
     python bench/bench_distributed_gpu.py --out bench/results/distributed-gpu_<machine>_<date>.md
     python bench/bench_distributed_gpu.py --device cpu --max-mib 4 --acts 1   # dry run: gloo stands in for NCCL
 
-One job, two ranks (rank r on GPU ``r % device_count``; on a one-GPU host both
-ranks share it). The default group is NCCL (gloo with ``--device cpu``); a
+One job, two ranks, one GPU each (NCCL refuses two ranks on one GPU, so a host
+needs two). The default group is NCCL (gloo with ``--device cpu``); a
 second group over the same processes is ``dist.new_group(backend="tensorwire")``.
 Every measurement alternates between the two groups, so a change of load hits
 both alike.
@@ -158,7 +158,7 @@ def worker(args: argparse.Namespace) -> None:
         faulthandler.dump_traceback_later(args.dump_after, exit=True)  # every thread's stack, then exit
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
-        device = torch.device("cuda", local % torch.cuda.device_count())
+        device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False
         ref = "nccl"
@@ -400,6 +400,9 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             sys.stderr.write("CUDA is not available here: nothing was measured (--device cpu runs a dry run)\n")
+            raise SystemExit(2)
+        if torch.cuda.device_count() < 2:
+            sys.stderr.write("needs two GPUs (NCCL refuses two ranks on one GPU): nothing was measured\n")
             raise SystemExit(2)
     here = Path(__file__).resolve()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(here)]

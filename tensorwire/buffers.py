@@ -53,6 +53,14 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def cuda_in_use() -> bool:
+    """Whether this process has initialized CUDA already (set a device, made a CUDA tensor): a GPU job."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
 def allocate_host(nbytes: int, *, pinned: bool | None = None) -> "torch.Tensor":
     """A flat uint8 CPU tensor of ``nbytes``: pinned if CUDA is present, page-aligned otherwise.
 

@@ -20,7 +20,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from tensorwire.buffers import cuda_available
+from tensorwire.buffers import cuda_available, cuda_in_use
 from tensorwire.errors import (
     AuthError,
     ClosedError,
@@ -207,9 +207,9 @@ class Node:
                 more ``recv`` calls of its name. Local to this side (the peer's credits follow the
                 slots posted); costs ``depth`` x the tensor's bytes. See :meth:`Link.depth`.
             cuda_hint: the link will also carry undeclared tensors that may be on CUDA (the
-                torch.distributed backend): where both sides have CUDA, the transport is chosen as
-                for CUDA specs (UCX, whose CUDA paths move device memory without staging). Both
-                sides must pass the same value.
+                torch.distributed backend): where both sides have CUDA and have initialized it
+                already, the transport is chosen as for CUDA specs (UCX, whose CUDA paths move
+                device memory without staging). Both sides must pass the same value.
 
         Raises:
             ShapeMismatchError: the declarations differ (raised on both sides;
@@ -247,7 +247,9 @@ class Node:
             data={k: lst.address for k, lst in self._listeners.items()},
             transport=self.transport,
             nonce=nonce,
-            has_cuda=cuda_available(),
+            # with cuda_hint, a side counts as a CUDA side only once it uses CUDA (a GPU job sets its
+            # device before making its group); a CPU job on a GPU host keeps the host-memory choice
+            has_cuda=cuda_available() and (not cuda_hint or cuda_in_use()),
             host_id=host_id(),
         )
         for lst in self._listeners.values():

@@ -392,9 +392,9 @@ def no_backend_threads_left() -> list[str]:
 def cuda_p2p(rank: int, world: int, store: Any, transport: str) -> dict:
     """Two processes on one GPU: a kernel writes the tensor right before isend, a kernel consumes it right after
     wait(); the send reads it only after the writes queued on the current stream."""
-    _init(rank, world, store, transport)
     dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    torch.cuda.set_device(dev)  # before the group, as GPU jobs do: auto then picks a CUDA transport
+    _init(rank, world, store, transport)
     n = 1 << 22  # 16 MiB of float32
     results = {}
     for step in range(3):

@@ -111,3 +111,17 @@ def test_bad_ucx_spin_settings_are_clear_errors_at_import(value):
         env={**os.environ, "TENSORWIRE_UCX_CUDA_SPIN_US": value},
     )
     assert r.returncode != 0 and "ConfigError" in r.stderr and "TENSORWIRE_UCX_CUDA_SPIN_US" in r.stderr, r.stderr
+
+
+def test_cuda_in_use_only_once_the_process_initialized_cuda():
+    """What the torch.distributed backend's links read: a CPU job on a GPU host keeps the host-memory choice."""
+    code = (
+        "import tensorwire.buffers as b; print(b.cuda_in_use())\n"
+        "import torch; print(b.cuda_in_use())\n"
+        "if torch.cuda.is_available():\n"
+        "    torch.cuda.set_device(0); print(b.cuda_in_use())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True).stdout
+    lines = out.split()
+    assert lines[:2] == ["False", "False"], out
+    assert lines[2:] in ([], ["True"]), out
