@@ -55,7 +55,8 @@ def _iters(size: int) -> int:
     return max(3, min(300, (64 << 20) // size))
 
 
-def _pingpong(dist, torch, group, rank: int, x, n: int) -> float:
+def _pingpong(dist, torch, group, rank: int, x, n: int, settle=None) -> float:
+    """Seconds per round trip; ``settle()`` (if given) runs before the clock stops (a device sync)."""
     peer = 1 - rank
     t0 = time.perf_counter()
     for _ in range(n):
@@ -65,6 +66,8 @@ def _pingpong(dist, torch, group, rank: int, x, n: int) -> float:
         else:
             dist.recv(x, peer, group=group)
             dist.send(x, peer, group=group)
+    if settle is not None:
+        settle()
     return (time.perf_counter() - t0) / n
 
 
@@ -241,9 +244,7 @@ def main() -> None:
     ap.add_argument("--rss-steps", type=int, default=1000)
     ap.add_argument("--rss-gpipe", type=int, default=20)
     ap.add_argument("--machine", default="cpu2")
-    ap.add_argument(
-        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="compute threads per rank"
-    )
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="compute threads per rank")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.worker:

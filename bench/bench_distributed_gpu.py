@@ -52,18 +52,10 @@ def _sync(torch, device) -> None:
 
 
 def _pingpong(dist, torch, group, rank: int, x, n: int, device) -> float:
-    peer = 1 - rank
+    from bench_distributed import _pingpong as pingpong  # (this script's folder is on sys.path)
+
     _sync(torch, device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        if rank == 0:
-            dist.send(x, peer, group=group)
-            dist.recv(x, peer, group=group)
-        else:
-            dist.recv(x, peer, group=group)
-            dist.send(x, peer, group=group)
-    _sync(torch, device)
-    return (time.perf_counter() - t0) / n
+    return float(pingpong(dist, torch, group, rank, x, n, settle=lambda: _sync(torch, device)))
 
 
 def _stream(dist, torch, group, rank: int, bufs, n: int, device) -> float:
