@@ -64,10 +64,16 @@ def _seconds(raw: str) -> float:
     return value
 
 
+#: a poll longer than a second before sleeping is a unit mistake (nanoseconds?), not a setting
+_SPIN_MAX_US = 1_000_000.0
+
+
 def _microseconds(raw: str) -> float:
     value = float(raw)
     if not (value >= 0 and math.isfinite(value)):  # also rejects nan
         raise ValueError("must be a number of microseconds >= 0")
+    if value > _SPIN_MAX_US:
+        raise ValueError(f"is more than {_SPIN_MAX_US:.0f} microseconds (one second) of polling before a wait sleeps")
     return value
 
 

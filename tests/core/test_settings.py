@@ -64,6 +64,8 @@ def test_every_field_reads_its_own_variable():
         ("TENSORWIRE_STAGING_CHUNK", "1.5M"),
         ("TENSORWIRE_STAGING_CHUNK", "-1"),
         ("TENSORWIRE_UCX_SPIN_US", "-3"),
+        ("TENSORWIRE_TCP_SPIN_US", "abc"),
+        ("TENSORWIRE_TCP_SPIN_US", "1e9"),  # a thousand seconds of polling: a unit mistake
         ("TENSORWIRE_UCX_ERROR_HANDLING", "sometimes"),
         ("TENSORWIRE_SHM_LEASES", "maybe"),
         ("TENSORWIRE_LOG_LEVEL", "LOUD"),
