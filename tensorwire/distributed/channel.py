@@ -32,7 +32,18 @@ import torch
 from ..errors import ProtocolError, TensorWireError, TransferTimeout
 from ..transport.tcp import TcpTransport
 from .errors import GroupClosed, SignatureMismatch, translate
-from .messages import EAGER_MAX, EAGER_SLOTS, EMPTY, MAX_TAG, NOTICE, NOTICE_TAG, SlotPool, check_tag, host_bytes
+from .messages import (
+    EAGER_MAX,
+    EAGER_SLOTS,
+    EMPTY,
+    UCX_SEND_AHEAD,
+    MAX_TAG,
+    NOTICE,
+    NOTICE_TAG,
+    SlotPool,
+    check_tag,
+    host_bytes,
+)
 from .receiving import RecvChannel, RecvWork
 from .sending import SendChannel, SendWork
 from .signatures import Signature, decode, signature_of
@@ -73,6 +84,10 @@ class Peer:
         self.tcp: TcpTransport | None = self.transport if isinstance(self.transport, TcpTransport) else None
         if self.tcp is not None:
             self.tcp.offer_eager(slots=EAGER_SLOTS, size=EAGER_MAX)
+        elif hasattr(self.transport, "send_ahead"):
+            # UCX: a message whose size and shape its tag admitted before goes without waiting for the
+            # credit of a receive the peer posts only at its irecv (both ranks of a group set this)
+            self.transport.send_ahead = UCX_SEND_AHEAD
         self.peer = link.peer
         self.rank = rank
         self.group = group

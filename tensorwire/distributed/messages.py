@@ -27,6 +27,7 @@ __all__ = [
     "NOTICE_TAG",
     "MAX_TAG",
     "EAGER_SLOTS",
+    "UCX_SEND_AHEAD",
     "EAGER_MAX",
     "SLICE",
     "NOTICE",
@@ -45,6 +46,9 @@ MAX_TAG = (1 << 31) - 2
 #: transport keeps eager messages below the size it copies across processes, TENSORWIRE_CMA_MIN_BYTES)
 EAGER_SLOTS = 8
 EAGER_MAX = 64 * 1024
+#: UCX: messages per tag a rank sends before the credit of the receive they go to came (the credit of a receive
+#: posted at irecv trails the data of the previous message; see UcxTransport.send_ahead)
+UCX_SEND_AHEAD = 2
 #: how long a receive waits on its tag before looking at notices (a mismatch refused on the sender)
 SLICE = 0.05
 NOTICE = struct.Struct("<I")

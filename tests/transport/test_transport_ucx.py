@@ -646,3 +646,66 @@ def test_a_warm_tag_builds_no_header_or_credit_buffer_per_message(listener: UcxL
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+def test_send_ahead_only_for_an_admitted_size_and_shape_and_at_most_send_ahead_per_tag(listener) -> None:
+    """``send_ahead`` (backend "tensorwire" sets it): a message whose size and shape a credit admitted before on
+    its tag goes without waiting for its own credit, at most ``send_ahead`` of them; the receiver gets them in
+    order once it posts; a receive posted smaller afterwards is an error on both sides."""
+    import torch
+
+    from tensorwire.errors import ProtocolError, TensorWireError
+
+    a, b = _pair(listener)
+    try:
+        a.send_ahead = b.send_ahead = 2
+        tag = 7
+        msgs = [torch.full((64,), i, dtype=torch.uint8) for i in range(4)]
+        with pytest.raises(TransferTimeout):  # nothing admitted yet: the first message waits for its credit
+            a.send(tag, msgs[0], shape=(8, 8), timeout=0.2)
+        buf = torch.zeros(64, dtype=torch.uint8)
+        b.post_recv(tag, buf, header=True)
+        a.send(tag, msgs[0], shape=(8, 8), timeout=5)
+        got = b.wait_recv(tag, timeout=5)
+        assert got.nbytes == 64 and got.shape == (8, 8) and torch.equal(buf, msgs[0])
+        a.send(tag, msgs[1], shape=(8, 8), timeout=5)  # no receive posted: ahead
+        a.send(tag, msgs[2], shape=(8, 8), timeout=5)
+        with pytest.raises(TransferTimeout):  # a third would exceed send_ahead
+            a.send(tag, msgs[3], shape=(8, 8), timeout=0.2)
+        with pytest.raises(TransferTimeout):  # another shape was never admitted: it waits for a credit
+            a.send(tag, msgs[3], shape=(4, 16), timeout=0.2)
+        for i in (1, 2):
+            out = torch.zeros(64, dtype=torch.uint8)
+            b.post_recv(tag, out, header=True)
+            got = b.wait_recv(tag, timeout=5)
+            assert got.shape == (8, 8) and torch.equal(out, msgs[i]), (i, out[:4])
+        a.send(tag, msgs[3], shape=(8, 8), timeout=5)  # ahead again (the two credits settled the debts)
+        small = torch.zeros(32, dtype=torch.uint8)
+        b.post_recv(tag, small, header=True)  # the receiver changed its size after the fact
+        with pytest.raises(TensorWireError):
+            b.wait_recv(tag, timeout=5)
+        with pytest.raises(TensorWireError) as info:  # the sender learns it from the credit that comes back
+            a.send(tag, msgs[0], shape=(4, 16), timeout=5)
+        assert isinstance(info.value, ProtocolError) and "sent ahead" in str(info.value), info.value
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_without_send_ahead_every_message_waits_for_its_credit(listener) -> None:
+    import torch
+
+    a, b = _pair(listener)
+    try:
+        x = torch.ones(64, dtype=torch.uint8)
+        buf = torch.zeros(64, dtype=torch.uint8)
+        b.post_recv(3, buf, header=True)
+        a.send(3, x, shape=(64,), timeout=5)
+        b.wait_recv(3, timeout=5)
+        with pytest.raises(TransferTimeout):
+            a.send(3, x, shape=(64,), timeout=0.2)
+    finally:
+        a.close()
+        b.close()

@@ -22,7 +22,7 @@ from tensorwire.transport.ucx._ucxx import ucx
 from tensorwire.transport.ucx.connection import BYE_GRACE_S, EpState, UcxConnection
 from tensorwire.transport.ucx.engine import CUDA_SPIN, Engine, as_array, is_cuda
 from tensorwire.transport.ucx.tagstate import Post, TagState
-from tensorwire.transport.ucx.wire import check_tag
+from tensorwire.transport.ucx.wire import F_HEADER, check_tag
 
 __all__ = ["UcxTransport"]
 
@@ -55,6 +55,12 @@ class UcxTransport(UcxConnection):
     reaches_cuda = True
     any_dtype = True
     async_send = True
+    #: Messages per tag a sender may post before the receiver's credit for them came (0: never). Only a
+    #: message of the size and shape the last credit on its tag admitted, to a receiver that takes headers,
+    #: goes ahead: UCX holds it (eager bytes, or a rendezvous' announcement) until the receive is posted,
+    #: and the credit, when it comes, is checked against it. Set on both sides by users whose receives are
+    #: posted only when the caller asks (backend "tensorwire"): the credit then trails the data.
+    send_ahead = 0
 
     def __init__(
         self,
@@ -281,14 +287,24 @@ class UcxTransport(UcxConnection):
                 self._check_usable()
         try:
             credit = st.credits.popleft() if st.credits else st.take_credit(self._ep)
+            while credit is not None and st.ahead:  # the credits of messages sent ahead come first
+                st.settle_ahead(credit)
+                credit = st.credits.popleft() if st.credits else st.take_credit(self._ep)
         except ucx.UCXError as exc:
             raise self._fail_from(exc, f"waiting for a credit on tag {st.tag}") from exc
+        ahead = credit is None
         if credit is None:
-            return False
+            if not (self.send_ahead and len(st.ahead) < self.send_ahead and st.checked == (n, shape)):
+                return False
+            credit = (n, F_HEADER)
         try:
             st.post_message(self._ep, credit, keep, arr, n, step, shape, reqs)
         except ucx.UCXError as exc:
             raise self._fail_from(exc, f"send on tag {st.tag}") from exc
+        if ahead:
+            st.ahead.append(n)
+        elif credit[1] & F_HEADER:
+            st.checked = (n, shape)
         if st.cred_req is None:
             # Armed for the next credit after the data, so the message goes out first (credits sent
             # meanwhile wait in UCX's unexpected queue).

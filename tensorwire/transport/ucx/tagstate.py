@@ -70,6 +70,8 @@ class TagState:
         "hfree",
         "hsend",
         "step",
+        "ahead",
+        "checked",
     )
 
     def __init__(self, rid: int, peer_rid: int, tag: int) -> None:
@@ -90,6 +92,10 @@ class TagState:
         self.hfree: list[tuple[Any, Any]] = []  # header receive buffers free for the next post
         self.hsend: list[list[Any]] = []  # [buffer, ucxx Array, its last send] of the headers this side sends
         self.step = 0  # messages sent on this tag
+        # send-ahead (UcxTransport.send_ahead): byte counts of messages sent before their credit came, oldest
+        # first (each settled by the next credit to arrive), and the (bytes, shape) the last credit admitted
+        self.ahead: Deque[int] = collections.deque()
+        self.checked: tuple[int, tuple[int, ...] | None] | None = None
 
     def grant_message(self, cap: int, header: bool) -> tuple[Any, Any]:
         """The credit message for a buffer of ``cap`` bytes (buffer, ucxx Array), built once per size."""
@@ -155,6 +161,21 @@ class TagState:
             hreq = h[2] = ep.tag_send(h[1], tag=self.hdr_tx)
             reqs.append((hreq, h))
         reqs.append((ep.tag_send(arr, tag=self.data_tx), (keep, arr)))
+
+    def settle_ahead(self, credit: tuple[int, int]) -> None:
+        """The credit of the oldest message sent ahead has come: check that message against it.
+
+        Raises:
+            ProtocolError: the message did not fit the buffer the peer posted for it (the peer changed the
+                size it receives on this tag after a message of this size and shape had been admitted).
+        """
+        sent = self.ahead.popleft()
+        cap, flags = credit
+        if sent != cap and (sent > cap or not flags & F_HEADER):
+            raise ProtocolError(
+                f"{sent} bytes sent ahead of their credit on tag {self.tag} do not fit the {cap}-byte buffer "
+                "the peer posted for them"
+            )
 
     def header_to_send(self, step: int, nbytes: int, shape: tuple[int, ...] | None) -> list[Any]:
         """[buffer, ucxx Array, last send] holding the header of the next message.
