@@ -186,7 +186,7 @@ class Settings:
         "Microseconds a TCP link's reader polls its socket before it sleeps in the kernel (links that proved the "
         "link secret only; the serve daemon's connections never spin). A peer that answers within it is seen "
         "without a wake-up: on a 2-core VM a 4 KiB `dist.send/recv` round trip took 56-135 us with 100-300, "
-        "171-238 us with 0.",
+        "171-238 us with 0. At most one second.",
         100.0,
     )
     cma: Literal["auto", "off"] = _var(
@@ -209,7 +209,9 @@ class Settings:
         0,
     )
     # -- UCX ---------------------------------------------------------------------------------------------
-    ucx_spin_us: float = _var(_microseconds, "Microseconds a wait polls UCX before it sleeps.", 100.0)
+    ucx_spin_us: float = _var(
+        _microseconds, "Microseconds a wait polls UCX before it sleeps (at most one second).", 100.0
+    )
     ucx_cuda_spin_us: float = _var(_microseconds, "The same for a wait on a transfer of CUDA memory.", 2000.0)
     ucx_error_handling: Literal["none", "peer"] = _var(
         _choice("none", "peer"),
