@@ -202,20 +202,14 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return peer
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:
-        peer = self._peers.get(dstRank)
-        if (
-            peer is None
-            or self._closed
-            or self._async_error is not None
-            or len(tensors) != 1
-            or type(tag) is not int
-            or not 0 <= tag <= MAX_TAG
-        ):
-            peer = self._checked(tensors, dstRank, tag, "send")
-        return peer.isend(tensors[0], tag)
+        return self._peer_for(tensors, dstRank, tag, "send").isend(tensors[0], tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:
-        peer = self._peers.get(srcRank)
+        return self._peer_for(tensors, srcRank, tag, "recv").irecv(tensors[0], tag)
+
+    def _peer_for(self, tensors: list[torch.Tensor], rank: int, tag: int, what: str) -> Peer:
+        """The peer of a point-to-point call: the usual case checked inline, anything else by :meth:`_checked`."""
+        peer = self._peers.get(rank)
         if (
             peer is None
             or self._closed
@@ -224,8 +218,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             or type(tag) is not int
             or not 0 <= tag <= MAX_TAG
         ):
-            peer = self._checked(tensors, srcRank, tag, "recv")
-        return peer.irecv(tensors[0], tag)
+            peer = self._checked(tensors, rank, tag, what)
+        return peer
 
     def _checked(self, tensors: list[torch.Tensor], rank: int, tag: int, what: str) -> Peer:
         """The peer of a send/recv whose arguments the fast check did not pass: raises what is wrong."""

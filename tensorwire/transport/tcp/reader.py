@@ -302,10 +302,23 @@ class FrameReader(CreditBook):
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised by whoever uses the connection
             self._fail(exc)
         finally:
-            with self._cond:
-                self._reader_busy = False
-                if self._waiters:
-                    self._cond.notify_all()
+            self._reader_done()
+
+    def _open_post(self, tag: int) -> "Posted | None":
+        """(under ``_lock``) The oldest receive posted on ``tag`` that no message has filled yet, or None."""
+        q = self._posted.get(tag)
+        if q:
+            for post in q:
+                if post.result is None:
+                    return post
+        return None
+
+    def _reader_done(self) -> None:
+        """The thread that read the socket gives the reader role back and wakes whoever waits for it."""
+        with self._cond:
+            self._reader_busy = False
+            if self._waiters:
+                self._cond.notify_all()
 
     def _on_header(self, pos: int) -> bool:
         """Parse the header at ``pos`` of the read-ahead buffer. True if the frame is complete (no payload)."""
@@ -334,17 +347,11 @@ class FrameReader(CreditBook):
                 return True
             if ftype != WRITTEN:
                 raise ProtocolError(f"unknown frame type {ftype} from {self._peer}")
-        post = ebuf = None
+        ebuf = None
         with self._lock:
             if ccount:
                 self._credits[ctag] += ccount
-            q = self._posted.get(tag)
-            if q:
-                for post in q:
-                    if post.result is None:
-                        break
-                else:
-                    post = None
+            post = self._open_post(tag)
             if ftype == EAGER:
                 if not self._offered or nbytes > self._eager_size:
                     raise ProtocolError(
@@ -417,13 +424,7 @@ class FrameReader(CreditBook):
         ebuf, self._reager = self._reager, None
         assert ebuf is not None
         with self._lock:
-            q = self._posted.get(tag)
-            if q:
-                for post in q:
-                    if post.result is None:
-                        break
-                else:
-                    post = None
+            post = self._open_post(tag)
             if post is None:
                 self._stash.setdefault(tag, collections.deque()).append((ebuf, got))
                 return

@@ -338,10 +338,7 @@ class TcpTransport(FrameReader):
                         except BaseException as exc:  # noqa: BLE001
                             self._fail(exc)
                 finally:
-                    with self._cond:
-                        self._reader_busy = False
-                        if self._waiters:
-                            self._cond.notify_all()
+                    self._reader_done()
             elif interleave:
                 self._poll_w.poll(poll_ms(deadline))
             flags = socket.MSG_DONTWAIT if interleave else 0  # 0: block up to SEND_SLICE (SO_SNDTIMEO)
