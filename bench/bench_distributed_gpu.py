@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_distributed import _pingpong as _host_pingpong  # (this script's folder is on sys.path)
+
 MIB = 1 << 20
 
 
@@ -52,10 +54,8 @@ def _sync(torch, device) -> None:
 
 
 def _pingpong(dist, torch, group, rank: int, x, n: int, device) -> float:
-    from bench_distributed import _pingpong as pingpong  # (this script's folder is on sys.path)
-
     _sync(torch, device)
-    return float(pingpong(dist, torch, group, rank, x, n, settle=lambda: _sync(torch, device)))
+    return float(_host_pingpong(dist, torch, group, rank, x, n, settle=lambda: _sync(torch, device)))
 
 
 def _stream(dist, torch, group, rank: int, bufs, n: int, device) -> float:
