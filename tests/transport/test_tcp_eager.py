@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import sys
 import threading
 import time
@@ -13,6 +14,7 @@ from tcp_pairs import tcp_pair
 
 import tensorwire as tw
 from tensorwire.transport import tcp
+from tensorwire.transport.cma import peer as tcp_cma
 from tensorwire.transport.tcp import credits as tcp_credits
 from tensorwire.transport.base import new_nonce
 from tensorwire.transport.tcp import PartialSend, TcpListener, flush_pending_credits
@@ -305,3 +307,40 @@ def test_try_send_copies_a_moderate_message_into_the_announced_buffer_and_leaves
     a.send(2, torch.full((1 << 20,), 5, dtype=torch.uint8), timeout=10)
     assert b.wait_recv(2, timeout=10).nbytes == 1 << 20 and bool((big == 5).all())
     assert a.cma.messages_written == written + 2
+
+
+def test_an_eager_message_larger_than_the_cross_memory_minimum_takes_the_byte_stream(linked_pair):
+    """Eager buffers may be larger than the messages cross-memory attach copies. A message sent before its
+    credit came goes over the socket even where the peer announced a buffer for its step (a copy into that
+    buffer would spend an eager credit the receiver never gives back), and an announcement that arrives
+    after its step went out is dropped, not kept."""
+    a, b = linked_pair
+    _settle_probe(a, b)
+    if not (a.cma is not None and a.cma.sending and b.cma is not None and b.cma.receiving):
+        pytest.skip(f"cross-memory attach is not available here ({a.cma and a.cma.state})")
+    n = max(a.cma.min_bytes, 64 << 10)
+    b.offer_eager(slots=2, size=2 * n)
+    _read_what_came(a)
+    written = a.cma.messages_written
+    # A SLOT for step 1 of tag 1 without its credit, naming a decoy: a copy into it would show there.
+    decoy = torch.zeros(n, dtype=torch.uint8)
+    a.cma.on_frame(tcp_cma.SLOT, 1, 1, n, struct.pack("<Q56x", decoy.data_ptr()))
+    src = _bytes(n, 21)
+    assert a.try_send(1, src) is True  # eager: no credit on tag 1
+    assert a.cma.messages_written == written and not bool(decoy.any())
+    dst = torch.zeros(n, dtype=torch.uint8)
+    b.post_recv(1, dst)  # announced (SLOT for step 1) and credited after the message came
+    assert b.wait_recv(1, timeout=5).step == 1 and torch.equal(dst, src)
+    flush_pending_credits()
+    _read_what_came(a)  # the late SLOT for step 1 comes in here
+    assert not a.cma._slots  # dropped: step 1 went out already
+    # With the credit there first, the same size is copied into the posted buffer.
+    dst2 = torch.zeros(n, dtype=torch.uint8)
+    b.post_recv(1, dst2)
+    flush_pending_credits()
+    _read_what_came(a)
+    src2 = _bytes(n, 22)
+    assert a.try_send(1, src2) is True
+    assert a.cma.messages_written == written + 1
+    assert b.wait_recv(1, timeout=5).step == 2 and torch.equal(dst2, src2)
+    assert b._credits[tcp.EAGER_TAG] == 0 and a._credits[tcp.EAGER_TAG] == 2  # every eager buffer is back

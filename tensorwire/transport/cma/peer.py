@@ -23,8 +23,10 @@ a subtype and a 64-byte body):
    address, length), ahead of its credit. The k-th buffer posted on a tag holds
    the k-th message of that tag (the TCP transport checks steps: +1 each time).
 3. **Send**: a message of at least that size whose (tag, step) has a SLOT and
-   fits in it is written into that buffer by the sender, then announced by a
-   WRITTEN frame (a DATA header without payload). The receiver delivers it only
+   fits in it, sent on that buffer's credit, is written into that buffer by the
+   sender, then announced by a WRITTEN frame (a DATA header without payload). A
+   message that goes eagerly (before its credit came) takes the byte stream; a
+   SLOT that arrives for a step already sent is dropped. The receiver delivers it only
    after checking that it announced exactly that buffer for that (tag, step),
    at least that long. The sender's buffer is free again once its copy returned.
 
@@ -144,6 +146,7 @@ class CmaPeer:
         self._posts: dict[int, int] = {}
         self._announced: dict[tuple[int, int], tuple[Any, int]] = {}
         self._slots: dict[tuple[int, int], tuple[int, int]] = {}
+        self._sent: dict[int, int] = {}  # per tag: the last step the transport sent (or is sending)
         self._sent_token = False
         self._got_token = False
         self.bytes_written = 0
@@ -184,7 +187,9 @@ class CmaPeer:
         """A control frame arrived (the connection's reader thread). Never raises for a failed probe."""
         with self._lock:
             if sub == SLOT:
-                if self.sending:
+                # A SLOT for a step already sent came after that message went out eagerly, over the byte
+                # stream (no credit had come yet): it can never be used, so it is not kept.
+                if self.sending and step > self._sent.get(tag, 0):
                     (addr,) = _SLOT_BODY.unpack(body)
                     self._slots[(tag, step)] = (addr, nbytes)
                 return
@@ -336,10 +341,14 @@ class CmaPeer:
 
     # -- send side ----------------------------------------------------------------------------------------
     def slot_for(self, tag: int, step: int) -> tuple[int, int] | None:
-        """The peer's buffer (address, length) announced for this message, if any (each is used once)."""
-        if not self._slots:
-            return None
-        return self._slots.pop((tag, step), None)
+        """The peer's buffer (address, length) announced for this message, if any (each is used once).
+
+        The transport calls this for every message it sends, in step order, whether it uses the buffer or not:
+        an announcement for that step or an earlier one that comes later is dropped on arrival.
+        """
+        with self._lock:
+            self._sent[tag] = step
+            return self._slots.pop((tag, step), None) if self._slots else None
 
     def alive(self) -> bool:
         """False once the peer process has exited (its pidfd says so)."""

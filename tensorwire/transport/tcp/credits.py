@@ -15,7 +15,9 @@ into a free eager buffer, copied into the buffer posted next on that tag. The
 per-tag credit it went ahead of is still granted when that buffer is posted,
 and the sender's balance for the tag (which went one below zero) comes back to
 zero: one credit per posted buffer and one message per posted buffer, in order,
-as before. An eager buffer goes back to the sender as an ``EAGER_TAG`` credit
+as before. With cross-memory attach a DATA frame of a large message is copied
+into the buffer its credit came with; an EAGER frame never is (its bytes take the
+byte stream, and the receiver forgets the buffer it announced for that step). An eager buffer goes back to the sender as an ``EAGER_TAG`` credit
 once its bytes left it. A receiver that made no offer refuses EAGER frames.
 Credits ride in the header of the next DATA frame going the other way; a
 separate CREDIT frame is sent only when a thread of this process is about to
@@ -106,10 +108,9 @@ class CreditBook(Connection):
                 if self._offered:
                     return
                 self._offered = True
-                if self.cma is not None:
-                    # a buffer the peer may write into (cross-memory: at least min_bytes) is never one a message
-                    # goes to eagerly: eager messages stay below that size
-                    size = max(0, min(size, self.cma.min_bytes - 1))
+                # With cross-memory attach the eager buffers may be larger than the messages it copies: such a
+                # message is copied into the posted buffer when its credit is there (a DATA frame), and goes
+                # over the byte stream into an eager buffer when it is not (an EAGER frame), never both.
                 pool = memoryview(bytearray(slots * size))
                 self._eager_free = [pool[i * size : (i + 1) * size] for i in range(slots)]
                 self._eager_size = size
