@@ -29,6 +29,7 @@ process once more per message, which costs more than the syscall itself.
 from __future__ import annotations
 
 import abc
+import mmap
 import threading
 import time
 from typing import Any
@@ -93,7 +94,8 @@ class CreditBook(Connection):
     def offer_eager(self, *, slots: int, size: int) -> None:
         """Let the peer send up to ``slots`` messages of at most ``size`` bytes before their receive is posted.
 
-        Sets aside ``slots * size`` bytes once and grants them to the peer (see the
+        Sets aside ``slots * size`` bytes once (anonymous memory: a slot becomes resident when it is first used)
+        and grants them to the peer (see the
         :mod:`.credits` docstring); a no-op if already offered. Both ends of a connection
         may offer, independently. Call before traffic starts (it writes one frame).
 
@@ -111,7 +113,9 @@ class CreditBook(Connection):
                 # With cross-memory attach the eager buffers may be larger than the messages it copies: such a
                 # message is copied into the posted buffer when its credit is there (a DATA frame), and goes
                 # over the byte stream into an eager buffer when it is not (an EAGER frame), never both.
-                pool = memoryview(bytearray(slots * size))
+                # anonymous memory: zero pages until a slot is used (a group links every pair of ranks when it
+                # is made; only the slots that carry messages become resident, reused last-in first-out)
+                pool = memoryview(mmap.mmap(-1, slots * size))
                 self._eager_free = [pool[i * size : (i + 1) * size] for i in range(slots)]
                 self._eager_size = size
             grant = FRAME.pack(MAGIC, CREDIT, NO_SHAPE, 0, 0, size, EAGER_TAG, slots, *ZERO_DIMS)
