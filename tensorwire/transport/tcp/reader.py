@@ -13,6 +13,7 @@ bytes past the read-ahead are received straight into the posted buffer.
 from __future__ import annotations
 
 import collections
+import os
 import socket
 import time
 from typing import Any
@@ -40,6 +41,9 @@ from tensorwire.transport.tcp.wire import (
     host_view,
 )
 
+_yield = getattr(os, "sched_yield", lambda: None)
+#: seconds a spinning reader polls before it yields the core between polls
+YIELD_AFTER = 20e-6
 __all__ = ["FrameReader"]
 
 
@@ -201,13 +205,20 @@ class FrameReader(CreditBook):
         try:
             if block:
                 if self._spin:  # poll first: a peer answering within it is seen without a wake-up
-                    end = time.perf_counter() + self._spin
+                    now = time.perf_counter()
+                    end = now + self._spin
+                    polite = now + min(self._spin, YIELD_AFTER)
                     while True:
                         try:
                             return self._sock.recv_into(view, n, socket.MSG_DONTWAIT)
                         except (BlockingIOError, InterruptedError):
-                            if time.perf_counter() >= end:
+                            now = time.perf_counter()
+                            if now >= end:
                                 break
+                            if now >= polite:
+                                # Past the first polls, give the core away between two: where the peer shares
+                                # this core (two ranks on one of two cores), it answers only while we do not run.
+                                _yield()
                 return self._sock.recv_into(view, n, socket.MSG_WAITALL if n > 65536 else 0)
             return self._sock.recv_into(view, n, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
