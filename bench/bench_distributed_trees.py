@@ -100,7 +100,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    trees = [Path(t) for t in args.trees.split(",") if t]
+    trees = [Path(os.path.abspath(t)) for t in args.trees.split(",") if t]  # (jobs run in their tree)
     if len(trees) < 2:
         ap.error("--trees needs at least two source trees")
     for t in trees:
