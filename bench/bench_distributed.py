@@ -14,7 +14,10 @@ tensorwire), so a change of load on a shared machine hits both.
 
 - **ping-pong**: ``dist.send`` then ``dist.recv`` of one contiguous float32
   tensor (rank 1 mirrors), sizes 4 KiB ... 256 MiB. Reported: the round trip
-  (median) and the bandwidth ``2 x size / round trip``.
+  (each round's mean over its round trips, then the median of the rounds; a
+  round trip that the scheduler or the load stretched counts in its round's
+  mean) and the bandwidth ``2 x size / round trip``. For a median over single
+  round trips, two trees in turns: ``bench/bench_distributed_trees.py``.
 - **GPipe step**: ``torch.distributed.pipelining.ScheduleGPipe`` over two
   stages whose compute is one elementwise scale each, so the step is the
   exchange of the activations (``--act-mib`` per microbatch, default 16) and
