@@ -11,7 +11,8 @@ frame the socket took in part is finished the same way, before anything else.
 Messages up to ``EAGER_MAX`` (256 KiB) over TCP: every pair offers the other
 ``EAGER_SLOTS`` buffers of ``EAGER_MAX`` bytes when the group is made (and waits
 for the other's offer), so such a message goes before its receive is posted or
-its credit has come back, instead of being queued (which wakes the tag's thread). A 4 KiB ping-pong is then one ``sendmsg`` and one ``recv`` per
+its credit has come back, instead of being queued (which wakes the tag's
+thread). A 4 KiB ping-pong is then one ``sendmsg`` and one ``recv`` per
 message on each side, in the caller's thread, with no lock contended, no
 Event and no thread woken (``bench/results/distributed_cpu2_2026-11-24-2.md``).
 """

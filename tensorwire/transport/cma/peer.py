@@ -24,11 +24,12 @@ a subtype and a 64-byte body):
    the k-th message of that tag (the TCP transport checks steps: +1 each time).
 3. **Send**: a message of at least that size whose (tag, step) has a SLOT and
    fits in it, sent on that buffer's credit, is written into that buffer by the
-   sender, then announced by a WRITTEN frame (a DATA header without payload). A
-   message that goes eagerly (before its credit came) takes the byte stream; a
-   SLOT that arrives for a step already sent is dropped. The receiver delivers it only
-   after checking that it announced exactly that buffer for that (tag, step),
-   at least that long. The sender's buffer is free again once its copy returned.
+   sender, then announced by a WRITTEN frame (a DATA header without payload).
+   The receiver delivers it only after checking that it announced exactly that
+   buffer for that (tag, step), at least that long. The sender's buffer is free
+   again once its copy returned. A message that goes eagerly (before its credit
+   came) takes the byte stream; a SLOT that arrives for a step already sent is
+   dropped.
 
 Security: only connections that proved the link secret (links of one job)
 ever probe; the serve daemon's listeners take no secret and treat a CMA frame

@@ -16,8 +16,10 @@ per-tag credit it went ahead of is still granted when that buffer is posted,
 and the sender's balance for the tag (which went one below zero) comes back to
 zero: one credit per posted buffer and one message per posted buffer, in order,
 as before. With cross-memory attach a DATA frame of a large message is copied
-into the buffer its credit came with; an EAGER frame never is (its bytes take the
-byte stream, and the receiver forgets the buffer it announced for that step). An eager buffer goes back to the sender as an ``EAGER_TAG`` credit
+into the buffer its credit came with; an EAGER frame never is (its bytes take
+the byte stream, and the receiver forgets the buffer it announced for that
+step), so eager buffers may be larger than the messages cross-memory attach
+copies. An eager buffer goes back to the sender as an ``EAGER_TAG`` credit
 once its bytes left it. A receiver that made no offer refuses EAGER frames.
 Credits ride in the header of the next DATA frame going the other way; a
 separate CREDIT frame is sent only when a thread of this process is about to
@@ -94,10 +96,9 @@ class CreditBook(Connection):
     def offer_eager(self, *, slots: int, size: int) -> None:
         """Let the peer send up to ``slots`` messages of at most ``size`` bytes before their receive is posted.
 
-        Sets aside ``slots * size`` bytes once (anonymous memory: a slot becomes resident when it is first used)
-        and grants them to the peer (see the
-        :mod:`.credits` docstring); a no-op if already offered. Both ends of a connection
-        may offer, independently. Call before traffic starts (it writes one frame).
+        Sets aside ``slots * size`` bytes once (anonymous memory: a slot becomes resident when it is first
+        used) and grants them to the peer (see the :mod:`.credits` docstring); a no-op if already offered.
+        Both ends of a connection may offer, independently. Call before traffic starts (it writes one frame).
 
         Raises:
             ClosedError, PeerLostError: the connection is unusable.
@@ -110,11 +111,8 @@ class CreditBook(Connection):
                 if self._offered:
                     return
                 self._offered = True
-                # With cross-memory attach the eager buffers may be larger than the messages it copies: such a
-                # message is copied into the posted buffer when its credit is there (a DATA frame), and goes
-                # over the byte stream into an eager buffer when it is not (an EAGER frame), never both.
-                # anonymous memory: zero pages until a slot is used (a group links every pair of ranks when it
-                # is made; only the slots that carry messages become resident, reused last-in first-out)
+                # Anonymous memory: zero pages until a slot is used (a group links every pair of ranks when it
+                # is made; only the slots that carry messages become resident, reused last-in first-out).
                 pool = memoryview(mmap.mmap(-1, slots * size))
                 self._eager_free = [pool[i * size : (i + 1) * size] for i in range(slots)]
                 self._eager_size = size

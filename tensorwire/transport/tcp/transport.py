@@ -54,7 +54,7 @@ class TcpTransport(FrameReader):
     #: Largest cross-memory copy :meth:`try_send` makes in the caller's thread (larger ones: :meth:`send`).
     #: A copy of 1 MiB takes 80-100 us; one left to :meth:`send` is queued by the caller and a thread is woken
     #: for it, which cost more than that: a 1 MiB ``dist.send/recv`` round trip took 483 us with 256 KiB here,
-    #: 385 us with 1 MiB (2-core VM, in turns).
+    #: 385 us with 1 MiB (2-core VM, one run each).
     INLINE_COPY = 1 << 20
 
     def __init__(
