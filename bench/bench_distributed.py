@@ -58,16 +58,18 @@ def _iters(size: int) -> int:
     return max(3, min(300, (64 << 20) // size))
 
 
-def _pingpong(dist, torch, group, rank: int, x, n: int, settle=None) -> float:
-    """Seconds per round trip; ``settle()`` (if given) runs before the clock stops (a device sync)."""
+def _pingpong(dist, torch, group, rank: int, x, n: int, settle=None, into=None) -> float:
+    """Seconds per round trip; ``settle()`` (if given) runs before the clock stops (a device sync).
+    ``into``: the tensor receives go to (default ``x`` itself)."""
     peer = 1 - rank
+    y = x if into is None else into
     t0 = time.perf_counter()
     for _ in range(n):
         if rank == 0:
             dist.send(x, peer, group=group)
-            dist.recv(x, peer, group=group)
+            dist.recv(y, peer, group=group)
         else:
-            dist.recv(x, peer, group=group)
+            dist.recv(y, peer, group=group)
             dist.send(x, peer, group=group)
     if settle is not None:
         settle()

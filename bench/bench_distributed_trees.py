@@ -25,18 +25,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-
-def _size(text: str) -> int:
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(text[:-1] if text[-1:] in "KMG" else text) * mult
-
-
-def _label(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+from bench_distributed import _pingpong  # (this script's folder is on sys.path)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -49,22 +40,12 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     group = dist.new_group(backend=args.backend)
     out = {}
-    for size in [_size(s) for s in args.sizes.split(",")]:
+    for size in [int(s) for s in args.sizes.split(",")]:  # bytes (main passes them parsed)
         x = torch.ones(size // 4)
         y = torch.empty(size // 4)
-        times = []
         dist.barrier()
-        for i in range(args.iters + 20):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(x, 1, group=group)
-                dist.recv(y, 1, group=group)
-            else:
-                dist.recv(y, 0, group=group)
-                dist.send(x, 0, group=group)
-            if i >= 20:
-                times.append(time.perf_counter() - t0)
-        out[size] = statistics.median(times)
+        _pingpong(dist, torch, group, rank, x, 20, into=y)  # warm-up
+        out[size] = statistics.median(_pingpong(dist, torch, group, rank, x, 1, into=y) for _ in range(args.iters))
     if rank == 0:
         print("RESULT " + json.dumps({"tensorwire": tensorwire.__file__, "rtt": out}), flush=True)
     dist.destroy_process_group()
@@ -73,7 +54,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_job(tree: Path, args: argparse.Namespace) -> dict:
     here = Path(__file__).resolve()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(here)]
-    cmd += ["--worker", "--sizes", args.sizes, "--iters", str(args.iters), "--backend", args.backend]
+    sizes = ",".join(str(n) for n in args.sizes)
+    cmd += ["--worker", "--sizes", sizes, "--iters", str(args.iters), "--backend", args.backend]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=str(tree))
     for line in proc.stdout.splitlines():
@@ -92,14 +74,24 @@ def main() -> None:
     ap.add_argument("--trees", default="", help="comma-separated source trees (repository roots)")
     ap.add_argument("--labels", default="", help="comma-separated names for the trees in the table (default: paths)")
     ap.add_argument("--sizes", default="4K,64K,256K,1M")
-    ap.add_argument("--iters", type=int, default=1000, help="timed round trips per size and job")
-    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=1000, help="timed round trips per size and job (>= 1)")
+    ap.add_argument("--turns", type=int, default=2, help="jobs per tree, the trees alternating (>= 1)")
     ap.add_argument("--backend", default="tensorwire", choices=["tensorwire", "gloo"])
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.iters < 1 or args.turns < 1:
+        ap.error(f"--iters and --turns must be >= 1, got {args.iters} and {args.turns}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tensorwire, if not installed
+    from tensorwire.benchmark.config import format_size, parse_size
+    from tensorwire.errors import ConfigError
+
+    try:
+        args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    except ConfigError as exc:
+        ap.error(f"--sizes: {exc}")
     trees = [Path(os.path.abspath(t)) for t in args.trees.split(",") if t]  # (jobs run in their tree)
     if len(trees) < 2:
         ap.error("--trees needs at least two source trees")
@@ -110,7 +102,6 @@ def main() -> None:
     if len(labels) != len(trees):
         ap.error(f"--labels names {len(labels)} trees, --trees gives {len(trees)}")
     name = dict(zip(trees, labels))
-    sizes = [_size(s) for s in args.sizes.split(",")]
     got: dict[Path, list[dict]] = {t: [] for t in trees}
     for turn in range(args.turns):
         for t in trees if turn % 2 == 0 else trees[::-1]:
@@ -120,9 +111,9 @@ def main() -> None:
     head = ["size"] + [f"{name[t]} µs (per turn)" for t in trees] + [f"{name[t]} / {name[trees[0]]}" for t in trees[1:]]
     print("| " + " | ".join(head) + " |")
     print("| --- " * len(head) + "|")
-    for s in sizes:
+    for s in args.sizes:
         meds = {t: statistics.median(r[s] for r in got[t]) for t in trees}
-        cells = [_label(s)]
+        cells = [format_size(s)]
         cells += [f"{meds[t] * 1e6:.1f} ({', '.join(f'{r[s] * 1e6:.0f}' for r in got[t])})" for t in trees]
         cells += [f"{meds[t] / meds[trees[0]]:.2f}x" for t in trees[1:]]
         print("| " + " | ".join(cells) + " |")

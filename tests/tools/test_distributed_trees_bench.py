@@ -42,8 +42,12 @@ def test_two_trees_in_turns_give_a_row_per_size_and_a_ratio(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_refuses_fewer_than_two_trees_and_a_directory_without_tensorwire(tmp_path):
+def test_refuses_fewer_than_two_trees_a_directory_without_tensorwire_a_bad_size_and_no_iterations(tmp_path):
     res = _run("--trees", ROOT, timeout=50)
     assert res.returncode == 2 and "at least two" in res.stderr
     res = _run("--trees", f"{ROOT},{tmp_path}", timeout=50)
     assert res.returncode == 2 and "not a tensorwire source tree" in res.stderr
+    res = _run("--trees", f"{ROOT},{ROOT}", "--sizes", "4K,4X", timeout=50)
+    assert res.returncode == 2 and "--sizes: not a size: '4X'" in res.stderr
+    res = _run("--trees", f"{ROOT},{ROOT}", "--iters", "0", timeout=50)
+    assert res.returncode == 2 and "--iters and --turns must be >= 1" in res.stderr
