@@ -347,6 +347,8 @@ class CmaPeer:
         The transport calls this for every message it sends, in step order, whether it uses the buffer or not:
         an announcement for that step or an earlier one that comes later is dropped on arrival.
         """
+        if not self.sending and self.state != "probing":
+            return None  # this side never writes into the peer (another host, refused, off): nothing to track
         with self._lock:
             self._sent[tag] = step
             return self._slots.pop((tag, step), None) if self._slots else None
