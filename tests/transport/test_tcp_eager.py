@@ -210,14 +210,55 @@ def test_only_credits_a_peer_can_do_without_are_held_back(pair):
     b.offer_eager(slots=1, size=4096)
     b.post_recv(1, torch.zeros(64, dtype=torch.uint8))  # fits an eager buffer, one is free: held back
     assert b in tcp_credits.PENDING and b not in tcp_credits.URGENT
-    b.post_recv(2, torch.zeros(8192, dtype=torch.uint8))  # larger than the eager buffers: goes before blocking
-    assert b in tcp_credits.URGENT
-    b._flush_credits()
+    # Larger than the eager buffers: the peer needs this credit, so it goes at once (with those held back).
+    b.post_recv(2, torch.zeros(8192, dtype=torch.uint8))
+    assert b not in tcp_credits.PENDING and not b._pending_credits
     _read_what_came(a)
+    assert a._credits[1] == 2 and a._credits[2] == 1
     assert a.try_send(3, _bytes(10, 9)) is True  # takes b's only eager buffer (nothing posted on tag 3)
     _read_what_came(b)  # ... where it waits
     b.post_recv(1, torch.zeros(64, dtype=torch.uint8))  # no eager buffer free: the peer may need this credit
-    assert b in tcp_credits.URGENT
+    assert b not in tcp_credits.PENDING and not b._pending_credits
+    _read_what_came(a)
+    assert a._credits[1] == 3
+
+
+def test_a_credit_the_peer_needs_is_held_back_where_no_eager_offer_was_made(pair):
+    """Without an eager offer (a Link, the serve daemon: receives posted ahead of need) a credit waits for
+    the next frame going the other way, or for this side to block; it is never sent at the post."""
+    a, b = pair
+    b.post_recv(1, torch.zeros(8192, dtype=torch.uint8))
+    assert b in tcp_credits.URGENT and b._pending_credits[1] == 1
+    assert a.try_send(1, _bytes(8192, 1)) is False  # no credit came
+    b._flush_credits()
+    _read_what_came(a)
+    assert a._credits[1] == 1
+
+
+def test_a_credit_flushed_at_the_post_into_a_full_socket_stays_pending(pair, monkeypatch):
+    """The flush at the post never blocks: a socket that takes nothing leaves the credit (and its registration
+    for the flush before blocking) as it was."""
+    a, b = pair
+    b.offer_eager(slots=1, size=64)
+
+    class Full:
+        def __init__(self, sock):
+            self._sock = sock
+
+        def sendmsg(self, *args):
+            raise BlockingIOError
+
+        def __getattr__(self, name):
+            return getattr(self._sock, name)
+
+    real = b._sock
+    monkeypatch.setattr(b, "_sock", Full(real))
+    b.post_recv(1, torch.zeros(8192, dtype=torch.uint8))
+    assert b._pending_credits[1] == 1 and b in tcp_credits.URGENT
+    monkeypatch.setattr(b, "_sock", real)
+    b._flush_credits()
+    _read_what_came(a)
+    assert a._credits[1] == 1
 
 
 @pytest.fixture()

@@ -62,3 +62,46 @@ def test_a_spinning_reader_polls_instead_of_sleeping():
     spin_cpu, spin_wall = _cpu_of_a_wait(2_000_000.0)  # 2 s: longer than the wait
     assert idle_wall > 0.07 and spin_wall > 0.07, (idle_wall, spin_wall)  # both waited for the late message
     assert spin_cpu > idle_cpu + 0.01, (spin_cpu, idle_cpu)
+
+
+def _spin_of_a_wait(spin_us: float, nbytes: int) -> float:
+    """The poll budget the reader used while it waited for a receive of ``nbytes`` (the message comes 20 ms late)."""
+    s1, s2 = socket.socketpair()
+    a, b = TcpTransport(s1, peer="a"), TcpTransport(s2, peer="b", spin_us=spin_us)
+    seen: list[float] = []
+    real = b._recv
+
+    def recv(view, n, block):
+        if block:
+            seen.append(b._rspin)
+        return real(view, n, block)
+
+    b._recv = recv  # type: ignore[method-assign]
+    try:
+        box = torch.zeros(nbytes, dtype=torch.uint8)
+        b.post_recv(1, box)
+        sender = threading.Thread(
+            target=lambda: (time.sleep(0.02), a.send(1, torch.ones(64, dtype=torch.uint8), timeout=10))
+        )
+        sender.start()
+        got = b.wait_recv(1, timeout=10)
+        sender.join(10)
+        assert got.nbytes == 64 and torch.all(box[:64] == 1)
+        assert seen, "the reader never blocked"
+        return seen[0]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_wait_for_a_large_receive_polls_longer_up_to_a_bound():
+    """A receive of n bytes polls about as long as the bytes take to come (``SPIN_PER_BYTE``), at most
+    ``SPIN_EXTRA_MAX`` longer than the link's spin; a link that never spins still never does."""
+    from tensorwire.transport.tcp.reader import SPIN_EXTRA_MAX, SPIN_PER_BYTE
+
+    base = 100e-6
+    assert _spin_of_a_wait(100.0, 64) == pytest.approx(base + 64 * SPIN_PER_BYTE)
+    assert _spin_of_a_wait(100.0, 1 << 20) == pytest.approx(base + (1 << 20) * SPIN_PER_BYTE)
+    assert (1 << 20) * SPIN_PER_BYTE > 100e-6  # a 1 MiB cross-memory copy (80-100 us) is covered
+    assert _spin_of_a_wait(100.0, 64 << 20) == pytest.approx(base + SPIN_EXTRA_MAX)
+    assert _spin_of_a_wait(0.0, 1 << 20) == 0.0

@@ -45,6 +45,7 @@ class Connection(Transport):
         """``cma``: cross-memory attach with the peer (links that proved the link secret); None: never.
         ``spin_us``: how long a blocking read first polls the socket without sleeping."""
         self._spin = spin_us * 1e-6
+        self._rspin = self._spin  # the reader's poll budget for its current wait (see FrameReader._pump)
         sock.setblocking(True)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(self.READ_SLICE * 1e6)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, int(self.SEND_SLICE * 1e6)))

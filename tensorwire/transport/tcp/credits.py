@@ -24,14 +24,18 @@ once its bytes left it. A receiver that made no offer refuses EAGER frames.
 Credits ride in the header of the next DATA frame going the other way; a
 separate CREDIT frame is sent only when a thread of this process is about to
 block (then every pending credit of every connection is flushed, so no cycle
-of links can wait on each other). A separate frame would wake the peer's
-process once more per message, which costs more than the syscall itself.
+of links can wait on each other), or, on a connection that offered eager
+buffers, at the post of a receive the peer cannot send eagerly (it is likely
+waiting for that credit; :meth:`CreditBook._flush_now`). A separate frame
+would wake the peer's process once more per message, which costs more than the
+syscall itself where the peer is not waiting.
 """
 
 from __future__ import annotations
 
 import abc
 import mmap
+import socket
 import threading
 import time
 from typing import Any
@@ -218,6 +222,50 @@ class CreditBook(Connection):
         finally:
             self._send_lock.release()
             self._settled()
+
+    def _flush_now(self) -> None:
+        """Send pending credits (and CMA frames) at once if that cannot block: no send in progress and the
+        socket takes the whole frame; else they stay pending (a wait or the next DATA frame sends them).
+        For a receive the peer cannot send eagerly: it waits for this credit, so it should not wait until
+        this side blocks."""
+        if not self._send_lock.acquire(blocking=False):
+            return  # a send is in progress: it carries them
+        try:
+            cma = self.cma
+            with self._cond:
+                if self._error is not None:
+                    return
+                grants = self._take_credits()
+                ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
+            if not grants and not ctrl:
+                return
+            frames = self._control_frames(grants, ctrl)
+            try:
+                sent = self._sock.sendmsg([frames], (), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                sent = 0  # the connection is failing: a waiter's read or write reports it
+            if sent == 0:  # the socket is full: they stay pending, as before this call
+                self._unframe_control(grants, ctrl)
+            elif sent < len(frames):  # part of a frame is out: the rest must follow before anything else
+                try:
+                    self._write([memoryview(frames)[sent:]], time.monotonic() + self._peer_timeout)
+                except TensorWireError:
+                    pass  # recorded by _write; waiters will see it
+        finally:
+            self._send_lock.release()
+            self._settled()
+
+    def _unframe_control(self, grants: list[tuple[int, int]], ctrl: list[Any] | None) -> None:
+        """Give back credits and CMA frames taken for a control frame of which no byte was written."""
+        if ctrl:
+            assert self.cma is not None
+            self.cma.put_back(ctrl)
+        with self._lock:
+            for t, c in grants:
+                self._pending_credits[t] += c
+        self._owe(urgent=True)
 
     def _owe(self, *, urgent: bool) -> None:
         """(not under the lock) Pending credits were added: make sure a flush before blocking finds them."""
