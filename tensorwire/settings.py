@@ -188,7 +188,7 @@ class Settings:
         "without a wake-up: on a 2-core VM a 4 KiB `dist.send/recv` round trip took 56-135 us with 100-300, "
         "171-238 us with 0. After the first 20 us the reader yields the core between polls (two ranks sharing "
         "one core: 222 us instead of 395). A wait for a receive of n bytes polls longer by about the time they take to "
-        "come (0.2 ns per byte, at most 400 us more). At most one second.",
+        "come (0.2 ns per byte, at most 400 us more; up to 2 MiB). At most one second.",
         100.0,
     )
     cma: Literal["auto", "off"] = _var(

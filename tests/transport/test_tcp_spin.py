@@ -96,12 +96,14 @@ def _spin_of_a_wait(spin_us: float, nbytes: int) -> float:
 
 def test_a_wait_for_a_large_receive_polls_longer_up_to_a_bound():
     """A receive of n bytes polls about as long as the bytes take to come (``SPIN_PER_BYTE``), at most
-    ``SPIN_EXTRA_MAX`` longer than the link's spin; a link that never spins still never does."""
-    from tensorwire.transport.tcp.reader import SPIN_EXTRA_MAX, SPIN_PER_BYTE
+    ``SPIN_EXTRA_MAX`` longer than the link's spin, and no longer at all past ``SPIN_EXTRA_BYTES`` (a copy
+    on several threads); a link that never spins still never does."""
+    from tensorwire.transport.tcp.reader import SPIN_EXTRA_BYTES, SPIN_EXTRA_MAX, SPIN_PER_BYTE
 
     base = 100e-6
     assert _spin_of_a_wait(100.0, 64) == pytest.approx(base + 64 * SPIN_PER_BYTE)
     assert _spin_of_a_wait(100.0, 1 << 20) == pytest.approx(base + (1 << 20) * SPIN_PER_BYTE)
     assert (1 << 20) * SPIN_PER_BYTE > 100e-6  # a 1 MiB cross-memory copy (80-100 us) is covered
-    assert _spin_of_a_wait(100.0, 64 << 20) == pytest.approx(base + SPIN_EXTRA_MAX)
+    assert _spin_of_a_wait(100.0, SPIN_EXTRA_BYTES) == pytest.approx(base + SPIN_EXTRA_MAX)
+    assert _spin_of_a_wait(100.0, SPIN_EXTRA_BYTES + 1) == pytest.approx(base)
     assert _spin_of_a_wait(0.0, 1 << 20) == 0.0

@@ -48,9 +48,13 @@ YIELD_AFTER = 20e-6
 #: ``SPIN_EXTRA_MAX``): about the time the bytes take to come (a cross-memory copy moves 1 MiB in 80-100 us), so
 #: the reader is still polling when they land. Sleeping through that time instead costs a wake-up on both sides
 #: (a 1 MiB ping-pong on a 2-core VM: the header's sendmsg took 23 us instead of 8, and the reader saw it 22 us
-#: after it was sent instead of 2).
+#: after it was sent instead of 2). Not past ``SPIN_EXTRA_BYTES``: a longer copy runs on several threads, which
+#: need the cores (in one profile on a 2-core VM a 4 MiB copy in two pieces, its peer polling, ran no faster than
+#: one piece would), and a wake-up is a small part of it. (4 MiB ping-pongs with and without this bound, in
+#: turns, were within the VM's noise.)
 SPIN_PER_BYTE = 2e-10
 SPIN_EXTRA_MAX = 400e-6
+SPIN_EXTRA_BYTES = 2 << 20
 __all__ = ["FrameReader"]
 
 
@@ -182,7 +186,9 @@ class FrameReader(CreditBook):
     def _pump(self, pred: Any, deadline: float | None, expect: int = 0) -> None:
         """Reader role: read frames until pred() holds, the deadline passes, or an error."""
         spin = self._spin
-        self._rspin = spin + min(expect * SPIN_PER_BYTE, SPIN_EXTRA_MAX) if spin else 0.0
+        self._rspin = (
+            spin + min(expect * SPIN_PER_BYTE, SPIN_EXTRA_MAX) if spin and expect <= SPIN_EXTRA_BYTES else spin
+        )
         # with credits to hand back, look before blocking; past the deadline, only look
         block = not URGENT and (deadline is None or time.monotonic() < deadline)
         while True:
