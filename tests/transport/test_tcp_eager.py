@@ -261,6 +261,31 @@ def test_a_credit_flushed_at_the_post_into_a_full_socket_stays_pending(pair, mon
     assert a._credits[1] == 1
 
 
+def test_a_credit_frame_cut_at_the_post_and_never_finished_breaks_the_connection(pair, monkeypatch):
+    """The socket took part of the credit frame at the post and the rest never went out: nothing can follow part
+    of a frame, so the connection fails (PeerLostError), as a blocking flush that times out does."""
+    a, b = pair
+    b.offer_eager(slots=1, size=64)
+
+    class Partial:
+        def __init__(self, sock):
+            self._sock = sock
+
+        def sendmsg(self, *args):
+            return 1  # one byte of the frame
+
+        def __getattr__(self, name):
+            return getattr(self._sock, name)
+
+    def stalled(views, deadline):
+        raise tw.TransferTimeout("the rest of the frame did not go out")
+
+    monkeypatch.setattr(b, "_sock", Partial(b._sock))
+    monkeypatch.setattr(b, "_write", stalled)
+    b.post_recv(1, torch.zeros(8192, dtype=torch.uint8))
+    assert isinstance(b._error, tw.PeerLostError), b._error
+
+
 @pytest.fixture()
 def linked_pair():
     """A pair that proved a link secret (so it has cross-memory attach, whose probe may still run)."""

@@ -26,9 +26,9 @@ separate CREDIT frame is sent only when a thread of this process is about to
 block (then every pending credit of every connection is flushed, so no cycle
 of links can wait on each other), or, on a connection that offered eager
 buffers, at the post of a receive the peer cannot send eagerly (it is likely
-waiting for that credit; :meth:`CreditBook._flush_now`). A separate frame
-would wake the peer's process once more per message, which costs more than the
-syscall itself where the peer is not waiting.
+waiting for that credit; ``CreditBook._flush_credits(wait=False)``). A
+separate frame would wake the peer's process once more per message, which
+costs more than the syscall itself where the peer is not waiting.
 """
 
 from __future__ import annotations
@@ -201,8 +201,14 @@ class CreditBook(Connection):
         cma = b"".join(CMA_FRAME.pack(MAGIC, CMA, *f[:2], f[2], f[3], 0, 0, f[4]) for f in ctrl) if ctrl else b""
         return cma + (self._credit_frames(grants) if grants else b"")
 
-    def _flush_credits(self) -> None:
-        """Send pending credits (and CMA frames) now, unless a send is in progress (it carries them)."""
+    def _flush_credits(self, *, wait: bool = True) -> None:
+        """Send pending credits (and CMA frames) now, unless a send is in progress (it carries them).
+
+        ``wait`` False: only if the socket takes them at once (for a receive the peer cannot send eagerly: it
+        waits for this credit, so it should not wait until this side blocks). If it takes nothing they stay
+        pending (a wait or the next DATA frame sends them); a frame it took in part is finished here, since
+        nothing else may follow part of a frame.
+        """
         if not self._send_lock.acquire(blocking=False):
             return
         try:
@@ -214,45 +220,22 @@ class CreditBook(Connection):
                     grants = self._take_credits()
                     ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
             if grants or ctrl:
-                self._write([memoryview(self._control_frames(grants, ctrl))], time.monotonic() + self._peer_timeout)
+                frames = self._control_frames(grants, ctrl)
+                sent = 0
+                if not wait:
+                    try:
+                        sent = self._sock.sendmsg([frames], (), socket.MSG_DONTWAIT)
+                    except OSError:  # (full; or failing: a waiter's read or write reports it)
+                        sent = 0
+                    if sent == 0:
+                        self._unframe_control(grants, ctrl)
+                        return
+                if sent < len(frames):
+                    self._write([memoryview(frames)[sent:]], time.monotonic() + self._peer_timeout)
         except TransferTimeout as exc:
             self._fail(PeerLostError(f"could not grant credits to {self._peer}: {exc}"))
         except TensorWireError:
             pass  # recorded by _write; waiters will see it
-        finally:
-            self._send_lock.release()
-            self._settled()
-
-    def _flush_now(self) -> None:
-        """Send pending credits (and CMA frames) at once if that cannot block: no send in progress and the
-        socket takes the whole frame; else they stay pending (a wait or the next DATA frame sends them).
-        For a receive the peer cannot send eagerly: it waits for this credit, so it should not wait until
-        this side blocks."""
-        if not self._send_lock.acquire(blocking=False):
-            return  # a send is in progress: it carries them
-        try:
-            cma = self.cma
-            with self._cond:
-                if self._error is not None:
-                    return
-                grants = self._take_credits()
-                ctrl = cma.take_frames() if cma is not None and cma.has_frames else None
-            if not grants and not ctrl:
-                return
-            frames = self._control_frames(grants, ctrl)
-            try:
-                sent = self._sock.sendmsg([frames], (), socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                sent = 0  # the connection is failing: a waiter's read or write reports it
-            if sent == 0:  # the socket is full: they stay pending, as before this call
-                self._unframe_control(grants, ctrl)
-            elif sent < len(frames):  # part of a frame is out: the rest must follow before anything else
-                try:
-                    self._write([memoryview(frames)[sent:]], time.monotonic() + self._peer_timeout)
-                except TensorWireError:
-                    pass  # recorded by _write; waiters will see it
         finally:
             self._send_lock.release()
             self._settled()

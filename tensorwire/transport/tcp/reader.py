@@ -112,7 +112,7 @@ class FrameReader(CreditBook):
             # likely waiting for it. Out now, not when this side first waits (a 1 MiB dist.send/recv
             # ping-pong on a 2-core VM: the credit left 25 us earlier). Links and the serve daemon post
             # ahead of need: their credits ride on the next frame going the other way.
-            self._flush_now()
+            self._flush_credits(wait=False)
 
     def wait_recv(self, tag: int, *, timeout: float | None) -> Received:
         q = self._posted[tag]  # (the deque of a tag is never replaced)
