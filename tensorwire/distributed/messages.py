@@ -45,7 +45,7 @@ MAX_TAG = (1 << 31) - 2
 #: posted (one buffer of EAGER_SLOTS * EAGER_MAX bytes per peer, set aside when the group is made). A message
 #: that waits for its credit instead is queued, and on a 2-core VM that cost more than the socket's extra copy
 #: up to 256 KiB: 64 KiB round trips went from 211 to 85 us, 256 KiB from 247 to 121 us
-#: (bench/results/distributed_cpu2_2026-11-25-3.md; above EAGER_MAX a message whose credit is there is copied once).
+#: (bench/results/archive/distributed_cpu2_2026-11-25-3.md; above EAGER_MAX a message whose credit is there is copied once).
 EAGER_SLOTS = 8
 EAGER_MAX = 256 * 1024
 #: UCX: messages per tag a rank sends before the credit of the receive they go to came (the credit of a receive

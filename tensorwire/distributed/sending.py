@@ -14,7 +14,7 @@ for the other's offer), so such a message goes before its receive is posted or
 its credit has come back, instead of being queued (which wakes the tag's
 thread). A 4 KiB ping-pong is then one ``sendmsg`` and one ``recv`` per
 message on each side, in the caller's thread, with no lock contended, no
-Event and no thread woken (``bench/results/distributed_cpu2_2026-11-24-2.md``).
+Event and no thread woken (``bench/results/archive/distributed_cpu2_2026-11-24-2.md``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 #: A message is split into pieces of at least this many bytes for the copy threads. Handing a piece to a
 #: thread costs a wake-up and a wait: 1 MiB in four 256 KiB pieces took 1013 us per round trip on a 16-core
-#: host against 828 us in one piece (bench/results/distributed_h100_2026-11-24-4.md and -2), while 16 MiB
+#: host against 828 us in one piece (bench/results/archive/distributed_h100_2026-11-24-4.md and -2), while 16 MiB
 #: and more in four pieces copy at 11-15 GB/s; so a message is split only from 2 MiB.
 PIECE_MIN = 1 << 20
 _PAGE = 4096
