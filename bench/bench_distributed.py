@@ -17,7 +17,10 @@ tensorwire), so a change of load on a shared machine hits both.
   (each round's mean over its round trips, then the median of the rounds; a
   round trip that the scheduler or the load stretched counts in its round's
   mean) and the bandwidth ``2 x size / round trip``. For a median over single
-  round trips, two trees in turns: ``bench/bench_distributed_trees.py``.
+  round trips, two trees in turns: ``bench/bench_distributed_trees.py``. Up to
+  64 KiB a third group takes its turn: the Python floor (``bench/floor_pg.py``,
+  a ProcessGroup that only moves the bytes over a socket and checks nothing),
+  the round trip below which no Python backend can go on the machine.
 - **GPipe step**: ``torch.distributed.pipelining.ScheduleGPipe`` over two
   stages whose compute is one elementwise scale each, so the step is the
   exchange of the activations (``--act-mib`` per microbatch, default 16) and
@@ -46,7 +49,11 @@ import sys
 import time
 from pathlib import Path
 
+import floor_pg  # (this script's folder is on sys.path)
+
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+#: sizes at which the Python floor (bench/floor_pg.py) is timed too
+FLOOR_MAX = 64 << 10
 
 
 def _rss_mib() -> float:
@@ -124,15 +131,18 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     tw = dist.new_group([0, 1], backend="tensorwire")
     groups = {"gloo": None, "tensorwire": tw}
+    floor_pg.register()
+    floor = dist.new_group([0, 1], backend=floor_pg.NAME)
     out: dict = {"transport": dict(tw.transports), "pingpong": {}, "gpipe": {}, "rss": {}}
     sizes = [s for s in SIZES if s <= args.max_mib << 20]
     for size in sizes:
         x = torch.zeros(size // 4)
-        samples: dict[str, list[float]] = {"gloo": [], "tensorwire": []}
-        for g in groups.values():  # warm-up (first message of each signature, connections)
+        these = dict(groups, floor=floor) if size <= FLOOR_MAX else groups
+        samples: dict[str, list[float]] = {name: [] for name in these}
+        for g in these.values():  # warm-up (first message of each signature, connections)
             _pingpong(dist, torch, g, rank, x, 2)
         for _ in range(args.rounds):
-            for name, g in groups.items():
+            for name, g in these.items():
                 dist.barrier()
                 samples[name].append(_pingpong(dist, torch, g, rank, x, max(1, _iters(size) // args.rounds)))
         out["pingpong"][size] = {k: statistics.median(v) for k, v in samples.items()}
@@ -171,6 +181,7 @@ def worker(args: argparse.Namespace) -> None:
             out["cma"][p] = {"state": c.state, "messages": c.messages_written, "mib": c.bytes_written / 2**20}
     dist.barrier()
     dist.destroy_process_group(tw)
+    dist.destroy_process_group(floor)
     dist.destroy_process_group()
     print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
 
@@ -204,15 +215,21 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
         "",
         "## send/recv ping-pong (rank 0's view)",
         "",
-        "| size | gloo round trip | tensorwire round trip | tw/gloo time | gloo GB/s | tensorwire GB/s | tw/gloo bandwidth |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"Python floor (up to {_fmt_size(FLOOR_MAX)}): a ProcessGroup that only moves the bytes over one TCP socket "
+        "(`bench/floor_pg.py`: no checks, no tags, no failure detection), timed in the same turns: the round trip no "
+        "Python backend can go below on this machine.",
+        "",
+        "| size | gloo round trip | tensorwire round trip | tw/gloo time | gloo GB/s | tensorwire GB/s | tw/gloo bandwidth "
+        "| Python floor | floor/gloo time |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for size, v in sorted(r0["pingpong"].items(), key=lambda kv: int(kv[0])):
         size = int(size)
-        g, t = v["gloo"], v["tensorwire"]
+        g, t, f = v["gloo"], v["tensorwire"], v.get("floor")
         lines.append(
             f"| {_fmt_size(size)} | {g * 1e6:.0f} µs | {t * 1e6:.0f} µs | {t / g:.2f}x | "
-            f"{2 * size / g / 1e9:.2f} | {2 * size / t / 1e9:.2f} | {g / t:.2f}x |"
+            f"{2 * size / g / 1e9:.2f} | {2 * size / t / 1e9:.2f} | {g / t:.2f}x | "
+            + (f"{f * 1e6:.0f} µs | {f / g:.2f}x |" if f is not None else "| |")
         )
     g, t = r0["gpipe"]["gloo"], r0["gpipe"]["tensorwire"]
     lines += [
