@@ -25,7 +25,7 @@ memory check of 1,000 Link steps, and the environment. Progress goes to stderr.
 EPILOG = """\
 backends: all (default), tensorwire, grpc, raw, torch, or names:
   tensorwire-tcp tensorwire-ucx tensorwire-ucx-isend grpc-unary grpc-stream
-  raw-tcp raw-ucxx raw-ucxx-cm raw-ucxx-cmnoerr torch-gloo torch-nccl nixl
+  raw-tcp raw-ucxx raw-ucxx-cm raw-ucxx-cmnoerr raw-ucxx-2buf torch-gloo torch-nccl nixl
 examples:
   tensorwire bench                                   # CPU, 4 KiB .. 256 MiB, all backends
   tensorwire bench --max-size 1M --check             # quick correctness pass

@@ -32,6 +32,7 @@ SHORT = {
     "raw-ucxx": "raw-ucxx",
     "raw-ucxx-cm": "ucxx-cm",
     "raw-ucxx-cmnoerr": "ucxx-cmne",
+    "raw-ucxx-2buf": "ucxx-2buf",
     "torch-gloo": "gloo",
     "torch-nccl": "nccl",
     "nixl": "nixl",

@@ -239,6 +239,19 @@ def test_check_with_messages_in_flight_isend(tmp_path):
     _no_children_left()
 
 
+@pytest.mark.timeout(120)
+def test_raw_ucxx_with_two_receive_buffers_delivers_every_message_checked(tmp_path):
+    """raw-ucxx-2buf receives into two buffers in turn: --check compares each returned buffer with the
+    message's stamps, so a receiver handing back the buffer it did not receive into fails here."""
+    pytest.importorskip("ucxx")
+    out = _bench("--backends", "raw-ucxx-2buf", "--check", "--no-memcheck", "--json", str(tmp_path / "r.json"), *FAST)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.load(open(tmp_path / "r.json"))["backends"]["raw-ucxx-2buf"]
+    assert res["status"] == "ok", res
+    assert res["receiver"]["messages"] > 0
+    _no_children_left()
+
+
 @pytest.mark.timeout(90)
 def test_check_catches_a_corrupted_byte(tmp_path):
     out = _bench(

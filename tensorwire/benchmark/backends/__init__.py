@@ -50,6 +50,12 @@ BACKENDS: dict[str, tuple[str, str | None, str]] = {
         "handling): what ucxx.create_listener and tensorwire's UCX transport do",
     ),
     "raw-ucxx-cmnoerr": ("rawucx", "cmnoerr", "as raw-ucxx-cm, endpoints without peer error handling"),
+    "raw-ucxx-2buf": (
+        "rawucx",
+        "2buf",
+        "as raw-ucxx, the receiver alternating two buffers (a double-buffered receiver; a Link's default "
+        "depth): the same memory footprint as tensorwire-ucx's receiver",
+    ),
     "torch-gloo": ("torchdist", "gloo", "torch.distributed send/recv, gloo (CPU)"),
     "torch-nccl": ("torchdist", "nccl", "torch.distributed send/recv, NCCL (CUDA)"),
     "nixl": ("nixlb", None, "NIXL one-sided WRITE + notification (UCX backend), when importable"),

@@ -142,22 +142,27 @@ class Receiver(_Receiver):
             self.ep = eps[0]
         self.ack_arr = self.ucx.array(torch.ones(1, dtype=torch.uint8))
         self.data_tag, self.ack_tag = self.ucx.tag(DATA_TAG), self.ucx.tag(ACK_TAG)
-        self.buf: "torch.Tensor | None" = None
-        self.arr: Any = None
+        self.bufs: list[tuple["torch.Tensor", Any]] = []
+        self.turn = 0
+        # "2buf": receive into two buffers in turn, as a double-buffered receiver (and a Link's two slots) does
+        self.nbufs = 2 if arg == "2buf" else 1
 
     def open(self, size: int) -> None:
         import torch
 
-        self.buf = torch.empty(size, dtype=torch.uint8, device=self.ctx.device)
-        self.arr = self.ucx.array(self.buf)
+        for _ in range(self.nbufs):
+            buf = torch.empty(size, dtype=torch.uint8, device=self.ctx.device)
+            self.bufs.append((buf, self.ucx.array(buf)))
 
     def recv(self) -> "torch.Tensor":
-        self.ucx.wait(self.ep.tag_recv(self.arr, tag=self.data_tag))
-        assert self.buf is not None
-        return self.buf
+        buf, arr = self.bufs[self.turn]
+        self.turn = (self.turn + 1) % len(self.bufs)
+        self.ucx.wait(self.ep.tag_recv(arr, tag=self.data_tag))
+        return buf
 
     def ack(self) -> None:
         self.ucx.wait(self.ep.tag_send(self.ack_arr, tag=self.ack_tag))
 
     def close_size(self) -> None:
-        self.buf = self.arr = None
+        self.bufs.clear()
+        self.turn = 0
