@@ -28,7 +28,10 @@ printed for context only.
 
 Beside the daemons, in the same turns (``--no-floor`` skips it): a server
 process making only the TcpTransport calls the daemon's request thread makes
-for one operation -- the transport's own floor. Then (``--own-rounds``) each
+for one operation -- the transport's own floor. And a plain-socket server answering
+the request and reply of a shared-memory operation with ``recv_into`` and
+``sendall``, no tensorwire at all: the floor of any Python server on the
+machine (its kernel's wake-ups and the interpreter). Then (``--own-rounds``) each
 tree's session request loop and handler, in a process of its own, answering
 requests from a transport that moves nothing: the daemon's own code alone.
 
@@ -187,6 +190,75 @@ def floor_server() -> int:
             t.send(5, reply, timeout=30)
         t.post_recv(4, b, header=True)
         posted.append(b)
+
+
+def raw_server() -> int:
+    """Serve one connection with a plain socket: per 96-byte request, a 512-byte reply; no tensorwire at all."""
+    import socket
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    print(json.dumps({"port": lst.getsockname()[1]}), flush=True)
+    conn, _ = lst.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(bytearray(96))
+    reply = bytes(512)
+    while True:
+        got = 0
+        while got < 96:
+            n = conn.recv_into(view[got:], 96 - got)
+            if n == 0:
+                return 0
+            got += n
+        conn.sendall(reply)
+
+
+class RawFloor:
+    """A :func:`raw_server` process and a client of it: the request/reply of a shared-memory operation
+    through a plain socket, the floor of any Python server on the machine (its kernel and interpreter)."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.label = "plain socket"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--raw-server"],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            self.proc.kill()
+            raise SystemExit("the plain-socket server did not start")
+        self.pid = self.proc.pid
+        self.sock = socket.create_connection(("127.0.0.1", json.loads(line)["port"]))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.req = bytes(96)
+        self.view = memoryview(bytearray(512))
+        self.clients: dict[str, Any] = {}
+
+    def _exchange(self) -> None:
+        self.sock.sendall(self.req)
+        got = 0
+        while got < 512:
+            n = self.sock.recv_into(self.view[got:], 512 - got)
+            if n == 0:
+                raise ConnectionError("the plain-socket server closed the connection")
+            got += n
+
+    def cells(self, sizes: list[str]) -> list["Cell"]:
+        return [Cell("floor", "request+reply, plain socket", sizes[0], self._exchange)]
+
+    def stop(self) -> None:
+        self.sock.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        if self.proc.stdout:
+            self.proc.stdout.close()
 
 
 class Floor:
@@ -739,6 +811,9 @@ def run(args: argparse.Namespace) -> str:
             floor = Floor(ROOT)
             daemons.append(floor)  # type: ignore[arg-type]
             cells[floor.label] = floor.cells(sizes)
+            raw = RawFloor()
+            daemons.append(raw)  # type: ignore[arg-type]
+            cells[raw.label] = raw.cells(sizes)
         idle = {d.label: idle_rate(d) for d in daemons}
         ticks0 = {d.label: cpu_ticks_s(d.pid) for d in daemons}
         ns0 = {d.label: cpu_ns(d.pid) for d in daemons}
@@ -757,7 +832,7 @@ def run(args: argparse.Namespace) -> str:
         "Client wall time: per call, for context (moves with the load)."
     )
     say()
-    labels = [d.label for d in daemons if d.label != "transport only"]
+    labels = [d.label for d in daemons if d.label not in ("transport only", "plain socket")]
     head = "| path | op | size | requests/op |"
     sep = "| --- | --- | --- | ---: |"
     for lb in labels:
@@ -794,14 +869,21 @@ def run(args: argparse.Namespace) -> str:
         say()
         say("| transport calls of | size | server CPU µs/op | of it system | client wall µs/op |")
         say("| --- | --- | ---: | ---: | ---: |")
-        for c in cells["transport only"]:
-            size = "-" if c.kind == "request+reply" else f"{c.size} ({SIZES_BYTES[c.size] >> 10} KiB)"
+        for c in cells["transport only"] + cells.get("plain socket", []):
+            size = "-" if c.kind.startswith("request+reply") else f"{c.size} ({SIZES_BYTES[c.size] >> 10} KiB)"
             say(
                 f"| {c.kind} | {size} | {c.cpu_ns / 1e3 / c.calls:.1f} | {c.sys_s * 1e6 / c.calls:.0f} | "
                 f"{c.wall_s / c.calls * 1e6:.1f} |"
             )
+        if "plain socket" in cells:
+            say()
+            say(
+                "`request+reply, plain socket`: the same exchange (96 bytes in, 512 out) served by a Python loop "
+                "of `recv_into` and `sendall` on a plain socket, no tensorwire: the floor of any Python server on "
+                "this machine (the kernel's wake-ups and the interpreter)."
+            )
     say()
-    for lb in [*labels, *(["transport only"] if "transport only" in cells else [])]:
+    for lb in [*labels, *(lb for lb in ("transport only", "plain socket") if lb in cells)]:
         ticks, ns = check[lb]
         say(
             f"- {lb}: idle CPU {idle[lb] * 1e6:.0f} µs per second; over the measured calls utime+stime "
@@ -851,6 +933,8 @@ def main() -> int:
         return 0
     if len(sys.argv) == 2 and sys.argv[1] == "--floor-server":
         return floor_server()
+    if len(sys.argv) == 2 and sys.argv[1] == "--raw-server":
+        return raw_server()
     if len(sys.argv) > 2 and sys.argv[1] == "--profiled-daemon":
         prefix = sys.argv[2]
         rest = sys.argv[3:]
