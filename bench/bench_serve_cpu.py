@@ -142,9 +142,46 @@ FLOOR_OPS = ("get", "put", "request+reply")
 _FLOOR_CODE = {"get": 1, "put": 2, "request+reply": 3}
 
 
+def _accept_one() -> Any:
+    """(a server process) Listen on a free loopback port, print it for the parent, accept one connection."""
+    import socket
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    print(json.dumps({"port": lst.getsockname()[1]}), flush=True)
+    conn, _ = lst.accept()
+    lst.close()
+    return conn
+
+
+def _start_server(flag: str, what: str, env: "dict[str, str] | None" = None) -> "tuple[subprocess.Popen[str], int]":
+    """Run this script with ``flag`` (a server process); its process and the port it listens on."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), flag],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line:
+        proc.kill()
+        raise SystemExit(f"the {what} server did not start")
+    return proc, int(json.loads(line)["port"])
+
+
+def _stop_server(proc: "subprocess.Popen[str]") -> None:
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    if proc.stdout:
+        proc.stdout.close()
+
+
 def floor_server() -> int:
     """Serve one connection: per request (tag 4: op code, byte count), the transport calls a daemon makes."""
-    import socket
     import struct
 
     import torch
@@ -152,11 +189,7 @@ def floor_server() -> int:
     from tensorwire.transport._socket import tune_socket
     from tensorwire.transport.tcp import TcpTransport
 
-    lst = socket.socket()
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(1)
-    print(json.dumps({"port": lst.getsockname()[1]}), flush=True)
-    conn, _ = lst.accept()
+    conn = _accept_one()
     tune_socket(conn, peer_timeout=30.0)
     t = TcpTransport(conn)
     reqs = [torch.zeros(96, dtype=torch.uint8) for _ in range(2)]
@@ -196,11 +229,7 @@ def raw_server() -> int:
     """Serve one connection with a plain socket: per 96-byte request, a 512-byte reply; no tensorwire at all."""
     import socket
 
-    lst = socket.socket()
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(1)
-    print(json.dumps({"port": lst.getsockname()[1]}), flush=True)
-    conn, _ = lst.accept()
+    conn = _accept_one()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     view = memoryview(bytearray(96))
     reply = bytes(512)
@@ -222,18 +251,9 @@ class RawFloor:
         import socket
 
         self.label = "plain socket"
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--raw-server"],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        if not line:
-            self.proc.kill()
-            raise SystemExit("the plain-socket server did not start")
+        self.proc, port = _start_server("--raw-server", "plain-socket")
         self.pid = self.proc.pid
-        self.sock = socket.create_connection(("127.0.0.1", json.loads(line)["port"]))
+        self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.req = bytes(96)
         self.view = memoryview(bytearray(512))
@@ -253,12 +273,7 @@ class RawFloor:
 
     def stop(self) -> None:
         self.sock.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        if self.proc.stdout:
-            self.proc.stdout.close()
+        _stop_server(self.proc)
 
 
 class Floor:
@@ -273,20 +288,9 @@ class Floor:
         from tensorwire.transport.tcp import TcpTransport
 
         self.label = "transport only"
-        env = dict(os.environ, PYTHONPATH=pythonpath)
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--floor-server"],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env,
-        )
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        if not line:
-            self.proc.kill()
-            raise SystemExit("the transport-floor server did not start")
+        self.proc, port = _start_server("--floor-server", "transport-floor", dict(os.environ, PYTHONPATH=pythonpath))
         self.pid = self.proc.pid
-        sock = socket.create_connection(("127.0.0.1", json.loads(line)["port"]))
+        sock = socket.create_connection(("127.0.0.1", port))
         tune_socket(sock, peer_timeout=30.0)
         self.t = TcpTransport(sock)
         self.req = torch.zeros(96, dtype=torch.uint8)
@@ -339,12 +343,7 @@ class Floor:
         except Exception:  # noqa: BLE001 - gone already
             pass
         self.t.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        if self.proc.stdout:
-            self.proc.stdout.close()
+        _stop_server(self.proc)
 
 
 # -- the daemon's own code: the real request loop and handler over a do-nothing transport ------------------------
