@@ -87,34 +87,41 @@ class TcpTransport(FrameReader):
         payload = buf if type(buf) is memoryview else host_view(buf)
         ndim, dims = shape_words(shape)
         n = len(payload)
-
-        def ready() -> bool:
-            return self._credits[tag] > 0 or (n <= self._peer_eager and self._credits[EAGER_TAG] > 0)
-
-        # Fast path: a credit is there and nobody else is sending.
-        have = ready() and self._send_lock.acquire(False)
-        if have:
-            with self._lock:
-                if not (ready() or self._error is not None):
-                    have = False
-            if not have:
-                self._send_lock.release()
-        while not have:
-            self._wait_for(ready, deadline, "credit to send on tag %d", tag)
-            if not self._send_lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
-                raise TransferTimeout(f"send on tag {tag}: another send held the connection past the timeout")
-            with self._lock:
-                if ready() or self._error is not None:
-                    break
-            self._send_lock.release()  # another sender took the credit first: wait again
+        have = self._credits
         cma = self.cma
+        claim: tuple[int, int, list[Any], Any] | None = None
+        slot = None
+        held = self._send_lock.acquire(False)
         try:
-            with self._lock:
-                self._check_usable()
-                claim = self._claim(tag, n, step)
-                assert claim is not None  # a credit was there under the send lock: only senders take credits
-                ftype, wire_step, grants, ctrl = claim
-                slot = cma.slot_for(tag, wire_step) if cma is not None else None
+            if held:
+                # Fast path: a credit is there and nobody else is sending (one look under the lock, the claim).
+                with self._lock:
+                    if self._error is None and (have[tag] > 0 or (n <= self._peer_eager and have[EAGER_TAG] > 0)):
+                        claim = self._claim(tag, n, step)
+                if claim is None:
+                    held = False
+                    self._send_lock.release()
+            if claim is None:
+
+                def ready() -> bool:
+                    return have[tag] > 0 or (n <= self._peer_eager and have[EAGER_TAG] > 0)
+
+                while claim is None:
+                    self._wait_for(ready, deadline, "credit to send on tag %d", tag)
+                    rem = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+                    if not self._send_lock.acquire(timeout=rem):
+                        raise TransferTimeout(f"send on tag {tag}: another send held the connection past the timeout")
+                    held = True
+                    with self._lock:
+                        self._check_usable()
+                        if ready():
+                            claim = self._claim(tag, n, step)
+                    if claim is None:  # another sender took the credit first: wait again
+                        held = False
+                        self._send_lock.release()
+            ftype, wire_step, grants, ctrl = claim
+            if cma is not None:
+                slot = cma.slot_for(tag, wire_step)
             if slot is not None and ftype == DATA and n >= cma.min_bytes:  # type: ignore[union-attr]
                 if grants or ctrl:  # hand them over before the copy, not after it
                     self._write([memoryview(self._control_frames(grants, ctrl))], deadline)
@@ -125,7 +132,8 @@ class TcpTransport(FrameReader):
             self._write([memoryview(header), payload] if n and ftype != WRITTEN else [memoryview(header)], deadline)
             self.bytes_sent += n
         finally:
-            self._send_lock.release()
+            if held:
+                self._send_lock.release()
         if self in URGENT:
             # Receives posted while this frame was on the wire: their flush found the connection busy
             # and left the credits to us. Nobody else may try again before blocking on the peer.
@@ -307,6 +315,9 @@ class TcpTransport(FrameReader):
                 self._fail(err)
                 raise err from exc
             if n:
+                if not sent_any and n == sum(map(len, views)):  # (the usual case: all out at the first try)
+                    views.clear()
+                    return
                 sent_any = True
                 advance(views, n)
                 if not views:
