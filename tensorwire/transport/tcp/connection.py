@@ -86,6 +86,8 @@ class Connection(Transport):
         self._rpost: Posted | None = None
         self._reager: memoryview | None = None  # the eager buffer the payload goes to (no buffer posted)
         self._rmeta: tuple[int, int, int, tuple[int, ...] | None] | None = None
+        self._poll_r = select.poll()
+        self._poll_r.register(self._fd, select.POLLIN)
         self._poll_w = select.poll()
         self._poll_w.register(self._fd, select.POLLOUT)
         self._poll_rw = select.poll()
