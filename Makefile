@@ -1,7 +1,7 @@
 # Developer entry points. The README's first lines are the canonical commands.
 PY ?= python3
 
-.PHONY: install demo test test-fast check lint typecheck docs-config proto bench bench-serve bench-pipeline doctor clean
+.PHONY: install demo test test-fast native native-test check lint typecheck docs-config proto bench bench-serve bench-pipeline doctor clean
 
 install:
 	$(PY) -m pip install "torch==2.13.0" -e ".[test]"
@@ -14,6 +14,17 @@ test:
 
 test-fast:
 	$(PY) -m pytest -m "not slow and not netns"
+
+# The compiled hot path (tensorwire/native.py): a build of the package with its hot modules compiled by mypyc, in
+# build/native, and the whole suite run against it (the tests are the same; CI runs both).
+NATIVE = build/native
+
+native:
+	rm -rf $(NATIVE) build/lib.* build/temp.* build/bdist.*  # (no compiled module of an earlier list)
+	TENSORWIRE_NATIVE=1 $(PY) -m pip install -q --no-deps --no-build-isolation --target $(NATIVE) .
+
+native-test: native
+	cd $(NATIVE) && PYTHONPATH=$(CURDIR)/$(NATIVE) $(PY) -m pytest $(CURDIR)/tests -p no:cacheprovider
 
 # Static checks (CI runs them before the tests): lint, formatting, types. Configured in pyproject.toml.
 CHECKED = tensorwire tests examples

@@ -35,7 +35,9 @@ if [ "$MODE" = fetch ]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     "ucxx-cu13==0.52.*" "libucxx-cu13==0.52.*" "libucx-cu13>=1.19,<1.22" "librmm-cu13==26.10.*" \
-    "rmm-cu13==26.10.*" "rapids-logger==0.3.*" "grpcio==1.85.1" "grpcio-health-checking==1.85.1" "protobuf>=7.35.1"
+    "rmm-cu13==26.10.*" "rapids-logger==0.3.*" "grpcio==1.85.1" "grpcio-health-checking==1.85.1" "protobuf>=7.35.1" \
+    "mypy==2.4.1" "mypy_extensions>=1.0" "pathspec>=1.0" "librt>=0.16" "ast-serialize>=0.12.1,<1"
+  # (mypy and what it needs: mypyc compiles the hot path there, `make native`)
   du -sh .whl
   exit 0
 fi

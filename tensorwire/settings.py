@@ -30,7 +30,16 @@ from typing import Any, Callable, Literal, Mapping
 
 from tensorwire.errors import ConfigError
 
-__all__ = ["Settings", "setting", "env_var", "parse_size", "markdown", "PREFIX", "DEFAULT_STAGING_CHUNK"]
+__all__ = [
+    "Settings",
+    "setting",
+    "env_var",
+    "parse_size",
+    "markdown",
+    "PREFIX",
+    "DEFAULT_STAGING_CHUNK",
+    "INSTALL_VARIABLES",
+]
 
 PREFIX = "TENSORWIRE_"
 #: The staging chunk of CUDA tensors sent through host memory (part of the wire format: both sides agree).
@@ -325,6 +334,17 @@ def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
         raise ConfigError(f"{env_var(name)}={raw!r}: {exc}") from None
 
 
+#: Variables read when tensorwire is installed, not at run time: variable -> (default, doc).
+INSTALL_VARIABLES: dict[str, tuple[str, str]] = {
+    "TENSORWIRE_NATIVE": (
+        "`auto`",
+        "Compile the hot path (`tensorwire.native.MODULES`) with mypyc: `auto` when a C compiler and Python's "
+        "headers are there (pure Python otherwise; never for `pip install -e`), `1` always (the install fails "
+        "without them), `0` never. `tensorwire doctor` says which one is installed.",
+    ),
+}
+
+
 def markdown(extra: Mapping[str, tuple[str, str]] | None = None) -> str:
     """``docs/configuration.md``: a table of every setting; ``extra`` adds rows (variable -> (default, doc))."""
     lines = [
@@ -345,6 +365,15 @@ def markdown(extra: Mapping[str, tuple[str, str]] | None = None) -> str:
     for f in dataclasses.fields(Settings):
         shown = f.metadata["shown"] or f"`{f.default}`"
         lines.append(f"| `{env_var(f.name)}` | {shown} | {f.metadata['doc']} |")
+    lines += [
+        "",
+        "## Install time (`pip install`, read by `setup.py`)",
+        "",
+        "| variable | default | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for var, (default, doc) in INSTALL_VARIABLES.items():
+        lines.append(f"| `{var}` | {default} | {doc} |")
     if extra:
         lines += [
             "",

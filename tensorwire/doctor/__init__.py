@@ -42,6 +42,7 @@ from tensorwire.doctor.checks import (
     check_dev_infiniband,
     check_gpudirect,
     check_memlock,
+    check_native,
     check_rdma,
     check_shm,
     check_tensorwire,
@@ -77,6 +78,7 @@ __all__ = [
     "check_allocator",
     "check_ucx_env",
     "check_tensorwire",
+    "check_native",
 ]
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "check_allocator",
     "check_ucx_env",
     "check_tensorwire",
+    "check_native",
 ]
 
 Verdict = Literal["OK", "WARN", "FAIL", "N/A"]
@@ -490,6 +491,32 @@ def check_tensorwire(p: Probe) -> list[Finding]:
     return [Finding("tensorwire", "OK" if "tcp" in kinds else "FAIL", detail)]
 
 
+def check_native(p: Probe) -> list[Finding]:
+    """Whether the hot path runs compiled (``tensorwire.native``): same behaviour, less CPU per message."""
+    from tensorwire import native
+
+    kinds = native.status()
+    compiled = [m for m, k in kinds.items() if k == "compiled"]
+    if len(compiled) == len(kinds):
+        return [Finding("hot path", "OK", f"compiled by mypyc ({len(compiled)}/{len(kinds)} modules)")]
+    fix = (
+        "reinstall where a C compiler and Python's headers are (e.g. apt install gcc python3-dev): "
+        "TENSORWIRE_NATIVE=1 pip install --force-reinstall --no-deps tensorwire (from its source)"
+    )
+    if not compiled:
+        detail = "pure Python: the same behaviour, with more CPU per message (docs/benchmarks.md: compiled hot path)"
+        return [Finding("hot path", "WARN", detail, fix)]
+    rest = sorted(m for m in kinds if m not in compiled)
+    return [
+        Finding(
+            "hot path",
+            "WARN",
+            f"partly compiled ({len(compiled)}/{len(kinds)} modules); Python: {', '.join(rest)}",
+            fix,
+        )
+    ]
+
+
 CHECKS: tuple[Callable[[Probe], list[Finding]], ...] = (
     check_ucx,
     check_ucx_transports,
@@ -503,6 +530,7 @@ CHECKS: tuple[Callable[[Probe], list[Finding]], ...] = (
     check_allocator,
     check_ucx_env,
     check_tensorwire,
+    check_native,
 )
 
 

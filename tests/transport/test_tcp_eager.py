@@ -261,6 +261,7 @@ def test_a_credit_flushed_at_the_post_into_a_full_socket_stays_pending(pair, mon
     assert a._credits[1] == 1
 
 
+@pytest.mark.pure_python
 def test_a_credit_frame_cut_at_the_post_and_never_finished_breaks_the_connection(pair, monkeypatch):
     """The socket took part of the credit frame at the post and the rest never went out: nothing can follow part
     of a frame, so the connection fails (PeerLostError), as a blocking flush that times out does."""

@@ -94,6 +94,7 @@ def _spin_of_a_wait(spin_us: float, nbytes: int) -> float:
         b.close()
 
 
+@pytest.mark.pure_python
 def test_a_wait_for_a_large_receive_polls_longer_up_to_a_bound():
     """A receive of n bytes polls about as long as the bytes take to come (``SPIN_PER_BYTE``), at most
     ``SPIN_EXTRA_MAX`` longer than the link's spin, and no longer at all past ``SPIN_EXTRA_BYTES`` (a copy

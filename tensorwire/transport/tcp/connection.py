@@ -13,7 +13,7 @@ import select
 import socket
 import struct
 import threading
-from typing import Any, Deque
+from typing import Any, ClassVar, Deque
 
 from tensorwire.errors import AuthError, ClosedError, PeerLostError, ProtocolError, TransportError
 from tensorwire.transport.base import Received, Transport
@@ -27,11 +27,11 @@ class Connection(Transport):
     """The fields of a framed, credit-flow-controlled TCP connection to one peer, and its error state."""
 
     #: How long one blocking read waits before re-checking deadlines and state.
-    READ_SLICE = 0.2
+    READ_SLICE: ClassVar[float] = 0.2
     #: How long one blocking write waits before reading what the peer sent meanwhile.
-    SEND_SLICE = 0.02
+    SEND_SLICE: ClassVar[float] = 0.02
     #: Posted-buffer views kept for reuse (a Link re-posts the same slots every step).
-    VIEW_CACHE = 256
+    VIEW_CACHE: ClassVar[int] = 256
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import select
 import socket
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from tensorwire.errors import ClosedError, PeerLostError, TensorWireError, TransferTimeout
 from tensorwire.transport.base import remaining
@@ -49,13 +49,13 @@ __all__ = ["TcpTransport"]
 class TcpTransport(FrameReader):
     """A framed, credit-flow-controlled TCP connection to one peer. See :mod:`tensorwire.transport.tcp`."""
 
-    kind = "tcp"
-    reaches_cuda = False
+    kind: ClassVar[str] = "tcp"
+    reaches_cuda: ClassVar[bool] = False
     #: Largest cross-memory copy :meth:`try_send` makes in the caller's thread (larger ones: :meth:`send`).
     #: A copy of 1 MiB takes 80-100 us; one left to :meth:`send` is queued by the caller and a thread is woken
     #: for it, which cost more than that: a 1 MiB ``dist.send/recv`` round trip took 483 us with 256 KiB here,
     #: 385 us with 1 MiB (2-core VM, one run each).
-    INLINE_COPY = 1 << 20
+    INLINE_COPY: ClassVar[int] = 1 << 20
 
     def __init__(
         self,
