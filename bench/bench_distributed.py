@@ -125,6 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import tensorwire  # noqa: F401 - registers the backend
+    from tensorwire import native
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -133,7 +134,9 @@ def worker(args: argparse.Namespace) -> None:
     groups = {"gloo": None, "tensorwire": tw}
     floor_pg.register()
     floor = dist.new_group([0, 1], backend=floor_pg.NAME)
-    out: dict = {"transport": dict(tw.transports), "pingpong": {}, "gpipe": {}, "rss": {}}
+    kinds = list(native.status().values())
+    hot = f"compiled ({kinds.count('compiled')}/{len(kinds)} modules)" if "compiled" in kinds else "pure Python"
+    out: dict = {"transport": dict(tw.transports), "hot_path": hot, "pingpong": {}, "gpipe": {}, "rss": {}}
     sizes = [s for s in SIZES if s <= args.max_mib << 20]
     for size in sizes:
         x = torch.zeros(size // 4)
@@ -196,11 +199,14 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
         f"# torch.distributed: backend tensorwire vs gloo ({args.machine})",
         "",
         f"Date {_dt.date.today().isoformat()}; {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}; tensorwire transport {sorted(set(r0['transport'].values()))}; "
+        f"Python {platform.python_version()}; tensorwire transport {sorted(set(r0['transport'].values()))}, "
+        f"hot path {r0.get('hot_path', 'pure Python')} (`tensorwire.native`); "
         f"load average before the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min); run took {wall:.0f} s.",
         'One torchrun job, 2 ranks; gloo default group and a `new_group(backend="tensorwire")` over the same '
         f"processes, measured in turns ({args.rounds} rounds per size). Command: "
-        f"`python bench/bench_distributed.py --rounds {args.rounds}`"
+        f"`python bench/bench_distributed.py --rounds {args.rounds}"
+        + (f" --tree {args.tree}" if args.tree is not None else "")
+        + "`"
         + (f" with `TENSORWIRE_CMA={os.environ['TENSORWIRE_CMA']}`" if os.environ.get("TENSORWIRE_CMA") else "")
         + ".",
         "Cross-memory attach (TCP, one host; rank 0's sends): "
@@ -268,6 +274,12 @@ def main() -> None:
     ap.add_argument("--machine", default="cpu2")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="compute threads per rank")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        help="import tensorwire from this folder instead of this checkout (build/native: the compiled hot path)",
+    )
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -299,7 +311,10 @@ def main() -> None:
         str(args.threads),
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parent.parent), env.get("PYTHONPATH", "")])
+    tree = args.tree if args.tree is not None else here.parent.parent
+    if not (tree / "tensorwire" / "__init__.py").is_file():
+        ap.error(f"--tree {tree}: no tensorwire package there (`make native` builds build/native)")
+    env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.monotonic() - t0

@@ -47,7 +47,7 @@ hundred samples per run make its figures coarse.
 
 Usage::
 
-    python bench/bench_serve_cpu.py [--baseline-rev REV] [--calls 2000] [--rounds 5]
+    python bench/bench_serve_cpu.py [--baseline-rev REV] [--native build/native] [--calls 2000] [--rounds 5]
         [--paths tcp,shm] [--kinds get,put,get_rows,add_rows] [--sizes small,medium]
         [--profile cprofile|py-spy] [--top 25] [--out FILE.md]
 """
@@ -790,6 +790,10 @@ def run(args: argparse.Namespace) -> str:
         base = export_rev(args.baseline_rev, os.path.join(tmp, "baseline"))
         trees.append((f"before ({args.baseline_rev})", base))
     trees.append(("this tree", ROOT))
+    if args.native:
+        if not os.path.isdir(os.path.join(args.native, "tensorwire")):
+            raise SystemExit(f"--native {args.native}: no tensorwire package there (make native builds build/native)")
+        trees.append(("this tree, compiled", os.path.abspath(args.native)))
     lines: list[str] = []
     say = lambda s="": (print(s, flush=True), lines.append(s))  # noqa: E731
     say("# `tensorwire serve`: daemon CPU time per data-plane operation")
@@ -942,6 +946,12 @@ def main() -> int:
         return profiled_daemon(prefix, rest)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline-rev", default="", help="also run a daemon of the package at this git revision")
+    ap.add_argument(
+        "--native",
+        default="",
+        metavar="DIR",
+        help="also run a daemon of this tree's compiled build (tensorwire.native), installed in DIR (make native)",
+    )
     ap.add_argument("--calls", type=int, default=2000, help="calls per cell (default 2000)")
     ap.add_argument("--rounds", type=int, default=5, help="turns the calls are split into (default 5)")
     ap.add_argument("--warmup", type=int, default=50)
