@@ -5,6 +5,7 @@ Multi-process tests run real processes (tests/harness.py: spawn, store on port 0
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,8 @@ import dist_workers as W
 from harness import run_ranks
 from netns import TORCHRUN, child_env, free_port, run, tail
 
-TRANSPORTS = ["tcp", "ucx"]
+HAVE_UCX = importlib.util.find_spec("ucxx") is not None
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed"))]
 
 
 # -- registration ------------------------------------------------------------------------------------------------

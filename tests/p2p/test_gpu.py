@@ -543,19 +543,19 @@ def test_received_slot_is_safe_on_the_current_stream(transport):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_slot_is_not_overwritten_while_queued_work_still_reads_it(transport):
     assert run_ranks(slot_reused_while_a_kernel_reads_it, transport=transport, timeout=240)[1] == 0
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_recv_into_out_is_not_overwritten_before_the_queued_copy_ran(transport):
     assert run_ranks(recv_out_copy_still_queued, transport=transport, timeout=240)[1] == 0
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["ucx", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_deeper_cuda_slots_outlive_later_recvs(transport):
     res = run_ranks(deep_cuda_slots_read_late, transport=transport, timeout=240)[1]
     assert res == {"deep": transport == "ucx", "bad": 0}
