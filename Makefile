@@ -17,11 +17,14 @@ test-fast:
 
 # The compiled hot path (tensorwire/native.py): a build of the package with its hot modules compiled by mypyc, in
 # build/native, and the whole suite run against it (the tests are the same; CI runs both).
+# The build is pip's, isolated as a user's install is (it fetches setuptools and mypy); where there is no
+# package index, NATIVE_PIP=--no-build-isolation uses the installed ones (the test extras have mypy).
 NATIVE = build/native
+NATIVE_PIP ?=
 
 native:
 	rm -rf $(NATIVE) build/lib.* build/temp.* build/bdist.*  # (no compiled module of an earlier list)
-	TENSORWIRE_NATIVE=1 $(PY) -m pip install -q --no-deps --no-build-isolation --target $(NATIVE) .
+	TENSORWIRE_NATIVE=1 $(PY) -m pip install -q --no-deps $(NATIVE_PIP) --target $(NATIVE) .
 
 native-test: native
 	cd $(NATIVE) && PYTHONPATH=$(CURDIR)/$(NATIVE) $(PY) -m pytest $(CURDIR)/tests -p no:cacheprovider
