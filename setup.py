@@ -114,6 +114,10 @@ class BuildNative(build_ext):
         try:
             super().run()
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - e.g. no C compiler or no Python.h
+            # None of what was built goes into the package: compiled and Python modules of the same group
+            # would each hold their own classes.
+            for ext in self.extensions:
+                pathlib.Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
             self._fallback(exc)
 
     def _fallback(self, exc: BaseException) -> None:

@@ -106,3 +106,29 @@ def test_doctor_says_which_hot_path_is_installed(monkeypatch, kinds, verdict, wo
     if f.fix:
         assert "TENSORWIRE_NATIVE=1" in f.fix
     assert check_native in doctor.CHECKS
+
+
+def test_a_build_that_fails_part_way_leaves_no_compiled_module_in_the_package(setup_py, tmp_path, monkeypatch, capsys):
+    """Compiled and Python modules of one mypyc group would each hold their own classes: after a failure
+    (auto mode) what was built is removed, and the package installs as Python."""
+    from setuptools import Extension
+
+    cmd = setup_py["BuildNative"](setup_py["BinaryDistribution"]({"name": "x"}))
+    cmd._mode = "auto"
+    cmd.build_lib = str(tmp_path)
+    cmd.extensions = [Extension("tensorwire__mypyc", ["a.c"]), Extension("tensorwire.transport.tcp.wire", ["b.c"])]
+    built = [pathlib.Path(cmd.get_ext_fullpath(e.name)) for e in cmd.extensions]
+
+    def half_built(self):
+        built[0].parent.mkdir(parents=True, exist_ok=True)
+        built[0].write_bytes(b"\x7fELF")  # the first one made it, the second did not
+        raise RuntimeError("gcc failed on the second")
+
+    monkeypatch.setattr(setup_py["build_ext"], "run", half_built)
+    cmd.run()
+    assert not any(p.exists() for p in built) and cmd.extensions == []
+    assert "the compiled hot path was not built (RuntimeError: gcc failed on the second)" in capsys.readouterr().err
+    cmd._mode = "on"  # TENSORWIRE_NATIVE=1: the same failure stops the install
+    cmd.extensions = [Extension("tensorwire__mypyc", ["a.c"])]
+    with pytest.raises(RuntimeError, match="gcc failed"):
+        cmd.run()
