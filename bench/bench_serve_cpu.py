@@ -784,6 +784,8 @@ def run(args: argparse.Namespace) -> str:
     paths = [p for p in args.paths.split(",") if p]
     kinds = [k for k in args.kinds.split(",") if k]
     sizes = [s for s in args.sizes.split(",") if s]
+    if args.native and not os.path.isdir(os.path.join(args.native, "tensorwire")):
+        raise SystemExit(f"--native {args.native}: no tensorwire package there (make native builds build/native)")
     tmp = tempfile.mkdtemp(prefix="tw-servecpu-")
     trees: list[tuple[str, str]] = []
     if args.baseline_rev:
@@ -791,8 +793,6 @@ def run(args: argparse.Namespace) -> str:
         trees.append((f"before ({args.baseline_rev})", base))
     trees.append(("this tree", ROOT))
     if args.native:
-        if not os.path.isdir(os.path.join(args.native, "tensorwire")):
-            raise SystemExit(f"--native {args.native}: no tensorwire package there (make native builds build/native)")
         trees.append(("this tree, compiled", os.path.abspath(args.native)))
     lines: list[str] = []
     say = lambda s="": (print(s, flush=True), lines.append(s))  # noqa: E731
