@@ -28,11 +28,8 @@ def native_modules() -> list[str]:
     """``MODULES`` of tensorwire/native.py, as a literal (the package is not imported)."""
     tree = ast.parse((ROOT / "tensorwire" / "native.py").read_text(encoding="utf-8"))
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-        if isinstance(target, ast.Name) and target.id == "MODULES" and node.value is not None:  # type: ignore[union-attr]
-            return list(ast.literal_eval(node.value))  # type: ignore[union-attr]
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["MODULES"]:
+            return list(ast.literal_eval(node.value))
     raise RuntimeError("tensorwire/native.py defines no MODULES")
 
 

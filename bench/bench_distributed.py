@@ -125,7 +125,15 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import tensorwire  # noqa: F401 - registers the backend
-    from tensorwire import native
+
+    try:
+        from tensorwire.native import summary
+
+        hot = summary()
+    except ModuleNotFoundError:  # a tree from before the compiled hot path
+        hot = "pure Python"
+    except ImportError:  # a tree from before native.summary
+        hot = "unknown"
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -134,8 +142,6 @@ def worker(args: argparse.Namespace) -> None:
     groups = {"gloo": None, "tensorwire": tw}
     floor_pg.register()
     floor = dist.new_group([0, 1], backend=floor_pg.NAME)
-    kinds = list(native.status().values())
-    hot = f"compiled ({kinds.count('compiled')}/{len(kinds)} modules)" if "compiled" in kinds else "pure Python"
     out: dict = {"transport": dict(tw.transports), "hot_path": hot, "pingpong": {}, "gpipe": {}, "rss": {}}
     sizes = [s for s in SIZES if s <= args.max_mib << 20]
     for size in sizes:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 
-__all__ = ["MODULES", "status", "compiled"]
+__all__ = ["MODULES", "status", "compiled", "summary"]
 
 #: The modules compiled by mypyc, in dotted form. Each must pass the test suite compiled
 #: (``make native-test``): no class attribute that is changed at run time unless it is a
@@ -69,3 +69,12 @@ def status() -> dict[str, str]:
 def compiled() -> bool:
     """Whether every module of :data:`MODULES` is the compiled one."""
     return all(kind == "compiled" for kind in status().values())
+
+
+def summary() -> str:
+    """One line for reports: ``compiled (n/n modules)``, ``partly compiled (k/n modules)`` or ``pure Python``."""
+    kinds = list(status().values())
+    n = kinds.count("compiled")
+    if not n:
+        return "pure Python"
+    return f"{'compiled' if n == len(kinds) else 'partly compiled'} ({n}/{len(kinds)} modules)"

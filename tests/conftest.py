@@ -8,9 +8,7 @@ from tensorwire import native
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    kinds = list(native.status().values())
-    n = kinds.count("compiled")
-    return f"tensorwire hot path: {'compiled' if n else 'pure Python'} ({n}/{len(kinds)} modules compiled by mypyc)"
+    return f"tensorwire hot path: {native.summary()} (tensorwire.native)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

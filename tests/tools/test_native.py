@@ -81,6 +81,12 @@ def test_status_tells_compiled_from_python_and_missing_modules(monkeypatch):
     if ext:
         assert got[ext] == "compiled"
     assert native.compiled() is False
+    assert native.summary() == ("partly compiled (1/3 modules)" if ext else "pure Python")
+    monkeypatch.setattr(native, "MODULES", ("json.decoder",))
+    assert native.summary() == "pure Python"
+    if ext:
+        monkeypatch.setattr(native, "MODULES", (ext,))
+        assert native.compiled() is True and native.summary() == "compiled (1/1 modules)"
 
 
 def test_this_checkout_is_pure_python():
