@@ -20,7 +20,10 @@ tensorwire), so a change of load on a shared machine hits both.
   round trips, two trees in turns: ``bench/bench_distributed_trees.py``. Up to
   64 KiB a third group takes its turn: the Python floor (``bench/floor_pg.py``,
   a ProcessGroup that only moves the bytes over a socket and checks nothing),
-  the round trip below which no Python backend can go on the machine.
+  the round trip below which no Python backend can go on the machine; and, in
+  the same turns, that group's socket alone (the same ``sendall`` and polled
+  ``recv_into``, called directly: no torch), so the floor splits into what
+  the socket costs and what torch's dispatch into a Python group costs.
 - **GPipe step**: ``torch.distributed.pipelining.ScheduleGPipe`` over two
   stages whose compute is one elementwise scale each, so the step is the
   exchange of the activations (``--act-mib`` per microbatch, default 16) and
@@ -80,6 +83,21 @@ def _pingpong(dist, torch, group, rank: int, x, n: int, settle=None, into=None) 
             dist.send(x, peer, group=group)
     if settle is not None:
         settle()
+    return (time.perf_counter() - t0) / n
+
+
+def _socket_pingpong(group, rank: int, x, n: int) -> float:
+    """Seconds per round trip of the Python floor's own socket, driven directly (no torch dispatch)."""
+    send, recv = group.raw_send, group.raw_recv
+    data = memoryview(x.numpy()).cast("B")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        if rank == 0:
+            send(data)
+            recv(data)
+        else:
+            recv(data)
+            send(data)
     return (time.perf_counter() - t0) / n
 
 
@@ -148,12 +166,18 @@ def worker(args: argparse.Namespace) -> None:
         x = torch.zeros(size // 4)
         these = dict(groups, floor=floor) if size <= FLOOR_MAX else groups
         samples: dict[str, list[float]] = {name: [] for name in these}
+        if size <= FLOOR_MAX:
+            samples["socket"] = []
         for g in these.values():  # warm-up (first message of each signature, connections)
             _pingpong(dist, torch, g, rank, x, 2)
         for _ in range(args.rounds):
+            n = max(1, _iters(size) // args.rounds)
             for name, g in these.items():
                 dist.barrier()
-                samples[name].append(_pingpong(dist, torch, g, rank, x, max(1, _iters(size) // args.rounds)))
+                samples[name].append(_pingpong(dist, torch, g, rank, x, n))
+            if size <= FLOOR_MAX:
+                dist.barrier()
+                samples["socket"].append(_socket_pingpong(floor, rank, x, n))
         out["pingpong"][size] = {k: statistics.median(v) for k, v in samples.items()}
     made = {name: _gpipe(torch, g, rank, args.act_mib) for name, g in groups.items()}
     steps = {name: step for name, (step, _) in made.items()}
@@ -229,19 +253,21 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
         "",
         f"Python floor (up to {_fmt_size(FLOOR_MAX)}): a ProcessGroup that only moves the bytes over one TCP socket "
         "(`bench/floor_pg.py`: no checks, no tags, no failure detection), timed in the same turns: the round trip no "
-        "Python backend can go below on this machine.",
+        "Python backend can go below on this machine. Socket alone: the floor's socket calls made directly, no "
+        "torch (floor minus socket: torch's dispatch into a Python group and its Work objects).",
         "",
         "| size | gloo round trip | tensorwire round trip | tw/gloo time | gloo GB/s | tensorwire GB/s | tw/gloo bandwidth "
-        "| Python floor | floor/gloo time |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| Python floor | floor/gloo time | socket alone |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for size, v in sorted(r0["pingpong"].items(), key=lambda kv: int(kv[0])):
         size = int(size)
-        g, t, f = v["gloo"], v["tensorwire"], v.get("floor")
+        g, t, f, s = v["gloo"], v["tensorwire"], v.get("floor"), v.get("socket")
         lines.append(
             f"| {_fmt_size(size)} | {g * 1e6:.0f} µs | {t * 1e6:.0f} µs | {t / g:.2f}x | "
             f"{2 * size / g / 1e9:.2f} | {2 * size / t / 1e9:.2f} | {g / t:.2f}x | "
             + (f"{f * 1e6:.0f} µs | {f / g:.2f}x |" if f is not None else "| |")
+            + (f" {s * 1e6:.0f} µs |" if s is not None else " |")
         )
     g, t = r0["gpipe"]["gloo"], r0["gpipe"]["tensorwire"]
     lines += [

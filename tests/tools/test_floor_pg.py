@@ -36,6 +36,15 @@ WORKER = textwrap.dedent(
             dist.recv(y, 0, group=g)
             dist.send(x, 0, group=g)
         assert torch.equal(y, torch.arange(n, dtype=torch.float32) + 7 * (1 - rank)), n
+    # the socket calls alone (what bench_distributed.py times without torch): the same bytes, no dispatch
+    sys.path.insert(0, {bench!r})
+    import bench_distributed
+
+    x = torch.arange(4096, dtype=torch.float32) + 3 * rank
+    seconds = bench_distributed._socket_pingpong(g, rank, x, 5)
+    assert seconds > 0
+    # each rank ends holding what the other sent last: rank 1 echoes rank 0's own bytes back to it
+    assert torch.equal(x, torch.arange(4096, dtype=torch.float32)), x[:4]
     dist.destroy_process_group(g)
     dist.destroy_process_group()
     open(f"ok{{rank}}", "w").write("ok")
