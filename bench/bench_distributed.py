@@ -254,7 +254,7 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
         f"Python floor (up to {_fmt_size(FLOOR_MAX)}): a ProcessGroup that only moves the bytes over one TCP socket "
         "(`bench/floor_pg.py`: no checks, no tags, no failure detection), timed in the same turns: the round trip no "
         "Python backend can go below on this machine. Socket alone: the floor's socket calls made directly, no "
-        "torch (floor minus socket: torch's dispatch into a Python group and its Work objects).",
+        "torch (floor minus socket: torch's dispatch into a Python group, its Work objects and the tensor's byte view).",
         "",
         "| size | gloo round trip | tensorwire round trip | tw/gloo time | gloo GB/s | tensorwire GB/s | tw/gloo bandwidth "
         "| Python floor | floor/gloo time | socket alone |",

@@ -37,7 +37,6 @@ WORKER = textwrap.dedent(
             dist.send(x, 0, group=g)
         assert torch.equal(y, torch.arange(n, dtype=torch.float32) + 7 * (1 - rank)), n
     # the socket calls alone (what bench_distributed.py times without torch): the same bytes, no dispatch
-    sys.path.insert(0, {bench!r})
     import bench_distributed
 
     x = torch.arange(4096, dtype=torch.float32) + 3 * rank
