@@ -45,11 +45,20 @@ threads holding the GIL (``--gil``: without it py-spy counts a thread blocked in
 socket call as running); that leaves out time in system calls, and a few
 hundred samples per run make its figures coarse.
 
+With ``--perf`` (Linux ``perf`` on the PATH, allowed to read the processes), each
+small cell is driven once more while ``perf record`` samples its server
+process (every daemon, the transport floor, the plain-socket server), and the
+report splits that process's CPU per operation by where the samples fell: the
+kernel (system calls, wake-ups, the loopback), the Python interpreter, the
+compiled hot path, torch, the C library, other extension modules. It answers
+what a change of Python code can still win: the kernel's share is the same for
+any Python server making the same system calls.
+
 Usage::
 
     python bench/bench_serve_cpu.py [--baseline-rev REV] [--native build/native] [--calls 2000] [--rounds 5]
         [--paths tcp,shm] [--kinds get,put,get_rows,add_rows] [--sizes small,medium]
-        [--profile cprofile|py-spy] [--top 25] [--out FILE.md]
+        [--profile cprofile|py-spy] [--perf] [--top 25] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -220,7 +229,11 @@ def floor_server() -> int:
             t.forget_buffer(into)
             t.send(5, reply, timeout=30)
         else:  # a shared-memory operation's exchange: request, reply
+            # the daemon posts a request's buffer again before its reply (the credit rides on the reply)
+            t.post_recv(4, b, header=True)
+            posted.append(b)
             t.send(5, reply, timeout=30)
+            continue
         t.post_recv(4, b, header=True)
         posted.append(b)
 
@@ -686,6 +699,92 @@ def pyspy_table(raw: str, ops: int, rate: int, top: int) -> str:
     return "\n".join(out) + "\n"
 
 
+#: where a sample's shared object puts it (the first pattern that matches, in this order)
+PERF_CLASSES = (
+    ("kernel", ("[kernel", "[unknown]")),
+    ("interpreter", ("libpython", "python3")),
+    ("compiled hot path", ("tensorwire__mypyc",)),
+    ("torch", ("libtorch", "libc10")),
+    ("C library", ("libc.so", "libc-", "libpthread", "[vdso]", "ld-linux", "libm.so", "libstdc++")),
+)
+PERF_OTHER = "other extension modules"
+
+
+def perf_classes(report: str) -> dict[str, float]:
+    """``perf report --sort dso`` text -> {class: share of samples (0..1)} (see PERF_CLASSES)."""
+    out: dict[str, float] = {}
+    for line in report.splitlines():
+        parts = line.split()
+        if len(parts) < 2 or not parts[0].endswith("%") or line.lstrip().startswith("#"):
+            continue
+        try:
+            share = float(parts[0][:-1]) / 100
+        except ValueError:
+            continue
+        dso = " ".join(parts[1:])
+        cls = next((c for c, pats in PERF_CLASSES if any(p in dso for p in pats)), PERF_OTHER)
+        out[cls] = out.get(cls, 0.0) + share
+    return out
+
+
+def perf_cell(pid: int, cell: "Cell", calls: int, tmp: str) -> "tuple[float, dict[str, float]] | str":
+    """Drive ``calls`` calls of ``cell`` while ``perf record`` samples process ``pid``: (CPU µs per call
+    under perf, {class: share}), or why there is nothing."""
+    data = os.path.join(tempfile.mkdtemp(dir=tmp), "perf.data")
+    rec = subprocess.Popen(
+        ["perf", "record", "-q", "-F", "2000", "-p", str(pid), "-o", data],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(0.5)  # attached
+        if rec.poll() is not None:
+            return f"perf record failed: {(rec.stderr.read() if rec.stderr else '').strip()[:200]}"
+        c0 = cpu_ns(pid)
+        for _ in range(calls):
+            cell.call()
+        cpu = (cpu_ns(pid) - c0) / 1e3 / calls
+    finally:
+        if rec.poll() is None:
+            rec.send_signal(signal.SIGINT)
+        try:
+            rec.wait(30)
+        except subprocess.TimeoutExpired:
+            rec.kill()
+            rec.wait()
+        if rec.stderr:
+            rec.stderr.close()
+    rep = subprocess.run(
+        ["perf", "report", "-i", data, "--sort", "dso", "--stdio"], capture_output=True, text=True, timeout=120
+    )
+    shares = perf_classes(rep.stdout)
+    if not shares:
+        return f"perf report gave nothing: {rep.stderr.strip()[:200]}"
+    return cpu, shares
+
+
+def perf_table(rows: "list[tuple[str, tuple[float, dict[str, float]] | str]]") -> str:
+    """The ``--perf`` table: per process and cell, CPU µs per call split by class."""
+    classes = [c for c, _ in PERF_CLASSES] + [PERF_OTHER]
+    out = [
+        "| process: cell | CPU µs/op under perf | " + " | ".join(classes) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in classes) + " |",
+    ]
+    notes = []
+    for name, res in rows:
+        if isinstance(res, str):
+            notes.append(f"- {name}: {res}")
+            continue
+        cpu, shares = res
+        out.append(
+            f"| {name} | {cpu:.1f} | "
+            + " | ".join(f"{cpu * shares.get(c, 0.0):.1f} ({100 * shares.get(c, 0.0):.0f}%)" for c in classes)
+            + " |"
+        )
+    return "\n".join(out + ([""] + notes if notes else [])) + "\n"
+
+
 def _short(frame: str) -> str:
     for marker in ("/tensorwire/", "/site-packages/", "/lib/python3"):
         i = frame.find(marker)
@@ -801,6 +900,10 @@ def run(args: argparse.Namespace) -> str:
     say(f"Command: `python bench/bench_serve_cpu.py {' '.join(args.argv)}`")
     say()
     say(f"Machine: {machine()}")
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if allowed and len(allowed) < (os.cpu_count() or 0):
+        say()
+        say(f"Every process of the run (the client, daemons and servers inherit it) may run on CPU(s) {allowed} only.")
     say()
     daemons: list[Daemon] = []
     cells: dict[str, list[Cell]] = {}
@@ -825,6 +928,16 @@ def run(args: argparse.Namespace) -> str:
             d.label: (sum(cpu_ticks_s(d.pid)) - sum(ticks0[d.label]), (cpu_ns(d.pid) - ns0[d.label]) / 1e9)
             for d in daemons
         }
+        perf_rows: "list[tuple[str, tuple[float, dict[str, float]] | str]]" = []
+        if args.perf:
+            if shutil.which("perf") is None:
+                perf_rows.append(("perf", "not on the PATH: no split"))
+            else:
+                for d in daemons:
+                    for cell in cells[d.label]:
+                        if cell.size == sizes[0]:
+                            name = f"{d.label}: {cell.path} {cell.kind}"
+                            perf_rows.append((name, perf_cell(d.pid, cell, args.perf_calls, tmp)))
     finally:
         for d in daemons:
             d.stop()
@@ -866,7 +979,8 @@ def run(args: argparse.Namespace) -> str:
         say(
             "The transport's own share: a server process doing only the TcpTransport calls the daemon's request "
             "thread makes for one operation (this tree's transport; request in, reply and bytes out, the request "
-            "buffer posted again), driven in the same turns. `request+reply` is the exchange of a shared-memory "
+            "buffer posted again: before the reply where the daemon does that, so its credit rides on the reply), "
+            "driven in the same turns. `request+reply` is the exchange of a shared-memory "
             "operation (no tensor bytes on the connection)."
         )
         say()
@@ -892,6 +1006,16 @@ def run(args: argparse.Namespace) -> str:
             f"- {lb}: idle CPU {idle[lb] * 1e6:.0f} µs per second; over the measured calls utime+stime "
             f"(/proc/<pid>/stat) {ticks:.2f} s vs schedstat {ns:.2f} s"
         )
+    if args.perf:
+        say()
+        say(
+            f"Where each process's CPU goes (`--perf`): {args.perf_calls} calls of each {sizes[0]} cell once more, "
+            "`perf record -F 2000` on the server process alone; its CPU per call under perf (the sampling adds "
+            "some), split by the shared object each sample fell in. The kernel's share is what any Python "
+            "server making the same system calls pays too."
+        )
+        say()
+        say(perf_table(perf_rows))
     if args.own_rounds:
         own: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
         for _ in range(args.own_rounds):
@@ -964,6 +1088,10 @@ def main() -> int:
         default="",
         help="then profile each daemon: py-spy (sampling, every thread) or cProfile (the request thread)",
     )
+    ap.add_argument(
+        "--perf", action="store_true", help="then split each process's CPU by shared object (kernel, interpreter...)"
+    )
+    ap.add_argument("--perf-calls", type=int, default=2000, help="calls per cell under perf")
     ap.add_argument("--spy-rate", type=int, default=1000, help="py-spy samples per second")
     ap.add_argument("--profile-calls", type=int, default=500, help="calls per cell under the profiler")
     ap.add_argument("--top", type=int, default=25, help="functions listed per profile")

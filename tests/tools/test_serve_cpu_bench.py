@@ -1,0 +1,82 @@
+"""``bench/bench_serve_cpu.py``: the split of a process's CPU by shared object (``--perf``), and a short run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "bench_serve_cpu.py")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import bench_serve_cpu  # noqa: E402
+
+# what `perf report --sort dso --stdio` prints (its header lines start with '#')
+REPORT = """\
+# To display the perf.data header info, please use --header/--header-only options.
+#
+# Samples: 4K of event 'cpu-clock:ppp'
+# Overhead  Shared Object
+# ........  ..................................................
+#
+    52.10%  libpython3.11.so.1.0
+    26.00%  [kernel.kallsyms]
+     5.00%  tensorwire__mypyc.cpython-311-x86_64-linux-gnu.so
+     4.00%  libc.so.6
+     3.90%  libtorch_cpu.so
+     3.00%  _socket.cpython-311-x86_64-linux-gnu.so
+     2.00%  [vdso]
+     2.00%  python3.11
+     2.00%  [unknown]
+"""
+
+
+def test_perf_report_lines_are_summed_by_class():
+    got = bench_serve_cpu.perf_classes(REPORT)
+    assert got == pytest.approx(
+        {
+            "interpreter": 0.541,
+            "kernel": 0.28,
+            "compiled hot path": 0.05,
+            "C library": 0.06,
+            "torch": 0.039,
+            "other extension modules": 0.03,
+        }
+    )
+    assert bench_serve_cpu.perf_classes("# nothing sampled\n") == {}
+
+
+def test_the_perf_table_gives_microseconds_per_class_and_says_why_a_row_is_missing():
+    table = bench_serve_cpu.perf_table(
+        [("d: shm get", (100.0, {"kernel": 0.25, "interpreter": 0.75})), ("x", "no perf")]
+    )
+    row = next(line for line in table.splitlines() if line.startswith("| d: shm get |"))
+    assert "| 100.0 | 25.0 (25%) | 75.0 (75%) | 0.0 (0%) |" in row
+    assert "- x: no perf" in table
+
+
+@pytest.mark.timeout(240)
+def test_a_short_run_with_perf_reports_the_split_or_why_not(tmp_path):
+    out = tmp_path / "report.md"
+    args = ["--calls", "20", "--rounds", "1", "--warmup", "5", "--paths", "shm", "--kinds", "get", "--sizes", "small"]
+    args += ["--own-rounds", "0", "--perf", "--perf-calls", "100", "--out", str(out)]
+    res = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    text = out.read_text()
+    assert re.search(r"^\| shm \| get \| small \(4 KiB\) \| 1\.00 \| \d+\.\d \|", text, re.M), text
+    assert "Where each process's CPU goes" in text
+    row = re.search(r"^\| this tree: shm get \| (\d+\.\d) \|(.*)\|$", text, re.M)
+    if row is None:  # no perf here, or not allowed to sample: the report says which
+        assert re.search(
+            r"^- (perf: not on the PATH|this tree: shm get: perf (record failed|report gave nothing))", text, re.M
+        ), text
+    else:
+        shares = [float(s) for s in re.findall(r"\((\d+)%\)", row.group(2))]
+        assert len(shares) == 6 and 95 <= sum(shares) <= 105, row.group(0)
+        assert float(row.group(1)) > 0
