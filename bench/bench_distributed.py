@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 import floor_pg  # (this script's folder is on sys.path)
+import perf_split
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 #: sizes at which the Python floor (bench/floor_pg.py) is timed too
@@ -99,6 +100,26 @@ def _socket_pingpong(group, rank: int, x, n: int) -> float:
             recv(data)
             send(data)
     return (time.perf_counter() - t0) / n
+
+
+def _perf_pingpong(dist, torch, groups: dict, rank: int, n: int) -> dict:
+    """``--perf``: ``n`` 4 KiB round trips per group while ``perf record`` samples this rank's process; per group
+    the round trip and the process's CPU per round trip (all its threads), and the CPU's split by shared object
+    (or why there is none)."""
+    x = torch.zeros(1024)
+    out = {}
+    for name, g in groups.items():
+        _pingpong(dist, torch, g, rank, x, 20)
+        dist.barrier()
+        rec = perf_split.Recorder(os.getpid())
+        rec.start()
+        dist.barrier()
+        c0 = time.process_time()
+        rt = _pingpong(dist, torch, g, rank, x, n)
+        cpu = (time.process_time() - c0) / n
+        out[name] = {"rt": rt, "cpu": cpu, "shares": rec.stop()}
+        dist.barrier()
+    return out
 
 
 def _gpipe(torch, group, rank: int, act_mib: int, n_mb: int = 4):
@@ -179,6 +200,8 @@ def worker(args: argparse.Namespace) -> None:
                 dist.barrier()
                 samples["socket"].append(_socket_pingpong(floor, rank, x, n))
         out["pingpong"][size] = {k: statistics.median(v) for k, v in samples.items()}
+    if args.perf:
+        out["perf"] = _perf_pingpong(dist, torch, dict(groups, floor=floor), rank, args.perf_iters)
     made = {name: _gpipe(torch, g, rank, args.act_mib) for name, g in groups.items()}
     steps = {name: step for name, (step, _) in made.items()}
     compute_alone = made["gloo"][1]  # (the same stage and microbatches in either group)
@@ -236,6 +259,7 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
         f"processes, measured in turns ({args.rounds} rounds per size). Command: "
         f"`python bench/bench_distributed.py --rounds {args.rounds}"
         + (f" --tree {args.tree}" if args.tree is not None else "")
+        + (" --perf" if args.perf else "")
         + "`"
         + (f" with `TENSORWIRE_CMA={os.environ['TENSORWIRE_CMA']}`" if os.environ.get("TENSORWIRE_CMA") else "")
         + ".",
@@ -269,6 +293,33 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
             + (f"{f * 1e6:.0f} µs | {f / g:.2f}x |" if f is not None else "| |")
             + (f" {s * 1e6:.0f} µs |" if s is not None else " |")
         )
+    if "perf" in r0:
+        lines += [
+            "",
+            "## Where a 4 KiB round trip's CPU goes (`--perf`)",
+            "",
+            f"{args.perf_iters} round trips per group while `perf record` samples each rank's process (which slows "
+            "them), after the turns above. Process CPU: all the rank's threads per round trip; as large as the round "
+            "trip where the process never sleeps (a reader polling for the next message), larger where several "
+            "threads work at once. Split by the shared object each sample fell in (`bench/perf_split.py`).",
+            "",
+            "| rank | group | round trip under perf | process CPU per round trip | "
+            + " | ".join(perf_split.NAMES)
+            + " |",
+            "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in perf_split.NAMES) + " |",
+        ]
+        notes = []
+        for rank in sorted(results):
+            for name, v in results[rank].get("perf", {}).items():
+                cpu = v["cpu"] * 1e6
+                if isinstance(v["shares"], str):
+                    notes.append(f"- rank {rank}, {name}: {v['shares']}")
+                    continue
+                lines.append(
+                    f"| {rank} | {name} | {v['rt'] * 1e6:.1f} µs | {cpu:.1f} µs | {perf_split.cells(cpu, v['shares'])} |"
+                )
+        if notes:
+            lines += ["", *notes]
     g, t = r0["gpipe"]["gloo"], r0["gpipe"]["tensorwire"]
     lines += [
         "",
@@ -304,6 +355,10 @@ def main() -> None:
     ap.add_argument("--rss-steps", type=int, default=1000)
     ap.add_argument("--rss-gpipe", type=int, default=20)
     ap.add_argument("--machine", default="cpu2")
+    ap.add_argument(
+        "--perf", action="store_true", help="also split each rank's CPU of a 4 KiB round trip by shared object (perf)"
+    )
+    ap.add_argument("--perf-iters", type=int, default=5000, help="round trips per group under perf")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="compute threads per rank")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -342,6 +397,8 @@ def main() -> None:
         "--threads",
         str(args.threads),
     ]
+    if args.perf:
+        cmd += ["--perf", "--perf-iters", str(args.perf_iters)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     tree = args.tree if args.tree is not None else here.parent.parent
     if not (tree / "tensorwire" / "__init__.py").is_file():

@@ -81,6 +81,8 @@ from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+import perf_split  # noqa: E402 - this script's folder is on sys.path
+
 #: size -> (whole tensor shape of get/put, (table rows, row width, rows per request) of get_rows/add_rows); float32
 SIZES: dict[str, tuple[tuple[int, ...], tuple[int, int, int]]] = {
     "small": ((1024,), (10_000, 64, 16)),  # 4 KiB; 16 rows x 256 B = 4 KiB
@@ -699,77 +701,27 @@ def pyspy_table(raw: str, ops: int, rate: int, top: int) -> str:
     return "\n".join(out) + "\n"
 
 
-#: where a sample's shared object puts it (the first pattern that matches, in this order)
-PERF_CLASSES = (
-    ("kernel", ("[kernel", "[unknown]")),
-    ("interpreter", ("libpython", "python3")),
-    ("compiled hot path", ("tensorwire__mypyc",)),
-    ("torch", ("libtorch", "libc10")),
-    ("C library", ("libc.so", "libc-", "libpthread", "[vdso]", "ld-linux", "libm.so", "libstdc++")),
-)
-PERF_OTHER = "other extension modules"
-
-
-def perf_classes(report: str) -> dict[str, float]:
-    """``perf report --sort dso`` text -> {class: share of samples (0..1)} (see PERF_CLASSES)."""
-    out: dict[str, float] = {}
-    for line in report.splitlines():
-        parts = line.split()
-        if len(parts) < 2 or not parts[0].endswith("%") or line.lstrip().startswith("#"):
-            continue
-        try:
-            share = float(parts[0][:-1]) / 100
-        except ValueError:
-            continue
-        dso = " ".join(parts[1:])
-        cls = next((c for c, pats in PERF_CLASSES if any(p in dso for p in pats)), PERF_OTHER)
-        out[cls] = out.get(cls, 0.0) + share
-    return out
-
-
 def perf_cell(pid: int, cell: "Cell", calls: int, tmp: str) -> "tuple[float, dict[str, float]] | str":
     """Drive ``calls`` calls of ``cell`` while ``perf record`` samples process ``pid``: (CPU µs per call
     under perf, {class: share}), or why there is nothing."""
-    data = os.path.join(tempfile.mkdtemp(dir=tmp), "perf.data")
-    rec = subprocess.Popen(
-        ["perf", "record", "-q", "-F", "2000", "-p", str(pid), "-o", data],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    rec = perf_split.Recorder(pid, tmp=tmp)
+    if not rec.start():
+        return rec.error
+    c0 = cpu_ns(pid)
     try:
-        time.sleep(0.5)  # attached
-        if rec.poll() is not None:
-            return f"perf record failed: {(rec.stderr.read() if rec.stderr else '').strip()[:200]}"
-        c0 = cpu_ns(pid)
         for _ in range(calls):
             cell.call()
-        cpu = (cpu_ns(pid) - c0) / 1e3 / calls
     finally:
-        if rec.poll() is None:
-            rec.send_signal(signal.SIGINT)
-        try:
-            rec.wait(30)
-        except subprocess.TimeoutExpired:
-            rec.kill()
-            rec.wait()
-        if rec.stderr:
-            rec.stderr.close()
-    rep = subprocess.run(
-        ["perf", "report", "-i", data, "--sort", "dso", "--stdio"], capture_output=True, text=True, timeout=120
-    )
-    shares = perf_classes(rep.stdout)
-    if not shares:
-        return f"perf report gave nothing: {rep.stderr.strip()[:200]}"
-    return cpu, shares
+        cpu = (cpu_ns(pid) - c0) / 1e3 / calls
+        shares = rec.stop()
+    return shares if isinstance(shares, str) else (cpu, shares)
 
 
 def perf_table(rows: "list[tuple[str, tuple[float, dict[str, float]] | str]]") -> str:
     """The ``--perf`` table: per process and cell, CPU µs per call split by class."""
-    classes = [c for c, _ in PERF_CLASSES] + [PERF_OTHER]
     out = [
-        "| process: cell | CPU µs/op under perf | " + " | ".join(classes) + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in classes) + " |",
+        "| process: cell | CPU µs/op under perf | " + " | ".join(perf_split.NAMES) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in perf_split.NAMES) + " |",
     ]
     notes = []
     for name, res in rows:
@@ -777,11 +729,7 @@ def perf_table(rows: "list[tuple[str, tuple[float, dict[str, float]] | str]]") -
             notes.append(f"- {name}: {res}")
             continue
         cpu, shares = res
-        out.append(
-            f"| {name} | {cpu:.1f} | "
-            + " | ".join(f"{cpu * shares.get(c, 0.0):.1f} ({100 * shares.get(c, 0.0):.0f}%)" for c in classes)
-            + " |"
-        )
+        out.append(f"| {name} | {cpu:.1f} | {perf_split.cells(cpu, shares)} |")
     return "\n".join(out + ([""] + notes if notes else [])) + "\n"
 
 
@@ -930,14 +878,11 @@ def run(args: argparse.Namespace) -> str:
         }
         perf_rows: "list[tuple[str, tuple[float, dict[str, float]] | str]]" = []
         if args.perf:
-            if shutil.which("perf") is None:
-                perf_rows.append(("perf", "not on the PATH: no split"))
-            else:
-                for d in daemons:
-                    for cell in cells[d.label]:
-                        if cell.size == sizes[0]:
-                            name = f"{d.label}: {cell.path} {cell.kind}"
-                            perf_rows.append((name, perf_cell(d.pid, cell, args.perf_calls, tmp)))
+            for d in daemons:
+                for cell in cells[d.label]:
+                    if cell.size == sizes[0]:
+                        name = f"{d.label}: {cell.path} {cell.kind}"
+                        perf_rows.append((name, perf_cell(d.pid, cell, args.perf_calls, tmp)))
     finally:
         for d in daemons:
             d.stop()

@@ -1,4 +1,4 @@
-"""``bench/bench_serve_cpu.py``: the split of a process's CPU by shared object (``--perf``), and a short run."""
+"""``bench/perf_split.py`` (a process's CPU split by shared object) and ``bench/bench_serve_cpu.py --perf``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ SCRIPT = os.path.join(ROOT, "bench", "bench_serve_cpu.py")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import bench_serve_cpu  # noqa: E402
+import perf_split  # noqa: E402
 
 # what `perf report --sort dso --stdio` prints (its header lines start with '#')
 REPORT = """\
@@ -38,7 +39,7 @@ REPORT = """\
 
 
 def test_perf_report_lines_are_summed_by_class():
-    got = bench_serve_cpu.perf_classes(REPORT)
+    got = perf_split.classes(REPORT)
     assert got == pytest.approx(
         {
             "interpreter": 0.541,
@@ -49,7 +50,7 @@ def test_perf_report_lines_are_summed_by_class():
             "other extension modules": 0.03,
         }
     )
-    assert bench_serve_cpu.perf_classes("# nothing sampled\n") == {}
+    assert perf_split.classes("# nothing sampled\n") == {}
 
 
 def test_the_perf_table_gives_microseconds_per_class_and_says_why_a_row_is_missing():
@@ -80,3 +81,29 @@ def test_a_short_run_with_perf_reports_the_split_or_why_not(tmp_path):
         shares = [float(s) for s in re.findall(r"\((\d+)%\)", row.group(2))]
         assert len(shares) == 6 and 95 <= sum(shares) <= 105, row.group(0)
         assert float(row.group(1)) > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_distributed_with_perf_splits_each_ranks_round_trip_or_says_why_not(tmp_path):
+    out = tmp_path / "report.md"
+    args = ["--rounds", "1", "--max-mib", "1", "--act-mib", "1", "--gpipe-steps", "1", "--rss-steps", "4"]
+    args += ["--rss-gpipe", "1", "--perf", "--perf-iters", "200", "--out", str(out)]
+    env = dict(os.environ)
+    env.pop("TENSORWIRE_TRANSPORT", None)
+    script = os.path.join(ROOT, "bench", "bench_distributed.py")
+    res = subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=280, cwd=ROOT, env=env
+    )
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    text = out.read_text()
+    assert "--perf`" in text  # the command line in the report names it
+    section = text.split("## Where a 4 KiB round trip's CPU goes", 1)[1].split("\n## ", 1)[0]
+    for rank in (0, 1):
+        for group in ("gloo", "tensorwire", "floor"):
+            row = re.search(rf"^\| {rank} \| {group} \| (\d+\.\d) µs \| (\d+\.\d) µs \|(.*)\|$", section, re.M)
+            if row is None:  # no perf here, or not allowed to sample: the report says which
+                assert re.search(rf"^- rank {rank}, {group}: perf", section, re.M), section
+                continue
+            assert float(row.group(1)) > 0 and float(row.group(2)) > 0, row.group(0)
+            shares = [float(s) for s in re.findall(r"\((\d+)%\)", row.group(3))]
+            assert len(shares) == 6 and 95 <= sum(shares) <= 105, row.group(0)
