@@ -44,6 +44,7 @@ MODULES = (
     "tensorwire.transport.tcp.wire",
     "tensorwire.transport.tcp.connection",
     "tensorwire.transport.tcp.credits",
+    "tensorwire.transport.tcp.frames",
     "tensorwire.transport.tcp.reader",
     "tensorwire.transport.tcp.transport",
 )

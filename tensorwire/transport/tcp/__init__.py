@@ -12,6 +12,8 @@ messages are written into the receiver's buffer directly (cross-memory attach,
 - :mod:`.connection`: the state of one connection, shared by its roles;
 - :mod:`.credits`: flow control -- credits, eager buffers, grants held back until
   a thread is about to block (:func:`flush_pending_credits`);
+- :mod:`.frames`: what an incoming frame does -- checked against the credits,
+  posted receives, eager buffers and cross-memory announcements of this side;
 - :mod:`.reader`: posted receives and the reader role ("caller progresses");
 - :mod:`.transport`: sends (:meth:`TcpTransport.send`, :meth:`TcpTransport.try_send`
   and :class:`PartialSend`), close, and :class:`TcpTransport`, the whole connection;
