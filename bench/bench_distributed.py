@@ -32,6 +32,11 @@ tensorwire), so a change of load on a shared machine hits both.
   microbatches, no exchange) -- what no backend can take away. The compute runs
   on ``--threads`` threads per rank (default: a quarter of the cores, at least
   one), so on a many-core host the step is mostly the exchange.
+- **Where the CPU goes** (``--perf``, needs Linux ``perf``): ``--perf-iters``
+  4 KiB round trips per group while ``perf record`` samples each rank's
+  process; each rank's CPU per round trip split by the shared object it ran
+  in (kernel, interpreter, compiled hot path, torch, C library: see
+  ``bench/perf_split.py``).
 - **RSS**: the resident set of each rank over ``--rss-steps`` (1,000) ping-pong
   steps (4 KiB and 1 MiB alternating) after a warm-up, per backend, and over
   ``--rss-gpipe`` GPipe steps.
@@ -368,6 +373,8 @@ def main() -> None:
         help="import tensorwire from this folder instead of this checkout (build/native: the compiled hot path)",
     )
     args = ap.parse_args()
+    if args.perf and args.perf_iters < 1:
+        ap.error("--perf-iters must be at least 1")
     if args.worker:
         worker(args)
         return

@@ -1047,6 +1047,8 @@ def main() -> int:
     )
     ap.add_argument("--out", default="", help="also write the report (markdown) here")
     args = ap.parse_args()
+    if args.perf and args.perf_calls < 1:
+        ap.error("--perf-calls must be at least 1")
     args.argv = sys.argv[1:]
     text = run(args)
     if args.out:
