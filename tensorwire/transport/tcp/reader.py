@@ -7,7 +7,8 @@ whose write would block also pumps reads when no one else does. This keeps the
 small-message path free of thread hand-offs (see bench/ for the figures). The
 reader reads up to ``READ_AHEAD`` bytes at a time, so a small frame (header and
 payload) and the credits riding behind it take one system call; the payload
-bytes past the read-ahead are received straight into the posted buffer.
+bytes past the read-ahead are received straight into the posted buffer. What a
+frame does once its header is read is :mod:`.frames`' (the reader's base class).
 """
 
 from __future__ import annotations
