@@ -52,8 +52,8 @@ class Recorder:
     def __init__(self, pid: int, *, freq: int = 2000, tmp: str | None = None) -> None:
         self.pid = pid
         self.freq = freq
-        self.dir = tempfile.mkdtemp(prefix="tw-perf-", dir=tmp)
-        self.data = os.path.join(self.dir, "perf.data")
+        self.tmp = tmp
+        self.dir = ""  # made by start(), removed by stop() (or by a start() that fails)
         self.proc: subprocess.Popen[str] | None = None
         self.error = ""
 
@@ -62,17 +62,20 @@ class Recorder:
         if shutil.which("perf") is None:
             self.error = "perf is not on the PATH"
             return False
+        self.dir = tempfile.mkdtemp(prefix="tw-perf-", dir=self.tmp)
         self.proc = subprocess.Popen(
-            ["perf", "record", "-q", "-F", str(self.freq), "-p", str(self.pid), "-o", self.data],
+            ["perf", "record", "-F", str(self.freq), "-p", str(self.pid), "-o", os.path.join(self.dir, "perf.data")],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
         time.sleep(settle)
         if self.proc.poll() is not None:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            self.error = f"perf record failed: {' '.join(err.split())[:200]}"
+            err = " ".join((self.proc.stderr.read() if self.proc.stderr else "").split())
+            self.error = f"perf record failed (exit {self.proc.returncode}): {err[:200] or 'no message'}"
             self._close()
+            self.proc = None
+            shutil.rmtree(self.dir, ignore_errors=True)
             return False
         return True
 
@@ -90,7 +93,7 @@ class Recorder:
         self._close()
         try:
             rep = subprocess.run(
-                ["perf", "report", "-i", self.data, "--sort", "dso", "--stdio"],
+                ["perf", "report", "-i", os.path.join(self.dir, "perf.data"), "--sort", "dso", "--stdio"],
                 capture_output=True,
                 text=True,
                 timeout=300,

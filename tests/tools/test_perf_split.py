@@ -62,6 +62,17 @@ def test_the_perf_table_gives_microseconds_per_class_and_says_why_a_row_is_missi
     assert "- x: no perf" in table
 
 
+@pytest.mark.timeout(60)
+def test_a_recorder_that_cannot_sample_says_why_and_leaves_nothing():
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = int(proc.stdout)  # a process that has exited: nothing to sample
+    rec = perf_split.Recorder(gone)
+    assert rec.start() is False
+    assert rec.error.startswith(("perf is not on the PATH", "perf record failed (exit ")), rec.error
+    assert rec.stop() == rec.error
+    assert not rec.dir or not os.path.exists(rec.dir)
+
+
 @pytest.mark.timeout(240)
 def test_a_short_run_with_perf_reports_the_split_or_why_not(tmp_path):
     out = tmp_path / "report.md"
@@ -75,7 +86,7 @@ def test_a_short_run_with_perf_reports_the_split_or_why_not(tmp_path):
     row = re.search(r"^\| this tree: shm get \| (\d+\.\d) \|(.*)\|$", text, re.M)
     if row is None:  # no perf here, or not allowed to sample: the report says which
         assert re.search(
-            r"^- (perf: not on the PATH|this tree: shm get: perf (record failed|report gave nothing))", text, re.M
+            r"^- this tree: shm get: perf (is not on the PATH|record failed \(exit|report gave nothing)", text, re.M
         ), text
     else:
         shares = [float(s) for s in re.findall(r"\((\d+)%\)", row.group(2))]
