@@ -308,23 +308,18 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
             "trip where the process never sleeps (a reader polling for the next message), larger where several "
             "threads work at once. Split by the shared object each sample fell in (`bench/perf_split.py`).",
             "",
-            "| rank | group | round trip under perf | process CPU per round trip | "
-            + " | ".join(perf_split.NAMES)
-            + " |",
-            "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in perf_split.NAMES) + " |",
         ]
-        notes = []
-        for rank in sorted(results):
-            for name, v in results[rank].get("perf", {}).items():
-                cpu = v["cpu"] * 1e6
-                if isinstance(v["shares"], str):
-                    notes.append(f"- rank {rank}, {name}: {v['shares']}")
-                    continue
-                lines.append(
-                    f"| {rank} | {name} | {v['rt'] * 1e6:.1f} µs | {cpu:.1f} µs | {perf_split.cells(cpu, v['shares'])} |"
-                )
-        if notes:
-            lines += ["", *notes]
+        rows = [
+            (
+                f"rank {rank}, {name}",
+                [str(rank), name, f"{v['rt'] * 1e6:.1f} µs", f"{v['cpu'] * 1e6:.1f} µs"],
+                v["cpu"] * 1e6,
+                v["shares"],
+            )
+            for rank in sorted(results)
+            for name, v in results[rank].get("perf", {}).items()
+        ]
+        lines += perf_split.table(["rank", "group", "round trip under perf", "process CPU per round trip"], 2, rows)
     g, t = r0["gpipe"]["gloo"], r0["gpipe"]["tensorwire"]
     lines += [
         "",

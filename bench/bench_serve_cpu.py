@@ -719,18 +719,15 @@ def perf_cell(pid: int, cell: "Cell", calls: int, tmp: str) -> "tuple[float, dic
 
 def perf_table(rows: "list[tuple[str, tuple[float, dict[str, float]] | str]]") -> str:
     """The ``--perf`` table: per process and cell, CPU µs per call split by class."""
-    out = [
-        "| process: cell | CPU µs/op under perf | " + " | ".join(perf_split.NAMES) + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in perf_split.NAMES) + " |",
-    ]
-    notes = []
-    for name, res in rows:
-        if isinstance(res, str):
-            notes.append(f"- {name}: {res}")
-            continue
-        cpu, shares = res
-        out.append(f"| {name} | {cpu:.1f} | {perf_split.cells(cpu, shares)} |")
-    return "\n".join(out + ([""] + notes if notes else [])) + "\n"
+    lines = perf_split.table(
+        ["process: cell", "CPU µs/op under perf"],
+        1,
+        [
+            (name, [name, f"{res[0]:.1f}"], res[0], res[1]) if not isinstance(res, str) else (name, [], 0.0, res)
+            for name, res in rows
+        ],
+    )
+    return "\n".join(lines) + "\n"
 
 
 def _short(frame: str) -> str:

@@ -63,26 +63,27 @@ class Recorder:
             self.error = "perf is not on the PATH"
             return False
         self.dir = tempfile.mkdtemp(prefix="tw-perf-", dir=self.tmp)
-        self.proc = subprocess.Popen(
-            ["perf", "record", "-F", str(self.freq), "-p", str(self.pid), "-o", os.path.join(self.dir, "perf.data")],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        argv = ["perf", "record", "-F", str(self.freq), "-p", str(self.pid), "-o", os.path.join(self.dir, "perf.data")]
+        try:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        except OSError as exc:  # found on the PATH, but it cannot run
+            self.error = f"perf record could not start: {exc}"
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return False
         time.sleep(settle)
         if self.proc.poll() is not None:
-            err = " ".join((self.proc.stderr.read() if self.proc.stderr else "").split())
-            self.error = f"perf record failed (exit {self.proc.returncode}): {err[:200] or 'no message'}"
-            self._close()
-            self.proc = None
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self._failed()
             return False
         return True
 
     def stop(self) -> "dict[str, float] | str":
-        """Stop sampling: {class: share}, or why there is nothing."""
+        """Stop sampling: {class: share}, or why there is nothing (also where ``perf record`` failed only after
+        :meth:`start` returned: on a loaded machine it may take longer than ``settle`` to give up)."""
         if self.proc is None:
             return self.error or "not started"
+        if self.proc.poll() is not None and self.proc.returncode != 0:
+            self._failed()
+            return self.error
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # perf writes what it has and exits
         try:
@@ -103,9 +104,38 @@ class Recorder:
         shares = classes(rep.stdout)
         return shares or f"perf report gave nothing: {' '.join(rep.stderr.split())[:200]}"
 
+    def _failed(self) -> None:
+        """``perf record`` exited on its own: record why (its exit status and words), remove its folder."""
+        assert self.proc is not None
+        err = " ".join((self.proc.stderr.read() if self.proc.stderr else "").split())
+        self.error = f"perf record failed (exit {self.proc.returncode}): {err[:200] or 'no message'}"
+        self._close()
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
     def _close(self) -> None:
         if self.proc is not None and self.proc.stderr:
             self.proc.stderr.close()
+
+
+def table(
+    columns: "list[str]", text: int, rows: "list[tuple[str, list[str], float, dict[str, float] | str]]"
+) -> "list[str]":
+    """The lines of a markdown table: ``columns`` (the first ``text`` of them text, the rest figures), then one
+    column per class of :data:`NAMES`. A row is ``(label, cells, cpu, shares)``: its first cells, its CPU in
+    µs and {class: share}; a row whose shares are a string (why there is no split) is listed under the table
+    instead, as ``- label: why``."""
+    out = [
+        "| " + " | ".join([*columns, *NAMES]) + " |",
+        "| " + " | ".join(["---"] * text + ["---:"] * (len(columns) - text + len(NAMES))) + " |",
+    ]
+    notes = []
+    for label, first, cpu, shares in rows:
+        if isinstance(shares, str):
+            notes.append(f"- {label}: {shares}")
+        else:
+            out.append("| " + " | ".join(first) + f" | {cells(cpu, shares)} |")
+    return out + ([""] + notes if notes else [])
 
 
 def cells(cpu: float, shares: dict[str, float]) -> str:

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,10 +68,33 @@ def test_a_recorder_that_cannot_sample_says_why_and_leaves_nothing():
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     gone = int(proc.stdout)  # a process that has exited: nothing to sample
     rec = perf_split.Recorder(gone)
-    assert rec.start() is False
-    assert rec.error.startswith(("perf is not on the PATH", "perf record failed (exit ")), rec.error
-    assert rec.stop() == rec.error
+    started = rec.start()  # False at once, or (perf slow to give up on a loaded machine) found out by stop()
+    why = rec.stop()
+    assert isinstance(why, str) and why.startswith(("perf is not on the PATH", "perf record failed (exit ")), why
+    assert why == rec.error
+    if not started:
+        assert rec.error.startswith(("perf is not on the PATH", "perf record failed (exit "))
     assert not rec.dir or not os.path.exists(rec.dir)
+
+
+@pytest.mark.timeout(60)
+def test_a_recorder_whose_perf_fails_after_start_says_why(monkeypatch):
+    rec = perf_split.Recorder(os.getpid())
+    # a perf record that gives up only after start() returned (settle 0: not yet looked at)
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(perf_split.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(
+        perf_split.subprocess,
+        "Popen",
+        lambda argv, **kw: real_popen(
+            [sys.executable, "-c", "import sys, time; time.sleep(0.2); sys.stderr.write('no leave'); sys.exit(3)"],
+            **kw,
+        ),
+    )
+    assert rec.start(settle=0) is True
+    time.sleep(1.0)
+    assert rec.stop() == "perf record failed (exit 3): no leave"
+    assert not os.path.exists(rec.dir)
 
 
 @pytest.mark.timeout(240)
@@ -118,3 +142,16 @@ def test_bench_distributed_with_perf_splits_each_ranks_round_trip_or_says_why_no
             assert float(row.group(1)) > 0 and float(row.group(2)) > 0, row.group(0)
             shares = [float(s) for s in re.findall(r"\((\d+)%\)", row.group(3))]
             assert len(shares) == 6 and 95 <= sum(shares) <= 105, row.group(0)
+
+
+def test_a_perf_that_cannot_run_says_why_and_leaves_nothing(monkeypatch):
+    def cannot(argv: list, **kw: object) -> None:
+        raise PermissionError(13, "Permission denied", argv[0])
+
+    monkeypatch.setattr(perf_split.shutil, "which", lambda name: "/bin/perf")
+    monkeypatch.setattr(perf_split.subprocess, "Popen", cannot)
+    rec = perf_split.Recorder(os.getpid())
+    assert rec.start() is False
+    assert rec.error == "perf record could not start: [Errno 13] Permission denied: 'perf'"
+    assert rec.stop() == rec.error
+    assert not os.path.exists(rec.dir)
