@@ -39,7 +39,9 @@ def test_row_buffers_of_many_sessions_are_charged_to_max_bytes_and_freed_when_th
         every = torch.arange(ROWS)
         with tw.Client(d.address, transport="tcp") as owner:
             owner.put("table", table)  # reserves 32 MiB (double buffer)
+        # the session counts as closed at once; its worker frees its buffers a moment later
         assert _wait_for(lambda: metric(mport, "tensorwire_sessions") == 0)
+        assert _wait_for(lambda: metric(mport, "tensorwire_session_buffer_bytes") == 0)
         base_reserved = metric(mport, "tensorwire_reserved_bytes")
         base_rss = rss_bytes(d.proc.pid)
         clients, refused = [], []
