@@ -25,13 +25,16 @@ tensorwire), so a change of load on a shared machine hits both.
   ``recv_into``, called directly: no torch), so the floor splits into what
   the socket costs and what torch's dispatch into a Python group costs.
 - **GPipe step**: ``torch.distributed.pipelining.ScheduleGPipe`` over two
-  stages whose compute is one elementwise scale each, so the step is the
-  exchange of the activations (``--act-mib`` per microbatch, default 16) and
-  of their gradients; 4 microbatches. Reported: median step time, and each
-  rank's compute alone (its stage's forward and backward over the same
-  microbatches, no exchange) -- what no backend can take away. The compute runs
-  on ``--threads`` threads per rank (default: a quarter of the cores, at least
-  one), so on a many-core host the step is mostly the exchange.
+  stages whose compute is one elementwise scale each, around the exchange of
+  the activations (``--act-mib`` per microbatch, default 16) and of their
+  gradients; 4 microbatches. Reported: median step time, and each rank's
+  compute alone (its stage's forward and backward over the same microbatches,
+  no exchange) -- a lower bound of what no backend can take away: in the
+  pipeline the last stage also computes the input's gradient and merges its
+  outputs, and its compute is about half of a tensorwire step on a 16-core host
+  (``bench/results/distributed-tuning_h100_2026-11-27.md``, section 5). The
+  compute runs on ``--threads`` threads per rank (default: a quarter of the
+  cores, at least one).
 - **Where the CPU goes** (``--perf``, needs Linux ``perf``): ``--perf-iters``
   4 KiB round trips per group while ``perf record`` samples each rank's
   process; each rank's CPU per round trip split by the shared object it ran
