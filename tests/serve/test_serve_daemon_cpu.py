@@ -182,16 +182,10 @@ def test_a_put_of_another_shape_than_the_stored_one_is_still_refused():
             c.close()
 
 
-def test_the_benchmark_reads_cpu_time_of_every_thread(monkeypatch):
-    import importlib.util
+def test_the_benchmark_reads_cpu_time_of_every_thread():
+    from bench_scripts import bench_script
 
-    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
-    monkeypatch.syspath_prepend(bench)  # the script imports its sibling perf_split, as when run from there
-    path = os.path.join(bench, "bench_serve_cpu.py")
-    spec = importlib.util.spec_from_file_location("bench_serve_cpu", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_script("bench_serve_cpu")
     pid = os.getpid()
     a = mod.cpu_ns(pid)
     end = time.thread_time() + 0.05

@@ -12,12 +12,13 @@ import pytest
 
 pytest.importorskip("torch")
 
+from bench_scripts import bench_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "bench_serve_cpu.py")
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import bench_serve_cpu  # noqa: E402
-import perf_split  # noqa: E402
+bench_serve_cpu = bench_script("bench_serve_cpu")
+perf_split = bench_script("perf_split")
 
 # what `perf report --sort dso --stdio` prints (its header lines start with '#')
 REPORT = """\
