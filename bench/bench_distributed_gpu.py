@@ -163,6 +163,12 @@ def worker(args: argparse.Namespace) -> None:
     groups = {ref: None, "tensorwire": tw}
     names = list(groups)
     out: dict = {"ref": ref, "device": str(device), "transport": {}, "p2p": {}, "overlap": {}, "pipelining": {}}
+    try:
+        from tensorwire.native import summary
+
+        out["hot_path"] = summary()
+    except ImportError:  # a tree from before the compiled hot path
+        out["hot_path"] = "unknown"
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     log = (lambda msg: print(f"[bench_distributed_gpu] {msg}", file=sys.stderr, flush=True)) if rank == 0 else None
@@ -265,13 +271,15 @@ def report(results: dict, args: argparse.Namespace, wall: float, gpus: str) -> s
     cmd += (
         f" --rounds {args.rounds} --steps {args.steps} --max-mib {args.max_mib} --acts {','.join(map(str, args.acts))}"
     )
+    cmd += f" --tree {args.tree}" if args.tree is not None else ""
     env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("TENSORWIRE_"))
     lines = [
         f"# torch.distributed on {args.device}: backend tensorwire vs {ref_name} ({args.machine})",
         "",
         f"Date {_dt.date.today().isoformat()}; {os.cpu_count()} cores; Python {platform.python_version()}; "
         f"ranks on {r0['device']} / {r1['device']}; {gpus}. tensorwire transport: "
-        f"{sorted(set(r0['transport'].values())) or 'n/a'}. Run took {wall:.0f} s.",
+        f"{sorted(set(r0['transport'].values())) or 'n/a'}; hot path {r0.get('hot_path', 'unknown')}. "
+        f"Run took {wall:.0f} s.",
         f'One torchrun job, 2 ranks; {ref_name} default group and `new_group(backend="tensorwire")` over the same '
         f"processes, measured in turns. Command: `{cmd}`" + (f" with `{env}`" if env else "") + ".",
         "",
@@ -383,6 +391,12 @@ def main() -> None:
     ap.add_argument("--machine", default="gpu")
     ap.add_argument("--out", type=Path, default=None, help="markdown report (and .json, .png beside it)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds before the job is stopped")
+    ap.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        help="import tensorwire from this folder instead of this checkout (build/native: the compiled hot path)",
+    )
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -402,7 +416,10 @@ def main() -> None:
     cmd += ["--max-mib", str(args.max_mib), "--acts", ",".join(map(str, args.acts)), "--width", str(args.width)]
     cmd += ["--parts", args.parts, "--dump-after", str(args.dump_after)]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parent.parent), env.get("PYTHONPATH", "")])
+    tree = args.tree if args.tree is not None else here.parent.parent
+    if not (tree / "tensorwire" / "__init__.py").is_file():
+        ap.error(f"--tree {tree}: no tensorwire package there (`make native` builds build/native)")
+    env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
