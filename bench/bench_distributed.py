@@ -167,21 +167,41 @@ def _gpipe(torch, group, rank: int, act_mib: int, n_mb: int = 4):
     return step, compute_alone
 
 
+def hot_path() -> str:
+    """Which hot path the imported tensorwire runs (``tensorwire.native.summary()``)."""
+    try:
+        from tensorwire.native import summary
+    except ModuleNotFoundError:  # a tree from before the compiled hot path
+        return "pure Python"
+    except ImportError:  # a tree from before native.summary
+        return "unknown"
+    return summary()
+
+
+def add_tree_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        help="import tensorwire from this folder instead of this checkout (build/native: the compiled hot path)",
+    )
+
+
+def with_tree(ap: argparse.ArgumentParser, tree: Path | None, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the tensorwire of ``tree`` (default: this checkout) first on ``PYTHONPATH`` of the job."""
+    tree = tree if tree is not None else Path(__file__).resolve().parent.parent
+    if not (tree / "tensorwire" / "__init__.py").is_file():
+        ap.error(f"--tree {tree}: no tensorwire package there (`make native` builds build/native)")
+    return dict(env, PYTHONPATH=os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")]))
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
     import tensorwire  # noqa: F401 - registers the backend
 
-    try:
-        from tensorwire.native import summary
-
-        hot = summary()
-    except ModuleNotFoundError:  # a tree from before the compiled hot path
-        hot = "pure Python"
-    except ImportError:  # a tree from before native.summary
-        hot = "unknown"
-
+    hot = hot_path()
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -364,12 +384,7 @@ def main() -> None:
     ap.add_argument("--perf-iters", type=int, default=5000, help="round trips per group under perf")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 4), help="compute threads per rank")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument(
-        "--tree",
-        type=Path,
-        default=None,
-        help="import tensorwire from this folder instead of this checkout (build/native: the compiled hot path)",
-    )
+    add_tree_option(ap)
     args = ap.parse_args()
     if args.perf and args.perf_iters < 1:
         ap.error("--perf-iters must be at least 1")
@@ -404,11 +419,7 @@ def main() -> None:
     ]
     if args.perf:
         cmd += ["--perf", "--perf-iters", str(args.perf_iters)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    tree = args.tree if args.tree is not None else here.parent.parent
-    if not (tree / "tensorwire" / "__init__.py").is_file():
-        ap.error(f"--tree {tree}: no tensorwire package there (`make native` builds build/native)")
-    env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
+    env = with_tree(ap, args.tree, dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.monotonic() - t0

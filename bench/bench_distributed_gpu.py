@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from bench_distributed import _pingpong as _host_pingpong  # (this script's folder is on sys.path)
+from bench_distributed import add_tree_option, hot_path, with_tree
 
 MIB = 1 << 20
 
@@ -163,12 +164,7 @@ def worker(args: argparse.Namespace) -> None:
     groups = {ref: None, "tensorwire": tw}
     names = list(groups)
     out: dict = {"ref": ref, "device": str(device), "transport": {}, "p2p": {}, "overlap": {}, "pipelining": {}}
-    try:
-        from tensorwire.native import summary
-
-        out["hot_path"] = summary()
-    except ImportError:  # a tree from before the compiled hot path
-        out["hot_path"] = "unknown"
+    out["hot_path"] = hot_path()
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     log = (lambda msg: print(f"[bench_distributed_gpu] {msg}", file=sys.stderr, flush=True)) if rank == 0 else None
@@ -391,12 +387,7 @@ def main() -> None:
     ap.add_argument("--machine", default="gpu")
     ap.add_argument("--out", type=Path, default=None, help="markdown report (and .json, .png beside it)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds before the job is stopped")
-    ap.add_argument(
-        "--tree",
-        type=Path,
-        default=None,
-        help="import tensorwire from this folder instead of this checkout (build/native: the compiled hot path)",
-    )
+    add_tree_option(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -415,11 +406,7 @@ def main() -> None:
     cmd += ["--worker", "--device", args.device, "--rounds", str(args.rounds), "--steps", str(args.steps)]
     cmd += ["--max-mib", str(args.max_mib), "--acts", ",".join(map(str, args.acts)), "--width", str(args.width)]
     cmd += ["--parts", args.parts, "--dump-after", str(args.dump_after)]
-    env = dict(os.environ)
-    tree = args.tree if args.tree is not None else here.parent.parent
-    if not (tree / "tensorwire" / "__init__.py").is_file():
-        ap.error(f"--tree {tree}: no tensorwire package there (`make native` builds build/native)")
-    env["PYTHONPATH"] = os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")])
+    env = with_tree(ap, args.tree, dict(os.environ))
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout)

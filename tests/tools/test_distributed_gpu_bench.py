@@ -48,3 +48,15 @@ def test_cpu_dry_run_reports_every_part_and_equal_losses(tmp_path):
     for key, v in pipe.items():  # the same model and data over either backend: the same loss
         assert v["gloo"]["loss"] == v["tensorwire"]["loss"], (key, v)
     assert results["0"]["transport"] == {"1": "tcp"}
+    # the checkout's tensorwire ran (no --tree): the report says which hot path, here the checkout's own
+    assert results["0"]["hot_path"] == results["1"]["hot_path"]
+    assert f"hot path {results['0']['hot_path']}." in text
+
+
+@pytest.mark.timeout(60)
+def test_a_tree_without_tensorwire_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "d.md"
+    res = _run("--device", "cpu", "--tree", str(tmp_path), "--out", str(out), timeout=50)
+    assert res.returncode == 2, res
+    assert f"--tree {tmp_path}: no tensorwire package there" in res.stderr
+    assert not out.exists()
