@@ -11,9 +11,10 @@ what both use is in :mod:`.messages`. :class:`Peer` holds the two, the link
 and the notices of refused messages.
 
 CUDA tensors follow NCCL's stream semantics (:mod:`.streams`): an ``isend``
-goes through the sender thread, which first waits for an event recorded on the
-caller's current stream (the bytes are read only after the work queued there
-before ``isend``); an ``irecv`` is posted once the caller's stream has reached
+goes out in the caller's thread when the caller's current stream is idle at the
+call (and no stream will wait on a flag for it), else through the sender thread,
+which first waits for an event recorded on that stream (the bytes are read only
+after the work queued there before ``isend``); an ``irecv`` is posted once the caller's stream has reached
 it (at once when that stream is idle; else by whoever drives the channel next);
 ``wait()`` queues a stream wait on the channel's flag and returns, and the
 channel's completion thread finishes the receive and releases the flag -- also
