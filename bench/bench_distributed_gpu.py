@@ -47,6 +47,8 @@ from bench_distributed import _pingpong as _host_pingpong  # (this script's fold
 from bench_distributed import add_tree_option, hot_path, with_tree
 
 MIB = 1 << 20
+#: the measurements, in the order they run
+PARTS = ("p2p", "overlap", "pipelining")
 
 
 def _sync(torch, device) -> None:
@@ -357,6 +359,13 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _mib_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of MiB counts") from None
+
+
 def _gpus() -> str:
     try:
         q = subprocess.run(
@@ -380,9 +389,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--max-mib", type=int, default=256)
-    ap.add_argument("--acts", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 64])
+    ap.add_argument("--acts", type=_mib_list, default=[1, 16, 64], help="activation sizes in MiB (comma-separated)")
     ap.add_argument("--width", type=int, default=4096)
-    ap.add_argument("--parts", default="p2p,overlap,pipelining", help="which measurements (comma-separated)")
+    ap.add_argument("--parts", default=",".join(PARTS), help="which measurements (comma-separated)")
     ap.add_argument("--dump-after", type=float, default=0, help="dump every thread's stack and exit after S s")
     ap.add_argument("--machine", default="gpu")
     ap.add_argument("--out", type=Path, default=None, help="markdown report (and .json, .png beside it)")
@@ -392,6 +401,15 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        ap.error(f"--parts {args.parts!r}: choose one or more of {','.join(PARTS)}")
+    for name in ("rounds", "steps", "max_mib", "width"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.acts or min(args.acts) < 1:
+        ap.error(f"--acts: activation sizes in MiB, each at least 1, got {args.acts}")
     if args.device == "cuda":
         import torch
 

@@ -60,3 +60,23 @@ def test_a_tree_without_tensorwire_is_refused_before_anything_runs(tmp_path):
     assert res.returncode == 2, res
     assert f"--tree {tmp_path}: no tensorwire package there" in res.stderr
     assert not out.exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--parts", "p2p,bogus"), "--parts 'p2p,bogus': choose one or more of p2p,overlap,pipelining"),
+        (("--parts", ","), "--parts ',': choose one or more of"),
+        (("--acts", "1,x"), "'1,x' is not a comma-separated list of MiB counts"),
+        (("--acts", "0"), "--acts: activation sizes in MiB, each at least 1"),
+        (("--steps", "0"), "--steps must be at least 1, got 0"),
+        (("--max-mib", "-1"), "--max-mib must be at least 1, got -1"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message):
+    out = tmp_path / "d.md"
+    res = _run("--device", "cpu", *args, "--out", str(out), timeout=50)
+    assert res.returncode == 2, res
+    assert message in res.stderr, res.stderr
+    assert not out.exists()
