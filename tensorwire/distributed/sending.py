@@ -185,16 +185,18 @@ class SendChannel:
             slot.copy_(tensor)
             work._staging = (sig, "same", slot)
             tensor = slot
-        ev = None
+        ev = flag = None
         marked = direct = not device_side
+        if device_side:
+            flag = self.flag_for(tensor)
         if (
             device_side
+            and flag is None
             and self.DIRECT_CUDA
             and t.reaches_cuda
             and t.async_send
             and not self.pending
             and tensor.is_contiguous()
-            and self.flag_for(tensor) is None
         ):
             # A CUDA tensor that UCX reads in place, and no stream will wait on a flag for it (wait() blocks the
             # host): out in this thread too when its bytes are final now (nothing queued on the caller's stream
@@ -227,7 +229,6 @@ class SendChannel:
                         return
             finally:
                 self.send_lock.release()
-        flag = None
         if device_side:
             # A slot is taken here, in the caller's thread, before any stream waits on this send: allocating
             # pinned or device memory synchronizes with the device, which would deadlock in the sender thread
@@ -236,7 +237,6 @@ class SendChannel:
                 work._staging = (sig, "pinned", peer.pool.take(sig, "pinned"))
             elif not tensor.is_contiguous():
                 work._staging = (sig, "same", peer.pool.take(sig, "same", tensor.device))
-            flag = self.flag_for(tensor)
             staging = work._staging
             if flag is not None and staging is not None:
                 # GPU work that a thread of tensorwire's queues while the caller's stream waits on a flag that
