@@ -186,25 +186,25 @@ class SendChannel:
             work._staging = (sig, "same", slot)
             tensor = slot
         ev = flag = None
-        marked = direct = not device_side
+        direct = not device_side
+        marked = False  # ev holds the caller's stream at this isend
         if device_side:
             flag = self.flag_for(tensor)
-        if (
-            device_side
-            and flag is None
-            and self.DIRECT_CUDA
-            and t.reaches_cuda
-            and t.async_send
-            and not self.pending
-            and tensor.is_contiguous()
-        ):
-            # A CUDA tensor that UCX reads in place, and no stream will wait on a flag for it (wait() blocks the
-            # host): out in this thread too when its bytes are final now (nothing queued on the caller's stream
-            # before the call). Measured on two H100s: handing it to the sender thread instead cost ~100 us per
-            # dist.send/dist.recv round trip.
-            ev = peer.ops.mark(tensor)
-            marked = True
-            direct = ev is None
+            if (
+                flag is None
+                and self.DIRECT_CUDA
+                and t.reaches_cuda
+                and t.async_send
+                and not self.pending
+                and tensor.is_contiguous()
+            ):
+                # A CUDA tensor that UCX reads in place, and no stream will wait on a flag for it (wait() blocks
+                # the host): out in this thread too when its bytes are final now (nothing queued on the caller's
+                # stream before the call). Measured on two H100s: handing it to the sender thread instead cost
+                # ~100 us per dist.send/dist.recv round trip.
+                ev = peer.ops.mark(tensor)
+                marked = True
+                direct = ev is None
         if direct and not self.pending and self.send_lock.acquire(blocking=False):
             try:
                 if not self.pending:

@@ -243,19 +243,13 @@ class AsyncMemoryTransport(BytesMemoryTransport):
         return None
 
 
-def _async_memory_pair():
-    a, b = memory_pair()
-    a.__class__ = b.__class__ = AsyncMemoryTransport
-    return a, b
-
-
 def _u8(buf):
     return torch.frombuffer(buf, dtype=torch.uint8) if isinstance(buf, memoryview) else buf
 
 
-def _memory_pair():
+def _memory_pair(cls=None):
     a, b = memory_pair()
-    a.__class__ = b.__class__ = BytesMemoryTransport
+    a.__class__ = b.__class__ = cls or BytesMemoryTransport
     return a, b
 
 
@@ -345,7 +339,7 @@ def test_a_cuda_isend_on_an_idle_stream_goes_out_in_the_callers_thread(pairs):
     """Without stream waits, a CUDA message whose stream is idle is posted by isend itself, as a host one is:
     no hand-off to the sender thread (it cost ~100 us per round trip on two H100s)."""
     before = set(_sender_threads())
-    pair = pairs(SimOps(stream_wait=False), SimOps(stream_wait=False), transports=_async_memory_pair())
+    pair = pairs(SimOps(stream_wait=False), SimOps(stream_wait=False), transports=_memory_pair(AsyncMemoryTransport))
     y = torch.zeros(4096)
     r = pair.peers[1].irecv(y, 0)
     w = pair.peers[0].isend(torch.full((4096,), 3.0), 0)
@@ -360,7 +354,7 @@ def test_a_cuda_isend_on_an_idle_stream_goes_out_in_the_callers_thread(pairs):
 def test_a_cuda_isend_behind_queued_work_still_waits_for_it(pairs, credit_first):
     """The same send with a kernel queued before isend (a busy GPU): queued until the stream reaches the isend,
     never sent from the stale tensor -- whether the receiver's credit is there at isend or comes later."""
-    pair = pairs(SimOps(stream_wait=False), SimOps(stream_wait=False), transports=_async_memory_pair())
+    pair = pairs(SimOps(stream_wait=False), SimOps(stream_wait=False), transports=_memory_pair(AsyncMemoryTransport))
     x = torch.zeros(4096)
     y = torch.full((4096,), -1.0)
     r = pair.peers[1].irecv(y, 0) if credit_first else None
