@@ -170,6 +170,13 @@ def worker(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     log = (lambda msg: print(f"[bench_distributed_gpu] {msg}", file=sys.stderr, flush=True)) if rank == 0 else None
+    # Every group's first point-to-point operation is a blocking ping-pong, whichever parts run: NCCL 2.28
+    # (torch 2.11, two H200s, NVLS off) hit an illegal memory access when a group's first operation was an
+    # unbatched isend from both ranks at once (the overlap part run alone); after one send/recv pair it does not.
+    warm = torch.zeros(1024, device=device)
+    for g in groups.values():
+        _pingpong(dist, torch, g, rank, warm, 2, device)
+    del warm
 
     # -- point-to-point
     sizes = [s * MIB for s in (1, 4, 16, 64, 256) if s <= args.max_mib and "p2p" in args.parts]
