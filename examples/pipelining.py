@@ -7,6 +7,7 @@
     torchrun --standalone --nproc-per-node 2 examples/pipelining.py --backend gloo --schedule 1f1b
     torchrun --standalone --nproc-per-node 4 examples/pipelining.py --schedule interleaved1f1b --check
     torchrun --standalone --nproc-per-node 2 examples/pipelining.py --backend nccl      # one GPU per rank
+    torchrun --standalone --nproc-per-node 2 examples/pipelining.py --device cuda --check   # tensorwire, GPUs
 
 A stack of MLP blocks is cut into one stage per rank (two per rank for the
 interleaved schedule) and trained with torch's own schedules. ``import
@@ -51,12 +52,27 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--check", action="store_true", help="compare with single-process training (1e-5)")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="where the stages and their activations live (default: cuda for nccl, cpu otherwise); "
+        "tensorwire takes either, one GPU per rank",
+    )
     args = ap.parse_args()
+    where = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    if where == "cuda" and args.backend == "gloo":
+        ap.error("--device cuda runs with --backend tensorwire or nccl")
+    if where == "cpu" and args.backend == "nccl":
+        ap.error("--backend nccl needs --device cuda")
+    if where == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available here")
 
     device = torch.device("cpu")
-    if args.backend == "nccl":
+    if where == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # --check compares with float32 training on the CPU
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     interleaved = args.schedule == "interleaved1f1b"

@@ -210,6 +210,48 @@ def test_cuda_auto_transport_is_ucx_where_ucx_runs():
     assert res[0]["transports"] == {1: "ucx" if "ucx" in available_kinds() else "tcp"}, res[0]
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA devices (one per rank)")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved1f1b"])
+def test_pipelining_example_on_two_gpus_matches_single_process_training(tmp_path, schedule):
+    """The example users run first, on CUDA stages: torch's schedules over backend tensorwire, one GPU per rank."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "pipelining.py"
+    port = free_port()
+    cmd = [
+        *TORCHRUN,
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--max-restarts",
+        "0",
+        str(example),
+        "--backend",
+        "tensorwire",
+        "--device",
+        "cuda",
+        "--schedule",
+        schedule,
+        "--check",
+    ]
+    rc, out = run(cmd, env=child_env(), log=tmp_path / "torchrun.log", timeout=200)
+    assert rc == 0, tail(out)
+    assert out.count("over tensorwire") == 2 and out.count("(check passed)") == 2, tail(out)
+
+
 # -- two nodes: two network namespaces, torchrun --nnodes 2 ------------------------------------------------------
 
 
