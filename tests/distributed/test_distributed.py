@@ -147,16 +147,9 @@ print("RESULT " + json.dumps(r), flush=True)
 """
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport,nproc,schedule", [("tcp", 2, "gpipe"), ("ucx", 4, "interleaved1f1b")])
-def test_real_torchrun_init_process_group_tensorwire(tmp_path, transport, nproc, schedule):
-    from pathlib import Path
-
-    script = tmp_path / "worker.py"
-    support = Path(__file__).resolve().parent.parent / "support"
-    script.write_text(_TORCHRUN_WORKER.format(tests=str(support), transport=transport, schedule=schedule))
-    port = free_port()
-    cmd = [
+def _torchrun_one_node(nproc: int, script, *args: str) -> list[str]:
+    """torchrun of ``script args`` with ``nproc`` workers on this host, its rendezvous on a free port."""
+    return [
         *TORCHRUN,
         "--nnodes",
         "1",
@@ -165,11 +158,23 @@ def test_real_torchrun_init_process_group_tensorwire(tmp_path, transport, nproc,
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        f"127.0.0.1:{free_port()}",
         "--max-restarts",
         "0",
         str(script),
+        *args,
     ]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport,nproc,schedule", [("tcp", 2, "gpipe"), ("ucx", 4, "interleaved1f1b")])
+def test_real_torchrun_init_process_group_tensorwire(tmp_path, transport, nproc, schedule):
+    from pathlib import Path
+
+    script = tmp_path / "worker.py"
+    support = Path(__file__).resolve().parent.parent / "support"
+    script.write_text(_TORCHRUN_WORKER.format(tests=str(support), transport=transport, schedule=schedule))
+    cmd = _torchrun_one_node(nproc, script)
     t0 = time.monotonic()
     rc, out = run(cmd, env=child_env(), log=tmp_path / "torchrun.log", timeout=200)
     assert rc == 0, tail(out)
@@ -225,20 +230,9 @@ def test_pipelining_example_on_two_gpus_matches_single_process_training(tmp_path
     from pathlib import Path
 
     example = Path(__file__).resolve().parents[2] / "examples" / "pipelining.py"
-    port = free_port()
-    cmd = [
-        *TORCHRUN,
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--max-restarts",
-        "0",
-        str(example),
+    cmd = _torchrun_one_node(
+        2,
+        example,
         "--backend",
         "tensorwire",
         "--device",
@@ -246,7 +240,7 @@ def test_pipelining_example_on_two_gpus_matches_single_process_training(tmp_path
         "--schedule",
         schedule,
         "--check",
-    ]
+    )
     rc, out = run(cmd, env=child_env(), log=tmp_path / "torchrun.log", timeout=200)
     assert rc == 0, tail(out)
     assert out.count("over tensorwire") == 2 and out.count("(check passed)") == 2, tail(out)
