@@ -243,6 +243,14 @@ class Settings:
         False,
         shown="0",
     )
+    cuda_path: Literal["auto", "ce", "ucx"] = _var(
+        _choice("auto", "ce", "ucx"),
+        "How backend `tensorwire` moves CUDA tensors between ranks of one host. `auto` (the default): the "
+        "copy-engine path (one-sided copies into the peer's memory, mapped once through CUDA IPC; flags the GPUs "
+        "wait on) when both ranks share a host and CUDA, else UCX; `ce`: the copy-engine path or an error; `ucx`: "
+        "always UCX (two-sided tag messages).",
+        "auto",
+    )
     # -- serve client --------------------------------------------------------------------------------------
     shm_leases: bool = _var(
         _switch, "Shared-memory read leases of the serve client (`0` turns them off).", True, shown="1"

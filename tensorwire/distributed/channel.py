@@ -45,6 +45,7 @@ from .messages import (
     check_tag,
     host_bytes,
 )
+from . import copyengine
 from .receiving import RecvChannel, RecvWork
 from .sending import SendChannel, SendWork
 from .signatures import Signature, decode, signature_of
@@ -53,6 +54,8 @@ from .work import Completer
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..p2p.link import Link
+    from ..transport.ce import CePair
+    from .copyengine import CeWork
     from ..transport.base import Transport
 
 __all__ = ["Peer", "SendWork", "RecvWork", "MAX_TAG", "SlotPool", "check_tag"]
@@ -96,6 +99,8 @@ class Peer:
         self.pool = pool
         self.completer = completer
         self.error: BaseException | None = None
+        #: the copy-engine path to this peer (same host, both ranks able; set by :func:`.copyengine.setup`)
+        self.ce: "CePair | None" = None
         self._lock = threading.Lock()
         self._send: dict[int, SendChannel] = {}
         self._recv: dict[int, RecvChannel] = {}
@@ -118,7 +123,9 @@ class Peer:
             self.tcp.wait_eager_offer(timeout=timeout)
 
     # -- operations ------------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, tag: int) -> SendWork:
+    def isend(self, tensor: torch.Tensor, tag: int) -> "SendWork | CeWork":
+        if self.ce is not None and tensor.is_cuda:
+            return copyengine.isend(self, self.ce, tensor, tag)
         sig, hdr = signature_of(tensor)
         work = SendWork(self, sig, tag, [tensor])
         if self.error is not None:
@@ -131,7 +138,9 @@ class Peer:
         chan.submit(work, tensor, sig, hdr)
         return work
 
-    def irecv(self, tensor: torch.Tensor, tag: int) -> RecvWork:
+    def irecv(self, tensor: torch.Tensor, tag: int) -> "RecvWork | CeWork":
+        if self.ce is not None and tensor.is_cuda:
+            return copyengine.irecv(self, self.ce, tensor, tag)
         sig, hdr = signature_of(tensor)
         chan = self._recv.get(tag + 1)
         if chan is None:
@@ -274,6 +283,8 @@ class Peer:
             self._notice_lock.release()
 
     def close(self, reason: BaseException) -> None:
+        if self.ce is not None:
+            self.ce.close(reason)
         self.fail(reason, "")
         for chan in list(self._send.values()):
             chan.close(self.error or reason)

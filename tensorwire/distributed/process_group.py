@@ -42,6 +42,7 @@ from ..p2p.bootstrap import reachable_address
 from ..p2p.node import Node
 from ..p2p.torchrun import TorchrunEnv
 from ..settings import setting
+from . import copyengine
 from .channel import MAX_TAG, Peer, SlotPool, check_tag
 from .errors import GroupClosed, translate
 from .streams import CudaOps
@@ -108,6 +109,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         self._ops = CudaOps()
         self._async_error: BaseException | None = None
         self._peers: dict[int, Peer] = {}
+        self._watchdog: copyengine.Watchdog | None = None
         self._node = Node(
             rank=rank,
             world_size=size,
@@ -133,10 +135,14 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                     )
             for p in self._peers.values():
                 p.settle(self._timeout)
+            self._watchdog = copyengine.setup(store, self._prefix, rank, self._peers, self._timeout)
         except BaseException:
+            for p in self._peers.values():
+                if p.ce is not None:
+                    p.ce.close(GroupClosed("the group's creation failed"))
             self._node.close()
             raise
-        kinds = sorted({p.transport.kind for p in self._peers.values()})
+        kinds = sorted({p.transport.kind for p in self._peers.values()} | ({"ce"} if self._watchdog else set()))
         log.info(
             "tensorwire.distributed: rank %d/%d connected to %d peers over %s",
             rank,
@@ -163,8 +169,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
 
     @property
     def transports(self) -> dict[int, str]:
-        """The transport kind of the connection to each peer (for logs and tests)."""
-        return {p: peer.transport.kind for p, peer in self._peers.items()}
+        """The transport kind of the connection to each peer (for logs and tests); ``+ce`` where CUDA tensors
+        take the copy-engine path."""
+        return {p: peer.transport.kind + ("+ce" if peer.ce is not None else "") for p, peer in self._peers.items()}
 
     def __repr__(self) -> str:
         return f"ProcessGroupTensorwire(rank={self._rank}, size={self._size})"
@@ -369,6 +376,8 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             except Exception as exc:  # noqa: BLE001 - closing goes on
                 log.debug("closing the connection to rank %d: %s", peer.peer, exc)
         self._completer.close(fail=lambda w: w._finish(reason))
+        if self._watchdog is not None:
+            self._watchdog.close()
         self._node.close()
         for backend in inner:
             try:

@@ -1,0 +1,15 @@
+"""The copy-engine path: CUDA tensors between processes of one host, one-sided and stream-ordered.
+
+- :mod:`.driver`: the CUDA driver calls (IPC export/open in the local context, host registration, copies,
+  flag writes and waits on streams);
+- :mod:`.region`: the shared host memory of one pair (a process-shared lock, channels, entries, flag words);
+- :mod:`.pair`: the protocol -- each message meets in an entry; the side that arrives second queues the copy.
+
+See ``docs/distributed.md`` ("The copy-engine path").
+"""
+
+from .driver import CeDriver, DriverError, NotExportable
+from .pair import CeOp, CePair, Exports
+from .region import Region
+
+__all__ = ["CeDriver", "CeOp", "CePair", "DriverError", "Exports", "NotExportable", "Region"]

@@ -1,0 +1,268 @@
+"""The CUDA driver calls of the copy-engine path, behind one small class (:class:`CeDriver`).
+
+Everything the copy-engine path asks of CUDA is here: export an allocation
+(``cuIpcGetMemHandle`` on the allocation's base, found with
+``cuPointerGetAttributes``), open a peer's export **in the calling device's own
+context** with lazy peer access (opened in the owner's context instead, copies
+from another device stage through the host and stream memory operations on the
+mapping fail), register shared host pages with the GPU, and queue copy-engine
+copies (``cuMemcpyAsync``), flag writes (``cuStreamWriteValue32``) and flag waits
+(``cuStreamWaitValue32``, cyclic ``>=``) on streams.
+
+The CPU tests replace this class with a simulator of the same methods
+(``tests/support/ce_sim.py``); the protocol above it never calls CUDA itself.
+
+Every call runs with the device's primary context current (the one torch uses),
+made current for the calling thread when it has another or none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from ...errors import TensorWireError
+
+__all__ = ["CeDriver", "DriverError", "NotExportable", "HANDLE_BYTES"]
+
+#: bytes of a legacy IPC memory handle (CUipcMemHandle)
+HANDLE_BYTES = 64
+
+_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+_CU_MEMHOSTREGISTER_PORTABLE = 0x1
+_CU_MEMHOSTREGISTER_DEVICEMAP = 0x2
+_CU_STREAM_NON_BLOCKING = 0x1
+_CU_EVENT_DISABLE_TIMING = 0x2
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0
+_CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # with a memory barrier: earlier writes are visible first
+_CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
+_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
+_CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+_CUDA_ERROR_NOT_READY = 600
+_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
+class DriverError(TensorWireError):
+    """A CUDA driver call of the copy-engine path failed (the message names the call and the error)."""
+
+
+class NotExportable(DriverError):
+    """This allocation cannot be exported with legacy CUDA IPC (``cuMem*`` / expandable-segment memory)."""
+
+
+class _Handle(ctypes.Structure):
+    """``CUipcMemHandle``: 64 opaque bytes, passed by value (a bare ctypes array would be passed as a pointer)."""
+
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+def _lib() -> Any:
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise DriverError("libcuda (the CUDA driver library) not found")
+
+
+def _fn(lib: Any, names: tuple[str, ...], argtypes: list[Any]) -> Any:
+    for name in names:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+            return fn
+    raise DriverError(f"the CUDA driver has none of {names}")
+
+
+class CeDriver:
+    """The copy-engine path's driver calls (ctypes on ``libcuda``). One per process (:meth:`get`).
+
+    Raises (constructor):
+        DriverError: no driver library, or one without the entry points (CUDA < 11.7).
+    """
+
+    _instance: "CeDriver | None" = None
+    _instance_lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> "CeDriver":
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        c = ctypes
+        lib = _lib()
+        p, u64, u32 = c.c_void_p, c.c_uint64, c.c_uint32
+        self._init = _fn(lib, ("cuInit",), [c.c_uint])
+        self._device_get = _fn(lib, ("cuDeviceGet",), [c.POINTER(c.c_int), c.c_int])
+        self._retain = _fn(lib, ("cuDevicePrimaryCtxRetain",), [c.POINTER(p), c.c_int])
+        self._get_current = _fn(lib, ("cuCtxGetCurrent",), [c.POINTER(p)])
+        self._set_current = _fn(lib, ("cuCtxSetCurrent",), [p])
+        self._ipc_get = _fn(lib, ("cuIpcGetMemHandle",), [c.c_char_p, u64])
+        self._ipc_open = _fn(lib, ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"), [c.POINTER(u64), _Handle, c.c_uint])
+        self._ipc_close = _fn(lib, ("cuIpcCloseMemHandle",), [u64])
+        self._attrs = _fn(lib, ("cuPointerGetAttributes",), [c.c_uint, c.POINTER(c.c_int), c.POINTER(p), u64])
+        self._host_register = _fn(lib, ("cuMemHostRegister_v2", "cuMemHostRegister"), [p, c.c_size_t, c.c_uint])
+        self._host_unregister = _fn(lib, ("cuMemHostUnregister",), [p])
+        self._host_dptr = _fn(
+            lib, ("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"), [c.POINTER(u64), p, c.c_uint]
+        )
+        self._memcpy = _fn(lib, ("cuMemcpyAsync",), [u64, u64, c.c_size_t, p])
+        self._write = _fn(lib, ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), [p, u64, u32, c.c_uint])
+        self._wait = _fn(lib, ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), [p, u64, u32, c.c_uint])
+        self._stream_create = _fn(lib, ("cuStreamCreate",), [c.POINTER(p), c.c_uint])
+        self._stream_query = _fn(lib, ("cuStreamQuery",), [p])
+        self._event_create = _fn(lib, ("cuEventCreate",), [c.POINTER(p), c.c_uint])
+        self._event_record = _fn(lib, ("cuEventRecord",), [p, p])
+        self._stream_wait_event = _fn(lib, ("cuStreamWaitEvent",), [p, p, c.c_uint])
+        self._can_peer = _fn(lib, ("cuDeviceCanAccessPeer",), [c.POINTER(c.c_int), c.c_int, c.c_int])
+        self._error_name = getattr(lib, "cuGetErrorName", None)
+        if self._error_name is not None:
+            self._error_name.argtypes = [c.c_int, c.POINTER(c.c_char_p)]
+            self._error_name.restype = c.c_int
+        self._contexts: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._attr_kinds = (c.c_int * 3)(
+            _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, _CU_POINTER_ATTRIBUTE_RANGE_SIZE, _CU_POINTER_ATTRIBUTE_BUFFER_ID
+        )
+        self._tls = threading.local()
+        self._handle_buf = c.create_string_buffer(HANDLE_BYTES)
+        self._export_lock = threading.Lock()
+
+    # -- errors and contexts ------------------------------------------------------------------------------
+    def error_text(self, code: int) -> str:
+        if self._error_name is not None:
+            name = ctypes.c_char_p()
+            if self._error_name(code, ctypes.byref(name)) == 0 and name.value:
+                return f"{name.value.decode()} ({code})"
+        return f"CUDA driver error {code}"
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise DriverError(f"{what}: {self.error_text(code)}")
+
+    def context(self, device: int) -> int:
+        """The primary context of ``device`` (retained once), made current in the calling thread."""
+        ctx = self._contexts.get(device)
+        if ctx is None:
+            with self._lock:
+                ctx = self._contexts.get(device)
+                if ctx is None:
+                    self._check(self._init(0), "cuInit")
+                    dev = ctypes.c_int()
+                    self._check(self._device_get(ctypes.byref(dev), device), f"cuDeviceGet({device})")
+                    handle = ctypes.c_void_p()
+                    self._check(self._retain(ctypes.byref(handle), dev), f"cuDevicePrimaryCtxRetain({device})")
+                    ctx = self._contexts[device] = int(handle.value or 0)
+        if getattr(self._tls, "ctx", None) != ctx:
+            cur = ctypes.c_void_p()
+            self._get_current(ctypes.byref(cur))
+            if int(cur.value or 0) != ctx:
+                self._check(self._set_current(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+            self._tls.ctx = ctx
+        return ctx
+
+    def can_access_peer(self, device: int, peer_device: int) -> bool:
+        if device == peer_device:
+            return True
+        ok = ctypes.c_int()
+        self._check(self._can_peer(ctypes.byref(ok), device, peer_device), "cuDeviceCanAccessPeer")
+        return bool(ok.value)
+
+    # -- memory ---------------------------------------------------------------------------------------------
+    def allocation(self, ptr: int) -> tuple[int, int, int]:
+        """``(base, size, buffer id)`` of the allocation holding device address ``ptr``."""
+        base = ctypes.c_uint64()
+        size = ctypes.c_size_t()
+        buf_id = ctypes.c_uint64()
+        data = (ctypes.c_void_p * 3)(
+            ctypes.cast(ctypes.byref(base), ctypes.c_void_p),
+            ctypes.cast(ctypes.byref(size), ctypes.c_void_p),
+            ctypes.cast(ctypes.byref(buf_id), ctypes.c_void_p),
+        )
+        self._check(self._attrs(3, self._attr_kinds, data, ptr), "cuPointerGetAttributes")
+        return int(base.value), int(size.value), int(buf_id.value)
+
+    def export(self, base: int) -> bytes:
+        """The IPC handle (64 bytes) of the allocation starting at ``base``.
+
+        Raises:
+            NotExportable: legacy IPC cannot export it (``cuMem*`` / expandable-segment memory).
+        """
+        with self._export_lock:
+            code = self._ipc_get(self._handle_buf, base)
+            if code != 0:
+                raise NotExportable(f"cuIpcGetMemHandle: {self.error_text(code)}")
+            # (a c_char array reads up to its first NUL: take the raw 64 bytes)
+            return ctypes.string_at(self._handle_buf, HANDLE_BYTES)
+
+    def open(self, handle: bytes) -> int:
+        """Map a peer's export in the current context (lazy peer access); returns the device address of its base."""
+        if len(handle) != HANDLE_BYTES:
+            raise DriverError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(handle)}")
+        raw = _Handle.from_buffer_copy(handle)  # (a struct, passed by value as the C API takes it)
+        out = ctypes.c_uint64()
+        self._check(self._ipc_open(ctypes.byref(out), raw, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+        return int(out.value)
+
+    def close(self, dptr: int) -> None:
+        self._ipc_close(dptr)
+
+    def register_host(self, addr: int, nbytes: int) -> int:
+        """Pin and map host pages for every context (portable); returns their device address."""
+        code = self._host_register(
+            ctypes.c_void_p(addr), nbytes, _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP
+        )
+        if code not in (0, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+            self._check(code, f"cuMemHostRegister({nbytes} bytes)")
+        out = ctypes.c_uint64()
+        self._check(self._host_dptr(ctypes.byref(out), ctypes.c_void_p(addr), 0), "cuMemHostGetDevicePointer")
+        return int(out.value)
+
+    def unregister_host(self, addr: int) -> None:
+        self._host_unregister(ctypes.c_void_p(addr))
+
+    # -- stream work ----------------------------------------------------------------------------------------
+    def new_stream(self) -> int:
+        s = ctypes.c_void_p()
+        self._check(self._stream_create(ctypes.byref(s), _CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        return int(s.value or 0)
+
+    def new_event(self) -> int:
+        e = ctypes.c_void_p()
+        self._check(self._event_create(ctypes.byref(e), _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        return int(e.value or 0)
+
+    def order(self, after: int, before: int, event: int) -> None:
+        """Work queued on stream ``after`` from now on runs after the work queued on ``before`` so far."""
+        self._check(self._event_record(event, before), "cuEventRecord")
+        self._check(self._stream_wait_event(after, event, 0), "cuStreamWaitEvent")
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        self._check(
+            self._write(stream, addr, value & 0xFFFFFFFF, _CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32"
+        )
+
+    def wait(self, stream: int, addr: int, value: int) -> None:
+        self._check(self._wait(stream, addr, value & 0xFFFFFFFF, _CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+    def idle(self, stream: int) -> bool:
+        code = int(self._stream_query(stream))
+        if code == _CUDA_ERROR_NOT_READY:
+            return False
+        self._check(code, "cuStreamQuery")
+        return True
+
+    def copy_tensor(self, stream: int, dst: Any, src: Any) -> None:
+        """Queue ``dst.copy_(src)`` (torch's copy: any strides) on ``stream`` of their device."""
+        import torch
+
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dst.device)):
+            dst.copy_(src)

@@ -1,0 +1,476 @@
+"""One pair of processes on one host: messages of CUDA tensors as copy-engine copies, rendezvous in shared memory.
+
+A message of a channel (one tag, one direction) meets in an entry of the pair's
+:class:`~.region.Region`. Each side *arrives* at the entry when its
+``isend``/``irecv`` is called, under the region's process-shared lock, writing
+where its bytes are (an IPC handle of the allocation and an offset) and its
+signature. Whoever arrives **first** only queues, on its caller's stream, the
+write of its "ready" flag (the sender: ``src_ready``, its bytes are final; the
+receiver: ``dst_ready``, its tensor may be written). Whoever arrives
+**second** knows both addresses, so it queues the copy, on an internal stream
+ordered after its caller's stream: a wait for the first side's ready flag, one
+``cuMemcpyAsync`` between the two allocations (a push by the sender, a pull by
+the receiver; the copy engine, no SM), and the write of ``landed``. So bytes go
+straight from the sender's tensor into the receiver's, with no slot and no
+host thread waiting, whichever side comes first. ``wait()`` makes the caller's
+stream wait for ``landed`` (or ``recv_done`` after a staged receive).
+
+Every GPU wait here is for a flag that the peer already queued (it arrived
+first), so no stream ever waits on work that this process has yet to queue.
+
+Memory that legacy IPC cannot export (``cuMem*``/expandable segments) and
+non-contiguous tensors go through a staging buffer of plain ``cudaMalloc``
+memory: a send copies into it on the caller's stream first; a receive copies
+out of it on its internal stream after ``landed`` and then writes ``recv_done``.
+
+The second side checks both signatures before queuing anything; a mismatch
+fails the message on both sides (the first side's waiting streams are
+released by host writes of their flags) and names both. A watchdog
+(:meth:`CePair.check`) releases every waiting stream and fails every pending
+operation when the peer dies, closes, or an operation outlives its timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from ...cuda import alloc_cuda
+from ...errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
+from .driver import CeDriver, NotExportable
+from .region import (
+    DST_READY,
+    FAILED,
+    LANDED,
+    RECEIVED,
+    RECV_DONE,
+    SENT,
+    SRC_READY,
+    STAGED,
+    Block,
+    Region,
+    reached,
+)
+
+__all__ = ["CePair", "CeOp", "Exports"]
+
+_NO_HANDLE = bytes(64)
+_ERR_MISMATCH, _ERR_LOST, _ERR_TIMEOUT, _ERR_CLOSED = 1, 2, 3, 4
+
+
+class Exports:
+    """This process's exports (allocation -> IPC handle) and imports (peer's handle -> mapped address).
+
+    An export is cached by the allocation's buffer id (unique per allocation for the life of the process, so a
+    freed and re-made allocation at the same address is exported anew); an import by the handle's bytes.
+    """
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+        self._exports: dict[int, tuple[bytes, int] | None] = {}
+        self._imports: dict[tuple[int, bytes], int] = {}
+        self._lock = threading.Lock()
+
+    def export(self, ptr: int) -> tuple[bytes, int] | None:
+        """``(handle, offset of ptr in the allocation)``, or None where legacy IPC cannot export it."""
+        base, _size, buf_id = self.driver.allocation(ptr)
+        if buf_id in self._exports:
+            hit = self._exports[buf_id]
+        else:
+            try:
+                hit = (self.driver.export(base), base)
+            except NotExportable:
+                hit = None
+            self._exports[buf_id] = hit
+        if hit is None:
+            return None
+        return hit[0], ptr - hit[1]
+
+    def open(self, device: int, handle: bytes) -> int:
+        key = (device, handle)
+        addr = self._imports.get(key)
+        if addr is None:
+            with self._lock:
+                addr = self._imports.get(key)
+                if addr is None:
+                    addr = self._imports[key] = self.driver.open(handle)
+        return addr
+
+    def close_all(self) -> None:
+        with self._lock:
+            imports, self._imports = self._imports, {}
+        for addr in imports.values():
+            try:
+                self.driver.close(addr)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+
+class CeOp:
+    """One message of a pair, as its side sees it: complete once ``landed`` (``recv_done``) reached its number."""
+
+    __slots__ = ("pair", "entry", "seq", "sending", "flag", "keep", "error", "deadline", "on_done", "_done", "what")
+
+    def __init__(self, pair: "CePair", entry: int, seq: int, sending: bool, flag: int, keep: Any, what: str) -> None:
+        self.pair = pair
+        self.entry = entry
+        self.seq = seq
+        self.sending = sending
+        self.flag = flag
+        self.keep = keep  # what must live until the copy is done (staging buffers, the peer's view)
+        self.error: BaseException | None = None
+        self.deadline = time.monotonic() + pair.timeout
+        self.on_done: Callable[[BaseException | None], None] | None = None
+        self._done = False
+        self.what = what
+
+    @property
+    def flag_device_addr(self) -> int:
+        return self.pair.region.device_addr + self.entry + self.flag
+
+    def poll(self) -> bool:
+        """Whether the message is complete (or failed): a look at host memory, no CUDA call."""
+        if self._done:
+            return True
+        region = self.pair.region
+        seq, state, _err = region.head(self.entry)
+        if seq != self.seq & 0xFFFFFFFF:
+            # the entry went on to a later message: only possible once this one was done (see arrive)
+            self._complete(None)
+            return True
+        if state & FAILED:
+            self._complete(self.pair.failure(self.entry, self.sending, self.what))
+            return True
+        if reached(region.flag(self.entry, self.flag), self.seq):
+            self._complete(None)
+            return True
+        return False
+
+    def fail(self, exc: BaseException) -> None:
+        self._complete(exc)
+
+    def _complete(self, exc: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.error = exc
+        keep, self.keep = self.keep, None
+        if exc is None and keep is not None and keep[1] is not None:
+            self.pair._give_stage(keep[1])  # the copy out of (or into) it is over: reuse it
+        cb = self.on_done
+        if cb is not None:
+            cb(exc)
+
+
+class _Channel:
+    __slots__ = ("offset", "seq", "lock")
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+        self.seq = 0
+        self.lock = threading.Lock()
+
+
+class CePair:
+    """The copy-engine path between this process and one peer process on the same host.
+
+    Args:
+        region: the pair's shared region (made by side 0, attached by side 1).
+        rank, peer: the two ranks (for messages).
+        timeout: how long a message may wait for the other side (the group's timeout).
+        driver: the CUDA calls (default :class:`CeDriver`; the CPU tests pass a simulator).
+        mismatch: ``(my words, their words, sending) -> error text or None`` -- whether two signatures fit.
+        streams: ``device -> (send stream, recv stream, event, event)`` factory (default: new driver streams).
+        stage: ``(nbytes, device) -> tensor`` of exportable memory for staging (default: plain cudaMalloc).
+    """
+
+    def __init__(
+        self,
+        region: Region,
+        *,
+        rank: int,
+        peer: int,
+        timeout: float,
+        driver: Any = None,
+        exports: Exports | None = None,
+        mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None],
+        stage: Callable[[int, Any], Any] | None = None,
+        peer_timeout: float = 10.0,
+    ) -> None:
+        self.region = region
+        self.rank = rank
+        self.peer = peer
+        self.timeout = timeout
+        self.peer_timeout = peer_timeout
+        self.driver = driver if driver is not None else CeDriver.get()
+        self._own_exports = exports is None
+        self.exports = exports if exports is not None else Exports(self.driver)
+        self._mismatch = mismatch
+        self._stage = stage
+        self._channels: dict[int, _Channel] = {}
+        self._streams: dict[int, tuple[int, int, int, int]] = {}
+        self._pending: list[CeOp] = []
+        self._pending_lock = threading.Lock()
+        self._registered: set[int] = set()
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._last_beat = (-1, time.monotonic())
+        self._staging: dict[tuple[int, int], list[Any]] = {}
+
+    # -- set-up per device ----------------------------------------------------------------------------------
+    def _device(self, device: int) -> tuple[int, int, int, int]:
+        st = self._streams.get(device)
+        if st is None:
+            with self._lock:
+                st = self._streams.get(device)
+                if st is None:
+                    d = self.driver
+                    d.context(device)
+                    if not self._registered:
+                        self.region.device_addr = d.register_host(self.region.addr, len(self.region.buf))
+                        self._registered.add(device)
+                    st = self._streams[device] = (d.new_stream(), d.new_stream(), d.new_event(), d.new_event())
+        return st
+
+    # -- the two calls ---------------------------------------------------------------------------------------
+    def send(self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, what: str) -> CeOp:
+        return self._message(tensor, tag, words, nbytes, stream, what, sending=True)
+
+    def recv(self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, what: str) -> CeOp:
+        return self._message(tensor, tag, words, nbytes, stream, what, sending=False)
+
+    def _message(
+        self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, what: str, *, sending: bool
+    ) -> CeOp:
+        if self.error is not None:
+            raise self.error
+        device = tensor.device.index
+        send_stream, recv_stream, send_event, recv_event = self._device(device)
+        d = self.driver
+        d.context(device)
+        # where this side's bytes are: the tensor itself, or a staging buffer
+        staged = None
+        addr = 0
+        handle, offset = _NO_HANDLE, 0
+        if nbytes:
+            exp = self.exports.export(tensor.data_ptr()) if tensor.is_contiguous() else None
+            if exp is None:
+                staged = self._take_stage(nbytes, tensor.device)
+                if sending:  # the bytes go into the staging buffer on the caller's stream, before the ready flag
+                    d.copy_tensor(stream, _as(staged, tensor), tensor)
+                exp = self.exports.export(staged.data_ptr())
+                if exp is None:
+                    raise TensorWireError("the staging buffer (plain cudaMalloc) cannot be exported with CUDA IPC")
+                addr = staged.data_ptr()
+            else:
+                addr = tensor.data_ptr()
+            handle, offset = exp
+        mine = Block(words, nbytes, offset, handle)
+        chan = self._channel(tag, sending)
+        with chan.lock:
+            chan.seq += 1
+            seq = chan.seq
+            entry, theirs = self._arrive(chan, seq, sending, mine, staged is not None and not sending, what)
+            flag = RECV_DONE if (staged is not None and not sending) else LANDED
+            op = CeOp(self, entry, seq, sending, flag, (tensor, staged), what)
+            dev = self.region.device_addr + entry
+            if theirs is None:  # first: only say that this side's stream reached the call
+                d.write(stream, dev + (SRC_READY if sending else DST_READY), seq)
+                if staged is not None and not sending:
+                    d.order(recv_stream, stream, recv_event)
+                    d.wait(recv_stream, dev + LANDED, seq)
+                    d.copy_tensor(recv_stream, tensor, _as(staged, tensor))
+                    d.write(recv_stream, dev + RECV_DONE, seq)
+            else:  # second: the copy is this side's to make
+                inner, event = (send_stream, send_event) if sending else (recv_stream, recv_event)
+                d.order(inner, stream, event)
+                d.wait(inner, dev + (DST_READY if sending else SRC_READY), seq)
+                if nbytes:
+                    peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
+                    src, dst = (addr, peer_addr) if sending else (peer_addr, addr)
+                    d.copy(inner, dst, src, nbytes)
+                d.write(inner, dev + LANDED, seq)
+                if staged is not None and not sending:
+                    d.copy_tensor(inner, tensor, _as(staged, tensor))
+                    d.write(inner, dev + RECV_DONE, seq)
+        with self._pending_lock:
+            self._pending.append(op)
+        return op
+
+    def _arrive(
+        self, chan: _Channel, seq: int, sending: bool, mine: Block, staged: bool, what: str
+    ) -> tuple[int, Block | None]:
+        """Take this side's place in the message's entry; returns ``(entry, the peer's block if it came first)``."""
+        r = self.region
+        entry = r.entry(chan.offset, seq)
+        me, them = (SENT, RECEIVED) if sending else (RECEIVED, SENT)
+        deadline = time.monotonic() + self.timeout
+        s32 = seq & 0xFFFFFFFF
+        while True:
+            with r.mutex:
+                eseq, state, _err = r.head(entry)
+                if eseq == s32 and state & them and not state & me:
+                    theirs = r.read_block(entry, not sending)
+                    r.write_block(entry, sending, mine)
+                    err = None
+                    if theirs.words != mine.words or theirs.nbytes != mine.nbytes:
+                        err = self._mismatch(mine.words, theirs.words, sending)
+                    if err is not None:
+                        r.set_head(entry, seq, state | me | FAILED, _ERR_MISMATCH)
+                        self._release(entry, seq)
+                        raise ProtocolError(err)
+                    r.set_head(entry, seq, state | me | (STAGED if staged else 0))
+                    return entry, theirs
+                if eseq == s32:
+                    raise ProtocolError(f"{what}: message {seq} was already taken on this side (state {state:#x})")
+                if eseq == 0 or self._done(entry, eseq, state):
+                    r.write_block(entry, sending, mine)
+                    r.set_head(entry, seq, me | (STAGED if staged else 0))
+                    return entry, None
+            if self.error is not None:
+                raise self.error
+            r.wait_free(entry, deadline)  # the peer is ENTRIES messages behind on this channel
+
+    def _done(self, entry: int, eseq: int, state: int) -> bool:
+        """Whether the entry's message ``eseq`` is over on both sides (its entry may be reused)."""
+        r = self.region
+        if state & FAILED:
+            return True
+        if state & (SENT | RECEIVED) != SENT | RECEIVED:
+            return False
+        if not reached(r.flag(entry, LANDED), eseq):
+            return False
+        return not state & STAGED or reached(r.flag(entry, RECV_DONE), eseq)
+
+    def _release(self, entry: int, seq: int) -> None:
+        """Let every stream waiting on this entry go on (host writes of its flags): failure paths only."""
+        for which in (SRC_READY, DST_READY, LANDED, RECV_DONE):
+            self.region.release(entry, which, seq)
+
+    def failure(self, entry: int, sending: bool, what: str) -> BaseException:
+        """The error of a message whose entry says FAILED (the peer refused it, or the pair was lost)."""
+        _seq, _state, code = self.region.head(entry)
+        if code == _ERR_MISMATCH:
+            mine = self.region.read_block(entry, sending)
+            theirs = self.region.read_block(entry, not sending)
+            return ProtocolError(self._mismatch(mine.words, theirs.words, sending) or f"{what}: refused by the peer")
+        if self.error is not None:
+            return self.error
+        return PeerLostError(f"{what}: failed on the copy-engine path (code {code})")
+
+    def _channel(self, tag: int, sending: bool) -> _Channel:
+        side = self.region.side if sending else 1 - self.region.side
+        key = 2 * tag + side
+        chan = self._channels.get(key)
+        if chan is None:
+            with self._lock:
+                chan = self._channels.get(key)
+                if chan is None:
+                    chan = self._channels[key] = _Channel(self.region.channel(key))
+        return chan
+
+    # -- staging -----------------------------------------------------------------------------------------
+    def _take_stage(self, nbytes: int, device: Any) -> Any:
+        free = self._staging.get((device.index, nbytes))
+        if free:
+            return free.pop()
+        if self._stage is None:
+            return alloc_cuda(nbytes, device)
+        return self._stage(nbytes, device)
+
+    def _give_stage(self, buf: Any) -> None:
+        self._staging.setdefault((buf.device.index, buf.numel()), []).append(buf)
+
+    # -- the watchdog's look ----------------------------------------------------------------------------------
+    def pending(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
+
+    def check(self, now: float) -> BaseException | None:
+        """Beat, look at the peer and at pending messages; returns the error that failed the pair now, if any."""
+        self.region.beat()
+        with self._pending_lock:
+            ops = self._pending
+            self._pending = [op for op in ops if not op.poll()]
+            late = [op for op in self._pending if now > op.deadline]
+        lost = self._peer_lost(now)
+        if lost is None and late:
+            lost = TransferTimeout(
+                f"{late[0].what}: the peer (rank {self.peer}) did not take part within {self.timeout:.3g} s "
+                f"({len(late)} message(s) pending on the copy-engine path)"
+            )
+        if lost is not None:
+            self.fail(lost)
+            return lost
+        return None
+
+    def _peer_lost(self, now: float) -> BaseException | None:
+        pid, pidns, beat, closed = self.region.peer_state()
+        if closed:
+            return PeerLostError(f"rank {self.peer} closed its side of the copy-engine path")
+        if pidns == _own_pidns() and pid > 0:
+            try:
+                import os
+
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return PeerLostError(f"rank {self.peer} (pid {pid}) died")
+            except PermissionError:
+                pass
+        last, since = self._last_beat
+        if beat != last:
+            self._last_beat = (beat, now)
+        elif now - since > self.peer_timeout:
+            return PeerLostError(f"rank {self.peer} did not show a sign of life for {self.peer_timeout:.3g} s")
+        return None
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail the pair: release every stream waiting on a pending message, fail them all; later calls raise."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = exc
+        with self._pending_lock:
+            ops, self._pending = self._pending, []
+        r = self.region
+        with r.mutex:
+            for op in ops:
+                if op._done:
+                    continue
+                seq, state, _err = r.head(op.entry)
+                if seq == op.seq & 0xFFFFFFFF and not state & FAILED:
+                    r.set_head(op.entry, op.seq, state | FAILED, _ERR_LOST)
+                self._release(op.entry, op.seq)
+        for op in ops:
+            op.fail(exc)
+
+    def close(self, reason: BaseException) -> None:
+        self.fail(reason)
+        if self._registered:
+            try:
+                self.driver.unregister_host(self.region.addr)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        if self._own_exports:
+            self.exports.close_all()
+        self.region.close()
+
+
+def _as(staged: Any, tensor: Any) -> Any:
+    """The staging buffer (bytes) seen with the tensor's dtype and shape (contiguous)."""
+    return staged[: tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+
+
+_PIDNS: list[int] = []
+
+
+def _own_pidns() -> int:
+    if not _PIDNS:
+        import os
+
+        try:
+            _PIDNS.append(os.stat("/proc/self/ns/pid").st_ino)
+        except OSError:
+            _PIDNS.append(-1)
+    return _PIDNS[0]

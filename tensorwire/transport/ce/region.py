@@ -1,0 +1,295 @@
+"""The shared host memory of one pair of processes: a process-shared lock, a table of channels, entries, flags.
+
+One region per pair of ranks on one host, made by the lower rank as a file
+under ``/dev/shm`` (mode 0600, a random name handed to the peer over the
+group's connection set-up, unlinked once both mapped it), mapped by both, and
+registered with CUDA by both (pinned, device-mapped): its flag words are read
+and written by both hosts and both GPUs. Layout (little-endian)::
+
+    0      magic u64, version u32
+    64     a robust, process-shared pthread mutex (64 bytes reserved)
+    128    per side (lower rank = side 0): pid u64, pid namespace u64, heartbeat u64, closed u64 (32 bytes each)
+    256    channel table: CHANNELS x u64 (0 free, else key + 1)
+    4096   channels: CHANNELS x ENTRIES entries of ENTRY bytes
+
+A channel is one direction of one torch tag between the pair: key
+``2 * tag + sending side``. Message ``s`` (1, 2, ...) of a channel uses entry
+``(s - 1) % ENTRIES``::
+
+    0   src_ready   u32  the sender's stream reached the send (written by the sender's GPU when it came first)
+    4   dst_ready   u32  the receiver's stream reached the receive (receiver's GPU, when it came first)
+    8   landed      u32  the bytes are in the receiver's memory (written after the copy, by whoever copied)
+    12  recv_done   u32  the receiver's stream copied them out of its staging buffer (staged receives only)
+    64  seq u32, state u32 (SENT | RECEIVED | FAILED | STAGED), error u32
+    96  the sender's block, 240 the receiver's: signature (8 x i64), nbytes u64, offset u64, IPC handle (64 bytes)
+
+The flag words hold sequence numbers and are compared cyclically (``>=`` on
+``int32`` differences), so they only ever move forward and never need a reset.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import secrets
+import struct
+import threading
+import time
+from typing import Any
+
+from ...errors import ProtocolError, TensorWireError, TransferTimeout
+
+__all__ = [
+    "Region",
+    "ENTRIES",
+    "CHANNELS",
+    "SENT",
+    "RECEIVED",
+    "FAILED",
+    "STAGED",
+    "SRC_READY",
+    "DST_READY",
+    "LANDED",
+    "RECV_DONE",
+    "Block",
+    "reached",
+]
+
+MAGIC = 0x74776365_72656731  # "twceReg1"
+VERSION = 1
+CHANNELS = 256
+ENTRIES = 32
+ENTRY = 384
+HEADER = 4096
+SIZE = HEADER + CHANNELS * ENTRIES * ENTRY
+_MUTEX = 64
+_SIDES = 128
+_TABLE = 256
+
+SRC_READY, DST_READY, LANDED, RECV_DONE = 0, 4, 8, 12
+_SEQ = 64
+_BLOCKS = (96, 240)  # sender's, receiver's
+
+SENT, RECEIVED, FAILED, STAGED = 1, 2, 4, 8
+
+_HEAD = struct.Struct("<III")  # seq, state, error
+_BLOCK = struct.Struct("<8qQQ64s")  # signature words, nbytes, offset, handle
+_SIDE = struct.Struct("<QQQQ")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_MASK = 0xFFFFFFFF
+
+
+def reached(value: int, seq: int) -> bool:
+    """Whether a flag holding ``value`` lets a wait for ``seq`` go on (``(int32_t)(value - seq) >= 0``)."""
+    return ((value - seq) & _MASK) < 1 << 31
+
+
+class Block:
+    """What one side of a message writes into its entry: signature words, bytes, and where they are."""
+
+    __slots__ = ("words", "nbytes", "offset", "handle")
+
+    def __init__(self, words: tuple[int, ...], nbytes: int, offset: int, handle: bytes) -> None:
+        self.words = words
+        self.nbytes = nbytes
+        self.offset = offset
+        self.handle = handle
+
+
+class _Mutex:
+    """A robust, process-shared pthread mutex living at ``addr`` (inside the region)."""
+
+    _libc: Any = None
+
+    def __init__(self, addr: int, *, create: bool) -> None:
+        if _Mutex._libc is None:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            for name in (
+                "pthread_mutex_lock",
+                "pthread_mutex_unlock",
+                "pthread_mutex_consistent",
+                "pthread_mutex_init",
+            ):
+                getattr(libc, name).restype = ctypes.c_int
+            _Mutex._libc = libc
+        lib = _Mutex._libc
+        self._lock_fn = lib.pthread_mutex_lock
+        self._unlock_fn = lib.pthread_mutex_unlock
+        self._consistent = lib.pthread_mutex_consistent
+        self._ptr = ctypes.c_void_p(addr)
+        if create:
+            attr = ctypes.create_string_buffer(64)
+            lib.pthread_mutexattr_init(attr)
+            lib.pthread_mutexattr_setpshared(attr, 1)  # PTHREAD_PROCESS_SHARED
+            lib.pthread_mutexattr_setrobust(attr, 1)  # PTHREAD_MUTEX_ROBUST: a dead owner does not wedge the peer
+            code = lib.pthread_mutex_init(self._ptr, attr)
+            lib.pthread_mutexattr_destroy(attr)
+            if code:
+                raise TensorWireError(f"pthread_mutex_init: {os.strerror(code)}")
+
+    def __enter__(self) -> None:
+        code = self._lock_fn(self._ptr)
+        if code == errno.EOWNERDEAD:  # the peer died holding it: the region's state is still consistent per entry
+            self._consistent(self._ptr)
+        elif code:
+            raise TensorWireError(f"pthread_mutex_lock: {os.strerror(code)}")
+
+    def __exit__(self, *exc: Any) -> None:
+        self._unlock_fn(self._ptr)
+
+
+class Region:
+    """The mapped region of one pair (see the module docstring).
+
+    Args:
+        path: the file (made by :meth:`create`, opened by :meth:`attach`).
+        side: 0 for the lower rank of the pair, 1 for the higher.
+    """
+
+    def __init__(self, path: str, side: int, *, create: bool) -> None:
+        self.path = path
+        self.side = side
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, SIZE)
+            elif os.fstat(fd).st_size != SIZE:
+                raise ProtocolError(
+                    f"the peer's copy-engine region {path} has {os.fstat(fd).st_size} bytes, not {SIZE}"
+                )
+            self._map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._map)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        if create:
+            struct.pack_into("<QI", self.buf, 0, MAGIC, VERSION)
+        else:
+            magic, version = struct.unpack_from("<QI", self.buf, 0)
+            if magic != MAGIC or version != VERSION:
+                raise ProtocolError(f"{path} is not a copy-engine region of this version ({magic:#x}, {version})")
+        self.mutex = _Mutex(self.addr + _MUTEX, create=create)
+        self.device_addr = 0  # set once registered with CUDA (:meth:`register`)
+        self._channels: dict[int, int] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+        _SIDE.pack_into(self.buf, _SIDES + 32 * side, os.getpid(), _pid_namespace(), 1, 0)
+
+    @classmethod
+    def create(cls, directory: str = "/dev/shm") -> "Region":
+        """A new region (side 0) under ``directory`` with a random name."""
+        return cls(os.path.join(directory, f"tensorwire-ce-{os.getpid()}-{secrets.token_hex(12)}"), 0, create=True)
+
+    @classmethod
+    def attach(cls, path: str) -> "Region":
+        """The peer's region (side 1); the file is unlinked once mapped (nobody else can open it from then on)."""
+        if not os.path.basename(path).startswith("tensorwire-ce-"):
+            raise ProtocolError(f"refusing to map {path!r}: not a tensorwire copy-engine region")
+        region = cls(path, 1, create=False)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return region
+
+    # -- sides --------------------------------------------------------------------------------------------
+    def beat(self) -> None:
+        """Advance this side's heartbeat (the watchdog does, a few times a second)."""
+        off = _SIDES + 32 * self.side + 16
+        (n,) = _U64.unpack_from(self.buf, off)
+        _U64.pack_into(self.buf, off, n + 1)
+
+    def peer_state(self) -> tuple[int, int, int, int]:
+        """The peer side's ``(pid, pid namespace, heartbeat, closed)``."""
+        return _SIDE.unpack_from(self.buf, _SIDES + 32 * (1 - self.side))
+
+    def mark_closed(self) -> None:
+        _U64.pack_into(self.buf, _SIDES + 32 * self.side + 24, 1)
+
+    # -- channels -----------------------------------------------------------------------------------------
+    def channel(self, key: int) -> int:
+        """The byte offset of channel ``key``'s first entry (claimed in the shared table on first use)."""
+        off = self._channels.get(key)
+        if off is not None:
+            return off
+        with self.mutex:
+            free = -1
+            for i in range(CHANNELS):
+                (v,) = _U64.unpack_from(self.buf, _TABLE + 8 * i)
+                if v == key + 1:
+                    free = i
+                    break
+                if v == 0 and free < 0:
+                    free = i
+                    break
+            else:
+                raise TensorWireError(
+                    f"more than {CHANNELS} tags in use between one pair of ranks on the copy-engine path"
+                )
+            _U64.pack_into(self.buf, _TABLE + 8 * free, key + 1)
+        off = self._channels[key] = HEADER + free * ENTRIES * ENTRY
+        return off
+
+    def entry(self, channel: int, seq: int) -> int:
+        return channel + ((seq - 1) % ENTRIES) * ENTRY
+
+    def flag(self, entry: int, which: int) -> int:
+        (v,) = _U32.unpack_from(self.buf, entry + which)
+        return int(v)
+
+    def release(self, entry: int, which: int, seq: int) -> None:
+        """Move a flag forward to ``seq`` from the host (never back)."""
+        if not reached(self.flag(entry, which), seq):
+            _U32.pack_into(self.buf, entry + which, seq & _MASK)
+
+    def head(self, entry: int) -> tuple[int, int, int]:
+        return _HEAD.unpack_from(self.buf, entry + _SEQ)
+
+    def set_head(self, entry: int, seq: int, state: int, error: int = 0) -> None:
+        _HEAD.pack_into(self.buf, entry + _SEQ, seq & _MASK, state, error)
+
+    def write_block(self, entry: int, sender: bool, block: Block) -> None:
+        _BLOCK.pack_into(
+            self.buf, entry + _BLOCKS[0 if sender else 1], *block.words, block.nbytes, block.offset, block.handle
+        )
+
+    def read_block(self, entry: int, sender: bool) -> Block:
+        v = _BLOCK.unpack_from(self.buf, entry + _BLOCKS[0 if sender else 1])
+        return Block(tuple(v[:8]), v[8], v[9], v[10])
+
+    def wait_free(self, entry: int, deadline: float) -> None:
+        """Host wait (rare: a side ENTRIES messages ahead of the other on one channel) -- see Channel.arrive."""
+        if time.monotonic() > deadline:
+            raise TransferTimeout(
+                f"the peer is {ENTRIES} messages behind on one tag of the copy-engine path and did not catch up"
+            )
+        time.sleep(0.0002)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.mark_closed()
+        self.buf.release()
+        try:
+            self._map.close()
+        except BufferError:  # a view still exported (ctypes): unmapped with the object
+            pass
+        if self.side == 0:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0

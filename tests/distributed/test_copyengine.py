@@ -1,0 +1,264 @@
+"""The copy-engine path's protocol (tensorwire.transport.ce) against a stream simulator, on CPU.
+
+Two CePair objects in one process, each with its own mapping of one region, play the two ranks of a pair;
+their streams are the simulator's (tests/support/ce_sim.py). Every test checks the bytes that arrived, and
+that no simulated stream was left waiting on a flag.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from tensorwire.errors import PeerLostError, ProtocolError, TransferTimeout
+from tensorwire.transport.ce import CePair, DriverError, Region
+from tensorwire.transport.ce.region import ENTRIES
+
+from ce_sim import SimDriver
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _words(t: torch.Tensor) -> tuple[int, ...]:
+    return (len(t.shape) << 16 | t.element_size(), *t.shape, *([0] * (7 - len(t.shape))))
+
+
+def _mismatch(mine: tuple[int, ...], theirs: tuple[int, ...], sending: bool) -> str | None:
+    return None if mine == theirs else f"signatures differ: {mine} vs {theirs}"
+
+
+class Pair:
+    """Both sides of one pair over the simulator: side a (rank 0) and side b (rank 1)."""
+
+    def __init__(self, tmp: str, *, timeout: float = 10.0) -> None:
+        self.sim = SimDriver()
+        ra = Region.create(tmp)
+        rb = Region.attach(ra.path)
+        stage = lambda n, dev: self.sim.alloc(n)  # noqa: E731
+        self.a = CePair(ra, rank=0, peer=1, timeout=timeout, driver=self.sim, mismatch=_mismatch, stage=stage)
+        self.b = CePair(rb, rank=1, peer=0, timeout=timeout, driver=self.sim, mismatch=_mismatch, stage=stage)
+        self.sa = self.sim.new_stream()  # the callers' current streams
+        self.sb = self.sim.new_stream()
+
+    def tensor(self, shape: tuple[int, ...], *, fill: int | None = None, exportable: bool = True) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        t = self.sim.alloc(n * 4, exportable=exportable).view(torch.float32).view(shape)
+        if fill is not None:
+            t.copy_(torch.arange(n, dtype=torch.float32).view(shape) + fill)
+        return t
+
+    def send(self, t: torch.Tensor, tag: int = 1, *, side: str = "a"):
+        pair, stream = (self.a, self.sa) if side == "a" else (self.b, self.sb)
+        return pair.send(t, tag, _words(t), t.numel() * t.element_size(), stream, "isend")
+
+    def recv(self, t: torch.Tensor, tag: int = 1, *, side: str = "b"):
+        pair, stream = (self.b, self.sb) if side == "b" else (self.a, self.sa)
+        return pair.recv(t, tag, _words(t), t.numel() * t.element_size(), stream, "irecv")
+
+    def settle(self, *ops) -> None:
+        for s in self.sim.streams.values():
+            assert s.drain(), "a simulated stream never finished its work"
+        for s in self.sim.streams.values():
+            assert not s.hung, "a simulated stream waited on a flag that never came"
+        for op in ops:
+            assert op.poll(), f"message {op.seq} not complete after every stream finished"
+
+    def close(self) -> None:
+        self.a.close(PeerLostError("test over"))
+        self.b.close(PeerLostError("test over"))
+        self.sim.stop()
+
+
+@pytest.fixture
+def pair(tmp_path):
+    p = Pair(str(tmp_path))
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("first", ["sender", "receiver"])
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (1 << 18,)])
+def test_bytes_arrive_whichever_side_comes_first(pair, first, shape):
+    src = pair.tensor(shape, fill=7)
+    dst = pair.tensor(shape, fill=-1)
+    if first == "sender":
+        s = pair.send(src)
+        r = pair.recv(dst)
+    else:
+        r = pair.recv(dst)
+        s = pair.send(src)
+    pair.settle(s, r)
+    assert torch.equal(dst, src)
+    assert s.error is None and r.error is None
+
+
+def test_a_hundred_messages_reuse_the_entries_in_order(pair):
+    n = 3 * ENTRIES + 5
+    srcs = [pair.tensor((64,), fill=i) for i in range(n)]
+    dsts = [pair.tensor((64,), fill=-1) for _ in range(n)]
+    ops = []
+    for i in range(n):
+        order = [lambda i=i: pair.send(srcs[i]), lambda i=i: pair.recv(dsts[i])]
+        if i % 3 == 0:
+            order.reverse()
+        ops += [f() for f in order]
+        if i % 10 == 9:
+            pair.settle()
+    pair.settle(*ops)
+    for s, d in zip(srcs, dsts):
+        assert torch.equal(s, d)
+
+
+def test_both_directions_and_tags_from_threads_in_random_orders(pair):
+    n = 40
+    rnd = random.Random(5)
+    plan = {
+        (side, tag): [pair.tensor((rnd.randint(1, 300),), fill=100 * tag + i) for i in range(n)]
+        for side in "ab"
+        for tag in (1, 2)
+    }
+    outs = {k: [torch.zeros_like(t) for t in v] for k, v in plan.items()}
+    for k, v in outs.items():  # receive tensors must be allocations the simulator knows
+        outs[k] = [pair.tensor(tuple(t.shape), fill=0) for t in v]
+    ops = []
+    lock = threading.Lock()
+    errors = []
+
+    def run(side: str) -> None:
+        other = "b" if side == "a" else "a"
+        r = random.Random(side)
+        steps = [("send", tag, i) for tag in (1, 2) for i in range(n)] + [
+            ("recv", tag, i) for tag in (1, 2) for i in range(n)
+        ]
+        # per tag and direction the calls keep their order; everything else is shuffled
+        r.shuffle(steps)
+        steps.sort(key=lambda s: s[2])
+        try:
+            for kind, tag, i in steps:
+                if kind == "send":
+                    op = pair.send(plan[(side, tag)][i], tag, side=side)
+                else:
+                    op = pair.recv(outs[(other, tag)][i], tag, side=side)
+                with lock:
+                    ops.append(op)
+                if r.random() < 0.05:
+                    time.sleep(0.001)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    pair.settle(*ops)
+    for k in plan:
+        for s, d in zip(plan[k], outs[k]):
+            assert torch.equal(s, d), k
+
+
+def test_a_shape_mismatch_fails_both_sides_and_releases_the_first_ones_stream(pair):
+    r = pair.recv(pair.tensor((4, 4), fill=0))
+    with pytest.raises(ProtocolError, match="signatures differ"):
+        pair.send(pair.tensor((4, 5), fill=1))
+    # the receiver came first: its stream waits on "landed" at wait() -- make it wait, then it must go on
+    pair.sim.wait(pair.sb, r.flag_device_addr, r.seq)
+    pair.settle()
+    assert r.poll() and isinstance(r.error, ProtocolError)
+    assert "signatures differ" in str(r.error)
+
+
+def test_non_exportable_and_non_contiguous_memory_go_through_staging(pair):
+    src = pair.tensor((32, 8), fill=3, exportable=False)
+    big = pair.tensor((8, 64))
+    big.zero_()
+    dst = big[:, :32].t()  # (32, 8), not contiguous
+    assert not dst.is_contiguous()
+    s = pair.send(src)
+    r = pair.recv(dst)
+    pair.settle(s, r)
+    assert torch.equal(dst, src)
+    assert torch.equal(big[:, 32:], torch.zeros(8, 32))  # nothing written outside the view
+    # and the other order, the receiver first (its copy out of staging waits on "landed")
+    dst2 = pair.tensor((8, 64), fill=0)[:, :32].t()
+    r = pair.recv(dst2)
+    s = pair.send(src)
+    pair.settle(s, r)
+    assert torch.equal(dst2, src)
+
+
+def test_a_message_whose_peer_never_comes_times_out_and_releases_streams(tmp_path):
+    p = Pair(str(tmp_path), timeout=0.2)
+    try:
+        r = p.recv(p.tensor((16,), fill=0))
+        p.sim.wait(p.sb, r.flag_device_addr, r.seq)  # the receiver's stream waits for the bytes
+        time.sleep(0.3)
+        lost = p.b.check(time.monotonic())
+        assert isinstance(lost, TransferTimeout)
+        p.settle()  # released: no stream hangs
+        assert isinstance(r.error, TransferTimeout)
+        with pytest.raises(TransferTimeout):  # the pair is failed: the next call raises
+            p.recv(p.tensor((16,), fill=0))
+    finally:
+        p.close()
+
+
+def test_a_peer_that_closes_fails_pending_messages(pair):
+    s = pair.send(pair.tensor((16,), fill=1))
+    pair.sim.wait(pair.sa, s.flag_device_addr, s.seq)
+    pair.b.region.mark_closed()
+    lost = pair.a.check(time.monotonic())
+    assert isinstance(lost, PeerLostError) and "closed" in str(lost)
+    pair.settle()
+    assert isinstance(s.error, PeerLostError)
+
+
+def test_a_peer_without_heartbeat_is_lost(tmp_path):
+    p = Pair(str(tmp_path))
+    p.a.peer_timeout = 0.1
+    try:
+        assert p.a.check(time.monotonic()) is None
+        time.sleep(0.15)
+        lost = p.a.check(time.monotonic())
+        assert isinstance(lost, PeerLostError) and "sign of life" in str(lost)
+    finally:
+        p.close()
+
+
+def test_bad_set_up_data_is_refused(tmp_path):
+    bad = tmp_path / "not-a-region"
+    bad.write_bytes(b"x" * 100)
+    with pytest.raises(ProtocolError, match="not a tensorwire copy-engine region"):
+        Region.attach(str(bad))
+    trunc = tmp_path / "tensorwire-ce-truncated"
+    trunc.write_bytes(b"\0" * 4096)
+    with pytest.raises(ProtocolError, match="bytes, not"):
+        Region.attach(str(trunc))
+    forged = tmp_path / "tensorwire-ce-forged"
+    ra = Region.create(str(tmp_path))
+    forged.write_bytes(bytes(os.path.getsize(ra.path)))  # the right size, no magic
+    ra.close()
+    with pytest.raises(ProtocolError, match="not a copy-engine region"):
+        Region.attach(str(forged))
+    sim = SimDriver()
+    with pytest.raises(DriverError, match="64 bytes"):
+        sim.open(b"\1" * 10)
+    with pytest.raises(DriverError, match="no such export"):
+        sim.open(b"\7" * 64)
+
+
+def test_region_file_is_private_and_gone_once_attached(tmp_path):
+    ra = Region.create(str(tmp_path))
+    assert os.stat(ra.path).st_mode & 0o777 == 0o600
+    rb = Region.attach(ra.path)
+    assert not os.path.exists(ra.path)
+    rb.close()
+    ra.close()

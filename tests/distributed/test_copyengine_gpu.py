@@ -1,0 +1,70 @@
+"""The copy-engine path on a GPU host: two ranks on one GPU or on two (run with ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.timeout(300),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support"), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_every_kind_of_tensor_arrives_bit_exact_in_stream_order():
+    p = _torchrun("bench/bench_ce_gpu.py", "--check")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "CHECKS PASSED" in out, out[-6000:]
+
+
+def test_a_killed_peer_fails_the_waiting_rank_within_the_timeout():
+    # two plain processes (torchrun would stop the survivor as soon as its peer dies), rank 0's store here
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        WORLD_SIZE="2",
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support"), os.environ.get("PYTHONPATH", "")]),
+    )
+    script = str(ROOT / "tests" / "support" / "ce_workers.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "killed_peer"],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        out = procs[0].communicate(timeout=120)[0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert "ERROR AFTER" in out, out[-6000:]
+    secs = float(out.split("ERROR AFTER ")[1].split("s:")[0])
+    assert secs < 20, out[-3000:]
