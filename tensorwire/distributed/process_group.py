@@ -167,6 +167,22 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
     def getGroupDesc(self) -> str:
         return getattr(self, "_group_desc", "")
 
+    #: torch asks a group made for a bound device (``init_process_group(..., device_id=...)``) whether its backend
+    #: can split communicators; this one makes its links itself
+    supports_splitting = False
+
+    def _get_backend(self, device: Any) -> "ProcessGroupTensorwire":
+        """The backend torch looks up per device: this group itself for cpu and cuda.
+
+        torch keeps a Python process group as the group itself and registers no per-device backend for it, so
+        its own lookup fails ("No backend type associated with device type cuda") -- which broke
+        ``new_group(backend="tensorwire")`` under a default group made with ``device_id=``.
+        """
+        kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ConfigError(f"backend 'tensorwire' serves cpu and cuda tensors, not {device}")
+        return self
+
     @property
     def transports(self) -> dict[int, str]:
         """The transport kind of the connection to each peer (for logs and tests); ``+ce`` where CUDA tensors

@@ -68,3 +68,10 @@ def test_a_killed_peer_fails_the_waiting_rank_within_the_timeout():
     assert "ERROR AFTER" in out, out[-6000:]
     secs = float(out.split("ERROR AFTER ")[1].split("s:")[0])
     assert secs < 20, out[-3000:]
+
+
+@pytest.mark.parametrize("style", ["eager", "lazy"])
+def test_new_group_tensorwire_under_both_default_group_styles(style):
+    p = _torchrun("tests/support/ce_workers.py", "default_groups", style, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and out.count(f"style {style}: OK") == 2, out[-6000:]

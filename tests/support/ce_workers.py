@@ -40,5 +40,27 @@ def killed_peer() -> int:
         return 0
 
 
+def default_groups() -> int:
+    """``new_group(backend="tensorwire")`` under a default group made with and without ``device_id=``."""
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    style = sys.argv[2]
+    # NCCL refuses two ranks on one GPU: there gloo plays the default group (the same code path in torch)
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    kwargs = {"device_id": device} if style == "eager" else {}
+    dist.init_process_group(backend, **kwargs)
+    group = dist.new_group(backend="tensorwire")
+    t = torch.full((1 << 16,), float(rank + 1), device=device)
+    r = torch.zeros_like(t)
+    ops = [dist.P2POp(dist.isend, t, 1 - rank, group=group), dist.P2POp(dist.irecv, r, 1 - rank, group=group)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    ok = bool((r == float(2 - rank)).all())
+    print(f"rank {rank} style {style}: {'OK' if ok else 'WRONG BYTES'}", flush=True)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
-    sys.exit({"killed_peer": killed_peer}[sys.argv[1]]())
+    sys.exit({"killed_peer": killed_peer, "default_groups": default_groups}[sys.argv[1]]())

@@ -58,9 +58,11 @@ class _Handle(ctypes.Structure):
 
 
 def _lib() -> Any:
+    # PyDLL: the calls keep the GIL. They queue work and return in microseconds; releasing the GIL around each
+    # would let another Python thread take it, and taking it back can cost up to the interpreter's switch interval.
     for name in ("libcuda.so.1", "libcuda.so"):
         try:
-            return ctypes.CDLL(name)
+            return ctypes.PyDLL(name)
         except OSError:
             continue
     raise DriverError("libcuda (the CUDA driver library) not found")
@@ -175,17 +177,15 @@ class CeDriver:
 
     # -- memory ---------------------------------------------------------------------------------------------
     def allocation(self, ptr: int) -> tuple[int, int, int]:
-        """``(base, size, buffer id)`` of the allocation holding device address ``ptr``."""
-        base = ctypes.c_uint64()
-        size = ctypes.c_size_t()
-        buf_id = ctypes.c_uint64()
-        data = (ctypes.c_void_p * 3)(
-            ctypes.cast(ctypes.byref(base), ctypes.c_void_p),
-            ctypes.cast(ctypes.byref(size), ctypes.c_void_p),
-            ctypes.cast(ctypes.byref(buf_id), ctypes.c_void_p),
-        )
+        """``(base, size, buffer id)`` of the allocation holding device address ``ptr`` (one driver call)."""
+        out = getattr(self._tls, "attrs", None)
+        if out is None:  # per thread: the three results and the array of their addresses, made once
+            base, size, buf_id = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+            data = (ctypes.c_void_p * 3)(*(ctypes.addressof(v) for v in (base, size, buf_id)))
+            out = self._tls.attrs = (base, size, buf_id, data)
+        base, size, buf_id, data = out
         self._check(self._attrs(3, self._attr_kinds, data, ptr), "cuPointerGetAttributes")
-        return int(base.value), int(size.value), int(buf_id.value)
+        return base.value, size.value, buf_id.value
 
     def export(self, base: int) -> bytes:
         """The IPC handle (64 bytes) of the allocation starting at ``base``.

@@ -107,7 +107,9 @@ class _Mutex:
 
     def __init__(self, addr: int, *, create: bool) -> None:
         if _Mutex._libc is None:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            # PyDLL: the calls keep the GIL (a lock held for microseconds by the peer process; releasing the GIL
+            # around them let another thread take it, and taking it back cost up to the switch interval)
+            libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6")
             for name in (
                 "pthread_mutex_lock",
                 "pthread_mutex_unlock",
