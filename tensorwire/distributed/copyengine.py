@@ -135,7 +135,7 @@ def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout:
             timeout=timeout,
             exports=exports,
             mismatch=_mismatch_text(rank, other),
-            peer_timeout=max(5.0, min(timeout, 60.0)),
+            peer_timeout=max(5.0, min(timeout, 30.0)),
         )
         peer.ce = pair
         pairs.append(pair)
@@ -192,7 +192,7 @@ class CeWork(Work):
         if not sending:
             self._source = peer.peer
 
-    def _describe(self) -> str:
+    def _describe(self) -> str:  # (built only when an error or a timeout names the work)
         verb, prep = ("isend", "to") if self._sending else ("irecv", "from")
         return f"{verb} of {self._sig.describe()} {prep} rank {self._peer.peer} (tag {self._tag}, copy engine)"
 
@@ -232,9 +232,11 @@ class CeWork(Work):
         op = self._op
         if op is None or op.poll():
             return True  # complete (its bytes are in place) or failed: wait() reports it
-        pair = op.pair
-        pair.driver.context(self._device)
-        pair.driver.wait(current_raw_stream(self._device), op.flag_device_addr, op.seq)
+        stream = current_raw_stream(self._device)
+        if stream != op.stream:  # (on the stream the copy went on, the wait is in order already)
+            driver = op.pair.driver
+            driver.context(self._device)
+            driver.wait(stream, op.flag_device_addr, op.seq)
         self._mark_streamed()
         return True
 
@@ -262,9 +264,9 @@ def _message(peer: "Peer", pair: CePair, tensor: torch.Tensor, tag: int, *, send
     if sending and tensor.requires_grad:
         tensor = tensor.detach()
     try:
-        stream = current_raw_stream(tensor.device.index)
+        device = work._device
         call = pair.send if sending else pair.recv
-        op = call(tensor, tag + 1, words, sig.nbytes, stream, work._what)
+        op = call(tensor, tag + 1, words, sig.nbytes, current_raw_stream(device), device, work._what)
     except ProtocolError as exc:  # the peer came first with another signature: both sides fail this message
         work._finish(_translated(exc, work._what))
         return work

@@ -56,11 +56,11 @@ class Pair:
 
     def send(self, t: torch.Tensor, tag: int = 1, *, side: str = "a"):
         pair, stream = (self.a, self.sa) if side == "a" else (self.b, self.sb)
-        return pair.send(t, tag, _words(t), t.numel() * t.element_size(), stream, "isend")
+        return pair.send(t, tag, _words(t), t.numel() * t.element_size(), stream, None, "isend")
 
     def recv(self, t: torch.Tensor, tag: int = 1, *, side: str = "b"):
         pair, stream = (self.b, self.sb) if side == "b" else (self.a, self.sa)
-        return pair.recv(t, tag, _words(t), t.numel() * t.element_size(), stream, "irecv")
+        return pair.recv(t, tag, _words(t), t.numel() * t.element_size(), stream, None, "irecv")
 
     def settle(self, *ops) -> None:
         for s in self.sim.streams.values():
@@ -83,17 +83,24 @@ def pair(tmp_path):
     p.close()
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "internal-stream"])
 @pytest.mark.parametrize("first", ["sender", "receiver"])
 @pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (1 << 18,)])
-def test_bytes_arrive_whichever_side_comes_first(pair, first, shape):
+def test_bytes_arrive_whichever_side_comes_first(pair, first, shape, inline):
     src = pair.tensor(shape, fill=7)
     dst = pair.tensor(shape, fill=-1)
+    if not inline:  # every copy through an internal stream after a GPU wait for the peer's ready flag
+        pair.a.inline_max = pair.b.inline_max = -1
     if first == "sender":
         s = pair.send(src)
+        pair.settle()  # (its ready flag is written: the receiver, second, finds the peer ready)
         r = pair.recv(dst)
     else:
         r = pair.recv(dst)
+        pair.settle()
         s = pair.send(src)
+    second = r if first == "sender" else s
+    assert (second.stream != -1) == inline  # which way the second side's copy went
     pair.settle(s, r)
     assert torch.equal(dst, src)
     assert s.error is None and r.error is None
@@ -116,7 +123,10 @@ def test_a_hundred_messages_reuse_the_entries_in_order(pair):
         assert torch.equal(s, d)
 
 
-def test_both_directions_and_tags_from_threads_in_random_orders(pair):
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "internal-stream"])
+def test_both_directions_and_tags_from_threads_in_random_orders(pair, inline):
+    if not inline:
+        pair.a.inline_max = pair.b.inline_max = -1
     n = 40
     rnd = random.Random(5)
     plan = {
@@ -262,3 +272,19 @@ def test_region_file_is_private_and_gone_once_attached(tmp_path):
     assert not os.path.exists(ra.path)
     rb.close()
     ra.close()
+
+
+def test_a_dead_or_zombie_peer_process_is_seen_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    from tensorwire.transport.ce.pair import _alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while _alive(child.pid) and time.monotonic() < deadline:  # exited, not reaped yet: a zombie
+        time.sleep(0.01)
+    assert not _alive(child.pid)
+    child.wait()
+    assert not _alive(child.pid)
+    assert _alive(os.getpid())

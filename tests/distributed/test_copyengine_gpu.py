@@ -67,7 +67,7 @@ def test_a_killed_peer_fails_the_waiting_rank_within_the_timeout():
             p.wait()
     assert "ERROR AFTER" in out, out[-6000:]
     secs = float(out.split("ERROR AFTER ")[1].split("s:")[0])
-    assert secs < 20, out[-3000:]
+    assert secs < 5, out[-3000:]  # the watchdog saw the death itself, long before the 20 s timeout
 
 
 @pytest.mark.parametrize("style", ["eager", "lazy"])

@@ -32,6 +32,7 @@ operation when the peer dies, closes, or an operation outlives its timeout.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -56,6 +57,9 @@ from .region import (
 __all__ = ["CePair", "CeOp", "Exports"]
 
 _NO_HANDLE = bytes(64)
+#: up to this many bytes, a copy whose peer is ready already goes on the caller's stream (a copy of 4 MiB over
+#: NVLink takes ~12 us; a larger one would hold back the caller's next kernels, so it goes on an internal stream)
+INLINE_MAX = 4 << 20
 _ERR_MISMATCH, _ERR_LOST, _ERR_TIMEOUT, _ERR_CLOSED = 1, 2, 3, 4
 
 
@@ -110,7 +114,20 @@ class Exports:
 class CeOp:
     """One message of a pair, as its side sees it: complete once ``landed`` (``recv_done``) reached its number."""
 
-    __slots__ = ("pair", "entry", "seq", "sending", "flag", "keep", "error", "deadline", "on_done", "_done", "what")
+    __slots__ = (
+        "pair",
+        "entry",
+        "seq",
+        "sending",
+        "flag",
+        "keep",
+        "error",
+        "deadline",
+        "on_done",
+        "_done",
+        "what",
+        "stream",
+    )
 
     def __init__(self, pair: "CePair", entry: int, seq: int, sending: bool, flag: int, keep: Any, what: str) -> None:
         self.pair = pair
@@ -120,7 +137,9 @@ class CeOp:
         self.flag = flag
         self.keep = keep  # what must live until the copy is done (staging buffers, the peer's view)
         self.error: BaseException | None = None
-        self.deadline = time.monotonic() + pair.timeout
+        self.deadline = pair.clock + pair.timeout  # (the watchdog's clock: no system call per message)
+        #: the caller's stream when the copy and its flag went on it (a wait on that stream needs no flag wait)
+        self.stream = -1
         self.on_done: Callable[[BaseException | None], None] | None = None
         self._done = False
         self.what = what
@@ -217,6 +236,11 @@ class CePair:
         self.error: BaseException | None = None
         self._last_beat = (-1, time.monotonic())
         self._staging: dict[tuple[int, int], list[Any]] = {}
+        self._side = region.side
+        #: a copy whose peer's stream is already past its call goes on the caller's stream up to this size
+        self.inline_max = INLINE_MAX
+        #: updated by every look of the watchdog (deadlines of new messages are counted from it)
+        self.clock = time.monotonic()
 
     # -- set-up per device ----------------------------------------------------------------------------------
     def _device(self, device: int) -> tuple[int, int, int, int]:
@@ -234,19 +258,30 @@ class CePair:
         return st
 
     # -- the two calls ---------------------------------------------------------------------------------------
-    def send(self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, what: str) -> CeOp:
-        return self._message(tensor, tag, words, nbytes, stream, what, sending=True)
+    def send(
+        self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, device: int, what: str
+    ) -> CeOp:
+        return self._message(tensor, tag, words, nbytes, stream, device, what, True)
 
-    def recv(self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, what: str) -> CeOp:
-        return self._message(tensor, tag, words, nbytes, stream, what, sending=False)
+    def recv(
+        self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, device: int, what: str
+    ) -> CeOp:
+        return self._message(tensor, tag, words, nbytes, stream, device, what, False)
 
     def _message(
-        self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, what: str, *, sending: bool
+        self,
+        tensor: Any,
+        tag: int,
+        words: tuple[int, ...],
+        nbytes: int,
+        stream: int,
+        device: int,
+        what: str,
+        sending: bool,
     ) -> CeOp:
         if self.error is not None:
             raise self.error
-        device = tensor.device.index
-        send_stream, recv_stream, send_event, recv_event = self._device(device)
+        st = self._streams.get(device) or self._device(device)
         d = self.driver
         d.context(device)
         # where this side's bytes are: the tensor itself, or a staging buffer
@@ -254,46 +289,57 @@ class CePair:
         addr = 0
         handle, offset = _NO_HANDLE, 0
         if nbytes:
-            exp = self.exports.export(tensor.data_ptr()) if tensor.is_contiguous() else None
+            addr = tensor.data_ptr()
+            exp = self.exports.export(addr) if tensor.is_contiguous() else None
             if exp is None:
                 staged = self._take_stage(nbytes, tensor.device)
                 if sending:  # the bytes go into the staging buffer on the caller's stream, before the ready flag
                     d.copy_tensor(stream, _as(staged, tensor), tensor)
-                exp = self.exports.export(staged.data_ptr())
+                addr = staged.data_ptr()
+                exp = self.exports.export(addr)
                 if exp is None:
                     raise TensorWireError("the staging buffer (plain cudaMalloc) cannot be exported with CUDA IPC")
-                addr = staged.data_ptr()
-            else:
-                addr = tensor.data_ptr()
             handle, offset = exp
-        mine = Block(words, nbytes, offset, handle)
-        chan = self._channel(tag, sending)
+        unstage = staged is not None and not sending
+        chan = self._channels.get(2 * tag + (self._side if sending else 1 - self._side)) or self._channel(tag, sending)
         with chan.lock:
             chan.seq += 1
             seq = chan.seq
-            entry, theirs = self._arrive(chan, seq, sending, mine, staged is not None and not sending, what)
-            flag = RECV_DONE if (staged is not None and not sending) else LANDED
-            op = CeOp(self, entry, seq, sending, flag, (tensor, staged), what)
+            entry, theirs = self._arrive(chan, seq, sending, Block(words, nbytes, offset, handle), unstage, what)
+            op = CeOp(self, entry, seq, sending, RECV_DONE if unstage else LANDED, (tensor, staged), what)
             dev = self.region.device_addr + entry
             if theirs is None:  # first: only say that this side's stream reached the call
                 d.write(stream, dev + (SRC_READY if sending else DST_READY), seq)
-                if staged is not None and not sending:
-                    d.order(recv_stream, stream, recv_event)
-                    d.wait(recv_stream, dev + LANDED, seq)
-                    d.copy_tensor(recv_stream, tensor, _as(staged, tensor))
-                    d.write(recv_stream, dev + RECV_DONE, seq)
-            else:  # second: the copy is this side's to make
-                inner, event = (send_stream, send_event) if sending else (recv_stream, recv_event)
+                if unstage:
+                    d.order(st[1], stream, st[3])
+                    d.wait(st[1], dev + LANDED, seq)
+                    d.copy_tensor(st[1], tensor, _as(staged, tensor))
+                    d.write(st[1], dev + RECV_DONE, seq)
+                return self._pend(op)
+            # second: the copy is this side's to make
+            ready = DST_READY if sending else SRC_READY
+            if nbytes <= self.inline_max and reached(self.region.flag(entry, ready), seq):
+                # the peer's stream is past its call already (its flag is in host memory): nothing to wait for
+                # on the GPU, so a small copy goes on the caller's stream itself -- no event, no internal stream
+                inner = stream
+                op.stream = stream
+            else:
+                inner, event = (st[0], st[2]) if sending else (st[1], st[3])
                 d.order(inner, stream, event)
-                d.wait(inner, dev + (DST_READY if sending else SRC_READY), seq)
-                if nbytes:
-                    peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
-                    src, dst = (addr, peer_addr) if sending else (peer_addr, addr)
-                    d.copy(inner, dst, src, nbytes)
-                d.write(inner, dev + LANDED, seq)
-                if staged is not None and not sending:
-                    d.copy_tensor(inner, tensor, _as(staged, tensor))
-                    d.write(inner, dev + RECV_DONE, seq)
+                d.wait(inner, dev + ready, seq)
+            if nbytes:
+                peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
+                if sending:
+                    d.copy(inner, peer_addr, addr, nbytes)
+                else:
+                    d.copy(inner, addr, peer_addr, nbytes)
+            d.write(inner, dev + LANDED, seq)
+            if unstage:
+                d.copy_tensor(inner, tensor, _as(staged, tensor))
+                d.write(inner, dev + RECV_DONE, seq)
+        return self._pend(op)
+
+    def _pend(self, op: CeOp) -> CeOp:
         with self._pending_lock:
             self._pending.append(op)
         return op
@@ -305,7 +351,7 @@ class CePair:
         r = self.region
         entry = r.entry(chan.offset, seq)
         me, them = (SENT, RECEIVED) if sending else (RECEIVED, SENT)
-        deadline = time.monotonic() + self.timeout
+        deadline = 0.0
         s32 = seq & 0xFFFFFFFF
         while True:
             with r.mutex:
@@ -330,6 +376,8 @@ class CePair:
                     return entry, None
             if self.error is not None:
                 raise self.error
+            if not deadline:
+                deadline = time.monotonic() + self.timeout
             r.wait_free(entry, deadline)  # the peer is ENTRIES messages behind on this channel
 
     def _done(self, entry: int, eseq: int, state: int) -> bool:
@@ -389,6 +437,7 @@ class CePair:
 
     def check(self, now: float) -> BaseException | None:
         """Beat, look at the peer and at pending messages; returns the error that failed the pair now, if any."""
+        self.clock = now
         self.region.beat()
         with self._pending_lock:
             ops = self._pending
@@ -409,15 +458,8 @@ class CePair:
         pid, pidns, beat, closed = self.region.peer_state()
         if closed:
             return PeerLostError(f"rank {self.peer} closed its side of the copy-engine path")
-        if pidns == _own_pidns() and pid > 0:
-            try:
-                import os
-
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return PeerLostError(f"rank {self.peer} (pid {pid}) died")
-            except PermissionError:
-                pass
+        if pidns == _own_pidns() and pid > 0 and not _alive(pid):
+            return PeerLostError(f"rank {self.peer} (pid {pid}) died")
         last, since = self._last_beat
         if beat != last:
             self._last_beat = (beat, now)
@@ -462,13 +504,22 @@ def _as(staged: Any, tensor: Any) -> Any:
     return staged[: tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) runs: not gone, and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # the state letter follows the command name, which is in parentheses and may itself hold spaces
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
 _PIDNS: list[int] = []
 
 
 def _own_pidns() -> int:
     if not _PIDNS:
-        import os
-
         try:
             _PIDNS.append(os.stat("/proc/self/ns/pid").st_ino)
         except OSError:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One round of the copy-engine path's GPU work on a GPU host without network: GPU tests, the copy-engine
+# benchmark, and (with two GPUs) the torch.distributed benchmark against NCCL. Results in $OUT.
+#
+#   bash bench/ce_gpu_round.sh            (repo root; grpc wheels carried in .whl/: bash bench/gpu_run.sh --fetch-wheels)
+#
+# Knobs: STEPS=tests,ce,profile,dist (a subset picks steps), MACHINE (names the result files).
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+SITE=${TMPDIR:-/tmp}/tensorwire-site
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl && export PYTHONPATH=$SITE:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+STEPS=${STEPS:-tests,ce,profile,dist}
+MACHINE=${MACHINE:-gpu}
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $NGPU"
+if [[ ,$STEPS, == *,tests,* ]]; then
+  echo "=== pytest -m gpu (copy-engine tests)"
+  timeout 300 python3 -m pytest -m gpu tests/distributed/test_copyengine_gpu.py -q -p no:cacheprovider -rA \
+    >"$OUT/ce_gpu_tests_$MACHINE.log" 2>&1
+  grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/ce_gpu_tests_$MACHINE.log" | tail -12
+fi
+if [[ ,$STEPS, == *,ce,* ]]; then
+  echo "=== bench/bench_ce_gpu.py"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_ce_gpu.py \
+    --out "$OUT/ce-gpu_$MACHINE.md" >"$OUT/ce-gpu_$MACHINE.log" 2>&1
+  tail -12 "$OUT/ce-gpu_$MACHINE.log"
+fi
+if [[ ,$STEPS, == *,profile,* ]]; then
+  echo "=== bench/profile_ce_host.py"
+  timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_ce_host.py \
+    >"$OUT/profile_$MACHINE.log" 2>&1
+  grep -A40 "one-way" "$OUT/profile_$MACHINE.log" | head -45
+fi
+if [[ ,$STEPS, == *,dist,* ]] && [ "$NGPU" -ge 2 ]; then
+  echo "=== bench/bench_distributed_gpu.py (p2p, pipelining)"
+  timeout 330 python3 bench/bench_distributed_gpu.py --parts p2p,pipelining --machine "$MACHINE" --timeout 320 \
+    --out "$OUT/distributed-gpu_$MACHINE.md" >"$OUT/distributed-gpu_$MACHINE.log" 2>&1
+  tail -40 "$OUT/distributed-gpu_$MACHINE.log"
+fi
