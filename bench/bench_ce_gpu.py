@@ -36,7 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import tensorwire  # noqa: F401  (registers the backend)
+import tensorwire  # (also registers the backend)
 from tensorwire.transport.ce import CeDriver, Region
 from tensorwire.transport.ce.region import HEADER
 
@@ -122,6 +122,32 @@ def pingpong(path: str, rank: int, n: int, iters: int, device, group, floor: Flo
             dist.send(t, 0, group=group)
     torch.cuda.synchronize(device)
     return (time.perf_counter() - t0) / (2 * iters)
+
+
+def link_pingpong(rank: int, n: int, iters: int, device, node) -> float:
+    """Seconds per one-way message of a ping-pong over a tensorwire Link (a static CUDA spec each way)."""
+    spec = tensorwire.TensorSpec(f"x{n}", (n // 4,), "float32", "cuda")
+    peer = 1 - rank
+    link = node.link(peer, send=[spec], recv=[spec], name=f"bench-{n}")
+    try:
+        t = torch.ones(n // 4, dtype=torch.float32, device=device)
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(iters + 2):
+            if i == 2:
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+            if rank == 0:
+                link.send(spec.name, t)
+                t = link.recv(spec.name)
+            else:
+                t = link.recv(spec.name)
+                link.send(spec.name, t)
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / (2 * iters)
+    finally:
+        link.close()
 
 
 def stream4(path: str, rank: int, n: int, iters: int, device, group) -> float:
@@ -263,6 +289,24 @@ def check(rank: int, device, group) -> list[str]:
         if us > 1000:
             failures.append(f"wait() of a 256 MiB receive held the host {us:.0f} us")
     torch.cuda.synchronize(device)
+    # the Link API: static CUDA specs over the copy-engine path, into the receiver's slots
+    node = tensorwire.init(device=device)
+    specs = [
+        tensorwire.TensorSpec("a", (37, 3), "bfloat16", "cuda"),
+        tensorwire.TensorSpec("b", (1 << 20,), "float32", "cuda"),
+    ]
+    link = node.link(peer, send=specs, recv=specs, name="check")
+    if link.ce is None:
+        failures.append("Link: no copy-engine pair between two ranks of one host")
+    for step in range(5):
+        for sp in specs:
+            link.send(sp.name, rnd(sp.shape, sp.torch_dtype, 1000 * step + rank))
+        for sp in specs:
+            got = link.recv(sp.name)
+            if not torch.equal(got.cpu(), rnd(sp.shape, sp.torch_dtype, 1000 * step + peer).cpu()):
+                failures.append(f"Link: {sp.name} differs at step {step}")
+    link.close()
+    node.close()
     # a shape mismatch raises on the side that came second, and fails the first one's work
     dist.barrier()
     try:
@@ -317,14 +361,16 @@ def main() -> int:
         return 0
     nccl = dist.new_group(backend="nccl") if ngpu >= 2 else None
     floor = Floor(rank, device, max(_sizes(args.max_mib)))
+    node = tensorwire.init(device=device)
     rows = []
     for n in _sizes(args.max_mib):
         iters = max(20, min(2000, int(args.iters * MIB / n))) if n >= MIB else 2 * args.iters
-        res: dict[str, list[float]] = {"floor": [], "tensorwire": [], "nccl": []}
+        res: dict[str, list[float]] = {"floor": [], "tensorwire": [], "nccl": [], "link": []}
         st: dict[str, list[float]] = {"tensorwire": [], "nccl": []}
         for _ in range(args.reps):
             res["floor"].append(pingpong("floor", rank, n, iters, device, None, floor))
             res["tensorwire"].append(pingpong("tw", rank, n, iters, device, tw, None))
+            res["link"].append(link_pingpong(rank, n, iters, device, node))
             if nccl is not None:
                 res["nccl"].append(pingpong("nccl", rank, n, iters, device, nccl, None))
             if n >= MIB:
@@ -350,6 +396,7 @@ def main() -> int:
         r["host_isend_us"], r["host_irecv_wait_us"] = a, b
         del r["host_us_rank"]
     floor.close()
+    node.close()
     dist.destroy_process_group()
     if rank == 0 and args.out:
         _report(args.out, rows, ngpu, torch.cuda.get_device_name(device), kinds)
@@ -365,8 +412,9 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str, kinds: dict) -> No
         f"`torchrun --standalone --nproc-per-node 2 bench/bench_ce_gpu.py`. Best of the turns; one-way time of a "
         "ping-pong; `x floor` = floor's time / tensorwire's (1.0 = as fast as the bare mechanism).",
         "",
-        "| size | floor | tensorwire | x floor | NCCL | x NCCL (bandwidth) | 4 in flight tw | 4 in flight NCCL | host isend | host irecv+wait |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| size | floor | tensorwire | x floor | NCCL | x NCCL (bandwidth) | Link | Link x floor | 4 in flight tw "
+        "| 4 in flight NCCL | host isend | host irecv+wait |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         o, s = r["oneway_us"], r["stream4_us"]
@@ -380,7 +428,7 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str, kinds: dict) -> No
         x_nccl = f"{nc / o['tensorwire']:.2f}" if nc else "-"
         lines.append(
             f"| {size} | {gbs(o['floor'])} | {gbs(o['tensorwire'])} | {o['floor'] / o['tensorwire']:.2f} | "
-            f"{gbs(nc) if nc else '-'} | {x_nccl} | "
+            f"{gbs(nc) if nc else '-'} | {x_nccl} | {gbs(o['link'])} | {o['floor'] / o['link']:.2f} | "
             f"{gbs(s['tensorwire']) if 'tensorwire' in s else '-'} | {gbs(s['nccl']) if 'nccl' in s else '-'} | "
             f"{r['host_isend_us']:.1f} us | {r['host_irecv_wait_us']:.1f} us |"
         )

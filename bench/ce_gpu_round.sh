@@ -4,7 +4,7 @@
 #
 #   bash bench/ce_gpu_round.sh            (repo root; grpc wheels carried in .whl/: bash bench/gpu_run.sh --fetch-wheels)
 #
-# Knobs: STEPS=tests,ce,profile,dist (a subset picks steps), MACHINE (names the result files).
+# Knobs: STEPS=tests,ce,graph,profile,dist (a subset picks steps), MACHINE (names the result files).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
-STEPS=${STEPS:-tests,ce,profile,dist}
+STEPS=${STEPS:-tests,ce,graph,profile,dist}
 MACHINE=${MACHINE:-gpu}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "GPUs: $NGPU"
@@ -30,6 +30,12 @@ if [[ ,$STEPS, == *,ce,* ]]; then
   timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_ce_gpu.py \
     --out "$OUT/ce-gpu_$MACHINE.md" >"$OUT/ce-gpu_$MACHINE.log" 2>&1
   tail -12 "$OUT/ce-gpu_$MACHINE.log"
+fi
+if [[ ,$STEPS, == *,graph,* ]]; then
+  echo "=== bench/bench_graph_gpu.py"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
+    --out "$OUT/graph-gpu_$MACHINE.md" >"$OUT/graph-gpu_$MACHINE.log" 2>&1
+  tail -14 "$OUT/graph-gpu_$MACHINE.log"
 fi
 if [[ ,$STEPS, == *,profile,* ]]; then
   echo "=== bench/profile_ce_host.py"

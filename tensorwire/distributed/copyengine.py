@@ -22,18 +22,15 @@ released, every pending work fails, and the next call raises.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cuda import current_raw_stream
-from ..errors import ProtocolError, TensorWireError
-from ..settings import setting
-from ..transport.ce import CeDriver, CeOp, CePair, Exports, Region
+from ..errors import ProtocolError
+from ..transport.ce import CeDriver, CeOp, CePair, Exports, Watchdog, capable, exchange_region
+from ..transport.select import host_id
 from .errors import SignatureMismatch, WorkTimeout, translate
 from .signatures import Signature, decode, signature_of
 from .work import Work
@@ -41,119 +38,54 @@ from .work import Work
 if TYPE_CHECKING:  # pragma: no cover
     from .channel import Peer
 
-__all__ = ["CeWork", "setup", "isend", "irecv", "Watchdog", "capable"]
+__all__ = ["CeWork", "setup", "isend", "irecv"]
 
 log = logging.getLogger(__name__)
 
-#: how often the watchdog looks at the pairs
-WATCH_S = 0.05
 
-
-def capable() -> str | None:
-    """Why this process cannot take the copy-engine path (None: it can). Does not create a CUDA context."""
-    choice = setting("cuda_path")
-    if choice == "ucx":
-        return "TENSORWIRE_CUDA_PATH=ucx"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not os.path.isdir("/dev/shm"):
-        return "no /dev/shm for the pair's shared region"
-    try:
-        CeDriver.get()
-    except TensorWireError as exc:
-        return str(exc)
-    return None
-
-
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
-
-
-def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout: float) -> "Watchdog | None":
+def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout: float) -> Watchdog | None:
     """Give each peer on this host its :class:`CePair` (``peer.ce``) where both ranks can; returns the watchdog.
 
-    Every rank of the group calls it at creation, after the links are made (it waits on the store for the
-    others' answers, ``timeout`` at most).
+    Every rank of the group calls it at creation, after the links are made (each pair agrees over the store,
+    ``timeout`` at most). A pair on another host, or where either side cannot, keeps CUDA tensors on UCX.
     """
     why = capable()
-    required = setting("cuda_path") == "ce"
-    me = f"{'1' if why is None else '0'}|{_host_id()}"
-    store.set(f"{prefix}ce/host/{rank}", me)
     if why is not None:
-        if required:
-            raise TensorWireError(f"TENSORWIRE_CUDA_PATH=ce, but this rank cannot take the copy-engine path: {why}")
         log.info("tensorwire.distributed: rank %d: CUDA tensors go over UCX (%s)", rank, why)
-    exports: Exports | None = None
-    pairs: list[CePair] = []
+    watchdog: Watchdog | None = None
     for other in sorted(peers):
-        theirs = _get(store, f"{prefix}ce/host/{other}", timeout)
-        ok, _, host = theirs.partition("|")
-        if why is not None:
-            continue
-        if ok != "1" or host != _host_id():
-            reason = "rank on another host" if host != _host_id() else "the peer cannot take it"
-            if required:
-                raise TensorWireError(f"TENSORWIRE_CUDA_PATH=ce, but rank {other} cannot: {reason}")
-            log.info("tensorwire.distributed: rank %d <-> %d: CUDA tensors over UCX (%s)", rank, other, reason)
-            continue
-        pair_key = f"{prefix}ce/pair/{min(rank, other)}-{max(rank, other)}"
-        region: Region | None = None
-        try:
-            if rank < other:
-                region = Region.create()
-                store.set(pair_key, region.path)
-                answer = _get(store, pair_key + "/ok", timeout)
-                if answer != "1":
-                    raise TensorWireError(f"rank {other} could not map the pair's region: {answer}")
-            else:
-                path = _get(store, pair_key, timeout)
-                try:
-                    region = Region.attach(path)
-                except (OSError, TensorWireError) as exc:
-                    store.set(pair_key + "/ok", f"{type(exc).__name__}: {exc}")
-                    raise
-                store.set(pair_key + "/ok", "1")
-        except (OSError, TensorWireError) as exc:
-            if region is not None:
-                region.close()
-            if required:
-                raise
-            log.warning("tensorwire.distributed: rank %d <-> %d: CUDA tensors over UCX: %s", rank, other, exc)
-            continue
-        if exports is None:
-            exports = _exports()
         peer = peers[other]
+        same_host = peer.link.peer_host == host_id()
+        why_pair = why if same_host else (why or "rank on another host")
+        region = exchange_region(
+            store,
+            f"{prefix}ce/pair/{min(rank, other)}-{max(rank, other)}",
+            lower=rank < other,
+            why_not=why_pair,
+            timeout=timeout,
+        )
+        if region is None:
+            continue
         pair = CePair(
             region,
             rank=rank,
             peer=other,
             timeout=timeout,
-            exports=exports,
+            exports=_exports(),
             mismatch=_mismatch_text(rank, other),
             peer_timeout=max(5.0, min(timeout, 30.0)),
         )
         peer.ce = pair
-        pairs.append(pair)
-    if not pairs:
-        return None
-    log.info(
-        "tensorwire.distributed: rank %d: CUDA tensors to %d rank(s) of this host over the copy-engine path",
-        rank,
-        len(pairs),
-    )
-    return Watchdog(pairs, rank)
-
-
-def _get(store: Any, key: str, timeout: float) -> str:
-    from datetime import timedelta
-
-    store.wait([key], timedelta(seconds=timeout))
-    return bytes(store.get(key)).decode()
+        if watchdog is None:
+            watchdog = Watchdog(f"tw-dist-ce-watchdog-{rank}")
+        watchdog.add(pair)
+    if watchdog is not None:
+        log.info(
+            "tensorwire.distributed: rank %d: CUDA tensors to %d rank(s) of this host over the copy-engine path",
+            rank,
+            len(watchdog.pairs),
+        )
+    return watchdog
 
 
 _EXPORTS: list[Exports] = []
@@ -199,7 +131,7 @@ class CeWork(Work):
     def _attach(self, op: CeOp) -> None:
         self._op = op
         op.on_done = self._op_done
-        if op.poll():
+        if op._done:  # (failed by the watchdog before the callback was there)
             self._op_done(op.error)
 
     def _op_done(self, exc: BaseException | None) -> None:
@@ -218,6 +150,9 @@ class CeWork(Work):
 
     def _drive(self, deadline: float) -> None:
         op = self._op
+        if op is not None and op.graph:  # captured: the host cannot wait for a replay; order the stream instead
+            op.pair.order_after(op, current_raw_stream(self._device), self._device)
+            return
         spin_until = time.monotonic() + 0.0002
         while not self._is_done:
             if op is not None and op.poll():
@@ -232,11 +167,7 @@ class CeWork(Work):
         op = self._op
         if op is None or op.poll():
             return True  # complete (its bytes are in place) or failed: wait() reports it
-        stream = current_raw_stream(self._device)
-        if stream != op.stream:  # (on the stream the copy went on, the wait is in order already)
-            driver = op.pair.driver
-            driver.context(self._device)
-            driver.wait(stream, op.flag_device_addr, op.seq)
+        op.pair.order_after(op, current_raw_stream(self._device), self._device)
         self._mark_streamed()
         return True
 
@@ -261,12 +192,10 @@ def _message(peer: "Peer", pair: CePair, tensor: torch.Tensor, tag: int, *, send
     if peer.error is not None:
         work._finish(peer.error)
         return work
-    if sending and tensor.requires_grad:
-        tensor = tensor.detach()
     try:
         device = work._device
         call = pair.send if sending else pair.recv
-        op = call(tensor, tag + 1, words, sig.nbytes, current_raw_stream(device), device, work._what)
+        op = call(tensor, tag + 1, words, sig.nbytes, current_raw_stream(device), device, work._describe)
     except ProtocolError as exc:  # the peer came first with another signature: both sides fail this message
         work._finish(_translated(exc, work._what))
         return work
@@ -275,34 +204,3 @@ def _message(peer: "Peer", pair: CePair, tensor: torch.Tensor, tag: int, *, send
         return work
     work._attach(op)
     return work
-
-
-class Watchdog:
-    """One thread per group: looks at every copy-engine pair every ``WATCH_S`` (see the module docstring)."""
-
-    def __init__(self, pairs: list[CePair], rank: int) -> None:
-        self.pairs = pairs
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"tw-dist-ce-watchdog-{rank}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(WATCH_S):
-            now = time.monotonic()
-            for pair in self.pairs:
-                if pair.error is not None:
-                    continue
-                try:
-                    lost = pair.check(now)
-                except Exception as exc:  # noqa: BLE001 - a broken region fails its pair
-                    lost = exc
-                    pair.fail(exc)
-                if lost is not None:
-                    log.error(
-                        "tensorwire.distributed: rank %d <-> rank %d (copy engine): %s", pair.rank, pair.peer, lost
-                    )
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)

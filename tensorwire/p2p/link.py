@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from tensorwire.buffers import Slot
 from tensorwire.errors import ClosedError, ConfigError, ShapeMismatchError
+from tensorwire.p2p.ce_paths import CeHandle, CeRecv, CeSend
 from tensorwire.p2p.paths import IsendQueue, RecvPath, SendHandle, SendPath, recv_path, send_path
 from tensorwire.p2p.staging import CudaOps, staging_chunk
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.base import Transport
 
 if TYPE_CHECKING:  # pragma: no cover
+    from tensorwire.transport.ce import CePair
     import torch
 
 
@@ -100,8 +102,12 @@ class Link:
         timeout: float,
         device: "torch.device | None",
         depth: Mapping[str, int] | None = None,
+        ce: "CePair | None" = None,
+        peer_host: str = "",
     ) -> None:
         self.peer = peer
+        #: the peer's host identity (:func:`tensorwire.transport.select.host_id`; "" when unknown)
+        self.peer_host = peer_host
         self.name = name
         self.rank = node_rank
         self._t = transport
@@ -119,14 +125,20 @@ class Link:
         d2h = lambda dev: self._copy_stream(dev, "d2h")  # noqa: E731
         h2d = lambda dev: self._copy_stream(dev, "h2d")  # noqa: E731
         # One prepared path per tensor (tensorwire.p2p.paths): send/recv call it and branch on nothing.
-        self._send: dict[str, SendPath] = {
-            n: send_path(
+        #: the copy-engine pair to the peer (both on this host, static CUDA specs): those specs go through it
+        self.ce = ce
+        self._send: dict[str, SendPath | CeSend] = {
+            n: CeSend(self.send_specs[n], tag, ce)
+            if ce is not None and _ce_spec(self.send_specs[n])
+            else send_path(
                 self.send_specs[n], tag, transport, self._queue, device=device, staging=self._staging, side=d2h
             )
             for tag, n in enumerate(sorted(self.send_specs))
         }
-        self._recv: dict[str, RecvPath] = {
-            n: recv_path(
+        self._recv: dict[str, RecvPath | CeRecv] = {
+            n: CeRecv(self.recv_specs[n], tag, ce, device=device, depth=(depth or {}).get(n, 2))
+            if ce is not None and _ce_spec(self.recv_specs[n])
+            else recv_path(
                 self.recv_specs[n],
                 tag,
                 transport,
@@ -177,14 +189,14 @@ class Link:
 
     def slots(self) -> list[Slot]:
         """Every preallocated slot of this link (for inspection and tests)."""
-        out = [p.slot for p in self._send.values()]
+        out = [p.slot for p in self._send.values() if p.slot is not None]
         for p in self._recv.values():
             out.extend(p.all_slots())
         return out
 
     def staging_plan(self, name: str) -> tuple[tuple[int, int], ...] | None:
         """The ``((offset, length), ...)`` chunks ``name`` travels in, or None when it is not chunk-staged."""
-        p: SendPath | RecvPath | None = self._send.get(name) or self._recv.get(name)
+        p: SendPath | RecvPath | CeSend | CeRecv | None = self._send.get(name) or self._recv.get(name)
         if p is None:
             raise KeyError(name)
         return p.stager.plan if p.stager is not None else None
@@ -205,7 +217,7 @@ class Link:
         if self._closed:
             raise ClosedError(f"link to rank {self.peer} is closed")
 
-    def _send_path(self, name: str) -> SendPath:
+    def _send_path(self, name: str) -> "SendPath | CeSend":
         p = self._send.get(name)
         if p is None:
             raise ShapeMismatchError(f"{name!r} was not declared as sent on this link (declared: {sorted(self._send)})")
@@ -230,7 +242,7 @@ class Link:
         p = self._send.get(name) or self._send_path(name)
         p.send(tensor, self._timeout if timeout is None else timeout)
 
-    def isend(self, name: str, tensor: "torch.Tensor", *, timeout: float | None = None) -> SendHandle:
+    def isend(self, name: str, tensor: "torch.Tensor", *, timeout: float | None = None) -> "SendHandle | CeHandle":
         """Start sending; returns a handle whose ``wait()`` returns once the bytes are out.
 
         The tensor must not be modified before ``wait()`` returns. Validation
@@ -258,7 +270,7 @@ class Link:
         return self._send_path(name).isend(tensor, self._timeout if timeout is None else timeout)
 
     # -- recv -------------------------------------------------------------------
-    def _recv_path(self, name: str) -> RecvPath:
+    def _recv_path(self, name: str) -> "RecvPath | CeRecv":
         p = self._recv.get(name)
         if p is None:
             raise ShapeMismatchError(f"{name!r} is not received on this link (declared: {sorted(self._recv)})")
@@ -292,6 +304,8 @@ class Link:
         self._queue.shutdown()
         for p in self._recv.values():
             p.close()
+        if self.ce is not None:
+            self.ce.close(ClosedError(f"link to rank {self.peer} is closed"))
         self._t.close()
 
     def __enter__(self) -> "Link":
@@ -299,3 +313,8 @@ class Link:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ce_spec(spec: TensorSpec) -> bool:
+    """Whether a spec goes over the copy-engine path when the link has one: static CUDA specs."""
+    return spec.device == "cuda" and not spec.is_dynamic

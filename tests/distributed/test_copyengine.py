@@ -56,11 +56,11 @@ class Pair:
 
     def send(self, t: torch.Tensor, tag: int = 1, *, side: str = "a"):
         pair, stream = (self.a, self.sa) if side == "a" else (self.b, self.sb)
-        return pair.send(t, tag, _words(t), t.numel() * t.element_size(), stream, None, "isend")
+        return pair.send(t, tag, _words(t), t.numel() * t.element_size(), stream, None, lambda: "isend")
 
     def recv(self, t: torch.Tensor, tag: int = 1, *, side: str = "b"):
         pair, stream = (self.b, self.sb) if side == "b" else (self.a, self.sa)
-        return pair.recv(t, tag, _words(t), t.numel() * t.element_size(), stream, None, "irecv")
+        return pair.recv(t, tag, _words(t), t.numel() * t.element_size(), stream, None, lambda: "irecv")
 
     def settle(self, *ops) -> None:
         for s in self.sim.streams.values():
@@ -288,3 +288,75 @@ def test_a_dead_or_zombie_peer_process_is_seen_at_once(tmp_path):
     child.wait()
     assert not _alive(child.pid)
     assert _alive(os.getpid())
+
+
+# -- CUDA graph capture (the flag-reset protocol) ------------------------------------------------------------
+
+
+def _captured_step(pair: Pair, act, grad_in, grad_out, act_in):
+    """One two-stage step as both sides capture it: a -> b activations, b -> a gradients, every op waited."""
+    sim = pair.sim
+    sim.capture_begin(pair.sa)
+    sim.capture_begin(pair.sb)
+    s1 = pair.send(act, side="a")
+    r1 = pair.recv(act_in, side="b")
+    pair.b.order_after(r1, pair.sb, None)
+    s2 = pair.send(grad_out, 2, side="b")
+    r2 = pair.recv(grad_in, 2, side="a")
+    pair.a.order_after(r2, pair.sa, None)
+    pair.a.order_after(s1, pair.sa, None)
+    pair.b.order_after(s2, pair.sb, None)
+    return sim.capture_end(pair.sa), sim.capture_end(pair.sb)
+
+
+def test_a_captured_step_moves_the_bytes_again_on_every_replay(pair):
+    act, grad_in = pair.tensor((64,), fill=0), pair.tensor((64,), fill=0)
+    grad_out, act_in = pair.tensor((64,), fill=0), pair.tensor((64,), fill=0)
+    # warm-up (eager) step: sets the pair's device up, as torch's capture rules ask
+    ops = [pair.send(act), pair.recv(act_in)]
+    pair.settle(*ops)
+    ga, gb = _captured_step(pair, act, grad_in, grad_out, act_in)
+    assert pair.sim.copies == 1  # capture recorded the copies; it ran none
+    for i in range(100):
+        act.fill_(float(i))
+        grad_out.fill_(float(-i))
+        pair.sim.replay(pair.sb, gb)  # the sides replay in either order
+        pair.sim.replay(pair.sa, ga)
+        pair.settle()
+        assert torch.equal(act_in, act), i
+        assert torch.equal(grad_in, grad_out), i
+    # eager messages still go between replays
+    s, r = pair.send(act), pair.recv(act_in)
+    pair.settle(s, r)
+
+
+def test_first_message_during_capture_says_warm_up_first(pair):
+    from tensorwire.transport.ce.pair import CaptureError
+
+    pair.sim.capture_begin(pair.sa)
+    with pytest.raises(CaptureError, match="warm-up"):
+        pair.send(pair.tensor((8,), fill=1))
+    pair.sim.capture_end(pair.sa)
+
+
+def test_captured_sequences_that_differ_are_refused_at_capture(pair):
+    pair.settle(pair.send(pair.tensor((8,), fill=1)), pair.recv(pair.tensor((8,))))
+    pair.sim.capture_begin(pair.sa)
+    pair.sim.capture_begin(pair.sb)
+    pair.send(pair.tensor((8,), fill=1))
+    with pytest.raises(ProtocolError, match="captured message 1"):
+        pair.recv(pair.tensor((9,)))
+    pair.sim.capture_end(pair.sa)
+    pair.sim.capture_end(pair.sb)
+
+
+def test_a_lost_peer_releases_a_replay_waiting_on_it(pair):
+    act, act_in = pair.tensor((16,), fill=1), pair.tensor((16,))
+    pair.settle(pair.send(act), pair.recv(act_in))
+    pair.sim.capture_begin(pair.sb)
+    r = pair.recv(act_in, side="b")
+    pair.b.order_after(r, pair.sb, None)
+    gb = pair.sim.capture_end(pair.sb)
+    pair.sim.replay(pair.sb, gb)  # the peer never replays its half
+    pair.b.fail(PeerLostError("rank 0 died"))
+    pair.settle()  # released: no stream hangs

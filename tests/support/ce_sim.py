@@ -29,6 +29,7 @@ HANG_S = 10.0
 
 class SimStream:
     def __init__(self, name: str) -> None:
+        self.recording: list[Callable[[], None]] | None = None  # a CUDA graph being captured on this stream
         self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.hung = False
         self.queued = 0
@@ -37,6 +38,9 @@ class SimStream:
         self.thread.start()
 
     def put(self, fn: Callable[[], None]) -> None:
+        if self.recording is not None:
+            self.recording.append(fn)
+            return
         self.queued += 1
         self.q.put(fn)
 
@@ -153,6 +157,22 @@ class SimDriver:
 
     def copy_tensor(self, stream: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.streams[stream].put(lambda: dst.copy_(src))
+
+    def capturing(self, stream: int) -> bool:
+        return self.streams[stream].recording is not None
+
+    # graphs: capture records a stream's work; a replay queues the recorded work again
+    def capture_begin(self, stream: int) -> None:
+        self.streams[stream].recording = []
+
+    def capture_end(self, stream: int) -> list[Callable[[], None]]:
+        graph, self.streams[stream].recording = self.streams[stream].recording, None
+        assert graph is not None
+        return graph
+
+    def replay(self, stream: int, graph: list[Callable[[], None]]) -> None:
+        for fn in graph:
+            self.streams[stream].put(fn)
 
     def stop(self) -> None:
         for s in self.streams.values():

@@ -3,7 +3,8 @@
 - :mod:`.driver`: the CUDA driver calls (IPC export/open in the local context, host registration, copies,
   flag writes and waits on streams);
 - :mod:`.region`: the shared host memory of one pair (a process-shared lock, channels, entries, flag words);
-- :mod:`.pair`: the protocol -- each message meets in an entry; the side that arrives second queues the copy.
+- :mod:`.pair`: the protocol -- each message meets in an entry; the side that arrives second queues the copy;
+- :mod:`.setup`: whether this process can take the path, the region's exchange over a store, the watchdog.
 
 See ``docs/distributed.md`` ("The copy-engine path").
 """
@@ -11,5 +12,17 @@ See ``docs/distributed.md`` ("The copy-engine path").
 from .driver import CeDriver, DriverError, NotExportable
 from .pair import CeOp, CePair, Exports
 from .region import Region
+from .setup import Watchdog, capable, exchange_region
 
-__all__ = ["CeDriver", "CeOp", "CePair", "DriverError", "Exports", "NotExportable", "Region"]
+__all__ = [
+    "CeDriver",
+    "CeOp",
+    "CePair",
+    "DriverError",
+    "Exports",
+    "NotExportable",
+    "Region",
+    "Watchdog",
+    "capable",
+    "exchange_region",
+]

@@ -121,6 +121,7 @@ class CeDriver:
         self._event_create = _fn(lib, ("cuEventCreate",), [c.POINTER(p), c.c_uint])
         self._event_record = _fn(lib, ("cuEventRecord",), [p, p])
         self._stream_wait_event = _fn(lib, ("cuStreamWaitEvent",), [p, p, c.c_uint])
+        self._is_capturing = _fn(lib, ("cuStreamIsCapturing",), [p, c.POINTER(c.c_int)])
         self._can_peer = _fn(lib, ("cuDeviceCanAccessPeer",), [c.POINTER(c.c_int), c.c_int, c.c_int])
         self._error_name = getattr(lib, "cuGetErrorName", None)
         if self._error_name is not None:
@@ -252,6 +253,14 @@ class CeDriver:
 
     def wait(self, stream: int, addr: int, value: int) -> None:
         self._check(self._wait(stream, addr, value & 0xFFFFFFFF, _CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+    def capturing(self, stream: int) -> bool:
+        """Whether ``stream`` is being captured into a CUDA graph (its work is recorded, not run)."""
+        status = getattr(self._tls, "status", None)
+        if status is None:
+            status = self._tls.status = ctypes.c_int()
+        self._check(self._is_capturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
+        return status.value != 0
 
     def idle(self, stream: int) -> bool:
         code = int(self._stream_query(stream))

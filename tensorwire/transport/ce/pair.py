@@ -54,13 +54,18 @@ from .region import (
     reached,
 )
 
-__all__ = ["CePair", "CeOp", "Exports"]
+__all__ = ["CePair", "CeOp", "Exports", "CaptureError"]
 
 _NO_HANDLE = bytes(64)
 #: up to this many bytes, a copy whose peer is ready already goes on the caller's stream (a copy of 4 MiB over
 #: NVLink takes ~12 us; a larger one would hold back the caller's next kernels, so it goes on an internal stream)
 INLINE_MAX = 4 << 20
 _ERR_MISMATCH, _ERR_LOST, _ERR_TIMEOUT, _ERR_CLOSED = 1, 2, 3, 4
+_FIRST, _SECOND = 1, 2  # CeOp.graph: which side of a captured message this one was
+
+
+class CaptureError(TensorWireError):
+    """A message cannot be captured into a CUDA graph as it is (the message says what to do: warm up first...)."""
 
 
 class Exports:
@@ -127,9 +132,12 @@ class CeOp:
         "_done",
         "what",
         "stream",
+        "graph",
     )
 
-    def __init__(self, pair: "CePair", entry: int, seq: int, sending: bool, flag: int, keep: Any, what: str) -> None:
+    def __init__(
+        self, pair: "CePair", entry: int, seq: int, sending: bool, flag: int, keep: Any, what: Callable[[], str]
+    ) -> None:
         self.pair = pair
         self.entry = entry
         self.seq = seq
@@ -140,6 +148,8 @@ class CeOp:
         self.deadline = pair.clock + pair.timeout  # (the watchdog's clock: no system call per message)
         #: the caller's stream when the copy and its flag went on it (a wait on that stream needs no flag wait)
         self.stream = -1
+        #: captured in a CUDA graph: 0 no, FIRST / SECOND: which side of the message this one was
+        self.graph = 0
         self.on_done: Callable[[BaseException | None], None] | None = None
         self._done = False
         self.what = what
@@ -152,19 +162,19 @@ class CeOp:
         """Whether the message is complete (or failed): a look at host memory, no CUDA call."""
         if self._done:
             return True
+        if self.graph:
+            return False  # (a captured message completes on each replay: the host never sees it)
         region = self.pair.region
+        # A failure releases the flag too, and an entry is reused only once its flag passed this message's
+        # number: while the flag has not reached it, the message is pending -- one read decides the common case.
+        if not reached(region.flag(self.entry, self.flag), self.seq):
+            return False
         seq, state, _err = region.head(self.entry)
-        if seq != self.seq & 0xFFFFFFFF:
-            # the entry went on to a later message: only possible once this one was done (see arrive)
-            self._complete(None)
-            return True
-        if state & FAILED:
+        if seq == self.seq & 0xFFFFFFFF and state & FAILED:
             self._complete(self.pair.failure(self.entry, self.sending, self.what))
-            return True
-        if reached(region.flag(self.entry, self.flag), self.seq):
+        else:
             self._complete(None)
-            return True
-        return False
+        return True
 
     def fail(self, exc: BaseException) -> None:
         self._complete(exc)
@@ -183,11 +193,12 @@ class CeOp:
 
 
 class _Channel:
-    __slots__ = ("offset", "seq", "lock")
+    __slots__ = ("offset", "seq", "graph", "lock")
 
     def __init__(self, offset: int) -> None:
         self.offset = offset
-        self.seq = 0
+        self.seq = 0  # eager messages so far
+        self.graph = 0  # captured messages so far
         self.lock = threading.Lock()
 
 
@@ -236,6 +247,7 @@ class CePair:
         self.error: BaseException | None = None
         self._last_beat = (-1, time.monotonic())
         self._staging: dict[tuple[int, int], list[Any]] = {}
+        self._graph_entries: list[int] = []  # entries of captured messages (released if the pair fails)
         self._side = region.side
         #: a copy whose peer's stream is already past its call goes on the caller's stream up to this size
         self.inline_max = INLINE_MAX
@@ -259,12 +271,26 @@ class CePair:
 
     # -- the two calls ---------------------------------------------------------------------------------------
     def send(
-        self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, device: int, what: str
+        self,
+        tensor: Any,
+        tag: int,
+        words: tuple[int, ...],
+        nbytes: int,
+        stream: int,
+        device: int,
+        what: Callable[[], str],
     ) -> CeOp:
         return self._message(tensor, tag, words, nbytes, stream, device, what, True)
 
     def recv(
-        self, tensor: Any, tag: int, words: tuple[int, ...], nbytes: int, stream: int, device: int, what: str
+        self,
+        tensor: Any,
+        tag: int,
+        words: tuple[int, ...],
+        nbytes: int,
+        stream: int,
+        device: int,
+        what: Callable[[], str],
     ) -> CeOp:
         return self._message(tensor, tag, words, nbytes, stream, device, what, False)
 
@@ -276,14 +302,24 @@ class CePair:
         nbytes: int,
         stream: int,
         device: int,
-        what: str,
+        what: Callable[[], str],
         sending: bool,
     ) -> CeOp:
         if self.error is not None:
             raise self.error
-        st = self._streams.get(device) or self._device(device)
         d = self.driver
         d.context(device)
+        st = self._streams.get(device)
+        if st is None:
+            if d.capturing(stream):
+                raise CaptureError(
+                    f"{what()}: the first message of this pair of ranks on cuda:{device} came during CUDA graph "
+                    "capture; run the step once before capturing it (a warm-up step, as for NCCL): the pair's "
+                    "memory is registered and its streams are made then"
+                )
+            st = self._device(device)
+        if d.capturing(stream):
+            return self._captured(tensor, tag, words, nbytes, stream, device, what, sending)
         # where this side's bytes are: the tensor itself, or a staging buffer
         staged = None
         addr = 0
@@ -339,13 +375,118 @@ class CePair:
                 d.write(inner, dev + RECV_DONE, seq)
         return self._pend(op)
 
+    # -- CUDA graph capture ----------------------------------------------------------------------------
+    def _captured(
+        self,
+        tensor: Any,
+        tag: int,
+        words: tuple[int, ...],
+        nbytes: int,
+        stream: int,
+        device: int,
+        what: Callable[[], str],
+        sending: bool,
+    ) -> CeOp:
+        """A message captured into a CUDA graph: its own graph entry, 0/1 flags that the graph resets.
+
+        The two sides meet in the entry at capture time, as eager messages do at call time. What is recorded:
+        the first side writes its ready flag (1); the second waits for it, resets it (0), copies on the
+        capturing stream and writes ``landed`` (1); the first side's ``wait()`` records a wait for ``landed``
+        and its reset. Every replay of both graphs moves the bytes again; nothing in the graph depends on a
+        number baked in at capture.
+        """
+        d = self.driver
+        addr, handle, offset = 0, _NO_HANDLE, 0
+        if nbytes:
+            exp = self.exports.export(tensor.data_ptr()) if tensor.is_contiguous() else None
+            if exp is None:
+                raise CaptureError(
+                    f"{what()}: a tensor captured in a CUDA graph must be contiguous memory that CUDA IPC can export "
+                    "(no staging buffer can be allocated during capture)"
+                )
+            addr = tensor.data_ptr()
+            handle, offset = exp
+        chan = self._channels.get(2 * tag + (self._side if sending else 1 - self._side)) or self._channel(tag, sending)
+        r = self.region
+        me, them = (SENT, RECEIVED) if sending else (RECEIVED, SENT)
+        with chan.lock:
+            chan.graph += 1
+            k = chan.graph
+            entry = r.graph_entry(chan.offset, k)
+            mine = Block(words, nbytes, offset, handle)
+            with r.mutex:
+                eseq, state, _err = r.head(entry)
+                if eseq == k and state & them and not state & me:
+                    theirs: Block | None = r.read_block(entry, not sending)
+                    assert theirs is not None
+                    if theirs.words != mine.words or theirs.nbytes != mine.nbytes:
+                        err = self._mismatch(mine.words, theirs.words, sending)
+                        if err is not None:
+                            raise ProtocolError(f"{err} (captured message {k} of this tag)")
+                    r.write_block(entry, sending, mine)
+                    r.set_head(entry, k, state | me)
+                elif eseq == 0:
+                    theirs = None
+                    r.write_block(entry, sending, mine)
+                    r.set_head(entry, k, me)
+                else:
+                    raise ProtocolError(
+                        f"{what()}: captured message {k} of this tag was already taken (state {state:#x}): the two "
+                        "ranks captured different sequences of messages"
+                    )
+            self._graph_entries.append(entry)
+            op = CeOp(self, entry, k, sending, LANDED, (tensor, None), what)
+            dev = r.device_addr + entry
+            if theirs is None:
+                op.graph = _FIRST
+                d.write(stream, dev + (SRC_READY if sending else DST_READY), 1)
+                return op
+            op.graph = _SECOND
+            op.stream = stream
+            ready = dev + (DST_READY if sending else SRC_READY)
+            d.wait(stream, ready, 1)
+            d.write(stream, ready, 0)
+            if nbytes:
+                try:
+                    peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
+                except TensorWireError as exc:
+                    raise CaptureError(f"{what()}: mapping the peer's memory during capture failed: {exc}") from exc
+                if sending:
+                    d.copy(stream, peer_addr, addr, nbytes)
+                else:
+                    d.copy(stream, addr, peer_addr, nbytes)
+            d.write(stream, dev + LANDED, 1)
+            return op
+
+    def order_after(self, op: CeOp, stream: int, device: int) -> None:
+        """Make ``stream`` (of ``device``) wait until ``op``'s bytes are in place -- queued, the host never waits.
+
+        Eager: a flag wait (nothing where the copy went on that stream, or the host sees it done). Captured: the
+        first side records the wait for ``landed`` and its reset; the second side, on another stream than the
+        copy's, an event dependency. A captured message counts as complete once this is recorded.
+        """
+        d = self.driver
+        if op.graph:
+            d.context(device)
+            if op.graph == _FIRST:
+                dev = op.flag_device_addr
+                d.wait(stream, dev, 1)
+                d.write(stream, dev, 0)
+            elif stream != op.stream:
+                d.order(stream, op.stream, self._device(device)[3])
+            op._complete(None)
+            return
+        if stream != op.stream and not op.poll():
+            d.context(device)
+            d.wait(stream, op.flag_device_addr, op.seq)
+
     def _pend(self, op: CeOp) -> CeOp:
         with self._pending_lock:
             self._pending.append(op)
         return op
 
     def _arrive(
-        self, chan: _Channel, seq: int, sending: bool, mine: Block, staged: bool, what: str
+        self, chan: _Channel, seq: int, sending: bool, mine: Block, staged: bool, what: Callable[[], str]
     ) -> tuple[int, Block | None]:
         """Take this side's place in the message's entry; returns ``(entry, the peer's block if it came first)``."""
         r = self.region
@@ -369,7 +510,7 @@ class CePair:
                     r.set_head(entry, seq, state | me | (STAGED if staged else 0))
                     return entry, theirs
                 if eseq == s32:
-                    raise ProtocolError(f"{what}: message {seq} was already taken on this side (state {state:#x})")
+                    raise ProtocolError(f"{what()}: message {seq} was already taken on this side (state {state:#x})")
                 if eseq == 0 or self._done(entry, eseq, state):
                     r.write_block(entry, sending, mine)
                     r.set_head(entry, seq, me | (STAGED if staged else 0))
@@ -396,16 +537,16 @@ class CePair:
         for which in (SRC_READY, DST_READY, LANDED, RECV_DONE):
             self.region.release(entry, which, seq)
 
-    def failure(self, entry: int, sending: bool, what: str) -> BaseException:
+    def failure(self, entry: int, sending: bool, what: Callable[[], str]) -> BaseException:
         """The error of a message whose entry says FAILED (the peer refused it, or the pair was lost)."""
         _seq, _state, code = self.region.head(entry)
         if code == _ERR_MISMATCH:
             mine = self.region.read_block(entry, sending)
             theirs = self.region.read_block(entry, not sending)
-            return ProtocolError(self._mismatch(mine.words, theirs.words, sending) or f"{what}: refused by the peer")
+            return ProtocolError(self._mismatch(mine.words, theirs.words, sending) or f"{what()}: refused by the peer")
         if self.error is not None:
             return self.error
-        return PeerLostError(f"{what}: failed on the copy-engine path (code {code})")
+        return PeerLostError(f"{what()}: failed on the copy-engine path (code {code})")
 
     def _channel(self, tag: int, sending: bool) -> _Channel:
         side = self.region.side if sending else 1 - self.region.side
@@ -446,7 +587,7 @@ class CePair:
         lost = self._peer_lost(now)
         if lost is None and late:
             lost = TransferTimeout(
-                f"{late[0].what}: the peer (rank {self.peer}) did not take part within {self.timeout:.3g} s "
+                f"{late[0].what()}: the peer (rank {self.peer}) did not take part within {self.timeout:.3g} s "
                 f"({len(late)} message(s) pending on the copy-engine path)"
             )
         if lost is not None:
@@ -484,6 +625,9 @@ class CePair:
                 if seq == op.seq & 0xFFFFFFFF and not state & FAILED:
                     r.set_head(op.entry, op.seq, state | FAILED, _ERR_LOST)
                 self._release(op.entry, op.seq)
+            for entry in self._graph_entries:  # a replay waiting on the lost peer goes on
+                for which in (SRC_READY, DST_READY, LANDED):
+                    r.set(entry, which, 1)
         for op in ops:
             op.fail(exc)
 

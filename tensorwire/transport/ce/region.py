@@ -10,7 +10,7 @@ and written by both hosts and both GPUs. Layout (little-endian)::
     64     a robust, process-shared pthread mutex (64 bytes reserved)
     128    per side (lower rank = side 0): pid u64, pid namespace u64, heartbeat u64, closed u64 (32 bytes each)
     256    channel table: CHANNELS x u64 (0 free, else key + 1)
-    4096   channels: CHANNELS x ENTRIES entries of ENTRY bytes
+    4096   channels: CHANNELS x (ENTRIES + GRAPH_ENTRIES) entries of ENTRY bytes
 
 A channel is one direction of one torch tag between the pair: key
 ``2 * tag + sending side``. Message ``s`` (1, 2, ...) of a channel uses entry
@@ -25,6 +25,11 @@ A channel is one direction of one torch tag between the pair: key
 
 The flag words hold sequence numbers and are compared cyclically (``>=`` on
 ``int32`` differences), so they only ever move forward and never need a reset.
+
+Messages captured in a CUDA graph use the channel's graph entries instead
+(``GRAPH_ENTRIES`` after its ring, one per captured message for good): their
+flags hold 0 or 1, and the graph itself resets each flag after waiting on it,
+so every replay moves the bytes again (see :mod:`.pair`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ...errors import ProtocolError, TensorWireError, TransferTimeout
 __all__ = [
     "Region",
     "ENTRIES",
+    "GRAPH_ENTRIES",
     "CHANNELS",
     "SENT",
     "RECEIVED",
@@ -60,11 +66,13 @@ __all__ = [
 
 MAGIC = 0x74776365_72656731  # "twceReg1"
 VERSION = 1
-CHANNELS = 256
+CHANNELS = 64
 ENTRIES = 32
+#: entries of messages captured in CUDA graphs, per channel (each captured message has one for good)
+GRAPH_ENTRIES = 256
 ENTRY = 384
 HEADER = 4096
-SIZE = HEADER + CHANNELS * ENTRIES * ENTRY
+SIZE = HEADER + CHANNELS * (ENTRIES + GRAPH_ENTRIES) * ENTRY
 _MUTEX = 64
 _SIDES = 128
 _TABLE = 256
@@ -234,11 +242,23 @@ class Region:
                     f"more than {CHANNELS} tags in use between one pair of ranks on the copy-engine path"
                 )
             _U64.pack_into(self.buf, _TABLE + 8 * free, key + 1)
-        off = self._channels[key] = HEADER + free * ENTRIES * ENTRY
+        off = self._channels[key] = HEADER + free * (ENTRIES + GRAPH_ENTRIES) * ENTRY
         return off
 
     def entry(self, channel: int, seq: int) -> int:
         return channel + ((seq - 1) % ENTRIES) * ENTRY
+
+    def graph_entry(self, channel: int, k: int) -> int:
+        """The entry of the channel's ``k``-th captured message (1-based)."""
+        if not 1 <= k <= GRAPH_ENTRIES:
+            raise TensorWireError(
+                f"more than {GRAPH_ENTRIES} messages of one tag between one pair of ranks captured in CUDA graphs"
+            )
+        return channel + (ENTRIES + k - 1) * ENTRY
+
+    def set(self, entry: int, which: int, value: int) -> None:
+        """Write a flag from the host (graph entries: their 0/1 flags)."""
+        _U32.pack_into(self.buf, entry + which, value & _MASK)
 
     def flag(self, entry: int, which: int) -> int:
         (v,) = _U32.unpack_from(self.buf, entry + which)
