@@ -79,7 +79,12 @@ class Stage:
 
 
 def _capture(stage: Stage) -> torch.cuda.CUDAGraph:
-    stage.step()  # warm-up (eager): sets up what the capture needs, as for NCCL
+    # warm-up as torch's capture docs ask (eager steps on a side stream): sets up what the capture needs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stage.step()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -157,9 +162,16 @@ def main() -> int:
     for a in acts:
         for micro in sorted({args.micro, 1 if args.micro > 1 else 8}):
             row: dict = {"act_mib": a, "micro": micro, "messages_per_rank": 2 * micro}
-            for name, grp in groups.items():
+            for name, grp in list(groups.items()):
                 st = Stage(rank, rows_of[a], micro, device, grp)
-                g = _capture(st)
+                try:
+                    g = _capture(st)
+                except Exception as exc:  # noqa: BLE001 - reported, and that backend leaves the run
+                    row[f"{name}_error"] = f"capture failed: {type(exc).__name__}: {str(exc)[:200]}"
+                    if rank == 0:
+                        print(f"{name}: capture failed: {exc}", flush=True)
+                    del groups[name]
+                    continue
                 for mode, fn in (("eager", st.step), ("captured", g.replay)):
                     fn()
                     step, host = timed(fn, args.steps)
@@ -192,6 +204,12 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str) -> None:
         "| --- | --- | ---: | ---: | ---: |" + (" ---: | ---: | ---: | ---: |" if nccl else ""),
     ]
     for r in rows:
+        if nccl and "nccl_captured_ms" not in r:
+            lines.append(
+                f"| {r['act_mib']} MiB | {r['micro']} | {r.get('tensorwire_eager_ms', 0):.2f} ms | "
+                f"{r.get('tensorwire_captured_ms', 0):.2f} ms | - | NCCL: {r.get('nccl_error', '-')} | | | |"
+            )
+            continue
         line = (
             f"| {r['act_mib']} MiB | {r['micro']} ({r['messages_per_rank']}) | {r['tensorwire_eager_ms']:.2f} ms | "
             f"{r['tensorwire_captured_ms']:.2f} ms | {r['tensorwire_captured_host_us']:.0f} us |"

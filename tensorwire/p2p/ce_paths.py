@@ -2,58 +2,83 @@
 
 Where both ranks of a link share a host and can take the copy-engine path
 (:mod:`tensorwire.transport.ce`), every static CUDA spec goes through these
-instead of UCX: ``send`` queues the message on the caller's stream (a flag
-write, or a copy-engine copy straight into the receiver's slot and a flag
-write) and makes that stream wait until the bytes are out -- the host never
-waits; ``recv`` hands out the next of the spec's ``depth`` slots, into which
-the peer's bytes land, and makes the current stream wait for them. The shapes
-were agreed when the link was negotiated; each call checks its tensor against
-the spec on the host before anything is queued.
+instead of UCX. The receiver's ``depth`` slots of a spec are exported when the
+link is made (their IPC handles written into the pair's shared region, one
+entry of the spec's channel each, the first entry's head saying how many) and
+mapped once by the sender, so a message needs no rendezvous: message ``m``
+goes into slot ``m % depth``.
+
+- ``send``: on the caller's stream, a wait until the receiver freed that slot
+  (its ``free`` flag reached ``m - depth``), one copy-engine copy into it, and a
+  write of ``m`` into its ``full`` flag -- queued, the host never waits; the
+  caller's later work on that stream runs after the copy (the tensor may be
+  modified after ``send`` returns, as the API promises).
+- ``recv``: on the caller's stream, a write of ``free = m - depth + 1`` (the
+  slot of message ``m - depth + 1`` may be overwritten from now on: the API
+  promises a slot only until ``depth - 1`` more receives) and a wait until
+  ``full`` reached ``m``; returns slot ``m % depth``.
+
+Both sides may be up to ``depth`` messages ahead of each other (a send goes
+before its receive is called, as over UCX). The shapes were agreed when the
+link was negotiated; ``send`` checks its tensor against the spec on the host
+before anything is queued. The pair's watchdog releases both flags when the
+peer is lost. Messages of a link are not captured in CUDA graphs (the
+numbers are baked into the stream work): capture raises.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from tensorwire.buffers import Slot
 from tensorwire.cuda import current_raw_stream
-from tensorwire.errors import ShapeMismatchError
+from tensorwire.errors import ShapeMismatchError, TransferTimeout
 from tensorwire.spec import TensorSpec
-from tensorwire.transport.ce import CeOp, CePair
+from tensorwire.transport.ce import CePair
+from tensorwire.transport.ce.pair import CaptureError
+from tensorwire.transport.ce.region import DST_READY, ENTRIES, ENTRY, LANDED, RECEIVED, Block
 
-__all__ = ["CeSend", "CeRecv", "words_of"]
+__all__ = ["CeSend", "CeRecv", "CeHandle"]
 
-
-def words_of(spec: TensorSpec) -> tuple[int, ...]:
-    """The signature words of a spec's messages (both sides derive them from the negotiated spec)."""
-    return (spec.nbytes, *spec.shape[:7], *([0] * (7 - min(7, len(spec.shape)))))[:8]
-
-
-def _after(op: CeOp, device: int) -> None:
-    """Make the current stream of ``device`` wait until ``op``'s bytes are in place (no host wait)."""
-    op.pair.order_after(op, current_raw_stream(device), device)
+_FREE, _FULL = DST_READY, LANDED  # the two flag words of a slot channel (in its first entry)
 
 
 class CeHandle:
-    """What :meth:`CeSend.isend` returns: ``wait()`` orders the current stream after the send (host: no wait)."""
+    """What :meth:`CeSend.isend` returns: the copy is queued on the caller's stream already."""
 
-    __slots__ = ("_op", "_device")
-
-    def __init__(self, op: CeOp, device: int) -> None:
-        self._op = op
-        self._device = device
+    __slots__ = ()
 
     def done(self) -> bool:
-        if self._op.poll() and self._op.error is not None:
-            raise self._op.error
-        return self._op._done
+        return True
 
     def wait(self, timeout: float | None = None) -> None:
-        if self._op.error is not None:
-            raise self._op.error
-        _after(self._op, self._device)
+        """(nothing to wait for on the host: the caller's stream runs its later work after the copy)"""
+
+
+class _Channel:
+    """One spec of a link on the pair's region: its first entry holds the flags, entries 0..depth-1 the slots."""
+
+    def __init__(self, pair: CePair, tag: int, sending: bool) -> None:
+        self.pair = pair
+        self.region = pair.region
+        self.offset = pair.channel_offset(tag, sending)
+        self.flags = self.offset  # the channel's first entry: its flag words and head serve the whole channel
+        self.count = 0
+        pair.on_failure(self._release)
+
+    def _release(self) -> None:  # the peer is lost: let both streams go on
+        self.region.release(self.flags, _FREE, self.count + ENTRIES)
+        self.region.release(self.flags, _FULL, self.count + ENTRIES)
+
+    def prepare(self, device: int, stream: int, what: str) -> None:
+        self.pair.ready(device)
+        if self.pair.error is not None:
+            raise self.pair.error
+        if self.pair.driver.capturing(stream):
+            raise CaptureError(f"{what}: Link messages are not captured in CUDA graphs; use backend 'tensorwire'")
 
 
 class CeSend:
@@ -64,36 +89,60 @@ class CeSend:
 
     def __init__(self, spec: TensorSpec, tag: int, pair: CePair) -> None:
         self.spec = spec
-        self.tag = tag
-        self.pair = pair
-        self.words = words_of(spec)
+        self.depth = 0  # the receiver's slots (it publishes how many: read on the first send)
         self.sent = 0  # bytes sent through this path
+        self._chan = _Channel(pair, tag, True)
         self._shape = torch.Size(spec.shape)
         self._dtype = spec.torch_dtype
+        self._slots: list[int] = []  # the receiver's slots, mapped here (on the first send)
 
-    def _post(self, tensor: torch.Tensor) -> tuple[CeOp, int]:
+    def _map(self, device: int, timeout: float) -> None:
+        """Map the receiver's slots (published when it made its side of the link)."""
+        r = self._chan.region
+        deadline = time.monotonic() + timeout
+        while True:
+            seq, state, _err = r.head(self._chan.flags)
+            if state & RECEIVED and seq > 0:
+                self.depth = seq
+                break
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"{self._what()}: the receiver did not publish its slots within {timeout:.3g} s")
+            time.sleep(0.0005)
+        exports = self._chan.pair.exports
+        for i in range(self.depth):
+            block = r.read_block(self._chan.offset + i * ENTRY, False)
+            self._slots.append(exports.open(device, block.handle) + block.offset)
+
+    def _what(self) -> str:
+        return f"send of {self.spec.name!r} to rank {self._chan.pair.peer} (copy engine)"
+
+    def send(self, tensor: torch.Tensor, timeout: float, stream: Any = None) -> None:
         if tensor.shape != self._shape or tensor.dtype != self._dtype or not tensor.is_cuda:
             raise ShapeMismatchError(
                 f"send of {self.spec.name!r}: {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} does not match "
                 f"the negotiated spec {tuple(self._shape)} {self._dtype} on cuda (nothing sent)"
             )
         device = tensor.device.index
-        op = self.pair.send(
-            tensor, self.tag, self.words, self.spec.nbytes, current_raw_stream(device), device, self._what
-        )
-        self.sent += self.spec.nbytes
-        return op, device
-
-    def _what(self) -> str:
-        return f"send of {self.spec.name!r} to rank {self.pair.peer} (copy engine)"
-
-    def send(self, tensor: torch.Tensor, timeout: float, stream: Any = None) -> None:
-        op, device = self._post(tensor)
-        _after(op, device)
+        raw = current_raw_stream(device)
+        chan = self._chan
+        chan.prepare(device, raw, self._what())
+        if not self._slots:
+            self._map(device, timeout)
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()  # (on the caller's stream, in order before the copy)
+        m = chan.count = chan.count + 1
+        d = chan.pair.driver
+        flags = chan.region.device_addr + chan.flags
+        d.wait(raw, flags + _FREE, m - self.depth)  # the slot of message m - depth was freed
+        nbytes = self.spec.nbytes
+        if nbytes:
+            d.copy(raw, self._slots[(m - 1) % self.depth], tensor.data_ptr(), nbytes)
+        d.write(raw, flags + _FULL, m)
+        self.sent += nbytes
 
     def isend(self, tensor: torch.Tensor, timeout: float) -> CeHandle:
-        op, device = self._post(tensor)
-        return CeHandle(op, device)
+        self.send(tensor, timeout)
+        return CeHandle()
 
 
 class CeRecv:
@@ -103,36 +152,46 @@ class CeRecv:
 
     def __init__(self, spec: TensorSpec, tag: int, pair: CePair, *, device: Any, depth: int) -> None:
         self.spec = spec
-        self.tag = tag
-        self.pair = pair
-        self.words = words_of(spec)
-        self.slots = [Slot(spec, device=device) for _ in range(depth)]
         self.depth = depth
         self.received = 0  # bytes received through this path
-        self._next = 0
+        self.slots = [Slot(spec, device=device) for _ in range(depth)]
+        self._chan = _Channel(pair, tag, False)
+        # publish the slots: one block per slot in entries 1..depth, then the channel's head says how many
+        r = self._chan.region
+        for i, slot in enumerate(self.slots):
+            handle, offset = b"\0" * 64, 0
+            if spec.nbytes:
+                exp = pair.exports.export(slot.tensor.data_ptr())
+                if exp is None:
+                    raise ShapeMismatchError(f"recv of {spec.name!r}: its slot cannot be exported with CUDA IPC")
+                handle, offset = exp
+            r.write_block(self._chan.offset + i * ENTRY, False, Block((0,) * 8, spec.nbytes, offset, handle))
+        r.set_head(self._chan.flags, depth, RECEIVED)
 
     def _what(self) -> str:
-        return f"recv of {self.spec.name!r} from rank {self.pair.peer} (copy engine)"
+        return f"recv of {self.spec.name!r} from rank {self._chan.pair.peer} (copy engine)"
 
     def all_slots(self) -> list[Slot]:
         return list(self.slots)
 
     def post_all(self) -> None:
-        """(nothing to post: a receive meets its message in the pair's shared region)"""
+        """(nothing to post: the sender writes into the slots directly)"""
 
     def close(self) -> None:
         self.slots = []
 
     def recv(self, out: torch.Tensor | None, timeout: float) -> torch.Tensor:
-        slot = self.slots[self._next].tensor
-        self._next = (self._next + 1) % len(self.slots)
+        chan = self._chan
+        m = chan.count + 1
+        slot = self.slots[(m - 1) % self.depth].tensor
         device = slot.device.index
-        op = self.pair.recv(
-            slot, self.tag, self.words, self.spec.nbytes, current_raw_stream(device), device, self._what
-        )
-        if op.error is not None:
-            raise op.error
-        _after(op, device)
+        raw = current_raw_stream(device)
+        chan.prepare(device, raw, self._what())
+        chan.count = m
+        d = chan.pair.driver
+        flags = chan.region.device_addr + chan.flags
+        d.write(raw, flags + _FREE, m - self.depth + 1)  # work queued before reads of that slot no more
+        d.wait(raw, flags + _FULL, m)
         self.received += self.spec.nbytes
         if out is None:
             return slot

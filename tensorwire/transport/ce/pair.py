@@ -248,6 +248,7 @@ class CePair:
         self._last_beat = (-1, time.monotonic())
         self._staging: dict[tuple[int, int], list[Any]] = {}
         self._graph_entries: list[int] = []  # entries of captured messages (released if the pair fails)
+        self._releasers: list[Callable[[], None]] = []
         self._side = region.side
         #: a copy whose peer's stream is already past its call goes on the caller's stream up to this size
         self.inline_max = INLINE_MAX
@@ -480,6 +481,21 @@ class CePair:
             d.context(device)
             d.wait(stream, op.flag_device_addr, op.seq)
 
+    # -- for callers that lay their own protocol on a channel (Link slots: tensorwire.p2p.ce_paths) -------------
+    def channel_offset(self, tag: int, sending: bool) -> int:
+        """The byte offset in the region of one direction of ``tag``."""
+        return self._channel(tag, sending).offset
+
+    def ready(self, device: int) -> None:
+        """Set up ``device`` (register the region, make the streams) and make its context current."""
+        self.driver.context(device)
+        if device not in self._streams:
+            self._device(device)
+
+    def on_failure(self, release: Callable[[], None]) -> None:
+        """Call ``release`` when the pair fails (to let streams waiting on flags of the caller's go on)."""
+        self._releasers.append(release)
+
     def _pend(self, op: CeOp) -> CeOp:
         with self._pending_lock:
             self._pending.append(op)
@@ -628,6 +644,8 @@ class CePair:
             for entry in self._graph_entries:  # a replay waiting on the lost peer goes on
                 for which in (SRC_READY, DST_READY, LANDED):
                     r.set(entry, which, 1)
+        for release in self._releasers:
+            release()
         for op in ops:
             op.fail(exc)
 
