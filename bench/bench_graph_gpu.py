@@ -133,12 +133,13 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--acts", default="1,16,64", help="activation MiB per microbatch (comma-separated)")
-    ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--micros", default="2,16", help="microbatches per step (2 x that many messages per rank)")
+    ap.add_argument("--nccl-capture", action="store_true", help="also capture NCCL's step (eager NCCL always runs)")
     args = ap.parse_args()
     acts = [int(a) for a in args.acts.split(",") if a]
-    if not acts or min(acts) < 1 or args.micro < 1 or args.steps < 3:
-        ap.error("--acts >= 1 MiB each, --micro >= 1, --steps >= 3")
+    if not acts or min(acts) < 1 or args.steps < 3:
+        ap.error("--acts >= 1 MiB each, --steps >= 3")
     rank = int(os.environ["RANK"])
     ngpu = torch.cuda.device_count()
     device = torch.device("cuda", rank % ngpu)
@@ -159,11 +160,20 @@ def main() -> int:
         return 0
     rows_of = {a: a * MIB // (WIDTH * 2) for a in acts}
     results = []
+    micros = [int(m) for m in args.micros.split(",") if m]
     for a in acts:
-        for micro in sorted({args.micro, 1 if args.micro > 1 else 8}):
+        for micro in micros:
             row: dict = {"act_mib": a, "micro": micro, "messages_per_rank": 2 * micro}
             for name, grp in list(groups.items()):
                 st = Stage(rank, rows_of[a], micro, device, grp)
+                if rank == 0:
+                    print(f"[graph bench] {a} MiB x {micro}: {name}", file=sys.stderr, flush=True)
+                if name == "nccl" and not args.nccl_capture:
+                    st.step()
+                    step, host = timed(st.step, args.steps)
+                    row["nccl_eager_ms"], row["nccl_eager_host_us"] = step * 1e3, host * 1e6
+                    row["nccl_checksum"] = st.checksum()
+                    continue
                 try:
                     g = _capture(st)
                 except Exception as exc:  # noqa: BLE001 - reported, and that backend leaves the run

@@ -33,9 +33,16 @@ if [[ ,$STEPS, == *,ce,* ]]; then
 fi
 if [[ ,$STEPS, == *,graph,* ]]; then
   echo "=== bench/bench_graph_gpu.py"
-  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
-    --out "$OUT/graph-gpu_$MACHINE.md" >"$OUT/graph-gpu_$MACHINE.log" 2>&1
+  timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
+    --steps 10 --out "$OUT/graph-gpu_$MACHINE.md" >"$OUT/graph-gpu_$MACHINE.log" 2>&1
   tail -14 "$OUT/graph-gpu_$MACHINE.log"
+  if [ "$NGPU" -ge 2 ]; then  # NCCL's own captured step, apart: it may fail or hang where tensorwire's does not
+    echo "=== bench/bench_graph_gpu.py --nccl-capture (1 MiB)"
+    timeout 60 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
+      --acts 1 --micros 2 --steps 5 --nccl-capture --out "$OUT/graph-gpu-nccl-capture_$MACHINE.md" \
+      >"$OUT/graph-gpu-nccl-capture_$MACHINE.log" 2>&1; echo "exit $?"
+    grep -E "^\[graph bench\]|capture failed|^\|" "$OUT/graph-gpu-nccl-capture_$MACHINE.log" | tail -8
+  fi
 fi
 if [[ ,$STEPS, == *,profile,* ]]; then
   echo "=== bench/profile_ce_host.py"
