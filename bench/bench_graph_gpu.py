@@ -148,6 +148,17 @@ def main() -> int:
     groups = {"tensorwire": dist.group.WORLD}
     if ngpu >= 2:
         groups["nccl"] = dist.new_group(backend="nccl")
+    for grp in groups.values():
+        # one blocking send/recv pair first: NCCL 2.28 faulted, or truncated messages, when a group's first
+        # point-to-point was a batch (see bench/bench_distributed_gpu.py); every group gets it alike
+        t = torch.zeros(1, device=device)
+        if rank == 0:
+            dist.send(t, 1, group=grp)
+            dist.recv(t, 1, group=grp)
+        else:
+            dist.recv(t, 0, group=grp)
+            dist.send(t, 0, group=grp)
+        torch.cuda.synchronize()
     if args.check:
         failures = check(rank, device, groups["tensorwire"])
         out: list = [None, None]
