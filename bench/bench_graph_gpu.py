@@ -55,9 +55,11 @@ class Stage:
         grp, peer = self.group, self.peer
         if self.rank == 0:
             acts = [x @ self.w for x in self.x]
-            ops = [dist.P2POp(dist.isend, a, peer, group=grp) for a in acts]
-            ops += [dist.P2POp(dist.irecv, gr, peer, group=grp) for gr in self.grad_in]
-            for w in dist.batch_isend_irecv(ops):
+            # (two batches, as the other rank posts them: NCCL 2.28 truncated messages when one rank's batch
+            # held sends and receives that the peer posted in two)
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a, peer, group=grp) for a in acts]):
+                w.wait()
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, gr, peer, group=grp) for gr in self.grad_in]):
                 w.wait()
             gw = sum(x.t() @ gr for x, gr in zip(self.x, self.grad_in))
             self.w.sub_(self.lr * gw)

@@ -4,7 +4,7 @@
 #
 #   bash bench/ce_gpu_round.sh            (repo root; grpc wheels carried in .whl/: bash bench/gpu_run.sh --fetch-wheels)
 #
-# Knobs: STEPS=tests,ce,graph,profile,dist (a subset picks steps), MACHINE (names the result files).
+# Knobs: NCCL_CAPTURE=1 (also try NCCL's captured step), STEPS=tests,ce,graph,profile,dist (a subset picks steps), MACHINE (names the result files).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -36,7 +36,7 @@ if [[ ,$STEPS, == *,graph,* ]]; then
   timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
     --steps 10 --out "$OUT/graph-gpu_$MACHINE.md" >"$OUT/graph-gpu_$MACHINE.log" 2>&1
   tail -14 "$OUT/graph-gpu_$MACHINE.log"
-  if [ "$NGPU" -ge 2 ]; then  # NCCL's own captured step, apart: it may fail or hang where tensorwire's does not
+  if [ "$NGPU" -ge 2 ] && [ -n "${NCCL_CAPTURE:-}" ]; then  # NCCL's own captured step, apart: it may fail or hang where tensorwire's does not
     echo "=== bench/bench_graph_gpu.py --nccl-capture (1 MiB)"
     timeout 60 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
       --acts 1 --micros 2 --steps 5 --nccl-capture --out "$OUT/graph-gpu-nccl-capture_$MACHINE.md" \
