@@ -17,12 +17,16 @@ from pathlib import Path
 import pytest
 
 import early_workers as W
+import tensorwire
+from tensorwire import native
 from harness import run_ranks
 from netns import TORCHRUN, NetnsPair, Proc, child_env, netns_unavailable, tail
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed"))]
 WORKER = Path(W.__file__).resolve()
+#: the tensorwire this test imported (the checkout, or the compiled build): the nodes' workers import the same
+PACKAGE_ROOT = Path(tensorwire.__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(240)
@@ -38,6 +42,7 @@ def _two_node_run(net: NetnsPair, log_dir: Path, run: int, transport: str, round
     procs = []
     for i in (0, 1):
         env = child_env(TENSORWIRE_HOST=net.addr[i], TENSORWIRE_TRANSPORT=transport, TENSORWIRE_TIMEOUT="60")
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env["PYTHONPATH"]])
         if transport == "ucx":
             env.update(UCX_TLS="tcp,self", UCX_NET_DEVICES=net.dev[i])
         cmd = [
@@ -75,7 +80,11 @@ def _two_node_run(net: NetnsPair, log_dir: Path, run: int, transport: str, round
     finally:
         for p in procs:
             p.kill()
-    done = re.findall(rf"early-exchange rank=\d ok rounds={rounds} links=\{{\d: '{transport}'\}}", "\n".join(outs))
+    done = re.findall(
+        rf"early-exchange rank=\d ok rounds={rounds} links=\{{\d: '{transport}'\}} build={re.escape(native.summary())}$",
+        "\n".join(outs),
+        re.M,
+    )
     ok = rcs == [0, 0] and len(done) == 2
     return ok, f"exit codes {rcs}\n" + "\n".join(f"== node {i}\n{tail(out, 40)}" for i, out in enumerate(outs))
 

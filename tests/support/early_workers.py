@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import tensorwire  # noqa: F401 - registers the backend
+import tensorwire  # (importing it registers the backend)
+import tensorwire.native
 
 DATA_TAG = 3
 MARK_TAG = 4
@@ -155,7 +156,8 @@ def main() -> int:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
-    print(f"early-exchange rank={rank} ok rounds={done} links={links}", flush=True)
+    build = tensorwire.native.summary()
+    print(f"early-exchange rank={rank} ok rounds={done} links={links} build={build}", flush=True)
     return 0
 
 
