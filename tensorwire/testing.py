@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from tensorwire.errors import ClosedError, PeerLostError, TensorWireError, TransferTimeout
 from tensorwire.transport.base import Transport
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = ["check_transport", "CHECKS"]
 
@@ -377,7 +380,11 @@ def check_messages_either_side_of_their_post(make: PairMaker) -> None:
                 src, dst = _u8(n, seed=step), _empty(n)
                 if not sent_first:
                     b.post_recv(11, dst, header=True)
-                th = _run(lambda src=src, n=n: a.send(11, src, shape=(n,), timeout=20))
+
+                def send(src: "torch.Tensor" = src, n: int = n) -> None:
+                    a.send(11, src, shape=(n,), timeout=20)
+
+                th = _run(send)
                 if sent_first:
                     time.sleep(0.05)  # the send is under way (or its message in) before the receive is posted
                     b.post_recv(11, dst, header=True)
