@@ -4,7 +4,7 @@ Like trio's ``check_two_way_stream``: give :func:`check_transport` a function
 that returns a fresh connected pair ``(a, b)`` and it exercises the contract —
 FIFO per tag, credits (a send waits for a posted buffer), bit-exact bytes,
 buffers prepared once and posted again (``prepare_recv``),
-empty messages, shapes carried for dynamic tags, both directions at once,
+empty messages (sent before their receive was posted and after), shapes carried for dynamic tags, both directions at once,
 timeouts, and close/peer-loss errors. The in-memory, TCP and UCX transports
 all run it (``tests/transport/test_transport_conformance.py``).
 
@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from tensorwire.errors import ClosedError, PeerLostError, TensorWireError, TransferTimeout
 from tensorwire.transport.base import Transport
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = ["check_transport", "CHECKS"]
 
@@ -364,6 +367,37 @@ def check_messages_sent_before_close_are_delivered(make: PairMaker) -> None:
         b.close()
 
 
+def check_messages_either_side_of_their_post(make: PairMaker) -> None:
+    """Messages of no bytes, a few bytes and 1 MiB, each sent before its receive was posted (the send waits for
+    the credit, or goes ahead where the transport lets it) and after: every receive completes, bytes exact,
+    in order, and the tag goes on."""
+    a, b = make()
+    try:
+        step = 0
+        for n in (0, 5, 0, 1 << 20):
+            for sent_first in (True, False):
+                step += 1
+                src, dst = _u8(n, seed=step), _empty(n)
+                if not sent_first:
+                    b.post_recv(11, dst, header=True)
+
+                def send(src: "torch.Tensor" = src, n: int = n) -> None:
+                    a.send(11, src, shape=(n,), timeout=20)
+
+                th = _run(send)
+                if sent_first:
+                    time.sleep(0.05)  # the send is under way (or its message in) before the receive is posted
+                    b.post_recv(11, dst, header=True)
+                got = b.wait_recv(11, timeout=20)
+                _join(th)
+                assert (got.nbytes, got.shape) == (n, (n,)), (n, sent_first, got)
+                assert got.step in (None, step), (n, sent_first, got)
+                assert bool((dst == src).all()), f"{n} bytes, sent first: {sent_first}: bytes differ"
+    finally:
+        a.close()
+        b.close()
+
+
 CHECKS: dict[str, Callable[[PairMaker], None]] = {
     "roundtrip_bytes": check_roundtrip_bytes,
     "fifo_per_tag": check_fifo_per_tag,
@@ -375,6 +409,7 @@ CHECKS: dict[str, Callable[[PairMaker], None]] = {
     "recv_timeout": check_recv_timeout,
     "close_semantics": check_close_semantics,
     "messages_sent_before_close_are_delivered": check_messages_sent_before_close_are_delivered,
+    "messages_either_side_of_their_post": check_messages_either_side_of_their_post,
 }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 
-from tensorwire.errors import PeerLostError, ProtocolError
+from tensorwire.errors import PeerLostError, ProtocolError, TransportError
 from tensorwire.transport.base import HEADER_DIMS, Received
 from tensorwire.transport.tcp.credits import CreditBook
 from tensorwire.transport.tcp.wire import (
@@ -49,6 +49,27 @@ class FrameParser(CreditBook):
                 if post.result is None:
                     return post
         return None
+
+    def _deliver_early(self, tag: int, post: "Posted", ebuf: memoryview, got: Received) -> None:
+        """(under ``_lock``) A message that came before its buffer was posted, in eager buffer ``ebuf``: copy it
+        into ``post`` (which it fits) and complete that receive.
+
+        A message of no bytes copies nothing (the posted view may be a read-only empty one). A copy that fails
+        nonetheless fails that receive alone (its wait raises): the message was read whole, so every other
+        message of the connection is still where the protocol says, and the connection goes on.
+        """
+        n = got.nbytes
+        if n:
+            try:
+                post.view[:n] = ebuf[:n]
+            except Exception as exc:  # noqa: BLE001 - fails this receive only (see above)
+                err = TransportError(
+                    f"receive on tag {tag} from {self._peer}: the message of {n} bytes that came before its "
+                    f"buffer was posted could not be copied into that buffer: {type(exc).__name__}: {exc}"
+                )
+                err.__cause__ = exc
+                post.error = err
+        post.result = got
 
     def _on_header(self, pos: int) -> bool:
         """Parse the header at ``pos`` of the read-ahead buffer. True if the frame is complete (no payload)."""
@@ -164,8 +185,7 @@ class FrameParser(CreditBook):
                 raise ProtocolError(
                     f"peer {self._peer} sent {nbytes} bytes on tag {tag}; the slot holds {len(post.view)}"
                 )
-            post.view[:nbytes] = ebuf[:nbytes]
-            post.result = got
+            self._deliver_early(tag, post, ebuf, got)
             self._eager_free.append(ebuf)
             self._pending_credits[EAGER_TAG] += 1
             if self.cma is not None:

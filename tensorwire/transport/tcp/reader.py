@@ -18,7 +18,7 @@ import socket
 import time
 from typing import Any
 
-from tensorwire.errors import ClosedError, PeerLostError, ProtocolError, TransferTimeout
+from tensorwire.errors import ClosedError, ConfigError, PeerLostError, ProtocolError, TransferTimeout
 from tensorwire.transport.base import Received, remaining
 from tensorwire.transport.tcp.credits import PENDING, URGENT, flush_pending_credits
 from tensorwire.transport.tcp.frames import FrameParser
@@ -53,14 +53,34 @@ class FrameReader(FrameParser):
     thread waits first reads the socket for everyone)."""
 
     def post_recv(self, tag: int, buf: Any, *, header: bool = False) -> None:
+        """Post ``buf`` (a flat uint8 tensor, or a byte memoryview) for the next message on ``tag``
+        (:meth:`Transport.post_recv <tensorwire.transport.base.Transport.post_recv>`). A message that came
+        before it, into an eager buffer, is copied into it here -- one of no bytes included.
+
+        Raises:
+            ConfigError: ``buf`` is read-only (and not empty), or a memoryview that was released; refused
+                before anything changes (the connection and its other receives go on).
+            ClosedError, PeerLostError, ProtocolError: the connection is unusable.
+        """
         # Posted buffers are long-lived slots: cache their views (the cache holds the object, so its id stays unique).
         cached = self._views.get(id(buf))
         if cached is None or cached[0] is not buf:
+            try:
+                view = host_view(buf)
+            except ValueError as exc:  # (a released memoryview)
+                raise ConfigError(f"receive buffer on tag {tag} cannot be used: {exc}") from exc
+            if view.readonly and len(view):
+                # an empty read-only view (a receive of no bytes) is fine: nothing is ever written into it
+                raise ConfigError(f"receive buffer on tag {tag} is read-only ({len(view)} bytes)")
             if len(self._views) >= self.VIEW_CACHE:
                 self._views.clear()  # callers posting ever-new buffers (serve) must not grow this
-            cached = (buf, host_view(buf))
+            cached = (buf, view)
             self._views[id(buf)] = cached
         view = cached[1]
+        try:
+            size = len(view)  # (what can fail, fails before anything changes)
+        except ValueError as exc:  # a cached memoryview its owner released since
+            raise ConfigError(f"receive buffer on tag {tag} cannot be used: {exc}") from exc
         with self._lock:
             self._check_usable()
             post = Posted(view, header)
@@ -70,15 +90,14 @@ class FrameReader(FrameParser):
                 if cma is not None:
                     cma.on_post(tag, post, view[:0])  # counted, never announced: its message is here already
                 ebuf, got = stash.popleft()
-                if got.nbytes > len(view):
+                if got.nbytes > size:
                     if self._error is None:  # the next wait on this connection raises it
                         self._error = ProtocolError(
-                            f"peer {self._peer} sent {got.nbytes} bytes on tag {tag}; the slot holds {len(view)}"
+                            f"peer {self._peer} sent {got.nbytes} bytes on tag {tag}; the slot holds {size}"
                         )
                     self._cond.notify_all()
                 else:
-                    view[: got.nbytes] = ebuf[: got.nbytes]
-                    post.result = got
+                    self._deliver_early(tag, post, ebuf, got)
                     self._eager_free.append(ebuf)
                     self._pending_credits[EAGER_TAG] += 1
             elif cma is not None:
@@ -91,7 +110,7 @@ class FrameReader(FrameParser):
             # is free, and nothing is to go back (see URGENT)
             urgent = (
                 not self._eager_free
-                or len(view) > self._eager_size
+                or size > self._eager_size
                 or post.result is not None
                 or (cma is not None and cma.has_frames)  # a SLOT goes ahead of its credit, at once
             )
@@ -115,7 +134,10 @@ class FrameReader(FrameParser):
                 expect=len(q[0].view) if q else 0,
             )
         with self._lock:
-            return q.popleft().result  # type: ignore[return-value]
+            post = q.popleft()
+        if post.error is not None:
+            raise post.error
+        return post.result  # type: ignore[return-value]
 
     def wait_eager_offer(self, *, timeout: float | None) -> None:
         """Wait until the peer's :meth:`offer_eager` arrived (for two ends that both offer: then the first

@@ -96,12 +96,17 @@ def poll_ms(deadline: float | None, cap: float = 0.5) -> int:
 
 
 class Posted:
-    __slots__ = ("view", "header", "result")
+    """A posted receive buffer: its view, and once a message filled it, what came (``result``) -- or, for a
+    message that came but could not be put into this buffer, the error its wait raises (``error``; the
+    connection stays usable: that message was consumed whole)."""
+
+    __slots__ = ("view", "header", "result", "error")
 
     def __init__(self, view: memoryview, header: bool) -> None:
         self.view = view
         self.header = header
         self.result: Received | None = None
+        self.error: BaseException | None = None
 
 
 class PartialSend:

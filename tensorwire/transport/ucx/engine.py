@@ -134,7 +134,7 @@ def as_array(buf: Any, *, writable: bool) -> tuple[Any, Any, int]:
             arr = DESCRIPTORS[key] = Array(Cai(key[0], n) if key[2] else (ctypes.c_char * n).from_address(key[0]))
         return buf, arr, n
     mv = memoryview(buf)
-    if writable and mv.readonly:
+    if writable and mv.readonly and mv.nbytes:  # (an empty one is fine: nothing is ever written into it)
         raise ConfigError("receive buffer is read-only")
     arr = np.frombuffer(mv.cast("B"), dtype=np.uint8) if mv.nbytes else u8(0)
     return (buf, arr), Array(arr), arr.nbytes
