@@ -9,8 +9,7 @@ to the system once no process maps it. Copies in and out of regions are numpy's
 (``copyto``: no OpenMP team; measured on the 2-core VM with 16 client processes,
 torch's ``copy_`` fell to 4.5 GB/s in all, numpy held 14-17 GB/s), the big ones
 split between the calling thread and helpers; row gathers are numpy's ``take``,
-or torch's ``index_select`` (its thread pool) for a lease read when many cores
-are idle (:class:`Copier`).
+or torch's ``index_select`` (its thread pool) for a lease read (:class:`Copier`).
 
 Beside them: the proof a session's client gives that it maps the daemon's memory
 (:func:`read_hello`), its read-only view of the daemon's lease table
@@ -349,16 +348,16 @@ class Copier:
     PIECES = 8
     #: Helper threads at most (memory bandwidth, not cores, bounds a copy beyond a few threads).
     MAX_HELPERS = 7
-    #: A gather that may use torch's thread pool (``take(pool=True)``: a read from a lease, which no
-    #: request to the daemon follows at once) on a machine of at least TORCH_GATHER_MIN_CPUS cores, not
-    #: oversubscribed at the moment (as for splitting), is torch's ``index_select`` rather than numpy's
-    #: ``take`` (which holds the GIL: helpers do not speed it up). A lease get_rows of 4,096 rows of a 1,000,000 x 128 float32 table on the
-    #: 16-core H100 host: 0.46-0.66 ms with numpy and 0-7 helpers, 0.105 ms with torch. Not after a
-    #: request (an OpenMP team spins a while after its work, on the cores the daemon needs to answer the
-    #: client's next request: there a get_rows without leases went 1.04 -> 1.47 ms), and not on a
-    #: 2-core machine (0.72-0.84 vs 0.95-1.14 ms, and the same spinning).
+    #: A gather that may use torch's thread pool (``take(pool=True)``: a read from a lease, which no request
+    #: to the daemon follows at once) is torch's ``index_select`` -- the kernel a local
+    #: ``torch.index_select(table, 0, idx, out=...)`` runs, with the same threads -- rather than numpy's
+    #: ``take`` (which holds the GIL: helpers do not speed it up). A lease get_rows of 4,096 rows of a
+    #: 1,000,000 x 128 float32 table on the 16-core H100 host: 0.46-0.66 ms with numpy and 0-7 helpers,
+    #: 0.105 ms with torch; on the 2-core VM, measured in turns on a quiet moment, torch's two threads
+    #: 216 us against numpy's 365 us. Not after a request (an OpenMP team spins a while after its work, on
+    #: the cores the daemon needs to answer the client's next request: there a get_rows without leases went
+    #: 1.04 -> 1.47 ms on the 16-core host).
     TORCH_GATHER = True
-    TORCH_GATHER_MIN_CPUS = 4
 
     def __init__(self) -> None:
         self._tasks: "queue.SimpleQueue[_Pieces | None]" = queue.SimpleQueue()
@@ -437,16 +436,16 @@ class Copier:
         import numpy as np
 
         rows, width = len(index), table.shape[1]
-        helpers = self._split(rows * width, self.TAKE_SPLIT_BYTES) if rows >= self.PIECES else 0
-        if not helpers:
-            np.take(table, index, axis=0, out=out, mode="clip")  # "clip": unbuffered (indices are in range)
-            return
-        if pool and self.TORCH_GATHER and self._cpus >= self.TORCH_GATHER_MIN_CPUS:
+        if pool and self.TORCH_GATHER and rows:
             import torch
 
             if not table.flags.writeable and not _READONLY_WARNING_SILENCED:
                 _silence_readonly_warning()
             torch.index_select(torch.from_numpy(table), 0, torch.from_numpy(index), out=torch.from_numpy(out))
+            return
+        helpers = self._split(rows * width, self.TAKE_SPLIT_BYTES) if rows >= self.PIECES else 0
+        if not helpers:
+            np.take(table, index, axis=0, out=out, mode="clip")  # "clip": unbuffered (indices are in range)
             return
         pieces = min(rows, max(self.PIECES, 2 * (helpers + 1)))
         step = (rows + pieces - 1) // pieces

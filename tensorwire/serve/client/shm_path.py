@@ -84,7 +84,8 @@ class ShmMemory:
         self.maps: Any = None  # shm_maps.ClientMaps, made on first use
         self.copier: Any = None  # shm_maps.Copier, made on first use
         self.regions_of: dict[str, set[str]] = {}  # tensor name -> region names mapped for it
-        self.rows_views: dict[str, tuple[tuple[str, int, int], Any]] = {}  # name -> (key, uint8 [rows, row] array)
+        #: name -> (key, the slot as uint8 [rows, row bytes]: a numpy array, a tensor)
+        self.rows_views: dict[str, tuple[tuple[str, int, int], Any, Any]] = {}
         self.broken = False
         self.why = why
         self.use_leases = leases_wanted()
@@ -388,6 +389,8 @@ class ShmPath(RequestPath):
         ``pool``: torch's thread pool may do it (a lease read: no request follows at once)."""
         if not got.shape:
             raise SpecError(f"{name}: a 0-d tensor has no rows")
+        import torch
+
         mem = self.mem
         rows = got.shape[0]
         n = idx.numel()
@@ -403,9 +406,14 @@ class ShmPath(RequestPath):
             if cached is None or cached[0] != key:
                 if len(mem.rows_views) >= 64:
                     mem.rows_views.clear()
-                cached = mem.rows_views[name] = (key, src.numpy().reshape(rows, row_bytes))
-            # rows as bytes: any dtype (numpy's take or torch's index_select: see shm_maps.Copier)
-            mem.copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=pool)
+                cached = mem.rows_views[name] = (key, src.numpy().reshape(rows, row_bytes), src.view(rows, row_bytes))
+            # rows as bytes: any dtype. A lease read is torch's own index_select over a tensor view of the
+            # mapped slot (the kernel and threads of a local gather; see shm_maps.Copier.TORCH_GATHER);
+            # after a request, numpy's take (no OpenMP team left spinning on the daemon's cores)
+            if pool and mem.copier.TORCH_GATHER:
+                torch.index_select(cached[2], 0, idx, out=dest_raw.view(n, row_bytes))
+            else:
+                mem.copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=False)
         mem.shm_bytes += n * row_bytes
         return self.ctx.result(dest, out)
 
