@@ -117,6 +117,11 @@ def test_bad_arrays_and_choices_are_clear_errors_and_write_nothing(srv):
         with pytest.raises(tw.ShapeMismatchError):
             c.get_rows("bad", list(range(10)), out=wrong_dtype)
         assert (wrong_dtype == 7).all()
+        meta = torch.empty(10, 4, device="meta")
+        with pytest.raises(tw.SpecError, match="meta"):
+            c.get("bad", out=meta)
+        with pytest.raises(tw.SpecError, match="meta"):
+            c.put("bad", meta)
         with pytest.raises(tw.ConfigError, match="as_ must be"):
             c.get("bad", as_="pandas")
         with pytest.raises(tw.ConfigError, match="not both"):

@@ -34,12 +34,14 @@ def as_tensor(what: str, obj: Any, *, writable: bool = False) -> "torch.Tensor":
     are refused.
 
     Raises:
-        SpecError: not a tensor and no ``__dlpack__``; negative strides (DLPack cannot describe them to
+        SpecError: not a tensor and no ``__dlpack__``; on a device other than the CPU or CUDA; negative strides (DLPack cannot describe them to
             torch); read-only where it is written; a dtype DLPack cannot carry.
     """
     import torch
 
     if isinstance(obj, torch.Tensor):
+        if obj.device.type not in ("cpu", "cuda"):
+            raise SpecError(f"{what} is on {obj.device}: a serve client reads and writes CPU and CUDA memory")
         return obj
     if not hasattr(obj, "__dlpack__"):
         raise SpecError(
@@ -56,9 +58,10 @@ def as_tensor(what: str, obj: Any, *, writable: bool = False) -> "torch.Tensor":
         if flags is not None and getattr(flags, "writeable", True) is False:
             raise SpecError(f"{what}: the array is read-only")
     try:
-        return torch.from_dlpack(obj)
+        t = torch.from_dlpack(obj)
     except (BufferError, TypeError, ValueError, RuntimeError) as exc:
         raise SpecError(f"{what}: a {type(obj).__name__} could not be shared through DLPack ({exc})") from exc
+    return as_tensor(what, t)
 
 
 def check_as(as_: Any, out: Any) -> str | None:

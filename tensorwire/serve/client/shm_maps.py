@@ -29,6 +29,8 @@ import stat
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from tensorwire.buffers import cuda_available
+from tensorwire.cuda import map_host
 from tensorwire.serve.protocol.shm import (
     CLIENT_MAPS,
     HELLO_BYTES,
@@ -39,8 +41,6 @@ from tensorwire.serve.protocol.shm import (
     SHM_DIR,
     PageLock,
     ShmError,
-    cuda_register,
-    cuda_unregister,
     map_fd,
     page_ahead,
     page_counters,
@@ -67,6 +67,21 @@ def _silence_readonly_warning() -> None:
 
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
     _READONLY_WARNING_SILENCED = True
+
+
+_REFUSED_LOGGED = False
+
+
+def _refused(exc: BaseException) -> None:  # pragma: no cover - needs a GPU
+    """CUDA refused to register a region: one log line per process (the reads stage through pinned memory)."""
+    global _REFUSED_LOGGED
+    if not _REFUSED_LOGGED:
+        _REFUSED_LOGGED = True
+        log.warning(
+            "shared memory: CUDA refused to map the daemon's memory (%s); CUDA reads and writes stage through "
+            "pinned host memory",
+            exc,
+        )
 
 
 def _open_map(name: str, need: int) -> tuple[mmap.mmap, "torch.Tensor"]:
@@ -217,7 +232,8 @@ class ClientMaps:
         self.limit = limit
         self._maps: "collections.OrderedDict[str, tuple[mmap.mmap, torch.Tensor]]" = collections.OrderedDict()
         self._slices: "dict[str, tuple[int, int, torch.Tensor]]" = {}  # name -> the last (offset, nbytes, view)
-        self._pinned: set[str] = set()
+        self._cuda: "dict[str, Any]" = {}  # name -> its tensorwire.cuda.HostMapping (None: CUDA refused)
+        self._events: dict[str, Any] = {}  # name -> the event ending the last GPU read of it
         self.mapped = 0  # regions mapped so far (a test hook and a debugging aid)
 
     def get(self, name: str, offset: int, nbytes: int) -> "torch.Tensor":
@@ -248,21 +264,54 @@ class ClientMaps:
         self._slices[name] = (offset, nbytes, view)
         return view
 
+    def cuda_mapping(self, name: str) -> "Any | None":
+        """Region ``name`` registered with CUDA (:func:`tensorwire.cuda.map_host`: page-locked, mapped into
+        the GPUs' address space, with a CUDA tensor over it on the device current at the first call); once
+        per mapping, and only when a CUDA tensor is involved (CPU clients never touch CUDA). None: not
+        mapped here, or CUDA refused (logged once per process): the caller stages through pinned memory."""
+        if name in self._cuda:
+            return self._cuda[name]
+        m = self._maps.get(name)
+        if m is None or not m[1].numel() or not cuda_available():
+            return None
+        got = None
+        try:  # pragma: no cover - needs a GPU
+            import torch
+
+            got = map_host(m[1].data_ptr(), m[1].numel(), torch.cuda.current_device())
+        except OSError as exc:  # pragma: no cover - needs a GPU
+            _refused(exc)
+        self._cuda[name] = got
+        return got
+
     def pin_for_cuda(self, name: str) -> None:
         """Page-lock a mapping once it serves a CUDA tensor (fast DMA; only then, so CPU clients never touch CUDA)."""
-        if name in self._pinned or name not in self._maps:
-            return
-        if cuda_register(self._maps[name][1]):  # pragma: no cover - needs a GPU
-            self._pinned.add(name)
+        self.cuda_mapping(name)
+
+    def cuda_view(self, name: str, src: "torch.Tensor", device: "torch.device") -> "torch.Tensor | None":
+        """The bytes of ``src`` (a view of region ``name`` from :meth:`get`) as a CUDA tensor on ``device``
+        (None: not registered, or registered for another device)."""
+        m = self.cuda_mapping(name)
+        if m is None or m.device != device.index:
+            return None
+        off = src.data_ptr() - self._maps[name][1].data_ptr()  # pragma: no cover - needs a GPU
+        return m.tensor[off : off + src.numel()]  # pragma: no cover - needs a GPU
+
+    def gpu_read(self, name: str, event: Any) -> None:
+        """A GPU reads region ``name`` until ``event`` has passed (it is not unmapped before)."""
+        self._events[name] = event
 
     def _drop(self, name: str) -> None:
         self._slices.pop(name, None)
+        ev = self._events.pop(name, None)
+        if ev is not None:  # pragma: no cover - needs a GPU
+            ev.synchronize()  # no kernel reads pages about to be unregistered and unmapped
+        reg = self._cuda.pop(name, None)
+        if reg is not None:  # pragma: no cover - needs a GPU
+            reg.close()
         m = self._maps.pop(name, None)
         if m is None:
             return
-        if name in self._pinned:  # pragma: no cover - needs a GPU
-            self._pinned.discard(name)
-            cuda_unregister(m[1])
         mm, t = m
         del t, m
         try:
