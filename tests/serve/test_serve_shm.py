@@ -599,8 +599,11 @@ def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_
 
 
 @pytest.mark.timeout(60)
-def test_a_lease_get_rows_is_torchs_index_select_over_a_view_of_the_mapped_slot(srv, monkeypatch):
-    # the kernel (and threads) of a local torch.index_select(table, 0, idx, out=...), reading the daemon's memory
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_a_lease_get_rows_is_torchs_index_select_over_a_view_of_the_mapped_slot(srv, monkeypatch, oversubscribed):
+    # the kernel (and threads) of a local torch.index_select(table, 0, idx, out=...), reading the daemon's memory;
+    # numpy's single thread when more tasks are runnable than there are CPUs (an OpenMP team would spin)
+    monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: self._cpus + 5 if oversubscribed else 1)
     table = torch.randn(3_000, 24)
     idx = torch.randint(0, 3_000, (1_000,), generator=torch.Generator().manual_seed(3))
     with Client(srv.address, transport="shm") as c:
@@ -619,6 +622,10 @@ def test_a_lease_get_rows_is_torchs_index_select_over_a_view_of_the_mapped_slot(
         out = torch.empty(1_000, 24)
         assert c.get_rows("lease/rows", idx, out=out) is out and torch.equal(out, table[idx])
         assert c.lease_reads == reads + 1
+        if oversubscribed:
+            assert not seen
+            c.delete("lease/rows")
+            return
         ((ptr, nbytes),) = seen
         assert nbytes == table.nbytes
         assert any(r.data_ptr() <= ptr and ptr + nbytes <= r.data_ptr() + r.numel() for r in regions.values())
