@@ -560,7 +560,6 @@ def test_wire_checks_of_the_shm_fields():
 )
 def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_bytes, helpers, torch_gather):
     monkeypatch.setattr(shm_maps.Copier, "TORCH_GATHER", torch_gather)
-    monkeypatch.setattr(shm_maps.Copier, "TORCH_GATHER_MIN_CPUS", 1)
     monkeypatch.setattr(shm_maps.Copier, "SPLIT_BYTES", parallel_bytes)
     monkeypatch.setattr(shm_maps.Copier, "TAKE_SPLIT_BYTES", parallel_bytes)
     # whatever the load
@@ -597,3 +596,37 @@ def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_
         assert torch.equal(c.get_rows("gather/big", idx), big[idx])
         c.delete("gather/big")
         assert c.shm
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_a_lease_get_rows_is_torchs_index_select_over_a_view_of_the_mapped_slot(srv, monkeypatch, oversubscribed):
+    # the kernel (and threads) of a local torch.index_select(table, 0, idx, out=...), reading the daemon's memory;
+    # numpy's single thread when more tasks are runnable than there are CPUs (an OpenMP team would spin)
+    monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: self._cpus + 5 if oversubscribed else 1)
+    table = torch.randn(3_000, 24)
+    idx = torch.randint(0, 3_000, (1_000,), generator=torch.Generator().manual_seed(3))
+    with Client(srv.address, transport="shm") as c:
+        c.put("lease/rows", table)
+        assert torch.equal(c.get_rows("lease/rows", idx), table[idx])  # a request: pins, hands out the lease
+        maps = c._mem.maps
+        regions = {n: maps._maps[n][1] for n in maps.names()}
+        seen: list[tuple[int, int]] = []
+        real = torch.index_select
+        monkeypatch.setattr(
+            torch,
+            "index_select",
+            lambda src, *a, **kw: seen.append((src.data_ptr(), src.nbytes)) or real(src, *a, **kw),
+        )
+        reads = c.lease_reads
+        out = torch.empty(1_000, 24)
+        assert c.get_rows("lease/rows", idx, out=out) is out and torch.equal(out, table[idx])
+        assert c.lease_reads == reads + 1
+        if oversubscribed:
+            assert not seen
+            c.delete("lease/rows")
+            return
+        ((ptr, nbytes),) = seen
+        assert nbytes == table.nbytes
+        assert any(r.data_ptr() <= ptr and ptr + nbytes <= r.data_ptr() + r.numel() for r in regions.values())
+        c.delete("lease/rows")

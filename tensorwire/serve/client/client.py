@@ -65,6 +65,7 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tensorwire.errors import ClosedError, ConfigError, PeerLostError, SpecError, TensorWireError
+from tensorwire.serve.client.arrays import As, check_as, convert
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat
 from tensorwire.serve.client.context import ClientContext, Progress, RowUpdate
 from tensorwire.serve.client.request_path import RequestPath
@@ -255,15 +256,17 @@ class Client:
             self._check_open()
             return self._ctx.declare(spec)
 
-    def put(self, name: str, tensor: "torch.Tensor") -> TensorStat:
+    def put(self, name: str, tensor: Any) -> TensorStat:
         """Store ``tensor`` under ``name`` as a new version.
 
-        The first put of a name declares its spec (dtype and shape); later puts
-        must match it. Returns the new version's stat.
+        ``tensor``: a torch tensor or any array with ``__dlpack__`` (NumPy, CuPy, JAX), read where it
+        lies (no copy on the way; see :mod:`tensorwire.serve.client.arrays`). The first put of a name
+        declares its spec (dtype and shape); later puts must match it. Returns the new version's stat.
 
         Raises:
             ShapeMismatchError: naming the stored spec and this tensor's.
             ResourceExhaustedError: over the daemon's ``--max-bytes``; nothing changed.
+            SpecError: not a tensor or a DLPack array.
         """
         tensor = self._ctx.check_tensor("put: tensor", tensor)
         spec = TensorSpec(name, tuple(tensor.shape), tensor.dtype, "cpu")
@@ -271,49 +274,76 @@ class Client:
         self._ctx.specs[name] = st.spec
         return st
 
-    def get(self, name: str, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
+    def get(self, name: str, *, out: Any = None, as_: "As | None" = None) -> Any:
         """The current version of ``name``, whole (never a mix of two puts).
 
         Without ``out``, returns a CPU tensor backed by this client's receive
         buffer for ``name`` (pinned when CUDA is available); it is not reused
-        while you hold it. With ``out`` (any device), fills and returns it.
+        while you hold it. ``as_="numpy"`` returns a NumPy array over that
+        buffer, ``as_="cupy"`` a CuPy array filled on the GPU. With ``out``
+        (a tensor on any device, or any writable array with ``__dlpack__``:
+        NumPy, CuPy), fills and returns it.
 
         Raises:
             NotFoundError: no such name (or declared but never written).
-            ShapeMismatchError: ``out`` does not match the stored spec.
+            ShapeMismatchError: ``out`` does not match the stored spec (nothing written).
+            SpecError: ``out`` is not a writable tensor or array.
+            ConfigError: ``as_`` is not one of "torch", "numpy", "cupy", or given with ``out``.
         """
+        kind = check_as(as_, out)
         if out is not None:
-            self._ctx.check_tensor("get: out", out)
-        return self._run("get", name, out)
+            t = self._ctx.check_tensor("get: out", out, writable=True)
+            got = self._run("get", name, t)
+            return got if t is out else out
+        if kind == "cupy":
+            return convert(self._run("get", name, self._cuda_dest(name, None)), kind)
+        return convert(self._run("get", name, None), kind)
 
-    def get_rows(self, name: str, index: Any, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
+    def get_rows(self, name: str, index: Any, *, out: Any = None, as_: "As | None" = None) -> Any:
         """Rows ``index`` of dim 0 of ``name``, gathered by the server: only they travel.
 
         ``index`` is any 1-D integer sequence (list, ndarray, tensor); the
         result has shape ``[len(index), *shape[1:]]``. Requests above 262,144
-        rows (or 256 MiB) are split, each part being read whole.
+        rows (or 256 MiB) are split, each part being read whole. ``out`` and
+        ``as_``: as :meth:`get`.
 
         Raises:
             SpecError: an index out of range (nothing is sent).
         """
         idx = as_index(index)
+        kind = check_as(as_, out)
         if out is not None:
-            self._ctx.check_tensor("get_rows: out", out)
-        return self._run("get_rows", name, idx, out)
+            t = self._ctx.check_tensor("get_rows: out", out, writable=True)
+            got = self._run("get_rows", name, idx, t)
+            return got if t is out else out
+        if kind == "cupy":
+            return convert(self._run("get_rows", name, idx, self._cuda_dest(name, idx.numel())), kind)
+        return convert(self._run("get_rows", name, idx, None), kind)
 
-    def put_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
-        """Overwrite rows ``index`` of dim 0 of ``name`` with ``values`` (``[len(index), *shape[1:]]``).
+    def _cuda_dest(self, name: str, rows: int | None) -> "torch.Tensor":
+        """A new CUDA tensor for ``name`` (``rows`` rows of it; None: all of it), on the current device."""
+        import torch
+
+        spec = self._ctx.specs.get(name) or self.stat(name).spec
+        shape = spec.shape if rows is None else (rows, *spec.shape[1:])
+        if rows is not None and not spec.shape:
+            raise SpecError(f"{name}: a 0-d tensor has no rows")
+        return torch.empty(shape, dtype=spec.torch_dtype, device=torch.device("cuda", torch.cuda.current_device()))
+
+    def put_rows(self, name: str, index: Any, values: Any) -> TensorStat:
+        """Overwrite rows ``index`` of dim 0 of ``name`` with ``values`` (``[len(index), *shape[1:]]``; a
+        tensor or any array with ``__dlpack__``, read where it lies).
 
         Indices must be unique. Atomic per request (262,144 rows / 256 MiB at most; larger ones are split).
         """
         return self.update_rows(name, index, values, add=False)
 
-    def add_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
+    def add_rows(self, name: str, index: Any, values: Any) -> TensorStat:
         """Add ``values`` to rows ``index`` of ``name`` server-side (duplicates accumulate)."""
         return self.update_rows(name, index, values, add=True)
 
     def update_rows(
-        self, name: str, index: Any, values: "torch.Tensor", *, add: bool, pick: "torch.Tensor | None" = None
+        self, name: str, index: Any, values: Any, *, add: bool, pick: "torch.Tensor | None" = None
     ) -> TensorStat:
         """``add_rows`` (``add``) or ``put_rows`` with the values ``values[pick]`` (all of ``values``: None).
 

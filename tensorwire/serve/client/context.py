@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 from tensorwire._proto import spec_from_proto, spec_to_proto
 from tensorwire.buffers import allocate_host, as_bytes
 from tensorwire.errors import ShapeMismatchError, SpecError
+from tensorwire.serve.client.arrays import as_tensor
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat, parse_address
 from tensorwire.serve.protocol import wire
 from tensorwire.serve.protocol.common import (
@@ -356,12 +357,9 @@ class ClientContext:
         return raw
 
     @staticmethod
-    def check_tensor(what: str, tensor: Any) -> "torch.Tensor":
-        import torch
-
-        if not isinstance(tensor, torch.Tensor):
-            raise SpecError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
-        return tensor
+    def check_tensor(what: str, tensor: Any, *, writable: bool = False) -> "torch.Tensor":
+        """``tensor``, or a torch view of an array with ``__dlpack__`` (see :func:`arrays.as_tensor`)."""
+        return as_tensor(what, tensor, writable=writable)
 
     @staticmethod
     def check_out(spec: TensorSpec, out: "torch.Tensor", shape: tuple[int, ...]) -> None:

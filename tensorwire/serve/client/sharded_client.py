@@ -60,6 +60,7 @@ from tensorwire.errors import (
     SpecError,
     VersionMismatchError,
 )
+from tensorwire.serve.client.arrays import As, as_tensor, check_as, convert
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat
 from tensorwire.serve.client.daemons import Daemons, Task
 from tensorwire.serve.client.sharded_rows import ShardedRows
@@ -261,8 +262,10 @@ class ShardedClient:
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- the API ------------------------------------------------------------------------------------
-    def put(self, name: str, tensor: "torch.Tensor", *, shard: str | None = None) -> TensorStat:
+    def put(self, name: str, tensor: Any, *, shard: str | None = None) -> TensorStat:
         """Store ``tensor`` under ``name``: whole on its owner, or with ``shard="rows"`` split by rows over all daemons.
+
+        ``tensor``: a torch tensor or any array with ``__dlpack__`` (read where it lies), as Client.put.
 
         A sharded put first declares every shard (each daemon reserves its
         memory, checks ``--max-bytes`` and the layout), then writes them in
@@ -273,11 +276,8 @@ class ShardedClient:
             ShapeMismatchError, ResourceExhaustedError: as Client.put, from any daemon.
             ShardLostError: a daemon it needs is unreachable.
         """
-        import torch
-
         self._check_open()
-        if not isinstance(tensor, torch.Tensor):
-            raise SpecError(f"put: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        tensor = as_tensor("put: tensor", tensor)
         if shard is None:
             st = self._whole(name, lambda c: c.put(name, tensor))
             self._remember(name, None)
@@ -332,41 +332,63 @@ class ShardedClient:
         t.versions = [st.version for st in declared]
         return t
 
-    def get(self, name: str, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
+    def get(self, name: str, *, out: Any = None, as_: "As | None" = None) -> Any:
         """The current version of ``name``: a whole tensor, or a sharded table assembled from its shards
-        (each one a whole version of itself; see the module docstring)."""
+        (each one a whole version of itself; see the module docstring). ``out`` and ``as_``: as Client.get."""
+        kind = check_as(as_, out)
+        if out is not None:
+            t = as_tensor("get: out", out, writable=True)
+            got = self._read(name, lambda c: c.get(name, out=t), lambda tab: self._rows.get(name, tab, t))
+            return got if t is out else out
+        dest = self._cuda_dest(name, None) if kind == "cupy" else None
+        return convert(
+            self._read(name, lambda c: c.get(name, out=dest), lambda tab: self._rows.get(name, tab, dest)), kind
+        )
 
-        return self._read(name, lambda c: c.get(name, out=out), lambda t: self._rows.get(name, t, out))
-
-    def get_rows(self, name: str, index: Any, *, out: "torch.Tensor | None" = None) -> "torch.Tensor":
+    def get_rows(self, name: str, index: Any, *, out: Any = None, as_: "As | None" = None) -> Any:
         """Rows ``index`` of dim 0 of ``name``, in the order given.
 
         With every daemon it needs on this host (shared memory), one gather by this process over their
         slots, straight into the result; else each daemon gathers its own rows, in parallel, and they are
-        put in the caller's order here (:mod:`tensorwire.serve.client.sharded_rows`).
+        put in the caller's order here (:mod:`tensorwire.serve.client.sharded_rows`). ``out`` and ``as_``:
+        as Client.get.
 
         Raises:
             SpecError: an index out of range (nothing is sent).
         """
         idx = as_index(index)
-        return self._read(
-            name, lambda c: c.get_rows(name, idx, out=out), lambda t: self._rows.get_rows(name, t, idx, out)
+        kind = check_as(as_, out)
+        t = as_tensor("get_rows: out", out, writable=True) if out is not None else None
+        if kind == "cupy":
+            t = self._cuda_dest(name, idx.numel())
+        got = self._read(
+            name, lambda c: c.get_rows(name, idx, out=t), lambda tab: self._rows.get_rows(name, tab, idx, t)
         )
+        if out is not None:
+            return got if t is out else out
+        return convert(got, kind)
 
-    def put_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
+    def _cuda_dest(self, name: str, rows: int | None) -> "torch.Tensor":
+        """A new CUDA tensor for ``name`` (``rows`` rows of it; None: all of it), on the current device."""
+        import torch
+
+        spec = self.stat(name).spec
+        if rows is not None and not spec.shape:
+            raise SpecError(f"{name}: a 0-d tensor has no rows")
+        shape = spec.shape if rows is None else (rows, *spec.shape[1:])
+        return torch.empty(shape, dtype=spec.torch_dtype, device=torch.device("cuda", torch.cuda.current_device()))
+
+    def put_rows(self, name: str, index: Any, values: Any) -> TensorStat:
         """Overwrite rows ``index`` of ``name`` with ``values`` (indices unique), each shard's part on its daemon."""
         return self._update(name, index, values, add=False)
 
-    def add_rows(self, name: str, index: Any, values: "torch.Tensor") -> TensorStat:
+    def add_rows(self, name: str, index: Any, values: Any) -> TensorStat:
         """Add ``values`` to rows ``index`` of ``name`` (duplicates accumulate, as ``index_add_``)."""
         return self._update(name, index, values, add=True)
 
-    def _update(self, name: str, index: Any, values: "torch.Tensor", *, add: bool) -> TensorStat:
-        import torch
-
+    def _update(self, name: str, index: Any, values: Any, *, add: bool) -> TensorStat:
         idx = as_index(index)
-        if not isinstance(values, torch.Tensor):
-            raise SpecError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        values = as_tensor("values", values)
         n = idx.numel()
         if values.dim() < 1 or values.shape[0] != n:
             raise ShapeMismatchError(f"{name}: {n} indices but values of shape {list(values.shape)}")

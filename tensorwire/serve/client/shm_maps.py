@@ -9,8 +9,7 @@ to the system once no process maps it. Copies in and out of regions are numpy's
 (``copyto``: no OpenMP team; measured on the 2-core VM with 16 client processes,
 torch's ``copy_`` fell to 4.5 GB/s in all, numpy held 14-17 GB/s), the big ones
 split between the calling thread and helpers; row gathers are numpy's ``take``,
-or torch's ``index_select`` (its thread pool) for a lease read when many cores
-are idle (:class:`Copier`).
+or torch's ``index_select`` (its thread pool) for a lease read (:class:`Copier`).
 
 Beside them: the proof a session's client gives that it maps the daemon's memory
 (:func:`read_hello`), its read-only view of the daemon's lease table
@@ -30,6 +29,8 @@ import stat
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from tensorwire.buffers import cuda_available
+from tensorwire.cuda import map_host
 from tensorwire.serve.protocol.shm import (
     CLIENT_MAPS,
     HELLO_BYTES,
@@ -40,8 +41,6 @@ from tensorwire.serve.protocol.shm import (
     SHM_DIR,
     PageLock,
     ShmError,
-    cuda_register,
-    cuda_unregister,
     map_fd,
     page_ahead,
     page_counters,
@@ -68,6 +67,21 @@ def _silence_readonly_warning() -> None:
 
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
     _READONLY_WARNING_SILENCED = True
+
+
+_REFUSED_LOGGED = False
+
+
+def _refused(exc: BaseException) -> None:  # pragma: no cover - needs a GPU
+    """CUDA refused to register a region: one log line per process (the reads stage through pinned memory)."""
+    global _REFUSED_LOGGED
+    if not _REFUSED_LOGGED:
+        _REFUSED_LOGGED = True
+        log.warning(
+            "shared memory: CUDA refused to map the daemon's memory (%s); CUDA reads and writes stage through "
+            "pinned host memory",
+            exc,
+        )
 
 
 def _open_map(name: str, need: int) -> tuple[mmap.mmap, "torch.Tensor"]:
@@ -218,7 +232,8 @@ class ClientMaps:
         self.limit = limit
         self._maps: "collections.OrderedDict[str, tuple[mmap.mmap, torch.Tensor]]" = collections.OrderedDict()
         self._slices: "dict[str, tuple[int, int, torch.Tensor]]" = {}  # name -> the last (offset, nbytes, view)
-        self._pinned: set[str] = set()
+        self._cuda: "dict[str, Any]" = {}  # name -> its tensorwire.cuda.HostMapping (None: CUDA refused)
+        self._events: dict[str, Any] = {}  # name -> the event ending the last GPU read of it
         self.mapped = 0  # regions mapped so far (a test hook and a debugging aid)
 
     def get(self, name: str, offset: int, nbytes: int) -> "torch.Tensor":
@@ -249,21 +264,54 @@ class ClientMaps:
         self._slices[name] = (offset, nbytes, view)
         return view
 
+    def cuda_mapping(self, name: str) -> "Any | None":
+        """Region ``name`` registered with CUDA (:func:`tensorwire.cuda.map_host`: page-locked, mapped into
+        the GPUs' address space, with a CUDA tensor over it on the device current at the first call); once
+        per mapping, and only when a CUDA tensor is involved (CPU clients never touch CUDA). None: not
+        mapped here, or CUDA refused (logged once per process): the caller stages through pinned memory."""
+        if name in self._cuda:
+            return self._cuda[name]
+        m = self._maps.get(name)
+        if m is None or not m[1].numel() or not cuda_available():
+            return None
+        got = None
+        try:  # pragma: no cover - needs a GPU
+            import torch
+
+            got = map_host(m[1].data_ptr(), m[1].numel(), torch.cuda.current_device())
+        except OSError as exc:  # pragma: no cover - needs a GPU
+            _refused(exc)
+        self._cuda[name] = got
+        return got
+
     def pin_for_cuda(self, name: str) -> None:
         """Page-lock a mapping once it serves a CUDA tensor (fast DMA; only then, so CPU clients never touch CUDA)."""
-        if name in self._pinned or name not in self._maps:
-            return
-        if cuda_register(self._maps[name][1]):  # pragma: no cover - needs a GPU
-            self._pinned.add(name)
+        self.cuda_mapping(name)
+
+    def cuda_view(self, name: str, src: "torch.Tensor", device: "torch.device") -> "torch.Tensor | None":
+        """The bytes of ``src`` (a view of region ``name`` from :meth:`get`) as a CUDA tensor on ``device``
+        (None: not registered, or registered for another device)."""
+        m = self.cuda_mapping(name)
+        if m is None or m.device != device.index:
+            return None
+        off = src.data_ptr() - self._maps[name][1].data_ptr()  # pragma: no cover - needs a GPU
+        return m.tensor[off : off + src.numel()]  # pragma: no cover - needs a GPU
+
+    def gpu_read(self, name: str, event: Any) -> None:
+        """A GPU reads region ``name`` until ``event`` has passed (it is not unmapped before)."""
+        self._events[name] = event
 
     def _drop(self, name: str) -> None:
         self._slices.pop(name, None)
+        ev = self._events.pop(name, None)
+        if ev is not None:  # pragma: no cover - needs a GPU
+            ev.synchronize()  # no kernel reads pages about to be unregistered and unmapped
+        reg = self._cuda.pop(name, None)
+        if reg is not None:  # pragma: no cover - needs a GPU
+            reg.close()
         m = self._maps.pop(name, None)
         if m is None:
             return
-        if name in self._pinned:  # pragma: no cover - needs a GPU
-            self._pinned.discard(name)
-            cuda_unregister(m[1])
         mm, t = m
         del t, m
         try:
@@ -349,16 +397,16 @@ class Copier:
     PIECES = 8
     #: Helper threads at most (memory bandwidth, not cores, bounds a copy beyond a few threads).
     MAX_HELPERS = 7
-    #: A gather that may use torch's thread pool (``take(pool=True)``: a read from a lease, which no
-    #: request to the daemon follows at once) on a machine of at least TORCH_GATHER_MIN_CPUS cores, not
-    #: oversubscribed at the moment (as for splitting), is torch's ``index_select`` rather than numpy's
-    #: ``take`` (which holds the GIL: helpers do not speed it up). A lease get_rows of 4,096 rows of a 1,000,000 x 128 float32 table on the
-    #: 16-core H100 host: 0.46-0.66 ms with numpy and 0-7 helpers, 0.105 ms with torch. Not after a
-    #: request (an OpenMP team spins a while after its work, on the cores the daemon needs to answer the
-    #: client's next request: there a get_rows without leases went 1.04 -> 1.47 ms), and not on a
-    #: 2-core machine (0.72-0.84 vs 0.95-1.14 ms, and the same spinning).
+    #: A gather that may use torch's thread pool (``take(pool=True)``: a read from a lease, which no request
+    #: to the daemon follows at once) is torch's ``index_select`` -- the kernel a local
+    #: ``torch.index_select(table, 0, idx, out=...)`` runs, with the same threads -- rather than numpy's
+    #: ``take`` (which holds the GIL: helpers do not speed it up). A lease get_rows of 4,096 rows of a
+    #: 1,000,000 x 128 float32 table on the 16-core H100 host: 0.46-0.66 ms with numpy and 0-7 helpers,
+    #: 0.105 ms with torch; on the 2-core VM, measured in turns on a quiet moment, torch's two threads
+    #: 216 us against numpy's 365 us. Not after a request (an OpenMP team spins a while after its work, on
+    #: the cores the daemon needs to answer the client's next request: there a get_rows without leases went
+    #: 1.04 -> 1.47 ms on the 16-core host).
     TORCH_GATHER = True
-    TORCH_GATHER_MIN_CPUS = 4
 
     def __init__(self) -> None:
         self._tasks: "queue.SimpleQueue[_Pieces | None]" = queue.SimpleQueue()
@@ -372,16 +420,29 @@ class Copier:
             except OSError:  # pragma: no cover - not Linux: always split
                 pass
 
+    def _running(self) -> int:
+        """Tasks runnable on the machine now, this thread included (``/proc/loadavg``; 0: unknown)."""
+        if self._loadavg < 0:  # pragma: no cover
+            return 0
+        try:
+            return int(os.pread(self._loadavg, 64, 0).split()[3].split(b"/")[0])
+        except (OSError, ValueError, IndexError):  # pragma: no cover
+            return 0
+
+    def torch_gather(self) -> bool:
+        """Whether a lease gather is torch's index_select now (:data:`TORCH_GATHER`, and the machine is not
+        oversubscribed: an OpenMP team on busy cores spins at its barriers, and numpy's single thread wins by
+        far -- measured on the 2-core VM at a load average of 15-23, 4,096 rows in 21.6 ms through torch's
+        two threads (a local index_select took 23.9 ms), 1.06 ms through numpy's take after a request)."""
+        return self.TORCH_GATHER and self._running() <= self._cpus
+
     def _split(self, nbytes: int, least: int) -> int:
         """Helpers to split a copy of ``nbytes`` over now (0: do it in the calling thread)."""
         if nbytes < least or not self.parallel:
             return 0
         most = min(self.MAX_HELPERS, self._cpus - 1)
-        if self._loadavg < 0:  # pragma: no cover
-            return most
-        try:
-            running = int(os.pread(self._loadavg, 64, 0).split()[3].split(b"/")[0])  # this thread included
-        except (OSError, ValueError, IndexError):  # pragma: no cover
+        running = self._running()
+        if not running:  # pragma: no cover - unknown
             return most
         # not oversubscribed (one runnable besides us on a 2-core machine may well be the daemon polling for
         # our next request, which yields its core at once); one helper per core left, that one included
@@ -437,16 +498,16 @@ class Copier:
         import numpy as np
 
         rows, width = len(index), table.shape[1]
-        helpers = self._split(rows * width, self.TAKE_SPLIT_BYTES) if rows >= self.PIECES else 0
-        if not helpers:
-            np.take(table, index, axis=0, out=out, mode="clip")  # "clip": unbuffered (indices are in range)
-            return
-        if pool and self.TORCH_GATHER and self._cpus >= self.TORCH_GATHER_MIN_CPUS:
+        if pool and rows and self.torch_gather():
             import torch
 
             if not table.flags.writeable and not _READONLY_WARNING_SILENCED:
                 _silence_readonly_warning()
             torch.index_select(torch.from_numpy(table), 0, torch.from_numpy(index), out=torch.from_numpy(out))
+            return
+        helpers = self._split(rows * width, self.TAKE_SPLIT_BYTES) if rows >= self.PIECES else 0
+        if not helpers:
+            np.take(table, index, axis=0, out=out, mode="clip")  # "clip": unbuffered (indices are in range)
             return
         pieces = min(rows, max(self.PIECES, 2 * (helpers + 1)))
         step = (rows + pieces - 1) // pieces

@@ -84,7 +84,9 @@ class ShmMemory:
         self.maps: Any = None  # shm_maps.ClientMaps, made on first use
         self.copier: Any = None  # shm_maps.Copier, made on first use
         self.regions_of: dict[str, set[str]] = {}  # tensor name -> region names mapped for it
-        self.rows_views: dict[str, tuple[tuple[str, int, int], Any]] = {}  # name -> (key, uint8 [rows, row] array)
+        #: name -> (key, the slot as uint8 [rows, row bytes]: a numpy array, a tensor)
+        self.rows_views: dict[str, tuple[tuple[str, int, int], Any, Any]] = {}
+        self.index_pinned: Any = None  # pinned staging of a GPU gather's index (ShmMemory.cuda_index)
         self.broken = False
         self.why = why
         self.use_leases = leases_wanted()
@@ -96,6 +98,18 @@ class ShmMemory:
         self.lease_misses = 0
         #: Puts written into a write-ahead grant's slot.
         self.ahead_puts = 0
+
+    def cuda_index(self, idx: "torch.Tensor", device: "torch.device") -> "torch.Tensor":  # pragma: no cover
+        """``idx`` (int64, CPU) on ``device``, copied through a reused pinned buffer on the current stream (the
+        caller waited for the last copy out of it to pass)."""
+        import torch
+
+        n = idx.numel()
+        buf = self.index_pinned
+        if buf is None or buf.numel() < n:
+            buf = self.index_pinned = torch.empty(max(n, 4096), dtype=torch.int64).pin_memory()
+        buf[:n].copy_(idx)
+        return buf[:n].to(device, non_blocking=True)
 
     def ensure(self) -> None:
         if self.maps is None:
@@ -203,6 +217,7 @@ class ShmPath(RequestPath):
         self.page: Any = None  # shm_maps.SessionPage: lease-read counts for the daemon, the write-ahead ticket
         # write-ahead grant (see tensorwire.serve.protocol.shm.PageLock): name, (dtype, shape), region, ticket
         self.ahead: tuple[str, tuple[int, tuple[int, ...]], str, int] | None = None
+        self.gpu_pending: Any = None  # the event ending the last pinned GPU read (torch.cuda.Event)
 
     @classmethod
     def prove(
@@ -252,6 +267,7 @@ class ShmPath(RequestPath):
         return path
 
     def close(self) -> None:
+        self.gpu_wait()
         self.leases.clear()
         self.ahead = None
         self.pin = None  # the daemon releases what a closed session held
@@ -270,11 +286,13 @@ class ShmPath(RequestPath):
     def call(self, pr: Progress, op: int, name: str, *, flags: int = 0, **kw: Any) -> "wire.Reply":
         if not flags & wire.FLAG_AHEAD:
             self.ahead = None  # any other request ends the session's write-ahead grant (the daemon's side too)
+        self.gpu_wait()  # a GPU still reading the pinned version keeps the pin until it is done
         self.pin = None  # any request gives the last read's pin back (the daemon releases it first)
         return super().call(pr, op, name, flags=flags, **kw)
 
     def release(self) -> None:
         """RELEASE the read pin of the last SHM reply (no reply comes back). Under the client's lock."""
+        self.gpu_wait()
         name, self.pin = self.pin, None
         if name is not None:
             self.send_request(wire.OP_RELEASE, name)
@@ -388,6 +406,8 @@ class ShmPath(RequestPath):
         ``pool``: torch's thread pool may do it (a lease read: no request follows at once)."""
         if not got.shape:
             raise SpecError(f"{name}: a 0-d tensor has no rows")
+        import torch
+
         mem = self.mem
         rows = got.shape[0]
         n = idx.numel()
@@ -396,6 +416,9 @@ class ShmPath(RequestPath):
             lo, hi = int(inp.min()), int(inp.max())
             if lo < 0 or hi >= rows:
                 raise SpecError(f"index: row {lo if lo < 0 else hi} out of range for a tensor of {rows} rows")
+        if out is not None and out.is_cuda and self.gather_gpu(idx, out, got, src, region, lease=pool):
+            mem.shm_bytes += got.nbytes // rows * n
+            return out
         dest, dest_raw, row_bytes = self.ctx.rows_dest(name, got, n, out)
         if n and row_bytes:
             key = (region, rows, row_bytes)
@@ -403,11 +426,72 @@ class ShmPath(RequestPath):
             if cached is None or cached[0] != key:
                 if len(mem.rows_views) >= 64:
                     mem.rows_views.clear()
-                cached = mem.rows_views[name] = (key, src.numpy().reshape(rows, row_bytes))
-            # rows as bytes: any dtype (numpy's take or torch's index_select: see shm_maps.Copier)
-            mem.copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=pool)
+                cached = mem.rows_views[name] = (key, src.numpy().reshape(rows, row_bytes), src.view(rows, row_bytes))
+            # rows as bytes: any dtype. A lease read is torch's own index_select over a tensor view of the
+            # mapped slot (the kernel and threads of a local gather; see shm_maps.Copier.torch_gather), unless
+            # the machine is oversubscribed; after a request, numpy's take (no OpenMP team left spinning on
+            # the daemon's cores)
+            if pool and mem.copier.torch_gather():
+                torch.index_select(cached[2], 0, idx, out=dest_raw.view(n, row_bytes))
+            else:
+                mem.copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=False)
         mem.shm_bytes += n * row_bytes
         return self.ctx.result(dest, out)
+
+    def gather_gpu(
+        self,
+        idx: "torch.Tensor",
+        out: "torch.Tensor",
+        got: TensorSpec,
+        src: "torch.Tensor",
+        region: str,
+        *,
+        lease: bool,
+    ) -> bool:
+        """A get_rows into CUDA tensor ``out``: one ``index_select`` kernel on the caller's current stream reads
+        the rows straight from the daemon's memory (registered with CUDA: :meth:`ClientMaps.cuda_view`) into
+        ``out``. The version read stays whole: a lease read waits for the stream to pass the kernel (an event)
+        before the lease is checked; a pinned read's pin goes back only once it has (:meth:`gpu_wait`, before
+        the next request or RELEASE). False: the region is not mapped for ``out``'s device (staged instead).
+
+        Raises:
+            ShapeMismatchError: ``out`` does not fit (nothing written).
+        """
+        import torch
+
+        n, rows = idx.numel(), got.shape[0]
+        shape = (n, *got.shape[1:])
+        self.ctx.check_out(got, out, shape)
+        view = self.mem.maps.cuda_view(region, src, out.device)
+        if view is None:
+            return False
+        row_bytes = got.nbytes // rows  # pragma: no cover - needs a GPU (from here on)
+        if not (n and row_bytes):
+            return True
+        self.gpu_wait()  # the index's staging buffer is free again
+        dest = out if out.is_contiguous() else torch.empty(shape, dtype=out.dtype, device=out.device)
+        # rows moved as the widest words that divide them (a warp reads 32 x 8 bytes, not 32 x 1)
+        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)
+        width = row_bytes // word.itemsize
+        stream = torch.cuda.current_stream(out.device)
+        index = self.mem.cuda_index(idx, out.device)
+        torch.index_select(view.view(word).view(rows, width), 0, index, out=as_bytes(dest).view(word).view(n, width))
+        if dest is not out:
+            out.copy_(dest)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        if lease:
+            ev.synchronize()  # the lease is checked once the GPU has read the rows
+        else:
+            self.gpu_pending = ev
+            self.mem.maps.gpu_read(region, ev)
+        return True
+
+    def gpu_wait(self) -> None:
+        """Wait for the stream to pass the last pinned GPU read (its pin may go back after that)."""
+        ev, self.gpu_pending = self.gpu_pending, None
+        if ev is not None:  # pragma: no cover - needs a GPU
+            ev.synchronize()
 
     def get(self, name: str, out: "torch.Tensor | None", pr: Progress) -> "torch.Tensor":
         if self.leases:

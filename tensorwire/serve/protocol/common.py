@@ -152,6 +152,8 @@ def as_index(index: Any) -> "torch.Tensor":
 
     if isinstance(index, torch.Tensor):
         t = index.detach()
+        if t.dtype == torch.int64 and t.dim() == 1 and t.device.type == "cpu" and t.is_contiguous():
+            return t  # the usual case, in a few hundred nanoseconds
     else:
         try:
             t = torch.as_tensor(index)
