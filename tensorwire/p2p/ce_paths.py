@@ -38,7 +38,7 @@ from tensorwire.cuda import current_raw_stream
 from tensorwire.errors import ShapeMismatchError, TransferTimeout
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.ce import CePair
-from tensorwire.transport.ce.pair import CaptureError
+from tensorwire.transport.ce import CaptureError
 from tensorwire.transport.ce.region import DST_READY, ENTRIES, ENTRY, LANDED, RECEIVED, Block
 
 __all__ = ["CeSend", "CeRecv", "CeHandle"]

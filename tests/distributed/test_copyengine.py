@@ -278,7 +278,7 @@ def test_a_dead_or_zombie_peer_process_is_seen_at_once(tmp_path):
     import subprocess
     import sys
 
-    from tensorwire.transport.ce.pair import _alive
+    from tensorwire.transport.ce.region import process_alive as _alive
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 10
@@ -331,7 +331,7 @@ def test_a_captured_step_moves_the_bytes_again_on_every_replay(pair):
 
 
 def test_first_message_during_capture_says_warm_up_first(pair):
-    from tensorwire.transport.ce.pair import CaptureError
+    from tensorwire.transport.ce import CaptureError
 
     pair.sim.capture_begin(pair.sa)
     with pytest.raises(CaptureError, match="warm-up"):

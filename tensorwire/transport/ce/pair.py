@@ -32,14 +32,15 @@ operation when the peer dies, closes, or an operation outlives its timeout.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any, Callable
 
 from ...cuda import alloc_cuda
 from ...errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
-from .driver import CeDriver, NotExportable
+from .driver import CeDriver
+from .exports import Exports
+from .graphs import CaptureError, Capture
 from .region import (
     DST_READY,
     FAILED,
@@ -51,69 +52,18 @@ from .region import (
     STAGED,
     Block,
     Region,
+    pid_namespace,
+    process_alive,
     reached,
 )
 
-__all__ = ["CePair", "CeOp", "Exports", "CaptureError"]
+__all__ = ["CePair", "CeOp"]
 
 _NO_HANDLE = bytes(64)
 #: up to this many bytes, a copy whose peer is ready already goes on the caller's stream (a copy of 4 MiB over
 #: NVLink takes ~12 us; a larger one would hold back the caller's next kernels, so it goes on an internal stream)
 INLINE_MAX = 4 << 20
 _ERR_MISMATCH, _ERR_LOST, _ERR_TIMEOUT, _ERR_CLOSED = 1, 2, 3, 4
-_FIRST, _SECOND = 1, 2  # CeOp.graph: which side of a captured message this one was
-
-
-class CaptureError(TensorWireError):
-    """A message cannot be captured into a CUDA graph as it is (the message says what to do: warm up first...)."""
-
-
-class Exports:
-    """This process's exports (allocation -> IPC handle) and imports (peer's handle -> mapped address).
-
-    An export is cached by the allocation's buffer id (unique per allocation for the life of the process, so a
-    freed and re-made allocation at the same address is exported anew); an import by the handle's bytes.
-    """
-
-    def __init__(self, driver: Any) -> None:
-        self.driver = driver
-        self._exports: dict[int, tuple[bytes, int] | None] = {}
-        self._imports: dict[tuple[int, bytes], int] = {}
-        self._lock = threading.Lock()
-
-    def export(self, ptr: int) -> tuple[bytes, int] | None:
-        """``(handle, offset of ptr in the allocation)``, or None where legacy IPC cannot export it."""
-        base, _size, buf_id = self.driver.allocation(ptr)
-        if buf_id in self._exports:
-            hit = self._exports[buf_id]
-        else:
-            try:
-                hit = (self.driver.export(base), base)
-            except NotExportable:
-                hit = None
-            self._exports[buf_id] = hit
-        if hit is None:
-            return None
-        return hit[0], ptr - hit[1]
-
-    def open(self, device: int, handle: bytes) -> int:
-        key = (device, handle)
-        addr = self._imports.get(key)
-        if addr is None:
-            with self._lock:
-                addr = self._imports.get(key)
-                if addr is None:
-                    addr = self._imports[key] = self.driver.open(handle)
-        return addr
-
-    def close_all(self) -> None:
-        with self._lock:
-            imports, self._imports = self._imports, {}
-        for addr in imports.values():
-            try:
-                self.driver.close(addr)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
 
 
 class CeOp:
@@ -192,7 +142,9 @@ class CeOp:
             cb(exc)
 
 
-class _Channel:
+class Channel:
+    """One tag in one direction of a pair: where its entries are and how many messages it has had."""
+
     __slots__ = ("offset", "seq", "graph", "lock")
 
     def __init__(self, offset: int) -> None:
@@ -202,7 +154,7 @@ class _Channel:
         self.lock = threading.Lock()
 
 
-class CePair:
+class CePair(Capture):
     """The copy-engine path between this process and one peer process on the same host.
 
     Args:
@@ -238,7 +190,7 @@ class CePair:
         self.exports = exports if exports is not None else Exports(self.driver)
         self._mismatch = mismatch
         self._stage = stage
-        self._channels: dict[int, _Channel] = {}
+        self._channels: dict[int, Channel] = {}
         self._streams: dict[int, tuple[int, int, int, int]] = {}
         self._pending: list[CeOp] = []
         self._pending_lock = threading.Lock()
@@ -376,89 +328,6 @@ class CePair:
                 d.write(inner, dev + RECV_DONE, seq)
         return self._pend(op)
 
-    # -- CUDA graph capture ----------------------------------------------------------------------------
-    def _captured(
-        self,
-        tensor: Any,
-        tag: int,
-        words: tuple[int, ...],
-        nbytes: int,
-        stream: int,
-        device: int,
-        what: Callable[[], str],
-        sending: bool,
-    ) -> CeOp:
-        """A message captured into a CUDA graph: its own graph entry, 0/1 flags that the graph resets.
-
-        The two sides meet in the entry at capture time, as eager messages do at call time. What is recorded:
-        the first side writes its ready flag (1); the second waits for it, resets it (0), copies on the
-        capturing stream and writes ``landed`` (1); the first side's ``wait()`` records a wait for ``landed``
-        and its reset. Every replay of both graphs moves the bytes again; nothing in the graph depends on a
-        number baked in at capture.
-        """
-        d = self.driver
-        addr, handle, offset = 0, _NO_HANDLE, 0
-        if nbytes:
-            exp = self.exports.export(tensor.data_ptr()) if tensor.is_contiguous() else None
-            if exp is None:
-                raise CaptureError(
-                    f"{what()}: a tensor captured in a CUDA graph must be contiguous memory that CUDA IPC can export "
-                    "(no staging buffer can be allocated during capture)"
-                )
-            addr = tensor.data_ptr()
-            handle, offset = exp
-        chan = self._channels.get(2 * tag + (self._side if sending else 1 - self._side)) or self._channel(tag, sending)
-        r = self.region
-        me, them = (SENT, RECEIVED) if sending else (RECEIVED, SENT)
-        with chan.lock:
-            chan.graph += 1
-            k = chan.graph
-            entry = r.graph_entry(chan.offset, k)
-            mine = Block(words, nbytes, offset, handle)
-            with r.mutex:
-                eseq, state, _err = r.head(entry)
-                if eseq == k and state & them and not state & me:
-                    theirs: Block | None = r.read_block(entry, not sending)
-                    assert theirs is not None
-                    if theirs.words != mine.words or theirs.nbytes != mine.nbytes:
-                        err = self._mismatch(mine.words, theirs.words, sending)
-                        if err is not None:
-                            raise ProtocolError(f"{err} (captured message {k} of this tag)")
-                    r.write_block(entry, sending, mine)
-                    r.set_head(entry, k, state | me)
-                elif eseq == 0:
-                    theirs = None
-                    r.write_block(entry, sending, mine)
-                    r.set_head(entry, k, me)
-                else:
-                    raise ProtocolError(
-                        f"{what()}: captured message {k} of this tag was already taken (state {state:#x}): the two "
-                        "ranks captured different sequences of messages"
-                    )
-            self._graph_entries.append(entry)
-            op = CeOp(self, entry, k, sending, LANDED, (tensor, None), what)
-            dev = r.device_addr + entry
-            if theirs is None:
-                op.graph = _FIRST
-                d.write(stream, dev + (SRC_READY if sending else DST_READY), 1)
-                return op
-            op.graph = _SECOND
-            op.stream = stream
-            ready = dev + (DST_READY if sending else SRC_READY)
-            d.wait(stream, ready, 1)
-            d.write(stream, ready, 0)
-            if nbytes:
-                try:
-                    peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
-                except TensorWireError as exc:
-                    raise CaptureError(f"{what()}: mapping the peer's memory during capture failed: {exc}") from exc
-                if sending:
-                    d.copy(stream, peer_addr, addr, nbytes)
-                else:
-                    d.copy(stream, addr, peer_addr, nbytes)
-            d.write(stream, dev + LANDED, 1)
-            return op
-
     def order_after(self, op: CeOp, stream: int, device: int) -> None:
         """Make ``stream`` (of ``device``) wait until ``op``'s bytes are in place -- queued, the host never waits.
 
@@ -468,14 +337,7 @@ class CePair:
         """
         d = self.driver
         if op.graph:
-            d.context(device)
-            if op.graph == _FIRST:
-                dev = op.flag_device_addr
-                d.wait(stream, dev, 1)
-                d.write(stream, dev, 0)
-            elif stream != op.stream:
-                d.order(stream, op.stream, self._device(device)[3])
-            op._complete(None)
+            self._order_captured(op, stream, device)
             return
         if stream != op.stream and not op.poll():
             d.context(device)
@@ -496,13 +358,16 @@ class CePair:
         """Call ``release`` when the pair fails (to let streams waiting on flags of the caller's go on)."""
         self._releasers.append(release)
 
+    def _new_op(self, entry: int, seq: int, sending: bool, flag: int, keep: Any, what: Callable[[], str]) -> CeOp:
+        return CeOp(self, entry, seq, sending, flag, keep, what)
+
     def _pend(self, op: CeOp) -> CeOp:
         with self._pending_lock:
             self._pending.append(op)
         return op
 
     def _arrive(
-        self, chan: _Channel, seq: int, sending: bool, mine: Block, staged: bool, what: Callable[[], str]
+        self, chan: Channel, seq: int, sending: bool, mine: Block, staged: bool, what: Callable[[], str]
     ) -> tuple[int, Block | None]:
         """Take this side's place in the message's entry; returns ``(entry, the peer's block if it came first)``."""
         r = self.region
@@ -564,7 +429,7 @@ class CePair:
             return self.error
         return PeerLostError(f"{what()}: failed on the copy-engine path (code {code})")
 
-    def _channel(self, tag: int, sending: bool) -> _Channel:
+    def _channel(self, tag: int, sending: bool) -> Channel:
         side = self.region.side if sending else 1 - self.region.side
         key = 2 * tag + side
         chan = self._channels.get(key)
@@ -572,7 +437,7 @@ class CePair:
             with self._lock:
                 chan = self._channels.get(key)
                 if chan is None:
-                    chan = self._channels[key] = _Channel(self.region.channel(key))
+                    chan = self._channels[key] = Channel(self.region.channel(key))
         return chan
 
     # -- staging -----------------------------------------------------------------------------------------
@@ -615,7 +480,7 @@ class CePair:
         pid, pidns, beat, closed = self.region.peer_state()
         if closed:
             return PeerLostError(f"rank {self.peer} closed its side of the copy-engine path")
-        if pidns == _own_pidns() and pid > 0 and not _alive(pid):
+        if pidns == pid_namespace() and pid > 0 and not process_alive(pid):
             return PeerLostError(f"rank {self.peer} (pid {pid}) died")
         last, since = self._last_beat
         if beat != last:
@@ -664,26 +529,3 @@ class CePair:
 def _as(staged: Any, tensor: Any) -> Any:
     """The staging buffer (bytes) seen with the tensor's dtype and shape (contiguous)."""
     return staged[: tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` (of this pid namespace) runs: not gone, and not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # the state letter follows the command name, which is in parentheses and may itself hold spaces
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
-
-
-_PIDNS: list[int] = []
-
-
-def _own_pidns() -> int:
-    if not _PIDNS:
-        try:
-            _PIDNS.append(os.stat("/proc/self/ns/pid").st_ino)
-        except OSError:
-            _PIDNS.append(-1)
-    return _PIDNS[0]

@@ -62,6 +62,8 @@ __all__ = [
     "RECV_DONE",
     "Block",
     "reached",
+    "pid_namespace",
+    "process_alive",
 ]
 
 MAGIC = 0x74776365_72656731  # "twceReg1"
@@ -188,7 +190,7 @@ class Region:
         self._channels: dict[int, int] = {}
         self._closed = False
         self._lock = threading.Lock()
-        _SIDE.pack_into(self.buf, _SIDES + 32 * side, os.getpid(), _pid_namespace(), 1, 0)
+        _SIDE.pack_into(self.buf, _SIDES + 32 * side, os.getpid(), pid_namespace(), 1, 0)
 
     @classmethod
     def create(cls, directory: str = "/dev/shm") -> "Region":
@@ -310,8 +312,21 @@ class Region:
                 pass
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (pids of two processes compare only within one)."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) runs: not gone, and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # the state letter follows the command name, which is in parentheses and may itself hold spaces
+    end = stat.rfind(b")")
+    return stat[end + 2 : end + 3] not in (b"Z", b"X")

@@ -1,0 +1,151 @@
+"""Messages of a pair captured in CUDA graphs (:class:`Capture`, a part of :class:`~.pair.CePair`).
+
+A message captured in a graph meets its peer in an entry of its own (one per captured message of a channel,
+for good), at capture time, on the host. The flags of such an entry hold 0 or 1 and the graph resets each one
+after waiting on it, so every replay of both graphs moves the bytes again and nothing in a graph depends on a
+number baked in at capture:
+
+- the first side records the write of its ready flag (1);
+- the second side records a wait for that flag, its reset (0), the copy on the capturing stream and the write
+  of ``landed`` (1);
+- the first side's ``wait()`` records a wait for ``landed`` and its reset; the second side's, on another
+  stream than the copy's, an event dependency.
+
+Both ranks must capture the same sequence of messages per tag and direction and replay their graphs alike;
+what breaks that and can be seen at capture (another signature, an entry already taken) raises there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from ...errors import ProtocolError, TensorWireError
+from .region import DST_READY, LANDED, RECEIVED, SENT, SRC_READY, Block
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .exports import Exports
+    from .pair import CeOp, Channel
+    from .region import Region
+
+__all__ = ["Capture", "CaptureError", "FIRST", "SECOND"]
+
+FIRST, SECOND = 1, 2  # CeOp.graph: which side of a captured message this one was
+_NO_HANDLE = bytes(64)
+
+
+class CaptureError(TensorWireError):
+    """A message cannot be captured into a CUDA graph as it is (the message says what to do: warm up first...)."""
+
+
+class Capture:
+    """The capture half of :class:`~.pair.CePair` (see the module docstring)."""
+
+    region: "Region"
+    driver: Any
+    exports: "Exports"
+    _side: int
+    _channels: "dict[int, Channel]"
+    _graph_entries: list[int]
+    _mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None]
+
+    def _channel(self, tag: int, sending: bool) -> "Channel":
+        raise NotImplementedError
+
+    def _device(self, device: int) -> tuple[int, int, int, int]:
+        raise NotImplementedError
+
+    def _new_op(self, entry: int, seq: int, sending: bool, flag: int, keep: Any, what: Callable[[], str]) -> "CeOp":
+        raise NotImplementedError
+
+    def _captured(
+        self,
+        tensor: Any,
+        tag: int,
+        words: tuple[int, ...],
+        nbytes: int,
+        stream: int,
+        device: int,
+        what: Callable[[], str],
+        sending: bool,
+    ) -> CeOp:
+        """A message captured into a CUDA graph: its own graph entry, 0/1 flags that the graph resets.
+
+        The two sides meet in the entry at capture time, as eager messages do at call time. What is recorded:
+        the first side writes its ready flag (1); the second waits for it, resets it (0), copies on the
+        capturing stream and writes ``landed`` (1); the first side's ``wait()`` records a wait for ``landed``
+        and its reset. Every replay of both graphs moves the bytes again; nothing in the graph depends on a
+        number baked in at capture.
+        """
+        d = self.driver
+        addr, handle, offset = 0, _NO_HANDLE, 0
+        if nbytes:
+            exp = self.exports.export(tensor.data_ptr()) if tensor.is_contiguous() else None
+            if exp is None:
+                raise CaptureError(
+                    f"{what()}: a tensor captured in a CUDA graph must be contiguous memory that CUDA IPC can export "
+                    "(no staging buffer can be allocated during capture)"
+                )
+            addr = tensor.data_ptr()
+            handle, offset = exp
+        chan = self._channels.get(2 * tag + (self._side if sending else 1 - self._side)) or self._channel(tag, sending)
+        r = self.region
+        me, them = (SENT, RECEIVED) if sending else (RECEIVED, SENT)
+        with chan.lock:
+            chan.graph += 1
+            k = chan.graph
+            entry = r.graph_entry(chan.offset, k)
+            mine = Block(words, nbytes, offset, handle)
+            with r.mutex:
+                eseq, state, _err = r.head(entry)
+                if eseq == k and state & them and not state & me:
+                    theirs: Block | None = r.read_block(entry, not sending)
+                    assert theirs is not None
+                    if theirs.words != mine.words or theirs.nbytes != mine.nbytes:
+                        err = self._mismatch(mine.words, theirs.words, sending)
+                        if err is not None:
+                            raise ProtocolError(f"{err} (captured message {k} of this tag)")
+                    r.write_block(entry, sending, mine)
+                    r.set_head(entry, k, state | me)
+                elif eseq == 0:
+                    theirs = None
+                    r.write_block(entry, sending, mine)
+                    r.set_head(entry, k, me)
+                else:
+                    raise ProtocolError(
+                        f"{what()}: captured message {k} of this tag was already taken (state {state:#x}): the two "
+                        "ranks captured different sequences of messages"
+                    )
+            self._graph_entries.append(entry)
+            op = self._new_op(entry, k, sending, LANDED, (tensor, None), what)
+            dev = r.device_addr + entry
+            if theirs is None:
+                op.graph = FIRST
+                d.write(stream, dev + (SRC_READY if sending else DST_READY), 1)
+                return op
+            op.graph = SECOND
+            op.stream = stream
+            ready = dev + (DST_READY if sending else SRC_READY)
+            d.wait(stream, ready, 1)
+            d.write(stream, ready, 0)
+            if nbytes:
+                try:
+                    peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
+                except TensorWireError as exc:
+                    raise CaptureError(f"{what()}: mapping the peer's memory during capture failed: {exc}") from exc
+                if sending:
+                    d.copy(stream, peer_addr, addr, nbytes)
+                else:
+                    d.copy(stream, addr, peer_addr, nbytes)
+            d.write(stream, dev + LANDED, 1)
+            return op
+
+    def _order_captured(self, op: "CeOp", stream: int, device: int) -> None:
+        d = self.driver
+        d.context(device)
+        if op.graph == FIRST:
+            dev = op.flag_device_addr
+            d.wait(stream, dev, 1)
+            d.write(stream, dev, 0)
+        elif stream != op.stream:
+            d.order(stream, op.stream, self._device(device)[3])
+        op._complete(None)
