@@ -125,8 +125,11 @@ def stop_endpoint() -> None:
     EXPORTER.stop()
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
 
 
 def summary(rank: int | None = None) -> str:
@@ -143,7 +146,7 @@ def summary(rank: int | None = None) -> str:
             + (f" ({f['call_seconds'] / f['messages'] * 1e6:.0f} us/call)" if f["messages"] else "")
             for f in per
         )
-        parts.append(f"{d} {t['messages']} msgs {_mib(t['bytes'])}" + (f" [{detail}]" if detail else ""))
+        parts.append(f"{d} {t['messages']} msgs {_size(t['bytes'])}" + (f" [{detail}]" if detail else ""))
     links = ", ".join(f"{e['path']}->{e['peer']} x{e['count']}" for e in m["negotiations"]) or "none"
     falls = (
         ", ".join(f"{e['wanted']}->{e['taken']} to {e['peer']} ({e['reason']}) x{e['count']}" for e in m["fallbacks"])

@@ -108,14 +108,16 @@ class Route:
         self.flow = REGISTRY.flow(peer, path, direction)
         self.nbytes = nbytes
         self.cma = cma if path == "tcp" else None
-        self.cma_flow = REGISTRY.flow(peer, "cma", direction) if self.cma is not None else None
+        self.cma_flow: Flow | None = None  # made by the first message that goes by cma
         self.noted = False  # (a staged route of the backend: its fallback counted)
 
     def flow_for(self, nbytes: int) -> Flow:
         cma = self.cma
         if cma is not None and nbytes >= cma.min_bytes and (self.direction == "recv" or cma.sending):
-            assert self.cma_flow is not None
-            return self.cma_flow
+            f = self.cma_flow
+            if f is None:
+                f = self.cma_flow = REGISTRY.flow(self.peer, "cma", self.direction)
+            return f
         return self.flow
 
     def path_for(self, nbytes: int) -> str:

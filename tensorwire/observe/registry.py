@@ -188,7 +188,13 @@ class Registry:
             errors = dict(self._errors)
             held = {k: list(v) for k, v in self._held.items()}
         return {
-            "flows": [{"peer": f.peer, "path": f.path, "direction": f.direction, **f.read()} for f in flows],
+            # (a flow prepared for a path no message took yet -- CUDA tensors of a CPU job -- is left out)
+            "flows": [
+                {"peer": f.peer, "path": f.path, "direction": f.direction, **r}
+                for f in flows
+                for r in (f.read(),)
+                if r["messages"] or r["completed"]
+            ],
             "negotiations": [{"peer": k[0], "path": k[1], "count": n} for k, n in negotiations.items()],
             "fallbacks": [
                 {"peer": k[0], "wanted": k[1], "taken": k[2], "reason": k[3], "count": n} for k, n in fallbacks.items()
