@@ -96,15 +96,18 @@ class Work(dist._Work):
     def _finished(self, exc: BaseException | None, streamed: bool) -> None:
         """Hook: called once, right after the work completed (``streamed``: a stream waits for it)."""
 
-    def watch(self, flow: Any, t0: int, on_error: Callable[[BaseException], None]) -> None:
+    def watch(self, flow: Any, t0: int, on_error: Callable[[BaseException], None]) -> bool:
         """Count the time from ``t0`` (``perf_counter_ns``) to completion in ``flow`` (a
-        :class:`tensorwire.observe.registry.Flow`), and a failure with ``on_error``; at once if already complete."""
-        with _STATE:
-            if not self._is_done:
-                self._flow, self._t0, self._on_error = flow, t0, on_error
-                return
-        self._t0, self._on_error = t0, on_error
-        self._counted(flow, self._exc)
+        :class:`tensorwire.observe.registry.Flow`) and a failure with ``on_error``, when it completes (True);
+        False: it is complete already (a failure is counted now; the caller counts the time)."""
+        if not self._is_done:
+            with _STATE:
+                if not self._is_done:
+                    self._flow, self._t0, self._on_error = flow, t0, on_error
+                    return True
+        if self._exc is not None:
+            on_error(self._exc)
+        return False
 
     def _counted(self, flow: Any, exc: BaseException | None) -> None:
         flow.completed(time.perf_counter_ns() - self._t0)

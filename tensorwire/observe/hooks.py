@@ -364,9 +364,12 @@ class GroupWatch:
         if i > LAST:
             i = LAST
         f.bytes += n
-        f.posted_ns += ns
-        f.posted[i] += 1
-        work.watch(f, t0, r.failed)
+        if work.watch(f, t0, r.failed):  # completes later: its completion is counted then
+            f.posted_ns += ns
+            f.posted[i] += 1
+        else:  # completed in the call (most host sends): a blocking call
+            f.sync_ns += ns
+            f.sync[i] += 1
         return work
 
 

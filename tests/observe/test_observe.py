@@ -100,6 +100,16 @@ def test_isend_counts_its_post_and_its_completion_once_seen(links):
     assert done["completion_seconds"] >= 0
 
 
+def test_tw_metrics_is_the_same_snapshot_and_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, tensorwire as tw; m = tw.metrics(); assert 'torch' not in sys.modules; print(sorted(m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(["enabled", "errors", "fallbacks", "flows", "held", "negotiations", "totals"])
+
+
 def test_counting_off_counts_nothing_and_on_again_counts_from_there(links):
     a, b = links
     observe.set_enabled(False)
