@@ -101,11 +101,15 @@ def test_isend_counts_its_post_and_its_completion_once_seen(links):
 
 
 def test_tw_metrics_is_the_same_snapshot_and_does_not_import_torch():
+    import os
+    import pathlib
     import subprocess
     import sys
 
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = "import sys, tensorwire as tw; m = tw.metrics(); assert 'torch' not in sys.modules; print(sorted(m))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env, cwd=root)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(["enabled", "errors", "fallbacks", "flows", "held", "negotiations", "totals"])
 
