@@ -99,7 +99,7 @@ class Route:
     sends that way count under ``cma``.
     """
 
-    __slots__ = ("peer", "path", "direction", "flow", "nbytes", "cma", "cma_flow", "noted")
+    __slots__ = ("peer", "path", "direction", "flow", "nbytes", "cma", "cma_flow", "fallback_due", "on_error")
 
     def __init__(self, peer: int, path: str, direction: str, *, nbytes: int | None = None, cma: Any = None) -> None:
         self.peer = peer
@@ -109,7 +109,8 @@ class Route:
         self.nbytes = nbytes
         self.cma = cma if path == "tcp" else None
         self.cma_flow: Flow | None = None  # made by the first message that goes by cma
-        self.noted = False  # (a staged route of the backend: its fallback counted)
+        self.fallback_due = path == "staged"  # a staged route of the backend: its fallback is still to be counted
+        self.on_error = self.failed  # (bound once: a work keeps it)
 
     def flow_for(self, nbytes: int) -> Flow:
         cma = self.cma
@@ -326,37 +327,24 @@ class GroupWatch:
     def _call(
         self, direction: str, fn: Callable[[list[Any], int, int], Any], tensors: list[Any], peer: int, tag: int
     ) -> Any:
-        prof = self._prof()
-        if not prof and not SWITCH.on:
+        if self._prof():
+            return self._traced(direction, fn, tensors, peer, tag)
+        if not SWITCH.on:
             return fn(tensors, peer, tag)
         routes = self._routes[direction].get(peer)
         if routes is None or len(tensors) != 1:
             return fn(tensors, peer, tag)  # (raises: not a peer, not one tensor)
         t = tensors[0]
-        if t.is_cuda:
-            r = routes[1]
-            if r.path == "staged" and not r.noted:
-                r.noted = True
-                REGISTRY.fell_back(peer, "ucx", "staged", f"{routes[0].path}_cannot_reach_cuda")
-        else:
-            r = routes[0]
-        n = _nbytes(t)
-        if prof:
-            from torch.autograd.profiler import record_function
-
-            with record_function(f"tensorwire.{direction} peer={peer} tag={tag} bytes={n} path={r.path_for(n)}"):
-                return self._count(r, n, fn, tensors, peer, tag) if SWITCH.on else fn(tensors, peer, tag)
-        return self._count(r, n, fn, tensors, peer, tag)
-
-    @staticmethod
-    def _count(
-        r: Route, n: int, fn: Callable[[list[Any], int, int], Any], tensors: list[Any], peer: int, tag: int
-    ) -> Any:
+        r = routes[1] if t.is_cuda else routes[0]
+        if r.fallback_due:  # (staged CUDA tensors: the fallback is counted once)
+            self._note_staged(r, routes[0].path)
+        # what follows is the message's whole cost when counting: inline, no call of ours (bench/bench_observe.py)
+        n = t.nbytes
         t0 = _clock()
         try:
             work = fn(tensors, peer, tag)
         except BaseException as exc:
-            REGISTRY.error(peer, r.path, exc)
+            r.failed(exc)
             raise
         f = r.flow if r.cma is None else r.flow_for(n)
         ns = _clock() - t0
@@ -364,13 +352,49 @@ class GroupWatch:
         if i > LAST:
             i = LAST
         f.bytes += n
-        if work.watch(f, t0, r.failed):  # completes later: its completion is counted then
+        if work.watch(f, t0, r.on_error):  # completes later: its completion is counted then
             f.posted_ns += ns
             f.posted[i] += 1
         else:  # completed in the call (most host sends): a blocking call
             f.sync_ns += ns
             f.sync[i] += 1
         return work
+
+    @staticmethod
+    def _note_staged(r: Route, host_path: str) -> None:
+        r.fallback_due = False
+        REGISTRY.fell_back(r.peer, "ucx", "staged", f"{host_path}_cannot_reach_cuda")
+
+    def _traced(
+        self, direction: str, fn: Callable[[list[Any], int, int], Any], tensors: list[Any], peer: int, tag: int
+    ) -> Any:
+        """:meth:`_call` inside a profiler range (a profiler records)."""
+        from torch.autograd.profiler import record_function
+
+        routes = self._routes[direction].get(peer)
+        if routes is None or len(tensors) != 1:
+            return traced(f"tensorwire.{direction} peer={peer} tag={tag}", fn, tensors, peer, tag)
+        t = tensors[0]
+        r = routes[1] if t.is_cuda else routes[0]
+        n = int(t.nbytes)
+        with record_function(f"tensorwire.{direction} peer={peer} tag={tag} bytes={n} path={r.path_for(n)}"):
+            if not SWITCH.on:
+                return fn(tensors, peer, tag)
+            if r.fallback_due:
+                self._note_staged(r, routes[0].path)
+            t0 = _clock()
+            try:
+                work = fn(tensors, peer, tag)
+            except BaseException as exc:
+                r.failed(exc)
+                raise
+            f = r.flow_for(n)
+            ns = _clock() - t0
+            if work.watch(f, t0, r.on_error):
+                f.post(n, ns)
+            else:
+                f.called(n, ns)
+            return work
 
 
 def traced_wait(wait: Callable[[Any], bool], describe: Callable[[], str], timeout: Any) -> bool:
