@@ -9,6 +9,7 @@ that both settings see the same load:
 2. **backend**: ``dist.send``/``dist.recv`` of 4 KiB between two spawned ranks of
    ``backend="tensorwire"`` (TCP), host time per round trip on rank 0, both ranks
    switching counting at the same message counts;
+   and the same with counting off in both turns (the bench's noise floor);
 3. **hook**: the hooks alone around an operation that does nothing: ns per call,
    counting off, counting on (what a message pays for its counts);
 4. **ranges**: ``torch.profiler.record_function`` entered and left with no profiler
@@ -42,7 +43,9 @@ def _spread(xs: list[float], fmt: str) -> str:
     return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}..{max(xs):{fmt}})"
 
 
-def _in_turns(run: Callable[[int], tuple[float, float]], set_on: Callable[[bool], None], pairs: int, burst: int) -> dict:
+def _in_turns(
+    run: Callable[[int], tuple[float, float]], set_on: Callable[[bool], None], pairs: int, burst: int
+) -> dict:
     """ABBA bursts of ``run(burst)`` -> (wall s, cpu s); per pair the on/off ratio of each."""
     out: dict[str, list[float]] = {"off": [], "on": [], "off_cpu": [], "on_cpu": [], "ratio": [], "ratio_cpu": []}
     run(burst)  # warm
@@ -62,7 +65,8 @@ def _in_turns(run: Callable[[int], tuple[float, float]], set_on: Callable[[bool]
 
 
 # -- 1. Link ---------------------------------------------------------------------------------------------------
-def link_turns(pairs: int, burst: int) -> dict:
+def link_turns(pairs: int, burst: int, *, null: bool = False) -> dict:
+    """``null``: both turns with counting off (what the figures move by with nothing changed)."""
     import torch
 
     from tensorwire import observe
@@ -75,7 +79,9 @@ def link_turns(pairs: int, burst: int) -> dict:
     nonce = new_nonce()
     lst.expect(nonce)
     box: list[Any] = []
-    th = threading.Thread(target=lambda: box.append(TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10)))
+    th = threading.Thread(
+        target=lambda: box.append(TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10))
+    )
     th.start()
     tb = lst.accept(nonce, timeout=10)
     th.join(10)
@@ -94,7 +100,7 @@ def link_turns(pairs: int, burst: int) -> dict:
         return (time.perf_counter() - t0) / (4 * k), (time.thread_time() - c0) / (4 * k)  # per call
 
     try:
-        return _in_turns(run, observe.set_enabled, pairs, burst)
+        return _in_turns(run, (lambda on: observe.set_enabled(False)) if null else observe.set_enabled, pairs, burst)
     finally:
         a.close()
         b.close()
@@ -227,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         "| what | off: host us/call | on: host us/call | on / off host | on / off CPU |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
-    parts = [("Link over TCP, one thread (4 calls per round trip)", link_turns)]
+    parts: list[tuple[str, Callable[[int, int], dict]]] = [
+        ("Link over TCP, one thread (4 calls per round trip)", link_turns),
+        ("the same, off vs off (the noise floor: nothing differs)", lambda p, b: link_turns(p, b, null=True)),
+    ]
     if not args.skip_backend:
         parts.append(("backend tensorwire over TCP, 2 ranks (rank 0, 2 calls per round trip)", backend_turns))
     for label, fn in parts:

@@ -72,3 +72,30 @@ def test_ucx_missing_on_one_rank_shows_as_a_labelled_fallback_on_both():
     s = _samples(res[1]["text"])
     labels = (("peer", "0"), ("reason", "ucx_unavailable_here"), ("taken", "tcp"), ("wanted", "ucx"))
     assert s[("tensorwire_p2p_fallbacks_total", labels)] == 1
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() == 0, reason="needs a CUDA device")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport,path", [("tcp", "staged"), pytest.param("ucx", "ucx", marks=TRANSPORTS[1].marks)])
+def test_cuda_exchange_ranges_and_counts_carry_the_cuda_path(transport, path):
+    n = 20
+    res = run_ranks(W.profiled_backend_exchange, 2, timeout=200, transport=transport, n=n, device="cuda")
+    r0, r1 = res[0], res[1]
+    assert r0["names"].count(f"tensorwire.send peer=1 tag=3 bytes={BYTES} path={path}") == 3, r0["names"]
+    assert r1["names"].count(f"tensorwire.recv peer=0 tag=3 bytes={BYTES} path={path}") == 3, r1["names"]
+    (sent,) = [f for f in r0["metrics"]["flows"] if (f["peer"], f["direction"], f["path"]) == ("1", "send", path)]
+    assert sent["messages"] == 3 + n and sent["bytes"] == (3 + n) * BYTES and sent["completed"] == 3 + n
+    if path == "staged":  # CUDA tensors over TCP: the fallback is counted, with its reason
+        assert {"peer": "1", "wanted": "ucx", "taken": "staged", "reason": "tcp_cannot_reach_cuda", "count": 1} in r0[
+            "metrics"
+        ]["fallbacks"]

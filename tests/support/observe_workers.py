@@ -25,18 +25,26 @@ def _init(rank: int, world: int, store: Any, transport: str) -> None:
     dist.init_process_group("tensorwire", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
 
 
-def profiled_backend_exchange(*, rank: int, world: int, store: Any, transport: str, n: int) -> dict[str, Any]:
+def profiled_backend_exchange(
+    *, rank: int, world: int, store: Any, transport: str, n: int, device: str = "cpu"
+) -> dict[str, Any]:
     """Under torch.profiler: dist.send/recv, isend/irecv + wait, batch_isend_irecv (tag 3 from rank 0, tag 4
     back); then ``n`` more sends from rank 0 without a profiler. Returns the ranges' names, tw.metrics(), the
-    endpoint's text (TENSORWIRE_METRICS_PORT=0) and the summary line written at destroy_process_group()."""
+    endpoint's text (TENSORWIRE_METRICS_PORT=0) and the summary line written at destroy_process_group().
+    ``device="cuda"``: the tensors are on GPU ``rank % device_count`` and the profiler records CUDA too."""
     os.environ["TENSORWIRE_METRICS_PORT"] = "0"
     os.environ["TENSORWIRE_LOG"] = "info"
     observe.reset()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
     _init(rank, world, store, transport)
     peer = 1 - rank
-    mine = torch.full((ELEMS,), float(rank))
-    buf = torch.empty(ELEMS)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    mine = torch.full((ELEMS,), float(rank), device=device)
+    buf = torch.empty(ELEMS, device=device)
+    with torch.profiler.profile(activities=activities) as prof:
         if rank == 0:
             dist.send(mine, peer, tag=3)
             dist.isend(mine, peer, tag=3).wait()
@@ -47,7 +55,9 @@ def profiled_backend_exchange(*, rank: int, world: int, store: Any, transport: s
             ops = [dist.P2POp(dist.irecv, buf, peer, tag=3), dist.P2POp(dist.isend, mine, peer, tag=4)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-    assert torch.equal(buf, torch.full((ELEMS,), float(peer))), buf[:4]
+    if device != "cpu":
+        torch.cuda.synchronize()
+    assert torch.equal(buf.cpu(), torch.full((ELEMS,), float(peer))), buf[:4]
     names = [e.name for e in prof.events() if e.name.startswith("tensorwire.")]
     for _ in range(n):
         if rank == 0:
