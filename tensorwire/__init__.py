@@ -42,6 +42,7 @@ __all__ = [
     "discover",
     "Plan",
     "Client",
+    "metrics",
     # errors
     "TensorWireError",
     "ConfigError",
@@ -69,6 +70,7 @@ _LAZY = {
     "discover": ("tensorwire.discovery", "discover"),
     "Plan": ("tensorwire.discovery", "Plan"),
     "Client": ("tensorwire.serve.client", "Client"),
+    "metrics": ("tensorwire.observe", "metrics"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,6 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tensorwire.discovery import Plan, discover
     from tensorwire.p2p.link import Link
     from tensorwire.p2p.node import Node
+    from tensorwire.observe import metrics
 
 
 def __getattr__(name: str) -> Any:

@@ -122,6 +122,13 @@ def _count(raw: str) -> int:
     return value
 
 
+def _port(raw: str) -> int:
+    value = int(raw.strip())
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a port number in 0..65535")
+    return value
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -250,6 +257,29 @@ class Settings:
         "wait on) when both ranks share a host and CUDA, else UCX; `ce`: the copy-engine path or an error; `ucx`: "
         "always UCX (two-sided tag messages).",
         "auto",
+    )
+    # -- observability (links and the torch.distributed backend) ------------------------------------------
+    metrics: bool = _var(
+        _switch,
+        "Count the messages, bytes and latencies of links and of backend `tensorwire` per peer and path "
+        "(`tw.metrics()`, the Prometheus endpoint); `0` turns counting off.",
+        True,
+        shown="1",
+    )
+    metrics_port: int | None = _var(
+        _port,
+        "Serve the point-to-point metrics in Prometheus' format on this port plus the local rank (under torchrun; "
+        "the node's address); `0`: any free port. Unset: no endpoint.",
+        None,
+        shown="unset: no endpoint",
+    )
+    log: Literal["", "info"] = _var(
+        _choice("", "info"),
+        "`info`: each node writes one summary line of its traffic (messages, bytes, paths, fallbacks, errors) when "
+        "it closes (`Node.close()`, `destroy_process_group()`), to its logger, or to stderr where logging is not "
+        "configured.",
+        "",
+        shown="unset",
     )
     # -- serve client --------------------------------------------------------------------------------------
     shm_leases: bool = _var(

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..observe import GroupWatch
 from ..p2p.bootstrap import reachable_address
 from ..p2p.node import Node
 from ..p2p.torchrun import TorchrunEnv
@@ -142,6 +143,13 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                     p.ce.close(GroupClosed("the group's creation failed"))
             self._node.close()
             raise
+        # counts and profiler ranges of send/recv (tensorwire.observe); set_path relabels a peer's CUDA traffic
+        self._watch = GroupWatch(
+            {r: p.transport for r, p in self._peers.items()}, do_send=self._send_now, do_recv=self._recv_now
+        )
+        for r, p in self._peers.items():
+            if p.ce is not None:
+                self._watch.set_path(r, cuda="ce")
         kinds = sorted({p.transport.kind for p in self._peers.values()} | ({"ce"} if self._watchdog else set()))
         log.info(
             "tensorwire.distributed: rank %d/%d connected to %d peers over %s",
@@ -225,9 +233,15 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         return peer
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:
-        return self._peer_for(tensors, dstRank, tag, "send").isend(tensors[0], tag)
+        return self._watch.send(tensors, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:
+        return self._watch.recv(tensors, srcRank, tag)
+
+    def _send_now(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:
+        return self._peer_for(tensors, dstRank, tag, "send").isend(tensors[0], tag)
+
+    def _recv_now(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:
         return self._peer_for(tensors, srcRank, tag, "recv").irecv(tensors[0], tag)
 
     def _peer_for(self, tensors: list[torch.Tensor], rank: int, tag: int, what: str) -> Peer:

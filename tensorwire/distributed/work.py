@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..observe import profiler_flag, traced_wait
 from .errors import WorkTimeout
 
 __all__ = ["Work", "DoneWork", "Completer"]
@@ -37,6 +38,8 @@ __all__ = ["Work", "DoneWork", "Completer"]
 #: costs nothing in contention and saves making one per message).
 _STATE = threading.Lock()
 _NO_TIMEOUT = timedelta(0)
+#: Whether a torch.profiler session records (then wait() opens a range: tensorwire.observe).
+_profiling = profiler_flag()
 
 
 class Work(dist._Work):
@@ -57,6 +60,9 @@ class Work(dist._Work):
     _completer: "Completer | None" = None
     _streamed = False  # a stream waits for it (wait() returned before it completed)
     _deadline = 0.0  # streamed: when it must be complete
+    _flow: Any = None  # where its completion is counted (tensorwire.observe: watch())
+    _t0 = 0
+    _on_error: Callable[[BaseException], None] | None = None
 
     def __init__(self, timeout: float, tensors: list[torch.Tensor]) -> None:
         super().__init__()
@@ -78,7 +84,10 @@ class Work(dist._Work):
             ev = self._event
             fut = self._fut
             streamed = self._streamed
+            flow = self._flow
         self._finished(exc, streamed)
+        if flow is not None:
+            self._counted(flow, exc)
         if ev is not None:
             ev.set()
         if fut is not None:
@@ -86,6 +95,24 @@ class Work(dist._Work):
 
     def _finished(self, exc: BaseException | None, streamed: bool) -> None:
         """Hook: called once, right after the work completed (``streamed``: a stream waits for it)."""
+
+    def watch(self, flow: Any, t0: int, on_error: Callable[[BaseException], None]) -> bool:
+        """Count the time from ``t0`` (``perf_counter_ns``) to completion in ``flow`` (a
+        :class:`tensorwire.observe.registry.Flow`) and a failure with ``on_error``, when it completes (True);
+        False: it is complete already (a failure is counted now; the caller counts the time)."""
+        if not self._is_done:
+            with _STATE:
+                if not self._is_done:
+                    self._flow, self._t0, self._on_error = flow, t0, on_error
+                    return True
+        if self._exc is not None:
+            on_error(self._exc)
+        return False
+
+    def _counted(self, flow: Any, exc: BaseException | None) -> None:
+        flow.completed(time.perf_counter_ns() - self._t0)
+        if exc is not None and self._on_error is not None:
+            self._on_error(exc)
 
     def _settle(self, fut: torch.futures.Future) -> None:
         if fut.done():
@@ -141,6 +168,11 @@ class Work(dist._Work):
 
     # -- torch's Work API ---------------------------------------------------------------------
     def wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
+        if _profiling():
+            return traced_wait(self._wait, self._describe, timeout)
+        return self._wait(timeout)
+
+    def _wait(self, timeout: timedelta = _NO_TIMEOUT) -> bool:
         if self._is_done:  # (most host works: completed in the calling thread already)
             if self._exc is not None:
                 raise self._exc

@@ -51,7 +51,23 @@ from tensorwire.doctor.checks import (
     check_ucx_transports,
     run_checks,
 )
-from tensorwire.doctor.probe import Probe, UcxInfo, parse_context_info, parse_ucx_info_d, probe_ucx
+from tensorwire.doctor.gpu import (
+    GPU_CHECKS,
+    check_copy_engine,
+    check_gpu_pairs,
+    check_pinned_memory,
+    check_ucx_cuda,
+    register_copy_engine_probe,
+)
+from tensorwire.doctor.probe import (
+    GpuInfo,
+    Probe,
+    UcxInfo,
+    parse_context_info,
+    parse_ucx_info_d,
+    probe_gpu,
+    probe_ucx,
+)
 
 __all__ = [
     "Finding",
@@ -79,7 +95,47 @@ __all__ = [
     "check_ucx_env",
     "check_tensorwire",
     "check_native",
+    "GPU_CHECKS",
+    "ALL_CHECKS",
+    "GpuInfo",
+    "probe_gpu",
+    "check_gpu_pairs",
+    "check_copy_engine",
+    "check_ucx_cuda",
+    "check_pinned_memory",
+    "register_copy_engine_probe",
+    "JSON_SCHEMA",
+    "report",
 ]
+
+#: Every check ``tensorwire doctor`` runs, in the order it prints them: the host's, then the GPUs'.
+ALL_CHECKS = CHECKS + GPU_CHECKS
+
+#: The JSON Schema of ``tensorwire doctor --json`` (tests validate the output against it).
+JSON_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["findings", "ok"],
+    "additionalProperties": False,
+    "properties": {
+        "ok": {"type": "boolean"},
+        "findings": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["check", "verdict", "detail", "fix", "choice"],
+                "additionalProperties": False,
+                "properties": {
+                    "check": {"type": "string", "minLength": 1},
+                    "verdict": {"enum": ["OK", "WARN", "FAIL", "N/A"]},
+                    "detail": {"type": "string", "minLength": 1},
+                    "fix": {"type": "string"},
+                    "choice": {"type": "string"},
+                },
+            },
+        },
+    },
+}
 
 
 def render(findings: list[Finding]) -> str:
@@ -88,6 +144,8 @@ def render(findings: list[Finding]) -> str:
         lines.append(f"  {f.verdict:<5} {f.check:<20} {f.detail}")
         if f.fix and f.verdict != "OK":
             lines.append(f"  {'':<5} {'':<20} fix: {f.fix}")
+        if f.choice:
+            lines.append(f"  {'':<5} {'':<20} tensorwire: {f.choice}")
     counts = {v: sum(1 for f in findings if f.verdict == v) for v in ("OK", "WARN", "FAIL", "N/A")}
     rdma = next((f for f in findings if f.check == "rdma"), None)
     lines.append("")
@@ -99,14 +157,15 @@ def render(findings: list[Finding]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report(findings: list[Finding]) -> dict[str, Any]:
+    """The ``--json`` form of ``findings`` (it validates against :data:`JSON_SCHEMA`)."""
+    return {"findings": [f.to_dict() for f in findings], "ok": not any(f.verdict == "FAIL" for f in findings)}
+
+
 def main(args: argparse.Namespace) -> int:
-    findings = run_checks()
+    findings = run_checks(checks=ALL_CHECKS)
     if args.json:
-        json.dump(
-            {"findings": [f.to_dict() for f in findings], "ok": not any(f.verdict == "FAIL" for f in findings)},
-            sys.stdout,
-            indent=1,
-        )
+        json.dump(report(findings), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render(findings))

@@ -44,6 +44,7 @@ class Finding:
     verdict: Verdict
     detail: str
     fix: str = ""
+    choice: str = ""  # what tensorwire will do with what was found, and why ("" where it chooses nothing)
 
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)

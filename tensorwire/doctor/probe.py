@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from typing import Callable, Mapping
 
-__all__ = ["Probe", "UcxInfo", "probe_ucx", "parse_ucx_info_d", "parse_context_info"]
+__all__ = ["Probe", "UcxInfo", "GpuInfo", "probe_ucx", "probe_gpu", "parse_ucx_info_d", "parse_context_info"]
 
 
 def _read(path: str) -> str | None:
@@ -51,6 +51,8 @@ class Probe:
         memlock: ``(soft, hard)`` RLIMIT_MEMLOCK (default: the real one).
         ucx: :class:`UcxInfo`, or a callable producing it (default: :func:`probe_ucx`).
         cuda: ``(available, [device names])`` (default: asks torch, without initializing a context if absent).
+        gpu: :class:`GpuInfo`, or a callable producing it (default: :func:`probe_gpu`, run only where
+            ``cuda`` says there is a GPU).
     """
 
     def __init__(
@@ -62,12 +64,14 @@ class Probe:
         ucx: "UcxInfo | Callable[[], UcxInfo] | None" = None,
         cuda: tuple[bool, list[str]] | None = None,
         is_root: bool | None = None,
+        gpu: "GpuInfo | Callable[[], GpuInfo] | None" = None,
     ) -> None:
         self.root = root
         self.env = dict(os.environ if env is None else env)
         self._memlock = memlock
         self._ucx = ucx
         self._cuda = cuda
+        self._gpu = gpu
         self.is_root = (os.geteuid() == 0) if is_root is None else is_root
 
     def path(self, p: str) -> str:
@@ -100,6 +104,16 @@ class Probe:
             return self._ucx
         self._ucx = (self._ucx or probe_ucx)()
         return self._ucx
+
+    def gpu(self) -> "GpuInfo":
+        """The GPU probes (peer access, pinning, UCX round trip); an empty GpuInfo without a GPU."""
+        if isinstance(self._gpu, GpuInfo):
+            return self._gpu
+        if self._gpu is None and not self.cuda()[0]:
+            self._gpu = GpuInfo()
+            return self._gpu
+        self._gpu = (self._gpu or probe_gpu)()
+        return self._gpu
 
     def cuda(self) -> tuple[bool, list[str]]:
         if self._cuda is None:
@@ -226,3 +240,122 @@ def _glob(pattern: str) -> list[str]:
     import glob
 
     return glob.glob(pattern)
+
+
+# -- GPUs --------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GpuInfo:
+    """What the GPU checks read (:func:`probe_gpu`); tests build one by hand.
+
+    ``peer``: ``{(i, j): can device i access device j's memory}`` for each ordered pair of visible GPUs.
+    ``pinned``: ``(ok, detail)`` of a real 64 MiB pinned host allocation; ``host_register``: the same for
+    ``cudaHostRegister`` of 64 MiB of ordinary host memory (what a transport does to existing memory).
+    ``ucx_cuda``: ``(ok, detail)`` of a 1 MiB CUDA tensor sent and received over a UCX connection in a
+    child process (None: not run, e.g. ucxx is missing).
+    """
+
+    devices: list[str] = dataclasses.field(default_factory=list)
+    peer: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict)
+    pinned: tuple[bool, str] | None = None
+    host_register: tuple[bool, str] | None = None
+    ucx_cuda: tuple[bool, str] | None = None
+    error: str | None = None
+
+
+_PROBE_BYTES = 64 << 20
+
+#: A child process: two tensorwire UCX transports connected in it, 1 MiB of CUDA memory sent from one into
+#: a CUDA buffer of the other, compared. A UCX that takes device memory for host memory crashes or corrupts
+#: here, in the child, not in doctor.
+UCX_ROUND_TRIP = r"""
+import sys, threading, torch
+from tensorwire.transport.base import new_nonce
+from tensorwire.transport.ucx import UcxListener
+device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+lst = UcxListener()
+nonce = new_nonce()
+lst.expect(nonce)
+box = []
+th = threading.Thread(target=lambda: box.append(UcxListener.connect("127.0.0.1", lst.address[1], nonce, timeout=20)))
+th.start()
+b = lst.accept(nonce, timeout=20)
+th.join(20)
+a = box[0]
+src = torch.arange(1 << 18, dtype=torch.int32, device=device)
+dst = torch.zeros_like(src)
+b.post_recv(1, dst)
+a.send(1, src, timeout=20)
+b.wait_recv(1, timeout=20)
+if device != "cpu":
+    torch.cuda.synchronize()
+ok = torch.equal(src, dst)
+a.close()
+b.close()
+lst.close()
+print("ok" if ok else "corrupt")
+"""
+
+
+def probe_gpu(*, timeout: float = 60.0, ucx: bool = True) -> GpuInfo:
+    """Peer access between every pair of visible GPUs, a pinned allocation, a host registration and (with
+    ``ucx``) a CUDA round trip over UCX in a child process. No GPU: an empty :class:`GpuInfo`."""
+    info = GpuInfo()
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return info
+        n = torch.cuda.device_count()
+        info.devices = [torch.cuda.get_device_name(i) for i in range(n)]
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    info.peer[(i, j)] = bool(torch.cuda.can_device_access_peer(i, j))
+    except Exception as exc:  # noqa: BLE001 - a broken driver is a finding
+        info.error = f"{type(exc).__name__}: {exc}"
+        return info
+    try:
+        t = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+        info.pinned = (bool(t.is_pinned()), f"{_PROBE_BYTES >> 20} MiB pinned with cudaHostAlloc")
+        del t
+    except Exception as exc:  # noqa: BLE001
+        info.pinned = (False, f"pinning {_PROBE_BYTES >> 20} MiB failed: {exc}")
+    try:
+        host = torch.empty(_PROBE_BYTES, dtype=torch.uint8)
+        rt = torch.cuda.cudart()
+        code = rt.cudaHostRegister(host.data_ptr(), _PROBE_BYTES, 0)
+        code = int(getattr(code, "value", code))
+        if code == 0:
+            rt.cudaHostUnregister(host.data_ptr())
+            info.host_register = (True, f"cudaHostRegister of {_PROBE_BYTES >> 20} MiB of ordinary host memory")
+        else:
+            info.host_register = (False, f"cudaHostRegister of {_PROBE_BYTES >> 20} MiB returned error {code}")
+    except Exception as exc:  # noqa: BLE001
+        info.host_register = (False, f"cudaHostRegister failed: {exc}")
+    if ucx:
+        try:
+            import importlib.util
+
+            have = importlib.util.find_spec("ucxx") is not None
+        except (ImportError, ValueError):
+            have = False
+        if have:
+            import sys
+
+            try:
+                out = subprocess.run(
+                    [sys.executable, "-c", UCX_ROUND_TRIP, "cuda"], capture_output=True, text=True, timeout=timeout
+                )
+                last = (out.stdout.strip().splitlines() or [""])[-1]
+                if out.returncode == 0 and last == "ok":
+                    info.ucx_cuda = (True, "1 MiB CUDA tensor sent and received over UCX, bytes equal")
+                elif out.returncode == 0:
+                    info.ucx_cuda = (False, "1 MiB CUDA tensor over UCX arrived with different bytes")
+                else:
+                    tail = (out.stderr.strip().splitlines() or ["?"])[-1]
+                    info.ucx_cuda = (False, f"the UCX CUDA round trip failed (exit {out.returncode}): {tail}")
+            except subprocess.TimeoutExpired:
+                info.ucx_cuda = (False, f"the UCX CUDA round trip did not finish in {timeout:.0f} s")
+    return info

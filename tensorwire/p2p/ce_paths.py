@@ -51,6 +51,10 @@ class CeHandle:
 
     __slots__ = ()
 
+    def watch(self, flow: Any, t0: int) -> None:
+        """(tensorwire.observe) The host's part is over when ``isend`` returns: count it complete now."""
+        flow.completed(time.perf_counter_ns() - t0)
+
     def done(self) -> bool:
         return True
 

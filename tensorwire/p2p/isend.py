@@ -22,7 +22,7 @@ __all__ = ["IsendQueue", "SendHandle"]
 class SendHandle:
     """Completion handle of :meth:`Link.isend`."""
 
-    __slots__ = ("_future", "_name", "_op", "_t")
+    __slots__ = ("_future", "_name", "_op", "_t", "_flow", "_t0")
 
     def __init__(
         self,
@@ -36,16 +36,33 @@ class SendHandle:
         self._name = name
         self._op = op  # a transport send op (async_send transports): the message is already posted
         self._t = transport
+        self._flow: Any = None  # where the completion is counted (tensorwire.observe), once seen
+        self._t0 = 0
+
+    def watch(self, flow: Any, t0: int) -> None:
+        """Count the time from ``t0`` (``perf_counter_ns``) to the completion this handle first reports
+        (``done()`` true or ``wait()`` returning) in ``flow`` (a :class:`tensorwire.observe.registry.Flow`)."""
+        self._flow, self._t0 = flow, t0
+
+    def _seen_done(self) -> None:
+        flow, self._flow = self._flow, None
+        if flow is not None:
+            flow.completed(time.perf_counter_ns() - self._t0)
 
     def done(self) -> bool:
         if self._op is not None:
-            return bool(self._op.done())
-        assert self._future is not None
-        if not self._future.done():
-            return False
-        if self._t is not None and self._future.exception() is None:
-            return bool(self._future.result().done())  # posted by the link's thread: is it out?
-        return True
+            out = bool(self._op.done())
+        else:
+            assert self._future is not None
+            if not self._future.done():
+                return False
+            if self._t is not None and self._future.exception() is None:
+                out = bool(self._future.result().done())  # posted by the link's thread: is it out?
+            else:
+                out = True
+        if out and self._flow is not None:
+            self._seen_done()
+        return out
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the bytes are out of the tensor given to ``isend``.
@@ -57,6 +74,8 @@ class SendHandle:
         if self._op is not None:
             assert self._t is not None
             self._t.wait_send(self._op, timeout=timeout)
+            if self._flow is not None:
+                self._seen_done()
             return
         assert self._future is not None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -69,6 +88,8 @@ class SendHandle:
         if self._t is not None:  # the link's thread posted it (CUDA isend): now wait for the bytes to leave
             self._op = op
             self._t.wait_send(op, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._flow is not None:
+            self._seen_done()
 
 
 class IsendQueue:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from tensorwire.buffers import Slot
 from tensorwire.errors import ClosedError, ConfigError, ShapeMismatchError
 from tensorwire.p2p.ce_paths import CeHandle, CeRecv, CeSend
+from tensorwire.observe import LinkWatch
 from tensorwire.p2p.paths import IsendQueue, RecvPath, SendHandle, SendPath, recv_path, send_path
 from tensorwire.p2p.staging import CudaOps, staging_chunk
 from tensorwire.spec import TensorSpec
@@ -149,6 +150,18 @@ class Link:
             )
             for tag, n in enumerate(sorted(self.recv_specs))
         }
+        # counts and profiler ranges of send/recv/isend (tensorwire.observe)
+        self._watch = LinkWatch(
+            peer,
+            transport,
+            send=self.send_specs,
+            recv=self.recv_specs,
+            do_send=self._do_send,
+            do_recv=self._do_recv,
+            do_isend=self._do_isend,
+            paths={n: "ce" for n, p in [*self._send.items(), *self._recv.items()] if isinstance(p, (CeSend, CeRecv))},
+        )
+        self._watch.hold(self.slots())
 
     def _staging(self) -> tuple[Any, int]:
         """(CudaOps, chunk) of the chunk-staged specs, made once."""
@@ -233,9 +246,12 @@ class Link:
             ShapeMismatchError: ``tensor`` differs from the negotiated spec (nothing sent).
             TransferTimeout, PeerLostError, ClosedError.
         """
+        self._watch.send(name, tensor, timeout)
+
+    def _do_send(self, name: str, tensor: "torch.Tensor", timeout: float | None) -> None:
         if self._queue.pending:
             # isends still queued on the link's thread: this message goes out after them (order per name).
-            self.isend(name, tensor, timeout=timeout).wait()
+            self._do_isend(name, tensor, timeout).wait()
             return
         if self._closed:
             self._check_open()
@@ -266,6 +282,9 @@ class Link:
             ShapeMismatchError: as :meth:`send`, immediately.
             TransferTimeout: (host tensor posted here) no credit within ``timeout``.
         """
+        return self._watch.isend(name, tensor, timeout)
+
+    def _do_isend(self, name: str, tensor: "torch.Tensor", timeout: float | None) -> "SendHandle | CeHandle":
         self._check_open()
         return self._send_path(name).isend(tensor, self._timeout if timeout is None else timeout)
 
@@ -290,6 +309,9 @@ class Link:
             ShapeMismatchError: ``out`` does not fit the received tensor.
             PeerLostError, ProtocolError, ClosedError.
         """
+        return self._watch.recv(name, out, timeout)
+
+    def _do_recv(self, name: str, out: "torch.Tensor | None", timeout: float | None) -> "torch.Tensor":
         if self._closed:
             self._check_open()
         p = self._recv.get(name) or self._recv_path(name)
@@ -301,6 +323,7 @@ class Link:
         if self._closed:
             return
         self._closed = True
+        self._watch.release()
         self._queue.shutdown()
         for p in self._recv.values():
             p.close()

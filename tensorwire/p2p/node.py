@@ -32,6 +32,7 @@ from tensorwire.errors import (
     TensorWireError,
     TransportError,
 )
+from tensorwire.observe import log_summary, note_fallback, note_negotiated, start_endpoint
 from tensorwire.settings import Settings, setting
 from tensorwire.spec import TensorSpec, check_same_specs
 from tensorwire.p2p.link import Link, slot_depths
@@ -132,6 +133,7 @@ class Node:
         try:
             self._open_listeners()
             self.store.set(self._key(f"ctrl/{rank}"), self._control.address)
+            start_endpoint(host)  # TENSORWIRE_METRICS_PORT: the process's Prometheus endpoint (once)
         except BaseException:
             self.close()
             raise
@@ -173,6 +175,7 @@ class Node:
             except ImportError as exc:
                 if self.transport == kind:
                     raise ConfigError(f"transport {kind!r} requested but unavailable: {exc}") from exc
+                note_fallback("any", kind, "tcp", f"{kind}_unavailable")
                 log.warning(
                     "tensorwire: %s transport unavailable (%s); links from rank %d will use TCP", kind, exc, self.rank
                 )
@@ -181,6 +184,7 @@ class Node:
             except Exception as exc:
                 if self.transport == kind:
                     raise TransportError(f"cannot start the {kind} listener: {exc}") from exc
+                note_fallback("any", kind, "tcp", f"{kind}_listener_failed")
                 log.warning("tensorwire: %s listener failed to start (%s); falling back to TCP", kind, exc)
 
     @property
@@ -289,6 +293,15 @@ class Node:
             order = choose_transport(mine, theirs, needs_cuda=needs_cuda)
             if not order:
                 raise ConfigError(f"no transport in common with rank {peer}")
+            if self.transport == "auto" and order[0] != "ucx" and (needs_cuda or setting("auto_prefer") == "ucx"):
+                # auto wanted UCX here (CUDA tensors, or TENSORWIRE_AUTO_PREFER=ucx): say why it is not there
+                if "ucx" not in self._listeners:
+                    why = "ucx_unavailable_here"
+                elif theirs.transport != "auto":
+                    why = f"peer_asked_{theirs.transport}"
+                else:
+                    why = "ucx_unavailable_at_peer"
+                note_fallback(peer, "ucx", order[0], why)
             transport = self._connect(order, mine, theirs, deadline)
         finally:
             for lst in self._listeners.values():
@@ -321,6 +334,7 @@ class Node:
             transport.abort()
             raise
         self._links.append(link)
+        note_negotiated(peer, transport.kind)
         log.info(
             "tensorwire: link rank %d <-> %d (%s) over %s: %d send, %d recv slots",
             self.rank,
@@ -387,6 +401,7 @@ class Node:
                     except ConnectTimeout:
                         continue
                     if kind != order[0]:
+                        note_fallback(theirs.from_rank, order[0], kind, "peer_could_not_connect")
                         log.warning(
                             "tensorwire: link with rank %d fell back to %s (peer could not connect over %s)",
                             theirs.from_rank,
@@ -418,6 +433,7 @@ class Node:
             except (TensorWireError, ImportError, OSError) as exc:
                 last = exc
                 if i + 1 < len(order):
+                    note_fallback(theirs.from_rank, kind, order[i + 1], "connect_failed")
                     log.warning(
                         "tensorwire: %s connection to rank %d at %s:%d failed (%s); falling back to %s",
                         kind,
@@ -445,6 +461,7 @@ class Node:
             lst.close()
         if hasattr(self, "_control"):
             self._control.close()
+        log_summary(self.rank)  # TENSORWIRE_LOG=info: one line of this process's traffic
 
     def __enter__(self) -> "Node":
         return self

@@ -1,0 +1,250 @@
+"""The process's counts of point-to-point traffic: one :class:`Flow` per (peer, path, direction), plus events.
+
+What is counted (the names under which :mod:`.exporter` publishes them are in
+``docs/operations.md``):
+
+- per flow (``peer``, ``path``, ``direction``): messages, bytes, the host time
+  each call took (``send``/``recv``/``isend``/``irecv`` of a link or of the
+  backend, until it returned), and, for operations that complete after their
+  call returned (an ``isend`` or ``irecv``), the time from the post to the
+  completion (blocking calls count their call time there too);
+- events: links negotiated, by the path chosen; fallbacks, with the path
+  wanted, the path taken and the reason; errors, by error class; slots and
+  bytes held, and bytes mapped from peers, by peer and path.
+
+Paths: ``ucx``, ``tcp``, ``cma`` (TCP links whose large messages go by
+cross-memory attach), ``staged`` (CUDA tensors through pinned host memory),
+``ce`` (the copy-engine path within a host); ``peer`` is the peer's rank.
+
+Latencies go into histograms of power-of-two buckets in microseconds (1, 2,
+4 ... 2**24 µs, then +Inf): a bucket is one integer division and one
+``bit_length``. Threads of one link can update one flow (the caller's and the
+link's sender thread) without a lock (one costs more than the update on a small
+VM): the updates come after the last call of the method, and CPython hands the
+GIL to another thread only at calls and backward jumps, so no update is lost. A
+free-threaded build could lose one where two threads count in the same flow at
+the same instant. Reads (:meth:`Flow.read`) may see one message's update half
+done, never a count that goes back.
+
+Counting is on unless ``TENSORWIRE_METRICS=0``; :func:`set_enabled` switches it
+(benchmarks compare both in one process). Only the standard library and the
+leaves are imported here.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from tensorwire.settings import setting
+
+__all__ = [
+    "BUCKETS_US",
+    "NBUCKETS",
+    "LAST",
+    "PATHS",
+    "Flow",
+    "Registry",
+    "REGISTRY",
+    "bucket",
+    "enabled",
+    "set_enabled",
+]
+
+#: Upper bounds (µs) of the latency buckets; one more bucket, +Inf, follows.
+BUCKETS_US: tuple[int, ...] = tuple(1 << k for k in range(25))
+NBUCKETS = len(BUCKETS_US) + 1
+LAST = NBUCKETS - 1  # the +Inf bucket
+#: The path labels tensorwire uses (a hook may pass another; these are the documented ones).
+PATHS = ("ucx", "tcp", "cma", "staged", "ce")
+
+
+def bucket(ns: int) -> int:
+    """The bucket of a latency of ``ns`` nanoseconds: ``k`` holds [2**(k-1), 2**k) µs, 0 holds < 1 µs."""
+    i = (ns // 1000).bit_length()
+    return i if i < LAST else LAST
+
+
+class Flow:
+    """Counts of one (peer, path, direction), written by the threads moving its messages, read by scrapes.
+
+    Three histograms (bucket counts, and the nanoseconds summed): ``sync`` (blocking calls: their call time is
+    their time to completion), ``posted`` (calls that return before the message completes) and ``done`` (those
+    messages' post -> completion). Exposed as the call-time histogram ``sync + posted`` and the completion
+    histogram ``sync + done``; messages are ``sync + posted`` calls. Hooks on a hot path update the fields
+    inline (``bench/bench_observe.py``: each method call counts there); the methods are the same updates.
+    """
+
+    __slots__ = ("peer", "path", "direction", "bytes", "sync_ns", "sync", "posted_ns", "posted", "done_ns", "done")
+
+    def __init__(self, peer: str, path: str, direction: str) -> None:
+        self.peer = peer
+        self.path = path
+        self.direction = direction
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes = 0
+        self.sync_ns = 0
+        self.sync = [0] * NBUCKETS
+        self.posted_ns = 0
+        self.posted = [0] * NBUCKETS
+        self.done_ns = 0
+        self.done = [0] * NBUCKETS
+
+    def called(self, nbytes: int, ns: int) -> None:
+        """A blocking call moved one message of ``nbytes`` in ``ns`` ns (also its time to completion)."""
+        i = bucket(ns)
+        # (no call and no loop from here on: no other thread runs in between; see the module docstring)
+        self.bytes += nbytes
+        self.sync_ns += ns
+        self.sync[i] += 1
+
+    def post(self, nbytes: int, ns: int) -> None:
+        """A call posted one message of ``nbytes`` in ``ns`` ns; its completion is counted by :meth:`completed`."""
+        i = bucket(ns)
+        self.bytes += nbytes
+        self.posted_ns += ns
+        self.posted[i] += 1
+
+    def completed(self, ns: int) -> None:
+        """A posted message completed ``ns`` ns after its post."""
+        i = bucket(ns)
+        self.done_ns += ns
+        self.done[i] += 1
+
+    def read(self) -> dict[str, Any]:
+        """A copy of the counts."""
+        sync, posted, done = list(self.sync), list(self.posted), list(self.done)
+        sync_ns = self.sync_ns
+        return {
+            "messages": sum(sync) + sum(posted),
+            "bytes": self.bytes,
+            "call_seconds": (sync_ns + self.posted_ns) / 1e9,
+            "call_buckets": [a + b for a, b in zip(sync, posted)],
+            "completion_seconds": (sync_ns + self.done_ns) / 1e9,
+            "completion_buckets": [a + b for a, b in zip(sync, done)],
+            "completed": sum(sync) + sum(done),
+        }
+
+
+class Registry:
+    """Every flow and event of this process (one instance: :data:`REGISTRY`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flows: dict[tuple[str, str, str], Flow] = {}
+        self._negotiations: dict[tuple[str, str], int] = {}
+        self._fallbacks: dict[tuple[str, str, str, str], int] = {}
+        self._errors: dict[tuple[str, str, str], int] = {}
+        self._held: dict[tuple[str, str], list[int]] = {}  # (peer, path) -> [slots, slot bytes, mapped bytes]
+
+    def flow(self, peer: int | str, path: str, direction: str) -> Flow:
+        """The flow of (``peer``, ``path``, ``direction``), made on first use (``direction``: send or recv)."""
+        key = (str(peer), path, direction)
+        f = self._flows.get(key)
+        if f is None:
+            with self._lock:
+                f = self._flows.get(key)
+                if f is None:
+                    f = self._flows[key] = Flow(*key)
+        return f
+
+    def negotiated(self, peer: int | str, path: str) -> None:
+        """A link (or a backend connection) to ``peer`` was set up on ``path``."""
+        key = (str(peer), path)
+        with self._lock:
+            self._negotiations[key] = self._negotiations.get(key, 0) + 1
+
+    def fell_back(self, peer: int | str, wanted: str, taken: str, reason: str) -> None:
+        """Traffic to ``peer`` takes ``taken`` where ``wanted`` was preferred, because of ``reason`` (a short
+        snake_case word: it is a label)."""
+        key = (str(peer), wanted, taken, reason)
+        with self._lock:
+            self._fallbacks[key] = self._fallbacks.get(key, 0) + 1
+
+    def error(self, peer: int | str, path: str, exc: BaseException) -> None:
+        """An operation with ``peer`` on ``path`` failed with ``exc`` (counted by its class name)."""
+        key = (str(peer), path, type(exc).__name__)
+        with self._lock:
+            self._errors[key] = self._errors.get(key, 0) + 1
+
+    def hold(self, peer: int | str, path: str, *, slots: int = 0, nbytes: int = 0, mapped: int = 0) -> None:
+        """Slots (and their bytes) or peer memory mapped for ``peer`` on ``path`` grew by these amounts
+        (negative when released)."""
+        key = (str(peer), path)
+        with self._lock:
+            cell = self._held.setdefault(key, [0, 0, 0])
+            cell[0] += slots
+            cell[1] += nbytes
+            cell[2] += mapped
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, as plain data (see :func:`tensorwire.observe.metrics`)."""
+        with self._lock:
+            flows = list(self._flows.values())
+            negotiations = dict(self._negotiations)
+            fallbacks = dict(self._fallbacks)
+            errors = dict(self._errors)
+            held = {k: list(v) for k, v in self._held.items()}
+        return {
+            # (a flow prepared for a path no message took yet -- CUDA tensors of a CPU job -- is left out)
+            "flows": [
+                {"peer": f.peer, "path": f.path, "direction": f.direction, **r}
+                for f in flows
+                for r in (f.read(),)
+                if r["messages"] or r["completed"]
+            ],
+            "negotiations": [{"peer": k[0], "path": k[1], "count": n} for k, n in negotiations.items()],
+            "fallbacks": [
+                {"peer": k[0], "wanted": k[1], "taken": k[2], "reason": k[3], "count": n} for k, n in fallbacks.items()
+            ],
+            "errors": [{"peer": k[0], "path": k[1], "kind": k[2], "count": n} for k, n in errors.items()],
+            "held": [
+                {"peer": k[0], "path": k[1], "slots": v[0], "slot_bytes": v[1], "mapped_bytes": v[2]}
+                for k, v in held.items()
+            ],
+        }
+
+    def clear(self) -> None:
+        """Zero every count (the flows hooks hold stay registered, at zero)."""
+        with self._lock:
+            for f in self._flows.values():
+                f.reset()
+            self._negotiations.clear()
+            self._fallbacks.clear()
+            self._errors.clear()
+            self._held.clear()
+
+
+REGISTRY = Registry()
+
+
+class _Switch:
+    """Whether hooks count (read on every message: one attribute of one object)."""
+
+    __slots__ = ("on", "_read")
+
+    def __init__(self) -> None:
+        self.on = True
+        self._read = False
+
+    def load(self) -> bool:
+        if not self._read:
+            self.on = bool(setting("metrics"))
+            self._read = True
+        return self.on
+
+
+SWITCH = _Switch()
+
+
+def enabled() -> bool:
+    """Whether counting is on (``TENSORWIRE_METRICS``, read once, unless :func:`set_enabled` said otherwise)."""
+    return SWITCH.load()
+
+
+def set_enabled(on: bool) -> None:
+    """Turn counting on or off for this process from now on (what was counted stays)."""
+    SWITCH._read = True
+    SWITCH.on = bool(on)
