@@ -424,7 +424,7 @@ def gpu_section(
     """
     import torch
 
-    from tensorwire.cuda import map_host
+    from tensorwire.hostmap import map_host
 
     dev = torch.device("cuda", torch.cuda.current_device())
     B, D = idxs[0].numel(), table.shape[1]

@@ -573,7 +573,7 @@ _EXPANDABLE_CHILD = r"""
 import ctypes, json, torch
 import tensorwire.cuda as gpu
 rep = gpu.expandable_segments()
-lib = gpu._cudart()
+lib = gpu.cudart()
 lib.cudaIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 def ipc_ok(t):
     h = ctypes.create_string_buffer(64)

@@ -1,4 +1,4 @@
-"""The GPU reading the daemon's memory in place (tensorwire/serve/client/shm_path.py, ``ShmPath.gather_gpu``):
+"""The GPU reading the daemon's memory in place (tensorwire/serve/client/shm_gpu.py, ``GpuGather.gather``):
 get_rows into a CUDA tensor is one index_select kernel over a CUDA view of the daemon's shared-memory slot,
 registered with CUDA once per mapping. Skipped without a GPU; run on a GPU host with
 ``python3 -m pytest tests/serve/test_serve_gpu_direct.py -m gpu -q``."""

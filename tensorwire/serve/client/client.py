@@ -66,13 +66,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from tensorwire.errors import ClosedError, ConfigError, PeerLostError, SpecError, TensorWireError
 from tensorwire.serve.client.arrays import As, check_as, convert
+from tensorwire.serve.client.client_shm import ClientShm
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat
 from tensorwire.serve.client.context import ClientContext, Progress, RowUpdate
 from tensorwire.serve.client.request_path import RequestPath
 from tensorwire.serve.client.session import Path, open_session
 from tensorwire.serve.client.sharded_client import ShardedClient
 from tensorwire.serve.client.shm_path import AHEAD_ENV, LEASES_ENV, Releaser, ShmMemory, ShmPath
-from tensorwire.serve.client.window import ShardView
 from tensorwire.serve.protocol.common import SessionLost, as_index
 from tensorwire.serve.protocol.layout import ShardLayout
 from tensorwire.serve.protocol.tls import TLSConfig
@@ -97,7 +97,7 @@ def _many(address: Any) -> bool:
     return isinstance(address, str) and address.strip().startswith("dns:")
 
 
-class Client:
+class Client(ClientShm):
     """A connection to a ``tensorwire serve`` daemon. See the module docstring.
 
     Args:
@@ -405,44 +405,6 @@ class Client:
                 if p is not None:
                     p.leases.pop(name, None)
 
-    # -- for the sharded client: one gather over several daemons' shared memory -------------------------
-    @property
-    def lock(self) -> "threading.RLock":
-        """Held by each operation of this client. A sharded client holds the locks of several clients
-        across one gather from their daemons' shared memory, so that their pins stay meanwhile."""
-        return self._lock
-
-    def shm_lease(self, name: str) -> ShardView | None:
-        """The version of ``name`` this client's read lease names, if the lease holds now (no request).
-
-        Call with :attr:`lock` held, and count the read only if :meth:`ShardView.valid` still holds
-        after copying out of it (:meth:`shm_count`).
-        """
-        self._check_open()
-        p = self._path
-        return p.lease_view(name) if isinstance(p, ShmPath) else None
-
-    def shm_pin(self, name: str, rows: int) -> ShardView | None:
-        """Have the daemon pin the current version of ``name`` for a gather of ``rows`` rows that this
-        process makes itself (a shared-memory get_rows request without an index).
-
-        None: this session moves no bytes through shared memory, or the tensor is not in it. Call with
-        :attr:`lock` held until the gather is done: the pin goes back with this client's next request.
-
-        Raises:
-            as get_rows (NotFoundError, LayoutMismatchError, PeerLostError, ...).
-        """
-        view: ShardView | None = self._run("pin_view", name, rows)
-        return view
-
-    def shm_count(self, nbytes: int, *, leased: bool) -> None:
-        """Count a gather of ``nbytes`` made out of a view of this client (a lease read: for the daemon too)."""
-        p = self._path
-        if isinstance(p, ShmPath):
-            p.count(nbytes, leased=leased)
-        else:
-            self._mem.shm_bytes += nbytes
-
     # -- state -------------------------------------------------------------------------------------
     @property
     def shm(self) -> bool:
@@ -454,26 +416,6 @@ class Client:
     def data_path(self) -> str | None:
         """How tensor bytes move: ``"shm"``, or the data connection's kind (``"ucx"``, ``"tcp"``)."""
         return "shm" if self.shm else self.transport_kind
-
-    @property
-    def shm_bytes(self) -> int:
-        """Bytes this client copied through shared memory (all sessions)."""
-        return self._mem.shm_bytes
-
-    @property
-    def lease_reads(self) -> int:
-        """Reads served from a read lease, without a request (all sessions)."""
-        return self._mem.lease_reads
-
-    @property
-    def lease_misses(self) -> int:
-        """Read leases found stale (the read then asked the daemon)."""
-        return self._mem.lease_misses
-
-    @property
-    def ahead_puts(self) -> int:
-        """Puts written into a write-ahead grant's slot (one round trip instead of two; all sessions)."""
-        return self._mem.ahead_puts
 
     def bytes_moved(self) -> int:
         """Data-plane bytes sent + received on the current session (when the transport counts them), plus the

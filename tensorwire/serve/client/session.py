@@ -22,8 +22,10 @@ from tensorwire.errors import ConfigError, ProtocolError, TensorWireError
 from tensorwire.serve.client.context import ClientContext, Progress, warn_once
 from tensorwire.serve.client.grpc_path import GrpcPath
 from tensorwire.serve.client.request_path import RequestPath
+from tensorwire.serve.client import shm_maps
 from tensorwire.serve.client.shm_path import ShmMemory, ShmPath
 from tensorwire.serve.protocol.common import DATA_REQUESTS_VERSION, PROTOCOL_VERSION
+from tensorwire.serve.protocol import shm, wire
 from tensorwire.serve.protocol.shm import LEASE_VERSION, SHM_VERSION
 from tensorwire.transport.base import get_factory
 from tensorwire.transport.select import host_id
@@ -31,7 +33,7 @@ from tensorwire.transport.select import host_id
 if TYPE_CHECKING:  # pragma: no cover
     from tensorwire.transport.base import Transport
 
-__all__ = ["Session", "Path", "open_session"]
+__all__ = ["Session", "Path", "open_session", "prove_shm"]
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +152,57 @@ def _path_of(ctx: ClientContext, session: Session, mem: ShmMemory, resp: Any, *,
     else:
         path = RequestPath(ctx, session)
         try:
-            shm_path = ShmPath.prove(path, mem, resp.shm_hello, resp.shm, pr.deadline)
+            shm_path = prove_shm(path, mem, resp.shm_hello, resp.shm, pr.deadline)
         except BaseException:
             path.close()
             raise
         return shm_path if shm_path is not None else path
     return RequestPath(ctx, session) if session.requests else GrpcPath(ctx, session)
+
+
+def prove_shm(
+    base: RequestPath, mem: ShmMemory, hello: str, version: int, deadline: float | None = None
+) -> ShmPath | None:
+    """Prove to the daemon that this process maps its memory (read the hello region's nonce, echo it), and
+    return the session's :class:`~tensorwire.serve.client.shm_path.ShmPath` over ``base`` (its request path).
+
+    ``version``: the shared-memory protocol version the session negotiated. None (``mem.why`` says
+    why): not reachable from here, or refused; the session goes on over its data connection.
+
+    Raises:
+        TensorWireError: the connection failed (the caller drops the session).
+    """
+    try:
+        nonce = shm_maps.read_hello(hello)
+    except shm.ShmError as exc:
+        log.debug(
+            "shared memory: the daemon's region is not reachable from this process (%s); using the data connection",
+            exc,
+        )
+        mem.why = f"the daemon's shared memory is not reachable from this process ({exc})"
+        return None
+    pr = Progress(deadline)
+    try:
+        ok = base.call(pr, wire.OP_SHM_HELLO, nonce.hex())
+    except TensorWireError as exc:
+        if pr.lost is not None:
+            raise
+        log.debug("shared memory: the daemon refused the proof (%s); using the data connection", exc)
+        mem.why = f"the daemon refused the shared-memory proof ({exc})"
+        return None
+    mem.why = ""
+    path = ShmPath(base, mem)
+    leases = bool(ok.message) and mem.use_leases
+    if not (leases or (mem.use_ahead and version >= shm.AHEAD_VERSION)):
+        return path
+    try:
+        path.page = shm_maps.SessionPage(hello)
+    except shm.ShmError as exc:
+        log.debug("shared memory: no read leases or write-ahead grants (the session page: %s)", exc)
+        return path
+    if leases:
+        try:
+            path.lease_tab = shm_maps.LeaseTable(ok.message)
+        except shm.ShmError as exc:
+            log.debug("shared memory: no read leases (%s)", exc)
+    return path

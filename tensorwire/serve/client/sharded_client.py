@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import builtins
 import logging
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from tensorwire.errors import (
@@ -62,12 +61,13 @@ from tensorwire.errors import (
 )
 from tensorwire.serve.client.arrays import As, as_tensor, check_as, convert
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat
-from tensorwire.serve.client.daemons import Daemons, Task
+from tensorwire.serve.client.daemons import Daemons
+from tensorwire.serve.client.placement import Placement, bound
 from tensorwire.serve.client.sharded_rows import ShardedRows
 from tensorwire.serve.client.sharding import owner, resolve_daemons
-from tensorwire.serve.client.tables import ShardedStat, ShardStat, Table, layouts_of, merge_stats, same, sharded_stat
+from tensorwire.serve.client.tables import ShardedStat, ShardStat, Table, merge_stats, same, sharded_stat
 from tensorwire.serve.protocol.common import as_index
-from tensorwire.serve.protocol.layout import ShardLayout, check_layout, fingerprint
+from tensorwire.serve.protocol.layout import check_layout, fingerprint
 from tensorwire.serve.protocol.tls import TLSConfig
 from tensorwire.spec import TensorSpec
 
@@ -79,9 +79,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ShardedClient", "ShardedStat", "ShardStat"]
 
 log = logging.getLogger(__name__)
-
-#: Names whose placement a client remembers (whole or sharded, and the table's rows); past it, it forgets them all.
-_MAX_TABLES = 1 << 16
 
 
 class ShardedClient:
@@ -152,10 +149,9 @@ class ShardedClient:
             data_requests=data_requests,
         )
         self._daemons = Daemons(self.addresses, single, kw, parallel=parallel)
-        self._tables: dict[str, Table | None] = {}  # name -> sharded table, or None: a whole tensor
-        self._lock = threading.Lock()
+        self._placement = Placement(self.addresses, self.fingerprint, self._daemons)
         self._closed = False
-        self._rows = ShardedRows(self._daemons, self._sharded)
+        self._rows = ShardedRows(self._daemons, self._placement.sharded)
         outcomes = self._daemons.fan([(k, lambda c: None) for k in range(n)], settle=True)
         errs = [e for e in outcomes if isinstance(e, BaseException)]
         fatal = [e for e in errs if isinstance(e, (AuthError, ConfigError, VersionMismatchError))]
@@ -175,85 +171,18 @@ class ShardedClient:
         """The daemon that holds (or would hold) whole tensor ``name``."""
         return self.addresses[owner(name, self.addresses)]
 
-    def _layouts(self, rows: int) -> list[ShardLayout]:
-        return layouts_of(self.fingerprint, self._daemons.n, rows)
-
-    def _remember(self, name: str, table: Table | None) -> None:
-        with self._lock:
-            if len(self._tables) >= _MAX_TABLES:
-                self._tables.clear()
-            self._tables[name] = table
-
-    def _forget(self, name: str) -> None:
-        with self._lock:
-            self._tables.pop(name, None)
-
-    def _table(self, name: str) -> Table | None:
-        """The sharded table ``name`` (None: a whole tensor), asked of its owner the first time.
-
-        Raises:
-            NotFoundError: the owner holds nothing of that name.
-            LayoutMismatchError: it holds a shard of another daemon list's table.
-        """
-        self._check_open()
-        with self._lock:
-            if name in self._tables:
-                return self._tables[name]
-        k = owner(name, self.addresses)
-        st = self._daemons.on(k, lambda c: c.stat(name))
-        if st.layout is None:
-            self._remember(name, None)
-            return None
-        rows = st.layout.rows
-        check_layout(
-            name,
-            st.layout,
-            ShardLayout.of(self.fingerprint, self._daemons.n, k, rows),
-            where=f"daemon {self.addresses[k]}",
-        )
-        t = Table(TensorSpec(name, (rows, *st.spec.shape[1:]), st.spec.dtype), self._layouts(rows))
-        t.versions[k] = st.version
-        self._remember(name, t)
-        return t
-
-    def _whole(self, name: str, fn: Callable[[Client], Any]) -> Any:
-        """``fn`` on the owner of whole tensor ``name``, expecting a whole tensor there."""
-
-        def call(c: Client) -> Any:
-            c.expect_layout(name, None)
-            return fn(c)
-
-        return self._daemons.on(owner(name, self.addresses), call)
-
-    def _sharded(self, name: str, t: Table, tasks: list[Task], read: bool = False) -> list[Any]:
-        """Run per-shard tasks of table ``t``, each client expecting its shard's layout; a layout refusal makes
-        this client forget what it knew of ``name`` (the next call asks again)."""
-
-        def bind(k: int, fn: Callable[[Client], Any]) -> Callable[[Client], Any]:
-            def call(c: Client) -> Any:
-                c.expect_layout(name, t.layouts[k])
-                return fn(c)
-
-            return call
-
-        try:
-            return self._daemons.fan([(k, bind(k, fn)) for k, fn in tasks], read=read)
-        except LayoutMismatchError:
-            self._forget(name)
-            raise
-
     def _read(self, name: str, whole: Callable[[Client], Any], sharded: Callable[[Table], Any]) -> Any:
         """A read of ``name``: once more after a layout refusal if the table turned out to have changed."""
         for attempt in (0, 1):
-            t = self._table(name)
+            t = self._placement.table(name)
             try:
                 if t is None:
-                    return self._whole(name, whole)
+                    return self._placement.whole(name, whole)
                 return sharded(t)
             except LayoutMismatchError:
-                self._forget(name)
+                self._placement.forget(name)
                 self._rows.drop_window(name)
-                if attempt or same(self._table(name), t):
+                if attempt or same(self._placement.table(name), t):
                     raise
                 log.debug("%s changed its layout; reading again", name)
             except NotFoundError:
@@ -279,32 +208,32 @@ class ShardedClient:
         self._check_open()
         tensor = as_tensor("put: tensor", tensor)
         if shard is None:
-            st = self._whole(name, lambda c: c.put(name, tensor))
-            self._remember(name, None)
+            st = self._placement.whole(name, lambda c: c.put(name, tensor))
+            self._placement.remember(name, None)
             return st
         if shard != "rows":
             raise ConfigError(f"shard must be None or 'rows', got {shard!r}")
         if tensor.dim() < 1:
             raise SpecError(f"{name}: a 0-d tensor has no rows to shard")
         t = self._declare_all(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
-        stats = self._sharded(
+        stats = self._placement.sharded(
             name,
             t,
             [(k, _put(name, tensor[a:b])) for k, (a, b) in enumerate(t.ranges)],
         )
         t.versions = [s.version for s in stats]
-        self._remember(name, t)
+        self._placement.remember(name, t)
         return self._sharded_stat(t, stats)
 
     def declare(self, spec: TensorSpec, *, shard: str | None = None) -> TensorStat:
         """Declare ``spec`` (whole on its owner, or ``shard="rows"`` over all daemons); see Client.declare."""
         self._check_open()
         if shard is None:
-            return self._whole(spec.name, lambda c: c.declare(spec))
+            return self._placement.whole(spec.name, lambda c: c.declare(spec))
         if shard != "rows" or not spec.shape:
             raise ConfigError("declare: shard must be None or 'rows' (with at least one dimension)")
         t = self._declare_all(spec)
-        self._remember(spec.name, t)
+        self._placement.remember(spec.name, t)
         return self._sharded_stat(
             t, [TensorStat(t.shard_spec(k), v, t.shard_spec(k).nbytes, t.layouts[k]) for k, v in enumerate(t.versions)]
         )
@@ -313,21 +242,21 @@ class ShardedClient:
         """Declare every shard of ``spec`` (each daemon checks the layout and reserves its memory under
         ``--max-bytes``). If one refuses, the shards declared here that hold no data are deleted again."""
         name = spec.name
-        t = Table(spec, self._layouts(spec.shape[0]))
+        t = Table(spec, self._placement.layouts(spec.shape[0]))
         declared = self._daemons.fan(
-            [(k, _bound(t, name, k, _declare(t.shard_spec(k)))) for k in range(self._daemons.n)],
+            [(k, bound(t, name, k, _declare(t.shard_spec(k)))) for k in range(self._daemons.n)],
             settle=True,
         )
         failed = [e for e in declared if isinstance(e, BaseException)]
         if failed:
             undo = [
-                (k, _bound(t, name, k, lambda c: c.delete(name)))
+                (k, bound(t, name, k, lambda c: c.delete(name)))
                 for k, st in enumerate(declared)
                 if isinstance(st, TensorStat) and st.version == 0
             ]
             if undo:
                 self._daemons.fan(undo, settle=True)
-            self._forget(name)
+            self._placement.forget(name)
             raise failed[0]
         t.versions = [st.version for st in declared]
         return t
@@ -392,9 +321,9 @@ class ShardedClient:
         n = idx.numel()
         if values.dim() < 1 or values.shape[0] != n:
             raise ShapeMismatchError(f"{name}: {n} indices but values of shape {list(values.shape)}")
-        t = self._table(name)
+        t = self._placement.table(name)
         if t is None:
-            return self._whole(name, lambda c: c.update_rows(name, idx, values, add=add))
+            return self._placement.whole(name, lambda c: c.update_rows(name, idx, values, add=add))
         return self._rows.update(name, t, idx, values, add=add)
 
     def _sharded_stat(self, t: Table, stats: Sequence[TensorStat]) -> ShardedStat:
@@ -406,11 +335,11 @@ class ShardedClient:
         Raises:
             NotFoundError: no such name. ShardLostError: a daemon holding a shard is unreachable.
         """
-        self._forget(name)
-        t = self._table(name)
+        self._placement.forget(name)
+        t = self._placement.table(name)
         if t is None:
-            return self._whole(name, lambda c: c.stat(name))
-        stats = self._sharded(name, t, [(k, lambda c: c.stat(name)) for k in range(self._daemons.n)])
+            return self._placement.whole(name, lambda c: c.stat(name))
+        stats = self._placement.sharded(name, t, [(k, lambda c: c.stat(name)) for k in range(self._daemons.n)])
         for k, s in enumerate(stats):
             check_layout(name, s.layout, t.layouts[k], where=f"daemon {self.addresses[k]}")
         t.versions = [s.version for s in stats]
@@ -438,15 +367,15 @@ class ShardedClient:
             NotFoundError: no such name (no shard of it either).
             ShardLostError: a daemon holding a shard is unreachable (the others' shards are deleted).
         """
-        self._forget(name)  # ask afresh: never delete on what this client remembers
+        self._placement.forget(name)  # ask afresh: never delete on what this client remembers
         self._rows.drop_window(name)
-        t = self._table(name)
-        self._forget(name)
+        t = self._placement.table(name)
+        self._placement.forget(name)
         if t is None:
-            self._whole(name, lambda c: c.delete(name))
+            self._placement.whole(name, lambda c: c.delete(name))
             return
         got = self._daemons.fan(
-            [(k, _bound(t, name, k, lambda c: c.delete(name))) for k in range(self._daemons.n)], settle=True
+            [(k, bound(t, name, k, lambda c: c.delete(name))) for k in range(self._daemons.n)], settle=True
         )
         errs = [e for e in got if isinstance(e, BaseException) and not isinstance(e, NotFoundError)]
         if errs:
@@ -500,13 +429,3 @@ def _put(name: str, part: "torch.Tensor") -> Callable[[Client], Any]:
 
 def _declare(spec: TensorSpec) -> Callable[[Client], Any]:
     return lambda c: c.declare(spec)
-
-
-def _bound(t: Table, name: str, k: int, fn: Callable[[Client], Any]) -> Callable[[Client], Any]:
-    """``fn`` with daemon k's client expecting shard k of ``t``."""
-
-    def call(c: Client) -> Any:
-        c.expect_layout(name, t.layouts[k])
-        return fn(c)
-
-    return call

@@ -30,7 +30,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire.buffers import cuda_available
-from tensorwire.cuda import map_host
+from tensorwire.hostmap import map_host
 from tensorwire.serve.protocol.shm import (
     CLIENT_MAPS,
     HELLO_BYTES,
@@ -232,7 +232,7 @@ class ClientMaps:
         self.limit = limit
         self._maps: "collections.OrderedDict[str, tuple[mmap.mmap, torch.Tensor]]" = collections.OrderedDict()
         self._slices: "dict[str, tuple[int, int, torch.Tensor]]" = {}  # name -> the last (offset, nbytes, view)
-        self._cuda: "dict[str, Any]" = {}  # name -> its tensorwire.cuda.HostMapping (None: CUDA refused)
+        self._cuda: "dict[str, Any]" = {}  # name -> its tensorwire.hostmap.HostMapping (None: CUDA refused)
         self._events: dict[str, Any] = {}  # name -> the event ending the last GPU read of it
         self.mapped = 0  # regions mapped so far (a test hook and a debugging aid)
 
@@ -265,7 +265,7 @@ class ClientMaps:
         return view
 
     def cuda_mapping(self, name: str) -> "Any | None":
-        """Region ``name`` registered with CUDA (:func:`tensorwire.cuda.map_host`: page-locked, mapped into
+        """Region ``name`` registered with CUDA (:func:`tensorwire.hostmap.map_host`: page-locked, mapped into
         the GPUs' address space, with a CUDA tensor over it on the device current at the first call); once
         per mapping, and only when a CUDA tensor is involved (CPU clients never touch CUDA). None: not
         mapped here, or CUDA refused (logged once per process): the caller stages through pinned memory."""

@@ -4,7 +4,7 @@ With a daemon on the same host (``tensorwire serve`` with ``--shm``, the
 default), ``transport="auto"`` offers shared memory when it opens a session;
 the daemon names a region it created under ``/dev/shm``, this client maps it
 and echoes the nonce it holds over the data connection
-(:meth:`ShmPath.prove`), and from then on the hot operations move their bytes
+(:func:`tensorwire.serve.client.session.prove_shm`), and from then on the hot operations move their bytes
 with one copy in this process: ``get`` copies the pinned version out of the
 daemon's slot, ``get_rows`` gathers the rows from it (no index is sent, no
 second copy), ``put`` copies into the staging slot the daemon reserved, and
@@ -25,8 +25,9 @@ request at all, checking the generation before and after its copy
 the staging slot for this session's next put of the same name and spec,
 which then writes there and sends only a COMMIT.
 
-What outlives a session (the mappings, the copier, the counters) is the
-client's :class:`ShmMemory`.
+A get_rows into a CUDA tensor is one kernel reading the daemon's memory in
+place (:mod:`tensorwire.serve.client.shm_gpu`). What outlives a session (the
+mappings, the copier, the counters) is the client's :class:`ShmMemory`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tensorwire.errors import PeerLostError, ProtocolError, SpecError, TensorWir
 from tensorwire.serve.client.common import TensorStat
 from tensorwire.serve.client.context import Progress, typed
 from tensorwire.serve.client.request_path import RequestPath
+from tensorwire.serve.client.shm_gpu import GpuGather
 from tensorwire.serve.client.window import ShardView
 from tensorwire.serve.client import shm_maps
 from tensorwire.serve.protocol import shm, wire
@@ -86,7 +88,7 @@ class ShmMemory:
         self.regions_of: dict[str, set[str]] = {}  # tensor name -> region names mapped for it
         #: name -> (key, the slot as uint8 [rows, row bytes]: a numpy array, a tensor)
         self.rows_views: dict[str, tuple[tuple[str, int, int], Any, Any]] = {}
-        self.index_pinned: Any = None  # pinned staging of a GPU gather's index (ShmMemory.cuda_index)
+        self.index_pinned: Any = None  # pinned staging of a GPU gather's index (shm_gpu.GpuGather)
         self.broken = False
         self.why = why
         self.use_leases = leases_wanted()
@@ -98,18 +100,6 @@ class ShmMemory:
         self.lease_misses = 0
         #: Puts written into a write-ahead grant's slot.
         self.ahead_puts = 0
-
-    def cuda_index(self, idx: "torch.Tensor", device: "torch.device") -> "torch.Tensor":  # pragma: no cover
-        """``idx`` (int64, CPU) on ``device``, copied through a reused pinned buffer on the current stream (the
-        caller waited for the last copy out of it to pass)."""
-        import torch
-
-        n = idx.numel()
-        buf = self.index_pinned
-        if buf is None or buf.numel() < n:
-            buf = self.index_pinned = torch.empty(max(n, 4096), dtype=torch.int64).pin_memory()
-        buf[:n].copy_(idx)
-        return buf[:n].to(device, non_blocking=True)
 
     def ensure(self) -> None:
         if self.maps is None:
@@ -217,57 +207,10 @@ class ShmPath(RequestPath):
         self.page: Any = None  # shm_maps.SessionPage: lease-read counts for the daemon, the write-ahead ticket
         # write-ahead grant (see tensorwire.serve.protocol.shm.PageLock): name, (dtype, shape), region, ticket
         self.ahead: tuple[str, tuple[int, tuple[int, ...]], str, int] | None = None
-        self.gpu_pending: Any = None  # the event ending the last pinned GPU read (torch.cuda.Event)
-
-    @classmethod
-    def prove(
-        cls, base: RequestPath, mem: ShmMemory, hello: str, version: int, deadline: float | None = None
-    ) -> "ShmPath | None":
-        """Prove to the daemon that this process maps its memory: read the hello region's nonce, echo it.
-
-        ``version``: the shared-memory protocol version the session negotiated. None (``mem.why`` says
-        why): not reachable from here, or refused; the session goes on over its data connection.
-
-        Raises:
-            TensorWireError: the connection failed (the caller drops the session).
-        """
-        try:
-            nonce = shm_maps.read_hello(hello)
-        except shm.ShmError as exc:
-            log.debug(
-                "shared memory: the daemon's region is not reachable from this process (%s); using the data connection",
-                exc,
-            )
-            mem.why = f"the daemon's shared memory is not reachable from this process ({exc})"
-            return None
-        pr = Progress(deadline)
-        try:
-            ok = base.call(pr, wire.OP_SHM_HELLO, nonce.hex())
-        except TensorWireError as exc:
-            if pr.lost is not None:
-                raise
-            log.debug("shared memory: the daemon refused the proof (%s); using the data connection", exc)
-            mem.why = f"the daemon refused the shared-memory proof ({exc})"
-            return None
-        mem.why = ""
-        path = cls(base, mem)
-        leases = bool(ok.message) and mem.use_leases
-        if not (leases or (mem.use_ahead and version >= shm.AHEAD_VERSION)):
-            return path
-        try:
-            path.page = shm_maps.SessionPage(hello)
-        except shm.ShmError as exc:
-            log.debug("shared memory: no read leases or write-ahead grants (the session page: %s)", exc)
-            return path
-        if leases:
-            try:
-                path.lease_tab = shm_maps.LeaseTable(ok.message)
-            except shm.ShmError as exc:
-                log.debug("shared memory: no read leases (%s)", exc)
-        return path
+        self.gpu = GpuGather(self.ctx, mem)  # get_rows into CUDA tensors, read in place
 
     def close(self) -> None:
-        self.gpu_wait()
+        self.gpu.wait()
         self.leases.clear()
         self.ahead = None
         self.pin = None  # the daemon releases what a closed session held
@@ -286,13 +229,13 @@ class ShmPath(RequestPath):
     def call(self, pr: Progress, op: int, name: str, *, flags: int = 0, **kw: Any) -> "wire.Reply":
         if not flags & wire.FLAG_AHEAD:
             self.ahead = None  # any other request ends the session's write-ahead grant (the daemon's side too)
-        self.gpu_wait()  # a GPU still reading the pinned version keeps the pin until it is done
+        self.gpu.wait()  # a GPU still reading the pinned version keeps the pin until it is done
         self.pin = None  # any request gives the last read's pin back (the daemon releases it first)
         return super().call(pr, op, name, flags=flags, **kw)
 
     def release(self) -> None:
         """RELEASE the read pin of the last SHM reply (no reply comes back). Under the client's lock."""
-        self.gpu_wait()
+        self.gpu.wait()
         name, self.pin = self.pin, None
         if name is not None:
             self.send_request(wire.OP_RELEASE, name)
@@ -416,7 +359,7 @@ class ShmPath(RequestPath):
             lo, hi = int(inp.min()), int(inp.max())
             if lo < 0 or hi >= rows:
                 raise SpecError(f"index: row {lo if lo < 0 else hi} out of range for a tensor of {rows} rows")
-        if out is not None and out.is_cuda and self.gather_gpu(idx, out, got, src, region, lease=pool):
+        if out is not None and out.is_cuda and self.gpu.gather(idx, out, got, src, region, lease=pool):
             mem.shm_bytes += got.nbytes // rows * n
             return out
         dest, dest_raw, row_bytes = self.ctx.rows_dest(name, got, n, out)
@@ -437,61 +380,6 @@ class ShmPath(RequestPath):
                 mem.copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=False)
         mem.shm_bytes += n * row_bytes
         return self.ctx.result(dest, out)
-
-    def gather_gpu(
-        self,
-        idx: "torch.Tensor",
-        out: "torch.Tensor",
-        got: TensorSpec,
-        src: "torch.Tensor",
-        region: str,
-        *,
-        lease: bool,
-    ) -> bool:
-        """A get_rows into CUDA tensor ``out``: one ``index_select`` kernel on the caller's current stream reads
-        the rows straight from the daemon's memory (registered with CUDA: :meth:`ClientMaps.cuda_view`) into
-        ``out``. The version read stays whole: a lease read waits for the stream to pass the kernel (an event)
-        before the lease is checked; a pinned read's pin goes back only once it has (:meth:`gpu_wait`, before
-        the next request or RELEASE). False: the region is not mapped for ``out``'s device (staged instead).
-
-        Raises:
-            ShapeMismatchError: ``out`` does not fit (nothing written).
-        """
-        import torch
-
-        n, rows = idx.numel(), got.shape[0]
-        shape = (n, *got.shape[1:])
-        self.ctx.check_out(got, out, shape)
-        view = self.mem.maps.cuda_view(region, src, out.device)
-        if view is None:
-            return False
-        row_bytes = got.nbytes // rows  # pragma: no cover - needs a GPU (from here on)
-        if not (n and row_bytes):
-            return True
-        self.gpu_wait()  # the index's staging buffer is free again
-        dest = out if out.is_contiguous() else torch.empty(shape, dtype=out.dtype, device=out.device)
-        # rows moved as the widest words that divide them (a warp reads 32 x 8 bytes, not 32 x 1)
-        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)
-        width = row_bytes // word.itemsize
-        stream = torch.cuda.current_stream(out.device)
-        index = self.mem.cuda_index(idx, out.device)
-        torch.index_select(view.view(word).view(rows, width), 0, index, out=as_bytes(dest).view(word).view(n, width))
-        if dest is not out:
-            out.copy_(dest)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        if lease:
-            ev.synchronize()  # the lease is checked once the GPU has read the rows
-        else:
-            self.gpu_pending = ev
-            self.mem.maps.gpu_read(region, ev)
-        return True
-
-    def gpu_wait(self) -> None:
-        """Wait for the stream to pass the last pinned GPU read (its pin may go back after that)."""
-        ev, self.gpu_pending = self.gpu_pending, None
-        if ev is not None:  # pragma: no cover - needs a GPU
-            ev.synchronize()
 
     def get(self, name: str, out: "torch.Tensor | None", pr: Progress) -> "torch.Tensor":
         if self.leases:
