@@ -28,6 +28,7 @@ numbers are baked into the stream work): capture raises.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -37,11 +38,49 @@ from tensorwire.buffers import Slot
 from tensorwire.cuda import current_raw_stream
 from tensorwire.errors import ShapeMismatchError, TransferTimeout
 from tensorwire.spec import TensorSpec
-from tensorwire.transport.ce import CePair
-from tensorwire.transport.ce import CaptureError
+from tensorwire.transport.select import host_id
+from tensorwire.transport.ce import CaptureError, CePair, Watchdog, capable, exchange_region
 from tensorwire.transport.ce.region import DST_READY, ENTRIES, ENTRY, LANDED, RECEIVED, Block
 
-__all__ = ["CeSend", "CeRecv", "CeHandle"]
+__all__ = ["CeSend", "CeRecv", "CeHandle", "link_pair"]
+
+log = logging.getLogger(__name__)
+
+
+def link_pair(
+    store: Any,
+    key: str,
+    *,
+    rank: int,
+    peer: int,
+    peer_host: str,
+    timeout: float,
+    link_timeout: float,
+    watchdog: Watchdog,
+) -> CePair | None:
+    """The copy-engine pair of a link with static CUDA specs, where both ranks share this host and can take it
+    (both sides agree over ``store`` under ``key``); None where either cannot. Added to ``watchdog``."""
+    why = capable() if peer_host == host_id() else "rank on another host"
+    region = exchange_region(store, key, lower=rank < peer, why_not=why, timeout=timeout)
+    if region is None:
+        log.info(
+            "tensorwire: link rank %d <-> %d: CUDA specs over the data connection (%s)",
+            rank,
+            peer,
+            why or "the peer cannot take the copy-engine path",
+        )
+        return None
+    pair = CePair(
+        region,
+        rank=rank,
+        peer=peer,
+        timeout=link_timeout,
+        mismatch=lambda mine, theirs, sending: f"signature words differ: {mine} vs {theirs}",
+        peer_timeout=max(5.0, min(link_timeout, 30.0)),
+    )
+    watchdog.add(pair)
+    return pair
+
 
 _FREE, _FULL = DST_READY, LANDED  # the two flag words of a slot channel (in its first entry)
 

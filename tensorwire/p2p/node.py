@@ -38,8 +38,8 @@ from tensorwire.spec import TensorSpec, check_same_specs
 from tensorwire.p2p.link import Link, slot_depths
 from tensorwire.p2p.linkauth import SECRET_KEY, resolve_link_secret
 from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
-from tensorwire.transport.ce import CePair, Watchdog, exchange_region
-from tensorwire.transport.ce import capable as ce_capable
+from tensorwire.p2p.ce_paths import link_pair
+from tensorwire.transport.ce import CePair, Watchdog
 from tensorwire.transport.select import TransportChoice, carries_cuda, check_choice, choose_transport, host_id
 from tensorwire.p2p.torchrun import bootstrap_store
 
@@ -114,7 +114,7 @@ class Node:
         self._closed = False
         self._links: list[Link] = []
         self._ce_links: dict[tuple[int, str], int] = {}  # links with a copy-engine pair made, per (peer, name)
-        self._ce_watchdog: Watchdog | None = None
+        self._ce_watchdog = Watchdog(f"tw-ce-watchdog-{rank}")  # (its thread starts with the first pair)
         self._owns_store = False
         if store is None:
             store = self._store_from_env()
@@ -348,34 +348,18 @@ class Node:
 
     def _ce_pair(self, peer: int, name: str, peer_host: str, timeout: float) -> "CePair | None":
         """The copy-engine pair of a link with CUDA specs, where both ranks share this host and can take it."""
-        why = ce_capable() if peer_host == host_id() else "rank on another host"
         count = self._ce_links[(peer, name)] = self._ce_links.get((peer, name), 0) + 1
         lo, hi = min(self.rank, peer), max(self.rank, peer)
-        region = exchange_region(
-            self.store, self._key(f"ce/{lo}-{hi}/{name}/{count}"), lower=self.rank < peer, why_not=why, timeout=timeout
-        )
-        if region is None:
-            log.info(
-                "tensorwire: link rank %d <-> %d (%s): CUDA specs over %s (%s)",
-                self.rank,
-                peer,
-                name,
-                "the data connection",
-                why or "the peer cannot take the copy-engine path",
-            )
-            return None
-        pair = CePair(
-            region,
+        return link_pair(
+            self.store,
+            self._key(f"ce/{lo}-{hi}/{name}/{count}"),
             rank=self.rank,
             peer=peer,
-            timeout=self.timeout,
-            mismatch=lambda mine, theirs, sending: f"signature words differ: {mine} vs {theirs}",
-            peer_timeout=max(5.0, min(self.timeout, 30.0)),
+            peer_host=peer_host,
+            timeout=timeout,
+            link_timeout=self.timeout,
+            watchdog=self._ce_watchdog,
         )
-        if self._ce_watchdog is None:
-            self._ce_watchdog = Watchdog(f"tw-ce-watchdog-{self.rank}")
-        self._ce_watchdog.add(pair)
-        return pair
 
     def _lookup(self, peer: int, deadline: float) -> str:
         from datetime import timedelta
@@ -455,8 +439,7 @@ class Node:
         self._closed = True
         for link in self._links:
             link.close()
-        if self._ce_watchdog is not None:
-            self._ce_watchdog.close()
+        self._ce_watchdog.close()
         for lst in self._listeners.values():
             lst.close()
         if hasattr(self, "_control"):
