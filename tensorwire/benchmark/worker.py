@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from tensorwire.benchmark.backends.base import Sender
 
-__all__ = ["CheckError", "Sink", "pattern", "entry", "run_sender"]
+__all__ = ["CheckError", "Sink", "pattern", "entry", "run_sender", "pair_process_setup"]
 
 STAMP = 8
 #: Sequence number (per size, counting every message) whose payload ``--inject-corruption`` flips.
@@ -222,6 +222,14 @@ def run_sender(
     return {"sizes": sizes_out, "transport": tx.transport, "ucx_env": ucx_env_effective()}
 
 
+def pair_process_setup() -> None:
+    """What every process of a measured pair does first, here and in ``tensorwire demo`` alike: one torch
+    thread (two processes share the cores; no intra-op pool fighting the transport)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pick_device(cfg: BenchConfig, rank: int) -> "torch.device":
     import torch
 
@@ -254,12 +262,11 @@ def entry(
     try:
         from datetime import timedelta
 
-        import torch
         from torch.distributed import TCPStore
 
         from tensorwire.benchmark.backends import load
 
-        torch.set_num_threads(1)  # two processes share the cores; no intra-op pool fighting the transport
+        pair_process_setup()
         cfg = BenchConfig.from_dict(cfg_dict)
         device = pick_device(cfg, rank)
         store = TCPStore(store_host, store_port, 2, False, timedelta(seconds=cfg.op_timeout))

@@ -37,7 +37,16 @@ The paths:
   copies each message into its preallocated buffer, as receiving a tensor needs.
 
 The table shows medians by rank 0's clock (over every timed round trip, over the
-timed rounds of a stream); the receiver's clock gives the headline ratio a second time.
+timed rounds of a stream); a footnote gives the ratios by the receiver's clock. Each side also
+reads its process's CPU time around the same exchanges: where tensorwire loses to a baseline, one
+line says by how much and what each path's exchange cost in CPU (on a machine whose cores are
+busy, that CPU is the time). The first line says which build ran (the compiled hot path or pure
+Python, :func:`tensorwire.native.summary`) and which transport ``auto`` chose, with the settings
+that shape it.
+
+The raw socket path is ``tensorwire bench``'s (:mod:`tensorwire.benchmark.backends.rawtcp`'s
+``tune`` and ``recv_exact``), and both commands set up their processes with
+:func:`tensorwire.benchmark.worker.pair_process_setup`: one exchange, measured the same way.
 
 The package: this module is the parent (the ``demo`` subcommand, :func:`measure`,
 the table); :mod:`~tensorwire.demo.workers` is what the two spawned processes
@@ -106,6 +115,12 @@ class DemoResult:
     bad: dict[str, int]
     checked_bytes: int
     pids: dict[str, int | None]
+    #: CPU seconds per timed exchange, both processes together: ``cpu[row][path]`` (empty: not measured)
+    cpu: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    #: which build of the hot path ran (:func:`tensorwire.native.summary` in the workers)
+    build: str = "?"
+    #: the settings that shape tensorwire's path, as ``name=value`` words
+    settings: str = ""
 
     def figure(self, row: int, path: str, *, clock: str = "sender") -> float:
         """Median per exchange: seconds for a round trip row, bytes/s for a stream row."""
@@ -191,6 +206,11 @@ def measure(
                 p.join(5)
     n = len(plan.rows)
     paths = plan.paths()
+    per = [plan.timed(r) * r.exchanges for r in plan.rows]
+    cpu = [
+        {p: (got[0]["cpu"].get(f"{i}/{p}", 0.0) + got[1]["cpu"].get(f"{i}/{p}", 0.0)) / per[i] for p in paths}
+        for i in range(n)
+    ]
     return DemoResult(
         rows=plan.rows,
         paths=paths,
@@ -205,6 +225,9 @@ def measure(
             "grpc_server": ready.get("grpc_server_pid"),
             "parent": os.getpid(),
         },
+        cpu=cpu,
+        build=ready.get("build", "?"),
+        settings=ready.get("settings", ""),
     )
 
 
@@ -222,8 +245,40 @@ def _row_line(row: Row, row_times: dict[str, list[float]]) -> str:
     return f"{row.label}: " + ", ".join(cells)
 
 
+def _ratio(x: float) -> str:
+    """How tensorwire compares, in words that say which way is better."""
+    return f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
+
+
+def _cpu(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} µs" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
+
+
+def _the(path: str) -> str:
+    return path if path == "gRPC" else f"the {path}"
+
+
+def _why(res: DemoResult, row: int, other: str) -> str:
+    """Why tensorwire lost ``row`` to ``other``, from the CPU both paths spent (nothing if not measured)."""
+    if not res.cpu:
+        return ""
+    what = "round trip" if res.rows[row].round_trip else "round"
+    mine, theirs = res.cpu[row]["tensorwire"], res.cpu[row][other]
+    if mine > 1.2 * theirs:
+        hint = " (pure Python here: the compiled build spends less)" if "Python" in res.build else ""
+        return (
+            f": it spends {_cpu(mine)} of CPU per {what} (both processes) against {_cpu(theirs)}; on busy cores "
+            f"that CPU is the time{hint}"
+        )
+    return (
+        f", with no more CPU per {what} ({_cpu(mine)} against {_cpu(theirs)}): the rest is waiting -- wake-ups, "
+        "or other processes on the cores"
+    )
+
+
 def format_table(res: DemoResult) -> list[str]:
-    """The table and its headline, as lines."""
+    """The table, tensorwire against each baseline, where it loses and why, and the receiver's clock as a
+    footnote, as lines."""
     heads = [f"tensorwire ({res.transport})" if p == "tensorwire" else p for p in res.paths]
     w0 = max(len(r.label) for r in res.rows) + 2
     widths = [max(len(h), 10) + 2 for h in heads]
@@ -231,15 +286,28 @@ def format_table(res: DemoResult) -> list[str]:
     for i, row in enumerate(res.rows):
         cells = [_fmt(row, res.figure(i, p)) for p in res.paths]
         lines.append(row.label.ljust(w0) + "".join(c.rjust(w) for c, w in zip(cells, widths)))
-    other = "gRPC" if "gRPC" in res.paths else "raw socket"
-    ratios = [f"{res.speedup(i, other):.1f}x" for i in range(len(res.rows))]
-    ratios_rx = [f"{res.speedup(i, other, clock='receiver'):.1f}x" for i in range(len(res.rows))]
     labels = " / ".join(r.label for r in res.rows)
+    others = [p for p in res.paths if p != "tensorwire"]
     lines.append("")
-    lines.append(f"tensorwire vs {other}: {' / '.join(ratios)}  ({labels}; receiver's clock: {' / '.join(ratios_rx)})")
-    if other == "gRPC":
-        sock = [f"{res.speedup(i, 'raw socket'):.2f}x" for i in range(len(res.rows))]
-        lines.append(f"tensorwire vs raw socket: {' / '.join(sock)}")
+    lines.append(f"tensorwire against each ({labels}; by the sender's clock, medians):")
+    w = max(len(o) for o in others) + 2
+    for other in others:
+        lines.append(
+            f"  vs {other + ':':<{w}}" + " / ".join(_ratio(res.speedup(i, other)) for i in range(len(res.rows)))
+        )
+    for i, row in enumerate(res.rows):
+        for other in others:
+            x = res.speedup(i, other)
+            if x >= 1:
+                continue
+            lines.append(
+                f"  tensorwire loses on the {row.label} to {_the(other)}, {1 / x:.2f}x its time{_why(res, i, other)}"
+            )
+    rx = "; ".join(
+        f"vs {other} " + " / ".join(_ratio(res.speedup(i, other, clock="receiver")) for i in range(len(res.rows)))
+        for other in others
+    )
+    lines.append(f"  (by the receiver's clock: {rx})")
     return lines
 
 
@@ -276,6 +344,10 @@ def run_demo(
     except (TimeoutError, RuntimeError) as exc:
         print(f"tensorwire demo: {exc}", file=err)
         return 1
+    print(
+        f"tensorwire: {res.transport} transport ({res.settings}); hot path {res.build}",
+        file=out,
+    )
     print("", file=out)
     for line in format_table(res):
         print(line, file=out)

@@ -14,6 +14,8 @@ import queue
 import socket
 from typing import Any, Sequence
 
+from tensorwire.benchmark.backends.rawtcp import recv_exact, tune
+
 __all__ = [
     "TwSender",
     "TwReceiver",
@@ -22,29 +24,13 @@ __all__ = [
     "GrpcSender",
     "GrpcReceiver",
     "recv_exact",
-    "nodelay",
+    "tune",
 ]
 
 _GRPC_CHUNK = 1024 * 1024  # a gRPC stream moves a round in chunks of 1 MiB
 _GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 _GRPC_SERVICE = "twdemo.Exchange"
 _ACK = b"k"
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    n = len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("peer closed the connection")
-        got += k
-
-
-def nodelay(sock: socket.socket, timeout: float) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(timeout)
-    return sock
 
 
 class TwSender:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import socket
 import time
 from datetime import timedelta
 from typing import Any, Sequence
 
+from tensorwire import native
+from tensorwire.benchmark.worker import pair_process_setup
 from tensorwire.demo.paths import (
     GrpcReceiver,
     GrpcSender,
@@ -22,8 +25,8 @@ from tensorwire.demo.paths import (
     SocketSender,
     TwReceiver,
     TwSender,
-    nodelay,
     recv_exact,
+    tune,
 )
 
 __all__ = ["Row", "DEFAULT_ROWS", "PATHS", "RunPlan", "worker", "make_ramp", "message_value", "fill", "count_bad"]
@@ -104,6 +107,27 @@ def count_bad(received: Sequence[Any], ramp: Any, values: Sequence[int], scratch
 # -- the two worker processes -------------------------------------------------------------------------
 
 
+def path_settings(transport: str) -> str:
+    """The settings that shape tensorwire's path over ``transport``, as ``name=value`` words."""
+    from tensorwire.p2p.link import EAGER_MAX_BYTES
+    from tensorwire.settings import setting
+
+    if transport == "tcp":
+        cma = setting("cma")
+        return (
+            f"eager sends up to {EAGER_MAX_BYTES // 1024} KiB, "
+            + (f"cross-memory attach from {setting('cma_min_bytes') // 1024} KiB" if cma == "auto" else "cma off")
+            + f", reader polls {setting('tcp_spin_us'):g} µs before sleeping"
+        )
+    return f"UCX error handling {setting('ucx_error_handling')}, polls {setting('ucx_spin_us'):g} µs before sleeping"
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (a gRPC server's included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     rows: tuple[Row, ...]
@@ -140,16 +164,24 @@ def _sender(plan: RunPlan, store: Any, q: Any) -> None:
     with tw.Node(rank=0, world_size=2, store=store, transport=plan.transport, timeout=plan.timeout) as node:
         link = node.link(1, send=rows, recv=[ack])
         ports = [int(p) for p in store.get("demo/ports").decode().split(",")]
-        ctrl = nodelay(socket.create_connection(("127.0.0.1", ports[0]), timeout=plan.timeout), plan.timeout)
-        data = nodelay(socket.create_connection(("127.0.0.1", ports[1]), timeout=plan.timeout), plan.timeout)
+        ctrl = tune(socket.create_connection(("127.0.0.1", ports[0]), timeout=plan.timeout), plan.timeout)
+        data = tune(socket.create_connection(("127.0.0.1", ports[1]), timeout=plan.timeout), plan.timeout)
         paths: list[Any] = [TwSender(link), SocketSender(data)]
         grpc_pid = None
         if plan.grpc:
             paths.append(GrpcSender(f"127.0.0.1:{ports[2]}", plan.timeout))
             grpc_pid = paths[2].server_pid
-        q.put(("ready", 0, {"transport": link.transport, "pid": os.getpid(), "grpc_server_pid": grpc_pid}))
+        ready = {
+            "transport": link.transport,
+            "pid": os.getpid(),
+            "grpc_server_pid": grpc_pid,
+            "build": native.summary(),
+            "settings": path_settings(link.transport),
+        }
+        q.put(("ready", 0, ready))
         go = memoryview(bytearray(1))
         times: dict[str, list[float]] = {}
+        cpu: dict[str, float] = {}
         try:
             perf = time.perf_counter
             for i, row in enumerate(plan.rows):
@@ -159,27 +191,31 @@ def _sender(plan: RunPlan, store: Any, q: Any) -> None:
                 srcs = [torch.empty(row.size, dtype=torch.uint8) for _ in range(n)]
                 parts = [(srcs[e * m : (e + 1) * m], e * m) for e in range(row.exchanges)]
                 row_times: dict[str, list[float]] = {p: [] for p in plan.paths()}
+                row_cpu = {p: 0.0 for p in plan.paths()}
                 warm = plan.warmup(row)
                 for rnd in range(warm + plan.timed(row)):
                     for p, path in enumerate(paths):
                         for k, t in enumerate(srcs):  # the "model" writes its outputs: not timed
                             fill(t, ramp, message_value(i, p, rnd, k, n))
                         recv_exact(ctrl, go)  # the receiver has checked the last round and is ready
+                        c0 = cpu_seconds()
                         stamps = [perf()]
                         for part, first in parts:  # back to back, as training steps are
                             path.exchange(i, part, first)
                             stamps.append(perf())
                         if rnd >= warm:
+                            row_cpu[plan.paths()[p]] += cpu_seconds() - c0
                             row_times[plan.paths()[p]] += [b - a for a, b in zip(stamps, stamps[1:])]
                 for kind in row_times:
                     times[f"{i}/{kind}"] = row_times[kind]
+                    cpu[f"{i}/{kind}"] = row_cpu[kind]
                 q.put(("row", 0, (i, row_times)))
         finally:
             if plan.grpc:
                 paths[2].close()
             ctrl.close()
             data.close()
-    q.put(("done", 0, {"times": times}))
+    q.put(("done", 0, {"times": times, "cpu": cpu}))
 
 
 def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
@@ -201,13 +237,14 @@ def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
             link = node.link(0, send=[ack], recv=rows, depth=depth)
             ctrl_l.settimeout(plan.timeout)
             data_l.settimeout(plan.timeout)
-            ctrl = nodelay(ctrl_l.accept()[0], plan.timeout)
-            data = nodelay(data_l.accept()[0], plan.timeout)
+            ctrl = tune(ctrl_l.accept()[0], plan.timeout)
+            data = tune(data_l.accept()[0], plan.timeout)
             paths: list[Any] = [TwReceiver(link, torch.ones(1, dtype=torch.uint8)), SocketReceiver(data, buffers())]
             if grpc_rx is not None:
                 paths.append(grpc_rx)
             names = plan.paths()
             times: dict[str, list[float]] = {}
+            cpu: dict[str, float] = {}
             bad = {p: 0 for p in names}
             checked = 0
             perf = time.perf_counter
@@ -221,11 +258,13 @@ def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
                     for p, path in enumerate(paths):
                         got: list[Any] = []
                         ctrl.sendall(_GO)
+                        c0 = cpu_seconds()
                         stamps = [perf()]
                         for first in range(0, n, m):  # back to back, as training steps are
                             got += path.exchange(i, first, m)
                             stamps.append(perf())
                         if rnd >= warm:
+                            cpu[f"{i}/{names[p]}"] = cpu.get(f"{i}/{names[p]}", 0.0) + cpu_seconds() - c0
                             row_times[names[p]] += [b - a for a, b in zip(stamps, stamps[1:])]
                         values = [message_value(i, p, rnd, k, n) for k in range(n)]
                         bad[names[p]] += count_bad(got, ramp, values, scratch)  # every byte: not timed
@@ -244,15 +283,14 @@ def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
             grpc_rx.close()
         ctrl_l.close()
         data_l.close()
-    q.put(("done", 1, {"times": times, "bad": bad, "checked_bytes": checked, "pid": os.getpid()}))
+    q.put(("done", 1, {"times": times, "cpu": cpu, "bad": bad, "checked_bytes": checked, "pid": os.getpid()}))
 
 
 def worker(rank: int, port: int, plan: RunPlan, q: Any) -> None:
     try:
-        import torch
         from torch.distributed import TCPStore
 
-        torch.set_num_threads(1)  # two processes share the cores: no intra-op pool fighting the exchange
+        pair_process_setup()  # as tensorwire bench's pair processes: one torch thread
         store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=plan.timeout))
         (_sender if rank == 0 else _receiver)(plan, store, q)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent

@@ -472,20 +472,13 @@ def check_tensorwire(p: Probe) -> list[Finding]:
     rdma = bool(p.listdir("/sys/class/infiniband"))
     ok_cuda, _ = p.cuda()
     from tensorwire.errors import ConfigError
-    from tensorwire.transport.select import auto_preference
+    from tensorwire.transport.select import auto_picks
 
     try:
-        pref = auto_preference(p.env)
+        picks = auto_picks(kinds, env=p.env, rdma=rdma)
     except ConfigError as exc:
-        return [Finding("tensorwire", "FAIL", str(exc), "unset it, or set it to ucx or tcp")]
-    ucx = "ucx" in kinds and pref != "tcp"
-    local = "ucx (shared memory, cma)" if ucx else "tcp"
-    remote = "ucx" if ucx and (rdma or pref == "ucx") else "tcp"
-    detail = (
-        f"transports here: {', '.join(kinds)}; auto picks {local} for host tensors between ranks of this "
-        f"host, {remote} to other hosts"
-        + (f", {'ucx' if 'ucx' in kinds else 'tcp (staged)'} for CUDA tensors" if ok_cuda else "")
-    )
+        return [Finding("tensorwire", "FAIL", str(exc), "unset it, or give it one of the values it names")]
+    detail = f"transports here: {', '.join(kinds)}; {picks.describe(cuda=ok_cuda)}"
     forced = p.env.get("TENSORWIRE_TRANSPORT")
     if forced:
         detail += f"; TENSORWIRE_TRANSPORT={forced} overrides auto"

@@ -29,6 +29,12 @@ from tensorwire.p2p.staging import CudaOps, staging_chunk
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.base import Transport
 
+#: Receives of at most this many bytes (host memory, TCP) may arrive before their slot's credit reached the
+#: peer (:meth:`Link._offer_eager`); above it a message's cross-memory copy or its bytes dominate a credit frame.
+EAGER_MAX_BYTES = 64 * 1024
+#: Eager buffers a link sets aside for them (anonymous memory: resident only once used).
+EAGER_SLOTS = 4
+
 if TYPE_CHECKING:  # pragma: no cover
     from tensorwire.transport.ce import CePair
     import torch
@@ -162,6 +168,25 @@ class Link:
             paths={n: "ce" for n, p in [*self._send.items(), *self._recv.items()] if isinstance(p, (CeSend, CeRecv))},
         )
         self._watch.hold(self.slots())
+        self._offer_eager(transport, recv)
+
+    @staticmethod
+    def _offer_eager(transport: Transport, recv: Sequence[TensorSpec]) -> None:
+        """Over TCP, let the peer send a small message without first waiting for its credit.
+
+        A ``recv`` re-posts the slot it handed out last time and then waits; the credit of that slot is owed
+        to the peer. Without an eager offer that credit is urgent (the peer may need it to send), so it goes
+        out as a frame of its own before this side blocks: a ping-pong then moves four frames per round trip
+        and wakes each process twice. With an offer the peer can always send a small message (into the
+        posted slot, or an eager buffer when none is posted), so the credit rides on the next frame going
+        the other way -- the acknowledgement -- and a round trip is two frames, as over a raw socket.
+        """
+        offer = getattr(transport, "offer_eager", None)
+        if offer is None:
+            return
+        small = [s.nbytes for s in recv if s.device == "cpu" and 0 < s.nbytes <= EAGER_MAX_BYTES]
+        if small:
+            offer(slots=EAGER_SLOTS, size=max(small))
 
     def _staging(self) -> tuple[Any, int]:
         """(CudaOps, chunk) of the chunk-staged specs, made once."""

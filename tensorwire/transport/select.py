@@ -16,6 +16,7 @@ Transport choice (both sides compute the same answer from both offers):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -33,6 +34,9 @@ __all__ = [
     "auto_preference",
     "same_host",
     "choose_transport",
+    "AutoPicks",
+    "auto_picks",
+    "serve_auto_picks",
 ]
 
 TransportChoice = Literal["auto", "ucx", "tcp"]
@@ -121,8 +125,18 @@ def carries_cuda(specs_on_cuda: bool, *, hint: bool, mine_has_cuda: bool, theirs
     return specs_on_cuda or (hint and mine_has_cuda and theirs_has_cuda)
 
 
-def choose_transport(mine: Offer, theirs: Offer, *, needs_cuda: bool) -> list[str]:
+def choose_transport(
+    mine: Offer,
+    theirs: Offer,
+    *,
+    needs_cuda: bool,
+    env: "Mapping[str, str] | None" = None,
+    rdma: bool | None = None,
+) -> list[str]:
     """Transports to try, in order, for a link between two offers (symmetric).
+
+    ``env``: where the ``TENSORWIRE_*`` settings are read (default: this process's environment);
+    ``rdma``: whether there is an RDMA device (default: :func:`ucx_has_rdma`).
 
     Raises:
         ConfigError: the two sides insist on different transports, or one
@@ -140,11 +154,83 @@ def choose_transport(mine: Offer, theirs: Offer, *, needs_cuda: bool) -> list[st
             who = "this side" if kind not in kinds_a else "the peer"
             raise ConfigError(f"transport {kind!r} was asked for but {who} cannot use it (available: {common})")
         return [kind]
-    pref = auto_preference()
+    pref = auto_preference(env)
     # On one host UCX beats a socket through shared memory and cma, which it uses only without peer error
     # handling (TENSORWIRE_UCX_ERROR_HANDLING=none); with it (the default, so that a peer's death never aborts
     # this process) host memory goes over UCX's own tcp, slower than this package's socket transport.
-    same_host_fast = same_host(mine, theirs) and setting("ucx_error_handling") == "none"
-    prefer_ucx = "ucx" in common and pref != "tcp" and (needs_cuda or pref == "ucx" or ucx_has_rdma() or same_host_fast)
+    same_host_fast = same_host(mine, theirs) and setting("ucx_error_handling", env) == "none"
+    rdma_ = ucx_has_rdma() if rdma is None else rdma
+    prefer_ucx = "ucx" in common and pref != "tcp" and (needs_cuda or pref == "ucx" or rdma_ or same_host_fast)
     order = ["ucx", "tcp"] if prefer_ucx else ["tcp"]
     return [k for k in order if k in common]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _SyntheticOffer:
+    transport: str
+    host_id: str
+    data: tuple[_Kind, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPicks:
+    """What ``auto`` picks for a link between two processes that both have ``kinds``: the first transport
+    :func:`choose_transport` would try, for host tensors on this host, host tensors to another host, and
+    CUDA tensors (on this host or another). ``tensorwire doctor``, the serve daemon's start-up log and the
+    demo print :meth:`describe`; nothing restates the rule."""
+
+    same_host: str
+    other_host: str
+    cuda: str
+
+    def describe(self, *, cuda: bool = True) -> str:
+        """One line; ``cuda`` False leaves CUDA tensors out (a machine without a GPU)."""
+        line = f"auto picks {self.same_host} for host tensors between processes of this host, {self.other_host} to other hosts"
+        return line + (f", {self.cuda} for CUDA tensors" if cuda else "")
+
+
+def auto_picks(kinds: Sequence[str], *, env: "Mapping[str, str] | None" = None, rdma: bool | None = None) -> AutoPicks:
+    """Run :func:`choose_transport` on offers of two processes with transports ``kinds`` (this machine's,
+    :func:`tensorwire.transport.base.available_kinds`) and say what it picks (see :class:`AutoPicks`).
+
+    Raises:
+        ConfigError: ``TENSORWIRE_AUTO_PREFER`` or ``TENSORWIRE_UCX_ERROR_HANDLING`` holds a bad value.
+    """
+    data = tuple(_Kind(k) for k in kinds)
+    here = _SyntheticOffer("auto", "this-host", data)
+
+    def first(theirs: _SyntheticOffer, cuda: bool) -> str:
+        order = choose_transport(here, theirs, needs_cuda=cuda, env=env, rdma=rdma)
+        return order[0] if order else "none"
+
+    return AutoPicks(
+        same_host=first(here, False),
+        other_host=first(_SyntheticOffer("auto", "other-host", data), False),
+        cuda=first(_SyntheticOffer("auto", "other-host", data), True),
+    )
+
+
+def serve_auto_picks(
+    listeners: Sequence[str], *, env: "Mapping[str, str] | None" = None, rdma: bool | None = None
+) -> AutoPicks:
+    """What a ``tensorwire serve`` daemon listening with ``listeners`` gives a client that asks ``auto``.
+
+    Not the links' rule: a daemon's clients are not trusted, so its UCX endpoints handle peer errors and
+    offer no shared memory or cma; a client on this host still gets UCX (its tcp between two processes of
+    one host), or maps the daemon's shared-memory segments where the daemon keeps its tensors there.
+    Remote clients get UCX only with an RDMA device or ``TENSORWIRE_AUTO_PREFER=ucx``.
+
+    Raises:
+        ConfigError: ``TENSORWIRE_AUTO_PREFER`` holds a bad value.
+    """
+    pref = auto_preference(env)
+    ucx = "ucx" in listeners
+    rdma_ = ucx_has_rdma() if rdma is None else rdma
+    remote = "ucx" if ucx and (pref == "ucx" or (pref != "tcp" and rdma_)) else "tcp"
+    local = "ucx" if ucx and pref != "tcp" else remote
+    return AutoPicks(same_host=local, other_host=remote, cuda=local if ucx else "tcp")

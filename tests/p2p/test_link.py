@@ -131,6 +131,15 @@ def test_depth_gives_a_name_more_slots_that_outlive_later_recvs(transport):
     assert res[0] == "timeout"  # default depth: the third message waits for the receiver
 
 
+@pytest.mark.timeout(120)
+def test_small_messages_go_ahead_of_their_slots_into_eager_buffers_over_tcp_then_wait():
+    from tensorwire.p2p.link import EAGER_SLOTS
+
+    res = run_ranks(workers.eager_ahead, transport="tcp")
+    assert EAGER_SLOTS <= res[0] <= EAGER_SLOTS + 2  # then one waited for its credit (and timed out)
+    assert res[1] == [float(i) for i in range(res[0])]
+
+
 @pytest.mark.timeout(60)
 def test_bad_depth_is_refused_before_anything_is_negotiated():
     res = run_ranks(workers.bad_depth, transport="tcp")

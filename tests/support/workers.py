@@ -312,19 +312,20 @@ def relink_same_name(rank, world, store, transport, rounds=3):
 def deep_slots(rank, world, store, transport):
     """depth=4 on "a" (2 on "b"): four sends complete before the receiver receives anything, each
     held slot keeps its message through three more recvs, and recv(out=) mixed with held slots keeps
-    the order; "b" (default depth) cannot take a third message ahead."""
+    the order; "b" (default depth, too large to go eagerly over TCP) cannot take a third message ahead."""
     a = tw.TensorSpec("a", (1024,), "float32")
-    b = tw.TensorSpec("b", (16,), "float32")
+    nb = 32 * 1024  # 128 KiB: above EAGER_MAX_BYTES, so its sends wait for their credits over TCP too
+    b = tw.TensorSpec("b", (nb,), "float32")
     steps = 24
     with _node(rank, world, store, transport) as node:
         if rank == 0:
             link = node.link(1, send=[a, b])
             for i in range(4):  # no recv on the other side yet: needs 4 posted slots
                 link.send("a", torch.full((1024,), float(i)), timeout=20)
-            link.send("b", torch.zeros(16), timeout=20)
-            link.send("b", torch.ones(16), timeout=20)
+            link.send("b", torch.zeros(nb), timeout=20)
+            link.send("b", torch.ones(nb), timeout=20)
             try:
-                link.send("b", torch.ones(16), timeout=1.0)
+                link.send("b", torch.ones(nb), timeout=1.0)
                 third_b = "sent"
             except tw.TransferTimeout:
                 third_b = "timeout"
@@ -357,6 +358,36 @@ def deep_slots(rank, world, store, transport):
         b_vals.append(link.recv("b").tolist()[0])
         store.set("deep_done", "1")
         return {"depth": depth, "bad": bad, "b": b_vals}
+
+
+def eager_ahead(rank, world, store, transport):
+    """A small message goes before its slot's credit reached the sender (TCP: into one of the link's eager
+    buffers): EAGER_SLOTS of them at least (the receiver is not in tensorwire, so its credits may still be
+    held back), two more at most (its two posted slots); then a send waits for a credit. All arrive, in order."""
+    from tensorwire.p2p.link import EAGER_SLOTS
+
+    spec = tw.TensorSpec("s", (64,), "float32")
+    with _node(rank, world, store, transport) as node:
+        if rank == 0:
+            link = node.link(1, send=[spec])
+            sent = 0
+            try:
+                for i in range(EAGER_SLOTS + 3):
+                    link.send("s", torch.full((64,), float(i)), timeout=20 if i < EAGER_SLOTS else 1.0)
+                    sent += 1
+            except tw.TransferTimeout:
+                pass
+            store.set("eager_sent", str(sent))
+            store.wait(["eager_done"])
+            return sent
+        link = node.link(0, recv=[spec])
+        store.wait(["eager_sent"])
+        got = []
+        for _ in range(int(store.get("eager_sent"))):
+            t = link.recv("s", timeout=20)
+            got.append(t[0].item() if bool((t == t[0]).all()) else "mixed")
+        store.set("eager_done", "1")
+        return got
 
 
 def bad_depth(rank, world, store, transport):

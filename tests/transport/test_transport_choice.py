@@ -125,3 +125,60 @@ def test_cuda_in_use_only_once_the_process_initialized_cuda():
     lines = out.split()
     assert lines[:2] == ["False", "False"], out
     assert lines[2:] in ([], ["True"]), out
+
+
+def test_auto_picks_says_what_choose_transport_picks_for_each_kind_of_peer():
+    from tensorwire.transport.select import auto_picks
+
+    picks = auto_picks(["tcp", "ucx"], env={}, rdma=False)
+    assert (picks.same_host, picks.other_host, picks.cuda) == ("tcp", "tcp", "ucx")
+    assert picks.describe(cuda=False) == (
+        "auto picks tcp for host tensors between processes of this host, tcp to other hosts"
+    )
+    assert picks.describe().endswith(", ucx for CUDA tensors")
+    # each setting the rule reads moves the answer as choose_transport moves it
+    assert auto_picks(["tcp", "ucx"], env={"TENSORWIRE_UCX_ERROR_HANDLING": "none"}, rdma=False).same_host == "ucx"
+    assert auto_picks(["tcp", "ucx"], env={}, rdma=True).other_host == "ucx"
+    assert auto_picks(["tcp", "ucx"], env={"TENSORWIRE_AUTO_PREFER": "tcp"}, rdma=True).cuda == "tcp"
+    assert auto_picks(["tcp"], env={}, rdma=True) == type(picks)("tcp", "tcp", "tcp")
+    with pytest.raises(ConfigError, match="TENSORWIRE_AUTO_PREFER"):
+        auto_picks(["tcp", "ucx"], env={"TENSORWIRE_AUTO_PREFER": "fast"})
+
+
+def test_doctor_prints_the_line_of_auto_picks(monkeypatch):
+    from tensorwire.doctor.checks import check_tensorwire
+    from tensorwire.transport.base import available_kinds
+    from tensorwire.transport.select import auto_picks
+
+    class Probe:
+        env = {"TENSORWIRE_UCX_ERROR_HANDLING": "none"}
+
+        def listdir(self, path):
+            return []
+
+        def cuda(self):
+            return False, "no CUDA"
+
+    (finding,) = check_tensorwire(Probe())
+    want = auto_picks(available_kinds(), env=Probe.env, rdma=False).describe(cuda=False)
+    assert finding.detail.endswith(want)
+
+
+def test_serve_auto_picks_ucx_for_clients_on_this_host_and_tcp_for_remote_ones_without_rdma():
+    from tensorwire.transport.select import serve_auto_picks
+
+    picks = serve_auto_picks(["ucx", "tcp"], env={}, rdma=False)
+    assert (picks.same_host, picks.other_host) == ("ucx", "tcp")
+    assert serve_auto_picks(["ucx", "tcp"], env={}, rdma=True).other_host == "ucx"
+    assert serve_auto_picks(["ucx", "tcp"], env={"TENSORWIRE_AUTO_PREFER": "tcp"}, rdma=False).same_host == "tcp"
+    assert serve_auto_picks(["tcp"], env={}, rdma=True) == type(picks)("tcp", "tcp", "tcp")
+
+
+def test_the_serve_daemon_s_primary_listener_is_the_one_serve_auto_picks_names_for_remote_clients(monkeypatch):
+    from tensorwire.serve.daemon import server
+    from tensorwire.transport.select import serve_auto_picks
+
+    for rdma in (False, True):
+        monkeypatch.setattr(server, "ucx_has_rdma", lambda rdma=rdma: rdma)
+        primary = "ucx" if server._ucx_first() else "tcp"
+        assert serve_auto_picks(["ucx", "tcp"], env={}, rdma=rdma).other_host == primary

@@ -1,6 +1,10 @@
 """The floor to compare against: one plain TCP socket, ``sendall`` out of the buffer, ``recv_into`` the
 receiver's buffer, a 1-byte ack. No framing, no credits, no threads.
 
+:func:`tune` and :func:`recv_exact` are the socket a fair competitor would write (``TCP_NODELAY``,
+``recv_into`` a preallocated buffer with ``MSG_WAITALL``); ``tensorwire demo``'s raw socket path uses these
+same two functions, so the demo and ``tensorwire bench`` measure one socket.
+
 CUDA buffers are staged through a pinned host buffer (one D2H before the send,
 one H2D after the receive), as any socket would need.
 """
@@ -17,12 +21,34 @@ from tensorwire.benchmark.backends.base import Sender as _Sender
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+__all__ = ["Sender", "Receiver", "tune", "recv_exact"]
+
 _ACK = b"\x01"
 
 
-def _tune(sock: socket.socket, timeout: float) -> None:
+def tune(sock: socket.socket, timeout: float) -> socket.socket:
+    """``TCP_NODELAY`` (a small message leaves at once) and a timeout on every call; returns ``sock``."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(timeout)
+    return sock
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Receive exactly ``len(view)`` bytes into ``view`` (``MSG_WAITALL``: one call unless a signal or the
+    timeout cuts it short).
+
+    Raises:
+        ConnectionError: the peer closed the connection first.
+    """
+    n = len(view)
+    got = sock.recv_into(view, n, socket.MSG_WAITALL)
+    while got < n:
+        if got == 0:
+            raise ConnectionError("the peer closed the connection mid-message")
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError("the peer closed the connection mid-message")
+        got += k
 
 
 def _host_buffer(size: int, *, cuda: bool) -> "torch.Tensor":
@@ -36,8 +62,8 @@ class Sender(_Sender):
         super().__init__(ctx, arg)
         port = int(ctx.lookup("rawtcp/port"))
         self.sock = socket.create_connection((ctx.cfg.host, port), timeout=ctx.timeout)
-        _tune(self.sock, ctx.timeout)
-        self.ackbuf = bytearray(1)
+        tune(self.sock, ctx.timeout)
+        self.ackbuf = memoryview(bytearray(1))
         self.src: "torch.Tensor | None" = None
         self.stage: "torch.Tensor | None" = None
         self.view: memoryview | None = None
@@ -56,8 +82,7 @@ class Sender(_Sender):
         self.sock.sendall(self.view)  # type: ignore[arg-type]
 
     def wait_ack(self) -> None:
-        if self.sock.recv_into(self.ackbuf, 1) != 1:
-            raise ConnectionError("receiver closed the connection")
+        recv_exact(self.sock, self.ackbuf)
 
     def close_size(self) -> None:
         self.src = self.stage = self.view = None
@@ -76,7 +101,7 @@ class Receiver(_Receiver):
             self.sock, _ = lst.accept()
         finally:
             lst.close()
-        _tune(self.sock, ctx.timeout)
+        tune(self.sock, ctx.timeout)
         self.buf: "torch.Tensor | None" = None
         self.host: "torch.Tensor | None" = None
         self.view: memoryview | None = None
@@ -92,14 +117,7 @@ class Receiver(_Receiver):
     def recv(self) -> "torch.Tensor":
         view = self.view
         assert view is not None and self.buf is not None and self.host is not None
-        n = len(view)
-        got = 0
-        sock = self.sock
-        while got < n:
-            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            if k == 0:
-                raise ConnectionError("sender closed the connection mid-message")
-            got += k
+        recv_exact(self.sock, view)
         if self.buf is not self.host:
             self.buf.copy_(self.host)
         return self.buf

@@ -34,7 +34,7 @@ from tensorwire.errors import ConfigError, SnapshotError
 from tensorwire.serve.daemon.config import ServeConfig, format_size
 from tensorwire.serve.protocol.common import MAX_MESSAGE_BYTES, SERVICE
 from tensorwire.transport.base import new_nonce, get_factory
-from tensorwire.transport.select import auto_preference, ucx_has_rdma
+from tensorwire.transport.select import auto_preference, serve_auto_picks, ucx_has_rdma
 from tensorwire.transport.admission import AdmissionLimits
 from tensorwire.transport.tcp import TcpListener
 from tensorwire.serve.daemon.metrics import Metrics
@@ -142,10 +142,13 @@ def choose_listeners(config: ServeConfig) -> tuple[dict[str, "Listener"], str]:
                 lst.close()
             raise ConfigError(f"cannot listen for data on {_hostport(config.host, port)}: {exc}") from exc
     primary = "ucx" if "ucx" in listeners and (config.transport == "ucx" or _ucx_first()) else "tcp"
-    if config.transport == "auto" and "ucx" in listeners and primary == "tcp":
+    if config.transport == "auto":
+        picks = serve_auto_picks(list(listeners))
         log.info(
-            "transport auto: UCX for clients on this host (shared memory / cma), TCP for remote ones (no RDMA "
-            "device: UCX over tcp was measured slower than a socket, see bench/results)"
+            "transport auto: %s for clients on this host (untrusted: UCX with peer error handling, no shared "
+            "memory or cma; shared-memory segments where --shm keeps tensors there), %s for remote ones",
+            picks.same_host,
+            picks.other_host,
         )
     return listeners, primary
 
@@ -296,13 +299,21 @@ class Server:
         sec = "mTLS" if cfg.mtls else ("TLS" if cfg.tls else "plaintext")
         auth = "token" if has_token else ("client certificates" if cfg.mtls else "none")
         log.info("control plane (gRPC, %s, auth: %s) listening on %s", sec, auth, _hostport(cfg.host, self.port or 0))
+        picks = serve_auto_picks(list(self._listeners)) if cfg.transport == "auto" else None
         for kind, lst in self._listeners.items():
             h, p = lst.address
+            who = (
+                []
+                if picks is None
+                else ["this host"] * (kind == picks.same_host) + ["remote"] * (kind == picks.other_host)
+            )
             log.info(
-                "data plane: %s listening on %s%s",
+                "data plane: %s listening on %s (%s)",
                 kind,
                 _hostport(h, p),
-                " (chosen)" if kind == self._primary else " (fallback)",
+                f"auto: {' and '.join(who)} clients"
+                if who
+                else ("every client" if len(self._listeners) == 1 else "clients that ask for it"),
             )
         log.info("transport: %s (asked for %s)", self._primary, cfg.transport)
         if self._store is not None and self._store.shm is not None:
