@@ -99,5 +99,12 @@ class IsendQueue:
             self.pending -= 1
 
     def shutdown(self) -> None:
+        """Cancel the isends not started; the one under way ends with the link's transport."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def join(self) -> None:
+        """After :meth:`shutdown` and the transport's close: wait for the sender thread to end."""
+        ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=True)

@@ -20,6 +20,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from tensorwire import lifecycle
 from tensorwire.buffers import Slot
 from tensorwire.errors import ClosedError, ConfigError, ShapeMismatchError
 from tensorwire.p2p.paths import IsendQueue, RecvPath, SendHandle, SendPath, recv_path, send_path
@@ -137,6 +138,7 @@ class Link:
             )
             for tag, n in enumerate(sorted(self.recv_specs))
         }
+        lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
     def _staging(self) -> tuple[Any, int]:
         """(CudaOps, chunk) of the chunk-staged specs, made once."""
@@ -290,9 +292,13 @@ class Link:
             return
         self._closed = True
         self._queue.shutdown()
-        for p in self._recv.values():
-            p.close()
-        self._t.close()
+        try:
+            for p in self._recv.values():
+                p.close()
+        finally:
+            self._t.close()
+            self._queue.join()  # the sender thread ends with the transport (an isend under way fails)
+            lifecycle.untrack(self)
 
     def __enter__(self) -> "Link":
         return self

@@ -20,6 +20,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from tensorwire import lifecycle
 from tensorwire.buffers import cuda_available, cuda_in_use
 from tensorwire.errors import (
     AuthError,
@@ -138,6 +139,7 @@ class Node:
             self._control.address,
             ", ".join(f"{k}://{h}:{p}" for k, (h, p) in ((k, v.address) for k, v in self._listeners.items())),
         )
+        lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
     def _key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -390,12 +392,15 @@ class Node:
         if self._closed:
             return
         self._closed = True
-        for link in self._links:
-            link.close()
-        for lst in self._listeners.values():
-            lst.close()
-        if hasattr(self, "_control"):
-            self._control.close()
+        try:
+            for link in self._links:
+                link.close()
+            for lst in self._listeners.values():
+                lst.close()
+        finally:
+            if hasattr(self, "_control"):
+                self._control.close()
+            lifecycle.untrack(self)
 
     def __enter__(self) -> "Node":
         return self

@@ -64,6 +64,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
+from tensorwire import lifecycle
 from tensorwire.errors import ClosedError, ConfigError, PeerLostError, SpecError, TensorWireError
 from tensorwire.serve.client.common import SnapshotInfo, TensorStat
 from tensorwire.serve.client.context import ClientContext, Progress, RowUpdate
@@ -174,9 +175,12 @@ class Client:
         try:
             self._open_session()
         except BaseException:
-            ctx.close()
             self._closed = True
+            ctx.close()
+            self._mem.close()
+            self._releaser.close()
             raise
+        lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
     # -- sessions ----------------------------------------------------------------------------------
     def _open_session(self, deadline: float | None = None) -> None:
@@ -458,10 +462,13 @@ class Client:
             if self._closed:
                 return
             self._closed = True
-            self._drop_session()
-            self._ctx.close()
-            self._mem.close()
-        self._releaser.close()  # the release helper exits
+            try:
+                self._drop_session()
+            finally:
+                self._ctx.close()
+                self._mem.close()
+        self._releaser.close()  # the release helper ends (joined)
+        lifecycle.untrack(self)
 
     @property
     def closed(self) -> bool:

@@ -50,6 +50,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from tensorwire import lifecycle
 from tensorwire.errors import (
     AuthError,
     ClosedError,
@@ -163,6 +164,7 @@ class ShardedClient:
             raise (fatal or errs)[0]
         for e in errs:
             log.warning("sharded client: %s; operations that need it fail until it is back", e)
+        lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
     # -- daemons -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -455,8 +457,11 @@ class ShardedClient:
         if self._closed:
             return
         self._closed = True
-        self._daemons.close()
-        self._rows.close()
+        try:
+            self._daemons.close()
+        finally:
+            self._rows.close()
+            lifecycle.untrack(self)
 
     @property
     def closed(self) -> bool:

@@ -250,7 +250,7 @@ class UcxListener(Listener):
         self._port = self._sock.getsockname()[1]
         with eng.op():
             eng.watch_fd(self._sock.fileno(), self._on_accept)
-            eng.objects.add(self)
+            eng.adopt(self)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -301,7 +301,7 @@ class UcxListener(Listener):
             parked = list(self._parked.values())
             self._parked.clear()
             eng.servicing.discard(self)
-            eng.objects.discard(self)
+            eng.disown(self)
             eng.notify()
         for t in parked:
             t.abort()
