@@ -11,7 +11,8 @@ tensorwire's must have ended before the interpreter finalizes:
 
 - every ``close()`` that ends a thread joins it (:func:`join`);
 - every object a user opens and may forget to close -- a client, a node, a
-  link, a process group -- and the UCX engines register here (:func:`track`);
+  link, a process group -- and the UCX engines register here (:func:`track`,
+  held until closed);
   at exit the ones still open are closed, users first, then the transports
   they hold, then the engines (their progress thread joined, their UCX worker
   and context released), from an ``atexit`` handler: it runs after the
@@ -28,10 +29,9 @@ import atexit
 import logging
 import os
 import threading
-import weakref
 from typing import Any
 
-__all__ = ["ENGINES", "TRANSPORTS", "USERS", "close_all", "exiting", "join", "track", "untrack"]
+__all__ = ["ENGINES", "TRANSPORTS", "USERS", "close_all", "exiting", "join", "track", "tracked", "untrack"]
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +43,21 @@ _STAGES = (USERS, TRANSPORTS, ENGINES)
 #: Seconds one close may take at exit (its own timeouts bound it; this bounds the join of its threads).
 JOIN_TIMEOUT = 5.0
 
-_lock = threading.RLock()  # (a weak reference callback may run inside, on a collection)
-#: stage -> {id(obj): (weak reference to obj, name of the method that closes it)}, in the order opened
-_open: dict[int, dict[int, tuple["weakref.ref[Any]", str]]] = {s: {} for s in _STAGES}
+_lock = threading.Lock()
+#: stage -> {id(obj): (obj, name of the method that closes it)}, in the order opened. Held strongly: an
+#: object dropped without a close still has threads and sockets (held by its threads, not by it), and
+#: only it knows how to end them.
+_open: dict[int, dict[int, tuple[Any, str]]] = {s: {} for s in _STAGES}
 _registered_pid = -1
 _exiting = False
 
 
 def track(obj: Any, stage: int = USERS, *, close: str = "close") -> None:
-    """Call ``obj.<close>()`` at interpreter exit if ``obj`` is still open then (held weakly).
+    """Call ``obj.<close>()`` at interpreter exit unless :func:`untrack` was called first.
 
-    The exit handler is registered on the first call in a process, so it runs before the handlers of
-    the libraries imported before (atexit runs the last registered first).
+    ``obj`` stays referenced until then: whatever opens it calls :func:`untrack` when it is closed. The
+    exit handler is registered on the first call in a process, so it runs before the handlers of the
+    libraries imported before (atexit runs the last registered first).
 
     Raises:
         ValueError: an unknown stage, or ``obj`` has no such method.
@@ -64,29 +67,27 @@ def track(obj: Any, stage: int = USERS, *, close: str = "close") -> None:
         raise ValueError(f"unknown stage {stage!r}")
     if not callable(getattr(obj, close, None)):
         raise ValueError(f"{type(obj).__name__} has no method {close!r}")
-    key = id(obj)
-    objs = _open[stage]
-
-    def gone(ref: "weakref.ref[Any]") -> None:
-        with _lock:
-            if key in objs and objs[key][0] is ref:
-                del objs[key]
-
     with _lock:
-        objs[key] = (weakref.ref(obj, gone), close)
+        _open[stage][id(obj)] = (obj, close)
         if _registered_pid != os.getpid():  # (a forked child inherits the parent's handler list)
             _registered_pid = os.getpid()
             atexit.register(close_all)
 
 
 def untrack(obj: Any) -> None:
-    """``obj`` was closed: nothing to do for it at exit."""
+    """``obj`` was closed: nothing to do for it at exit (and it is no longer referenced here)."""
     key = id(obj)
     with _lock:
         for objs in _open.values():
             entry = objs.get(key)
-            if entry is not None and entry[0]() is obj:
+            if entry is not None and entry[0] is obj:
                 del objs[key]
+
+
+def tracked(stage: int = USERS) -> list[Any]:
+    """The objects of ``stage`` still open (what the exit handler would close now, in the order opened)."""
+    with _lock:
+        return [obj for obj, _ in _open[stage].values()]
 
 
 def exiting() -> bool:
@@ -117,12 +118,9 @@ def close_all() -> None:
         with _lock:
             entries = list(_open[stage].values())
             _open[stage].clear()
-        for ref, close in reversed(entries):  # the last opened first (a link before the node that made it)
-            obj = ref()
-            if obj is None:
-                continue
+        for obj, close in reversed(entries):  # the last opened first (a link before the node that made it)
             try:
                 getattr(obj, close)()
             except Exception as exc:  # noqa: BLE001 - at exit, everything else still gets closed
                 log.debug("closing %r at exit: %s", obj, exc)
-            del obj
+        del entries
