@@ -100,6 +100,11 @@ def one(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, bool]
     return r.returncode, "terminate called" in (r.stdout + r.stderr)
 
 
+def shown_args() -> str:
+    """This run's arguments, paths by their last component (the results name no directory of this machine)."""
+    return " ".join(pathlib.Path(a).name if os.sep in a else a for a in sys.argv[1:])
+
+
 def write(
     out: pathlib.Path | None,
     counts: dict[str, collections.Counter],
@@ -111,7 +116,7 @@ def write(
         "# Exit statuses of short tensorwire processes",
         "",
         f"Machine: {os.cpu_count()}-core {platform.machine()} VM, Python {platform.python_version()}; "
-        f"{time.monotonic() - t0:.0f} s. Command: `python bench/bench_exit.py {' '.join(sys.argv[1:])}`.",
+        f"{time.monotonic() - t0:.0f} s. Command: `python bench/bench_exit.py {shown_args()}`.",
         "",
         *notes,
         "",

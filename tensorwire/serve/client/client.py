@@ -53,7 +53,8 @@ address is this class, as before.
 
 Errors are :class:`tensorwire.TensorWireError` subclasses: ``AuthError`` (token,
 TLS), ``NotFoundError``, ``ShapeMismatchError`` (naming both specs),
-``ResourceExhaustedError`` (``--max-bytes``), ``PeerLostError`` (server gone),
+``ResourceExhaustedError`` (``--max-bytes``), ``PeerLostError`` (server gone; ``ConnectError``,
+a subclass, when it was never reached),
 ``TransferTimeout``, ``ClosedError`` (used after ``close()``).
 """
 
@@ -118,9 +119,11 @@ class Client:
 
     Raises:
         AuthError: wrong or missing token, TLS mismatch.
+        ConnectError: nothing accepts connections at ``address`` (a ``PeerLostError`` too).
         PeerLostError / ConnectTimeout: the daemon is not reachable.
 
-    A client is thread-safe; its operations run one at a time (use one client
+    Close it (``close()`` or ``with``); one still open at interpreter exit is closed then
+    (:mod:`tensorwire.lifecycle`). A client is thread-safe; its operations run one at a time (use one client
     per thread for parallel transfers: each has its own data connection).
 
     ``address`` may also be a list of daemons or ``"dns:///name:port"`` (every
