@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=2, help="processes at a time")
     ap.add_argument("--builds", default="pure,native", help="comma-separated: pure, native")
     ap.add_argument("--out", type=pathlib.Path, default=None)
+    ap.add_argument("--minutes", type=float, default=0.0, help="stop starting runs after this long (0: never)")
     ap.add_argument(
         "--baseline", type=pathlib.Path, default=None, help="a tree of an earlier commit (git archive): its runs too"
     )
@@ -192,7 +193,13 @@ def main() -> None:
                     )
             with ThreadPoolExecutor(max_workers=args.parallel) as pool:
                 futs = [(what, pool.submit(one, cmd, env, to)) for what, cmd, env, to in tasks]
+                stop_at = t0 + 60 * args.minutes if args.minutes else None
                 for k, (what, f) in enumerate(futs):
+                    if stop_at is not None and time.monotonic() > stop_at:
+                        for _, g in futs[k:]:
+                            g.cancel()  # (the ones running finish and are not counted)
+                        notes.append(f"- stopped after {args.minutes:g} minutes (--minutes)")
+                        break
                     rc, aborted = f.result()
                     counts[what][rc] += 1
                     aborts[what] += int(aborted)
