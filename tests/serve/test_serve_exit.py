@@ -21,7 +21,7 @@ from serve_common import Daemon, clean_env
 ENDINGS = ("close", "exit", "raise")
 
 
-def _runs(per_ending: int, tmp_path) -> str | None:
+def _runs(per_ending: int) -> str | None:
     with Daemon(transport="auto") as d:
         import tensorwire as tw
 
@@ -36,11 +36,11 @@ def _runs(per_ending: int, tmp_path) -> str | None:
 
 
 @pytest.mark.timeout(300)
-def test_a_client_script_exits_with_its_own_status_whether_it_closes_exits_or_raises(tmp_path):
-    assert _runs(2, tmp_path) is None
+def test_a_client_script_exits_with_its_own_status_whether_it_closes_exits_or_raises():
+    assert _runs(2) is None
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
-def test_hundreds_of_client_scripts_never_abort_at_exit(tmp_path):
-    assert _runs(X.runs(100), tmp_path) is None
+def test_hundreds_of_client_scripts_never_abort_at_exit():
+    assert _runs(X.runs(100)) is None
