@@ -55,7 +55,8 @@ Errors are :class:`tensorwire.TensorWireError` subclasses: ``AuthError`` (token,
 TLS), ``NotFoundError``, ``ShapeMismatchError`` (naming both specs),
 ``ResourceExhaustedError`` (``--max-bytes``), ``PeerLostError`` (server gone; ``ConnectError``,
 a subclass, when it was never reached),
-``TransferTimeout``, ``ClosedError`` (used after ``close()``).
+``TransferTimeout``, ``ClosedError`` (used after ``close()``). A client still open at interpreter
+exit is closed then (:mod:`tensorwire.lifecycle`).
 """
 
 from __future__ import annotations
@@ -119,11 +120,9 @@ class Client:
 
     Raises:
         AuthError: wrong or missing token, TLS mismatch.
-        ConnectError: nothing accepts connections at ``address`` (a ``PeerLostError`` too).
-        PeerLostError / ConnectTimeout: the daemon is not reachable.
+        PeerLostError / ConnectTimeout: the daemon is not reachable (ConnectError: nothing listens there).
 
-    Close it (``close()`` or ``with``); one still open at interpreter exit is closed then
-    (:mod:`tensorwire.lifecycle`). A client is thread-safe; its operations run one at a time (use one client
+    A client is thread-safe; its operations run one at a time (use one client
     per thread for parallel transfers: each has its own data connection).
 
     ``address`` may also be a list of daemons or ``"dns:///name:port"`` (every
@@ -178,10 +177,8 @@ class Client:
         try:
             self._open_session()
         except BaseException:
-            self._closed = True
             ctx.close()
-            self._mem.close()
-            self._releaser.close()
+            self._closed = True
             raise
         lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
@@ -465,11 +462,9 @@ class Client:
             if self._closed:
                 return
             self._closed = True
-            try:
-                self._drop_session()
-            finally:
-                self._ctx.close()
-                self._mem.close()
+            self._drop_session()
+            self._ctx.close()
+            self._mem.close()
         self._releaser.close()  # the release helper ends (joined)
         lifecycle.untrack(self)
 
