@@ -2,7 +2,7 @@
 
 Before the fix, ``with tw.Client(addr) as c: c.get(name)`` ended with SIGABRT
 ("terminate called without an active exception") in a few runs of every
-hundred: a helper thread of the client was still alive as the interpreter
+hundred: a thread of the client was still alive as the interpreter
 finalized (see ``tensorwire/lifecycle.py``). Each run here is a fresh process:
 open, one get, then close / ``sys.exit(0)`` without closing / an exception out
 of the ``with``; its status, its output and its last-moment thread list are

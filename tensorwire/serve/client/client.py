@@ -465,7 +465,7 @@ class Client:
             self._drop_session()
             self._ctx.close()
             self._mem.close()
-        self._releaser.close()  # the release helper ends (joined)
+        self._releaser.close()  # the release thread ends (joined)
         lifecycle.untrack(self)
 
     @property
