@@ -20,7 +20,8 @@ visible in the traceback.
     │   └── VersionMismatchError  the peer speaks another protocol version
     ├── TransportError         the data plane or control plane failed
     │   ├── PeerLostError      the peer went away (killed, link cut, reset)
-    │   │   └── ShardLostError a daemon of a sharded client is unreachable (names it)
+    │   │   ├── ShardLostError a daemon of a sharded client is unreachable (names it)
+    │   │   └── ConnectError   nothing accepts connections at the address (never reached)
     │   ├── ConnectTimeout     could not connect or negotiate in time (also TimeoutError)
     │   └── TransferTimeout    a send/recv did not complete in time (also TimeoutError)
     └── ClosedError            you used a Link/Node/Client after closing it
@@ -47,6 +48,7 @@ __all__ = [
     "TransportError",
     "PeerLostError",
     "ShardLostError",
+    "ConnectError",
     "ConnectTimeout",
     "TransferTimeout",
     "ClosedError",
@@ -127,6 +129,11 @@ class ShardLostError(PeerLostError):
     def __init__(self, message: str, *, address: str = "") -> None:
         super().__init__(message)
         self.address = address
+
+
+class ConnectError(PeerLostError):
+    """Nothing accepts connections at the address (refused, no route, no such host): the peer was never
+    reached. A ``PeerLostError`` too, so handlers of a lost peer keep catching it."""
 
 
 class ConnectTimeout(TransportError, TimeoutError):

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import lifecycle
 from ..errors import ConfigError
 from ..observe import GroupWatch
 from ..p2p.bootstrap import reachable_address
@@ -158,6 +159,9 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             len(self._peers),
             ",".join(kinds) or "-",
         )
+        # never destroyed by the script (no destroy_process_group): aborted at interpreter exit, before the
+        # interpreter tears modules down (tensorwire.lifecycle)
+        lifecycle.track(self, close="abort")
 
     # -- identity ----------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -414,6 +418,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
                 backend.abort() if abort else backend.shutdown()
             except Exception as exc:  # noqa: BLE001 - gloo may not implement shutdown; it is freed with us
                 log.debug("closing the inner group: %s", exc)
+        lifecycle.untrack(self)
 
     def __del__(self) -> None:  # pragma: no cover - interpreter teardown
         try:

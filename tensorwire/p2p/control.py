@@ -28,6 +28,7 @@ import time
 from concurrent import futures
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from tensorwire import lifecycle
 from tensorwire._proto import spec_from_proto, spec_to_proto
 from tensorwire.errors import AuthError, ConnectTimeout, ProtocolError, TransportError, VersionMismatchError
 from tensorwire.p2p.linkauth import MAC_METADATA, mac_matches, offer_mac
@@ -185,7 +186,12 @@ class ControlServer:
         from grpc_health.v1 import health_pb2
 
         self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._server.stop(grace).wait(grace + 1)
+        # At interpreter exit, no grace: grpc would wait it out in a thread of its own that may still be
+        # cancelling calls (in grpc's C++) when the interpreter finalizes (see tensorwire.lifecycle).
+        if lifecycle.exiting():
+            self._server.stop(None)
+        else:
+            self._server.stop(grace).wait(grace + 1)
 
 
 class _Servicer:

@@ -8,6 +8,7 @@ which runs, in order, the isends that cannot be posted where they are called.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from tensorwire.errors import TransferTimeout
 from tensorwire.transport.base import Transport
 
 __all__ = ["IsendQueue", "SendHandle"]
+
+log = logging.getLogger(__name__)
 
 
 class SendHandle:
@@ -105,13 +108,14 @@ class IsendQueue:
         self._peer = peer
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._last: concurrent.futures.Future[Any] | None = None  # the latest isend submitted
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tw-isend-{self._peer}")
             self.pending += 1
-            fut = self._executor.submit(fn, *args)
+            fut = self._last = self._executor.submit(fn, *args)
         fut.add_done_callback(self._done)
         return fut
 
@@ -120,5 +124,19 @@ class IsendQueue:
             self.pending -= 1
 
     def shutdown(self) -> None:
+        """Cancel the isends not started; the one under way ends with the link's transport."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def join(self, timeout: float = 5.0) -> None:
+        """After :meth:`shutdown` and the transport's close: wait (``timeout`` at most) for the sender
+        thread to end. The isend under way fails with the closed transport; the others were cancelled."""
+        with self._lock:
+            ex, self._executor = self._executor, None
+            last, self._last = self._last, None
+        if ex is None:
+            return
+        if last is None or not concurrent.futures.wait([last], timeout).not_done:
+            ex.shutdown(wait=True)  # idle now (in order: the last one done, all are): its thread ends at once
+        else:
+            log.warning("the isend thread of the link to rank %d did not end within %.1fs", self._peer, timeout)

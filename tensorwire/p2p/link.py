@@ -20,6 +20,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from tensorwire import lifecycle
 from tensorwire.buffers import Slot
 from tensorwire.errors import ClosedError, ConfigError, ShapeMismatchError
 from tensorwire.p2p.ce_paths import CeHandle, CeRecv, CeSend
@@ -169,6 +170,7 @@ class Link:
         )
         self._watch.hold(self.slots())
         self._offer_eager(transport, recv)
+        lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
     @staticmethod
     def _offer_eager(transport: Transport, recv: Sequence[TensorSpec]) -> None:
@@ -350,11 +352,15 @@ class Link:
         self._closed = True
         self._watch.release()
         self._queue.shutdown()
-        for p in self._recv.values():
-            p.close()
-        if self.ce is not None:
-            self.ce.close(ClosedError(f"link to rank {self.peer} is closed"))
-        self._t.close()
+        try:
+            for p in self._recv.values():
+                p.close()
+            if self.ce is not None:
+                self.ce.close(ClosedError(f"link to rank {self.peer} is closed"))
+        finally:
+            self._t.close()
+            self._queue.join()  # the sender thread ends with the transport (an isend under way fails)
+            lifecycle.untrack(self)
 
     def __enter__(self) -> "Link":
         return self

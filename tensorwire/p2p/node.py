@@ -20,6 +20,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from tensorwire import lifecycle
 from tensorwire.buffers import cuda_available, cuda_in_use
 from tensorwire.errors import (
     AuthError,
@@ -39,7 +40,7 @@ from tensorwire.p2p.link import Link, slot_depths
 from tensorwire.p2p.linkauth import SECRET_KEY, resolve_link_secret
 from tensorwire.transport.base import Listener, Transport, get_factory, new_nonce
 from tensorwire.p2p.ce_paths import link_pair
-from tensorwire.transport.ce import CePair, Watchdog
+from tensorwire.transport.ce import Watchdog
 from tensorwire.transport.select import TransportChoice, carries_cuda, check_choice, choose_transport, host_id
 from tensorwire.p2p.torchrun import bootstrap_store
 
@@ -144,6 +145,7 @@ class Node:
             self._control.address,
             ", ".join(f"{k}://{h}:{p}" for k, (h, p) in ((k, v.address) for k, v in self._listeners.items())),
         )
+        lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
     def _key(self, suffix: str) -> str:
         return self.prefix + suffix
@@ -309,8 +311,18 @@ class Node:
         ce = None
         if not cuda_hint and any(s.device == "cuda" and not s.is_dynamic for s in send_l + recv_l):
             # (a group of backend "tensorwire" sets up its own pairs: cuda_hint)
+            count = self._ce_links[(peer, name)] = self._ce_links.get((peer, name), 0) + 1
             try:
-                ce = self._ce_pair(peer, name, theirs.host_id, max(0.1, deadline - time.monotonic()))
+                ce = link_pair(
+                    self.store,
+                    self._key(f"ce/{min(self.rank, peer)}-{max(self.rank, peer)}/{name}/{count}"),
+                    rank=self.rank,
+                    peer=peer,
+                    peer_host=theirs.host_id,
+                    timeout=max(0.1, deadline - time.monotonic()),
+                    link_timeout=self.timeout,
+                    watchdog=self._ce_watchdog,
+                )
             except BaseException:
                 transport.abort()
                 raise
@@ -345,21 +357,6 @@ class Node:
             len(recv_l),
         )
         return link
-
-    def _ce_pair(self, peer: int, name: str, peer_host: str, timeout: float) -> "CePair | None":
-        """The copy-engine pair of a link with CUDA specs, where both ranks share this host and can take it."""
-        count = self._ce_links[(peer, name)] = self._ce_links.get((peer, name), 0) + 1
-        lo, hi = min(self.rank, peer), max(self.rank, peer)
-        return link_pair(
-            self.store,
-            self._key(f"ce/{lo}-{hi}/{name}/{count}"),
-            rank=self.rank,
-            peer=peer,
-            peer_host=peer_host,
-            timeout=timeout,
-            link_timeout=self.timeout,
-            watchdog=self._ce_watchdog,
-        )
 
     def _lookup(self, peer: int, deadline: float) -> str:
         from datetime import timedelta
@@ -437,13 +434,16 @@ class Node:
         if self._closed:
             return
         self._closed = True
-        for link in self._links:
-            link.close()
-        self._ce_watchdog.close()
-        for lst in self._listeners.values():
-            lst.close()
-        if hasattr(self, "_control"):
-            self._control.close()
+        try:
+            for link in self._links:
+                link.close()
+            self._ce_watchdog.close()
+            for lst in self._listeners.values():
+                lst.close()
+        finally:
+            if hasattr(self, "_control"):
+                self._control.close()
+            lifecycle.untrack(self)
         log_summary(self.rank)  # TENSORWIRE_LOG=info: one line of this process's traffic
 
     def __enter__(self) -> "Node":

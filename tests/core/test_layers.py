@@ -7,7 +7,7 @@ the import, so a violation reads as a sentence.
 
 Rules:
 
-- the leaves (errors, spec, buffers, settings, cuda) import only leaves;
+- the leaves (errors, spec, buffers, settings, cuda, lifecycle) import only leaves;
 - ``transport/**`` imports only leaves and ``transport/**`` (so never p2p, serve or
   staging), and no module of the ``transport/ucx`` package imports ``transport/tcp``
   (shared socket code lives in ``transport/_socket.py``);
@@ -39,7 +39,14 @@ PACKAGE = ROOT / "tensorwire"
 pytestmark = pytest.mark.timeout(60)
 
 LEAVES = frozenset(
-    {"tensorwire.errors", "tensorwire.spec", "tensorwire.buffers", "tensorwire.settings", "tensorwire.cuda"}
+    {
+        "tensorwire.errors",
+        "tensorwire.spec",
+        "tensorwire.buffers",
+        "tensorwire.settings",
+        "tensorwire.cuda",
+        "tensorwire.lifecycle",
+    }
 )
 STUBS = "tensorwire.v1"
 # Who may import the generated stubs, besides the stubs themselves.

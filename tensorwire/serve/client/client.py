@@ -53,8 +53,10 @@ address is this class, as before.
 
 Errors are :class:`tensorwire.TensorWireError` subclasses: ``AuthError`` (token,
 TLS), ``NotFoundError``, ``ShapeMismatchError`` (naming both specs),
-``ResourceExhaustedError`` (``--max-bytes``), ``PeerLostError`` (server gone),
-``TransferTimeout``, ``ClosedError`` (used after ``close()``).
+``ResourceExhaustedError`` (``--max-bytes``), ``PeerLostError`` (server gone; ``ConnectError``,
+a subclass, when it was never reached),
+``TransferTimeout``, ``ClosedError`` (used after ``close()``). A client still open at interpreter
+exit is closed then (:mod:`tensorwire.lifecycle`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
+from tensorwire import lifecycle
 from tensorwire.errors import ClosedError, ConfigError, PeerLostError, SpecError, TensorWireError
 from tensorwire.serve.client.arrays import As, check_as, convert
 from tensorwire.serve.client.client_shm import ClientShm
@@ -118,7 +121,7 @@ class Client(ClientShm):
 
     Raises:
         AuthError: wrong or missing token, TLS mismatch.
-        PeerLostError / ConnectTimeout: the daemon is not reachable.
+        PeerLostError / ConnectTimeout: the daemon is not reachable (ConnectError: nothing listens there).
 
     A client is thread-safe; its operations run one at a time (use one client
     per thread for parallel transfers: each has its own data connection).
@@ -178,6 +181,7 @@ class Client(ClientShm):
             ctx.close()
             self._closed = True
             raise
+        lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
     # -- sessions ----------------------------------------------------------------------------------
     def _open_session(self, deadline: float | None = None) -> None:
@@ -433,7 +437,8 @@ class Client(ClientShm):
             self._drop_session()
             self._ctx.close()
             self._mem.close()
-        self._releaser.close()  # the release helper exits
+        self._releaser.close()  # the release thread ends (joined)
+        lifecycle.untrack(self)
 
     @property
     def closed(self) -> bool:

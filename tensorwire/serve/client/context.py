@@ -210,7 +210,9 @@ class ClientContext:
                     request, timeout=max(0.01, deadline - time.monotonic()), metadata=self.md
                 )
             except grpc.RpcError as exc:
-                err = rpc_error(exc, method, tls=self.tls is not None, connecting=method == "OpenSession")
+                err = rpc_error(
+                    exc, method, tls=self.tls is not None, connecting=method == "OpenSession", address=self.address
+                )
                 if isinstance(err, Busy) and deadline - time.monotonic() > delay:
                     # The server did nothing rather than wait for other clients in a control-plane thread.
                     time.sleep(delay)

@@ -144,5 +144,6 @@ class Daemons:
                 c, self.clients[k] = self.clients[k], None
             if c is not None:
                 c.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # its threads end before close returns

@@ -49,6 +49,7 @@ import builtins
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from tensorwire import lifecycle
 from tensorwire.errors import (
     AuthError,
     ClosedError,
@@ -160,6 +161,7 @@ class ShardedClient:
             raise (fatal or errs)[0]
         for e in errs:
             log.warning("sharded client: %s; operations that need it fail until it is back", e)
+        lifecycle.track(self)  # closed at interpreter exit if the script does not (tensorwire.lifecycle)
 
     # -- daemons -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -406,8 +408,11 @@ class ShardedClient:
         if self._closed:
             return
         self._closed = True
-        self._daemons.close()
-        self._rows.close()
+        try:
+            self._daemons.close()
+        finally:
+            self._rows.close()
+            lifecycle.untrack(self)
 
     @property
     def closed(self) -> bool:

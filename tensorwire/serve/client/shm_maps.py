@@ -29,6 +29,7 @@ import stat
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from tensorwire import lifecycle
 from tensorwire.buffers import cuda_available
 from tensorwire.hostmap import map_host
 from tensorwire.serve.protocol.shm import (
@@ -520,9 +521,11 @@ class Copier:
         self._run(piece, pieces, helpers)
 
     def close(self) -> None:
-        for _ in self._threads:
+        threads, self._threads = self._threads, []
+        for _ in threads:
             self._tasks.put(None)
-        self._threads = []
+        for th in threads:
+            lifecycle.join(th)
         if self._loadavg >= 0:
             os.close(self._loadavg)
             self._loadavg = -1

@@ -38,6 +38,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from tensorwire import lifecycle
 from tensorwire.buffers import as_bytes
 from tensorwire.errors import PeerLostError, ProtocolError, SpecError, TensorWireError
 from tensorwire.serve.client.common import TensorStat
@@ -163,6 +164,7 @@ class Releaser:
                     return
                 p = self._pinned()
                 wait = p.pin_at + RELEASE_AFTER - time.monotonic() if p is not None else 0.0
+                p = None  # (no path object outlives its use in this thread's frame)
                 if wait > 0:
                     cond.wait(wait)
                     continue
@@ -180,12 +182,16 @@ class Releaser:
             except Exception:
                 log.exception("releasing a shared-memory read failed")
             finally:
+                p = None
                 self._lock.release()
 
     def close(self) -> None:
+        """End the helper thread and join it (call without the client's lock: the thread may wait for it)."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+            th, self._thread = self._thread, None
+        lifecycle.join(th)
 
 
 class ShmPath(RequestPath):

@@ -19,10 +19,12 @@ file is left as it is); 1 for any other error, 130 after a second signal.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -62,6 +64,36 @@ EXIT_SNAPSHOT_UNREADABLE = 4
 log = logging.getLogger("tensorwire.serve")
 
 _WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ConfigError, naming the address and the reason, if the control port cannot be bound now.
+
+    Checked with a socket of our own before gRPC binds it: gRPC logs its own line ("Failed to add port
+    to server ...") to stderr before it fails, and the user should read tensorwire's error alone. Port 0
+    (any free port) always binds. gRPC's listener has SO_REUSEADDR and no SO_REUSEPORT; so has this one.
+    """
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {_hostport(host, port)}: {host!r} does not resolve ({exc})") from exc
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    why = "the port is in use (another tensorwire serve? pick another --port, or 0 for any)"
+                elif exc.errno == errno.EADDRNOTAVAIL:
+                    why = "that is not an address of this host"
+                elif exc.errno == errno.EACCES:
+                    why = "permission denied (ports below 1024 need privileges)"
+                else:
+                    why = exc.strerror or str(exc)
+                raise ConfigError(f"cannot listen on {_hostport(host, port)}: {why}") from exc
 
 
 def _hostport(host: str, port: int) -> str:
@@ -227,6 +259,7 @@ class Server:
             if cfg.snapshot_dir:
                 os.makedirs(cfg.snapshot_dir, exist_ok=True)
                 self.restored = restore_snapshot(store, cfg.snapshot_dir)
+            check_port_free(cfg.host, cfg.port)  # (before anything else binds or logs)
             self._listeners, self._primary = choose_listeners(cfg)
         except BaseException:
             store.close()

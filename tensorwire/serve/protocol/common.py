@@ -188,7 +188,19 @@ def error_name(exc: Any) -> str | None:
     return None
 
 
-def rpc_error(exc: Any, what: str, *, tls: bool = False, connecting: bool = False) -> errors.TensorWireError:
+#: What gRPC says (lower case) when no connection to any address of the target could be made.
+_NOT_REACHED = ("failed to connect to all addresses", "connection refused", "dns resolution failed", "no route to host")
+
+
+def rpc_error(
+    exc: Any, what: str, *, tls: bool = False, connecting: bool = False, address: str = ""
+) -> errors.TensorWireError:
+    """The tensorwire error for a failed gRPC call ``what``.
+
+    ``connecting``: the call opens a session (the first contact): a server never reached is then a
+    :class:`~tensorwire.errors.ConnectError` naming ``address``, a connection closed during the
+    handshake an ``AuthError``.
+    """
     import grpc
 
     code = exc.code() if hasattr(exc, "code") else None
@@ -216,6 +228,12 @@ def rpc_error(exc: Any, what: str, *, tls: bool = False, connecting: bool = Fals
             hint = "a client certificate (tls={'cert': ..., 'key': ...})" if tls else "TLS (tls={'ca': ...})"
             return errors.AuthError(
                 f"{what}: the server closed the connection during the handshake; it may require {hint}: {details}"
+            )
+        if connecting and any(w in low for w in _NOT_REACHED):
+            where = f" at {address}" if address else ""
+            return errors.ConnectError(
+                f"no tensorwire daemon reachable{where}: nothing accepted the connection (is `tensorwire serve` "
+                f"running there, on that port?): {details}"
             )
         return errors.PeerLostError(msg)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

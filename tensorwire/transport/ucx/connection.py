@@ -106,7 +106,7 @@ class UcxConnection(Transport):
         state.owner = weakref.ref(self)
         if state.lost:
             self._on_ep_lost()
-        eng.objects.add(self)
+        eng.adopt(self)
 
     @property
     def closed(self) -> bool:
@@ -280,7 +280,7 @@ class UcxConnection(Transport):
         self._eng.worker.progress()
         self._forget_requests()
         self._sends.clear()
-        self._eng.objects.discard(self)
+        self._eng.disown(self)
 
     def _release_receives(self) -> None:
         """Complete this connection's still-posted receives with empty messages from our own worker."""

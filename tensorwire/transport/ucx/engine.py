@@ -6,8 +6,12 @@ drives the worker itself: it polls ``worker.progress()`` for up to
 :data:`SPIN_US`, yielding the core between two polls, then arms the worker and
 sleeps in ``poll()`` on its epoll fd (woken by UCX events, by sockets it
 watches, or through an eventfd by another thread). A daemon thread progresses
-the worker every 50 ms while no thread waits. Why this model, with
-measurements: ``docs/transports.md``.
+the worker every 50 ms while no thread waits, and only while the engine has
+connections or listeners: closing the last one ends it (joined), the next one
+starts it again. At interpreter exit the engines close what is still open, end
+that thread and let go of their UCX worker and context
+(:mod:`tensorwire.lifecycle`). Why this model, with measurements:
+``docs/transports.md``.
 
 Also here: the buffer descriptors handed to UCX (:func:`as_array`), built once
 per address and size.
@@ -15,7 +19,6 @@ per address and size.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import ctypes
 import itertools
@@ -29,9 +32,10 @@ import time
 import weakref
 from typing import Any, Callable, Deque
 
+from tensorwire import lifecycle
 from tensorwire.errors import ConfigError, TransportError
 from tensorwire.settings import setting
-from tensorwire.transport.ucx._ucxx import Array, context_defaults, np, u8, ucx
+from tensorwire.transport.ucx._ucxx import Array, close_ep, context_defaults, np, u8, ucx
 from tensorwire.transport.ucx.wire import RID_MASK
 
 __all__ = [
@@ -226,10 +230,62 @@ class Engine:
         self._ctrl_scan_at = 0.0
         self.stopped = False
         self._rids = itertools.count(secrets.randbelow(RID_MASK))
-        self._ticker = threading.Thread(
-            target=_tick, args=(weakref.ref(self),), daemon=True, name="tensorwire-ucx-tick"
-        )
-        self._ticker.start()
+        self._ticker: threading.Thread | None = None  # runs while ``objects`` has members (adopt / disown)
+        self._tick_stop = threading.Event()  # the running ticker's: set to end it
+        lifecycle.track(self, lifecycle.ENGINES)
+
+    # -- what the engine serves, and its progress thread ---------------------------------
+    def adopt(self, obj: Any) -> None:
+        """Under the lock: ``obj`` (a connection or listener, with ``close()``) uses this engine until
+        :meth:`disown`; the progress thread runs meanwhile."""
+        if self.stopped:
+            raise TransportError("the UCX engine is shut down (the interpreter is exiting)")
+        self.objects.add(obj)
+        if self._ticker is None:
+            stop = self._tick_stop = threading.Event()
+            th = threading.Thread(target=_tick, args=(weakref.ref(self), stop), daemon=True, name="tensorwire-ucx-tick")
+            self._ticker = th
+            th.start()
+
+    def disown(self, obj: Any) -> None:
+        """Under the lock: ``obj`` was closed. The last one gone, the progress thread ends (joined)."""
+        self.objects.discard(obj)
+        if not self.objects:
+            self._stop_ticker()
+
+    def _stop_ticker(self) -> None:
+        # Under the lock or not: the ticker never blocks on the lock and leaves once its event is set.
+        th, self._ticker = self._ticker, None
+        if th is not None:
+            self._tick_stop.set()
+            lifecycle.join(th)
+
+    def close(self) -> None:
+        """At interpreter exit (:mod:`tensorwire.lifecycle`): close every connection and listener still
+        open, end the progress thread, let go of the worker and context. Idempotent."""
+        if self.pid != os.getpid() or self.stopped:
+            return
+        for obj in list(self.objects):
+            try:
+                obj.close()
+            except Exception as exc:  # noqa: BLE001 - best effort at exit
+                log.debug("ucx: closing %r at exit: %s", obj, exc)
+        self.stopped = True
+        self._stop_ticker()
+        with self.op():
+            ep, self._self_ep = self._self_ep, None
+            if ep is not None:
+                close_ep(ep)
+            self.fd_handlers.clear()
+            try:
+                os.close(self.wake_fd)
+            except OSError:
+                pass
+        with _ENGINE_LOCK:
+            if ENGINES.get(self.untrusted) is self:
+                del ENGINES[self.untrusted]
+        # The worker and context go with the last reference to this engine (a request kept in
+        # GRAVEYARD holds the worker: UCX may still write into its buffers until then).
 
     def self_endpoint(self) -> Any:
         """Under the lock: an endpoint to this process's own worker (see UcxTransport._release_receives)."""
@@ -438,10 +494,13 @@ class Op:
         self.eng.lock.release()
 
 
-def _tick(ref: "weakref.ref[Engine]") -> None:
-    """Progress the worker now and then while no thread waits (handshakes, credits, peer loss)."""
-    while True:
-        time.sleep(Engine.TICK)
+def _tick(ref: "weakref.ref[Engine]", stop: threading.Event) -> None:
+    """Progress the worker now and then while no thread waits (handshakes, credits, peer loss).
+
+    Ends when ``stop`` is set (the engine's last connection or listener closed, or the process exits) or
+    the engine is gone; it never blocks on the engine's lock, so a thread holding it may join it.
+    """
+    while not stop.wait(Engine.TICK):
         eng = ref()
         if eng is None or eng.stopped or eng.pid != os.getpid():
             return
@@ -449,6 +508,8 @@ def _tick(ref: "weakref.ref[Engine]") -> None:
             del eng
             continue
         try:
+            if stop.is_set():
+                return
             did = eng.progress()
             if eng.fd_handlers:  # liveness and listening sockets (no thread sleeps on them now)
                 events = eng.poller.poll(0)
@@ -492,19 +553,6 @@ def engine(peer_timeout: float = 30.0, *, untrusted: bool | None = None) -> Engi
             if eng is None or eng.pid != os.getpid():
                 eng = ENGINES[want] = Engine(peer_timeout, untrusted=want)
     return eng
-
-
-@atexit.register
-def _shutdown() -> None:
-    for eng in list(ENGINES.values()):
-        if eng.pid != os.getpid():
-            continue
-        eng.stopped = True
-        for obj in list(eng.objects):
-            try:
-                obj.close()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
 
 
 # -- endpoint state shared by the handshake and the transport --------------------------

@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any
 
+from tensorwire import lifecycle
 from tensorwire.errors import (
     AuthError,
     ClosedError,
@@ -245,12 +246,13 @@ class UcxListener(Listener):
         self._closed = False
         self._count = 0
         self._checking = 0  # worker addresses in the sandbox now
+        self._checkers: set[threading.Thread] = set()  # their threads (joined by close)
         self.rejected = 0
         self._sock = _listen(host, port)
         self._port = self._sock.getsockname()[1]
         with eng.op():
             eng.watch_fd(self._sock.fileno(), self._on_accept)
-            eng.objects.add(self)
+            eng.adopt(self)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -301,12 +303,16 @@ class UcxListener(Listener):
             parked = list(self._parked.values())
             self._parked.clear()
             eng.servicing.discard(self)
-            eng.objects.discard(self)
+            eng.disown(self)
             eng.notify()
         for t in parked:
             t.abort()
         if self._check is not None:
-            self._check.close()
+            self._check.close()  # a check under way ends with the sandbox
+        with eng.op():
+            checkers = list(self._checkers)
+        for th in checkers:
+            lifecycle.join(th)
 
     # -- engine lock held ------------------------------------------------------------
     def _on_accept(self, events: int) -> None:
@@ -411,6 +417,7 @@ class UcxListener(Listener):
         def run() -> None:
             ok = check.check(addr, timeout=self.HELLO_TIMEOUT)
             with self._eng.op():
+                self._checkers.discard(threading.current_thread())
                 self._checking -= 1
                 if not ok:
                     self._reject(pend, "its UCX worker address does not unpack (refused)", reply=no)
@@ -420,7 +427,9 @@ class UcxListener(Listener):
                     self._conns[fd] = pend
                     self._complete(fd, pend, nonce, client_rid, addr)
 
-        threading.Thread(target=run, daemon=True, name="tensorwire-ucx-addrcheck").start()
+        th = threading.Thread(target=run, daemon=True, name="tensorwire-ucx-addrcheck")
+        self._checkers.add(th)
+        th.start()
 
     def _complete(self, fd: int, pend: _Pending, nonce: bytes, client_rid: int, addr: bytes) -> None:
         """Under the lock: make the endpoint to a checked hello's worker address, answer, park the transport."""
