@@ -3,7 +3,7 @@
 Each job: one send/recv and a barrier, then ``destroy_process_group`` / exit
 without it (as many scripts do) / an exception after it. torchrun's status,
 the output and each worker's last-moment thread list are checked
-(``tests/support/exit_runs.py``); ``-m slow`` runs 100 jobs (``EXIT_RUNS``).
+(``tests/support/exit_runs.py``); ``-m soak`` runs 100 jobs (``EXIT_RUNS``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def test_a_torchrun_job_exits_with_its_own_status_whether_it_destroys_exits_or_r
     assert _jobs(("close", "exit", "raise"), 1) is None
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_a_hundred_torchrun_jobs_never_abort_at_exit():

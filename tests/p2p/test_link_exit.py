@@ -3,7 +3,7 @@
 Each pair: rank 0 sends one tensor to rank 1, then both close their node /
 ``sys.exit(0)`` without closing / let an exception escape the ``with``. Both
 statuses, outputs and last-moment thread lists are checked
-(``tests/support/exit_runs.py``); ``-m slow`` makes many pairs (``EXIT_RUNS``).
+(``tests/support/exit_runs.py``); ``-m soak`` makes many pairs (``EXIT_RUNS``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def test_a_link_pair_exits_with_its_own_status_whether_it_closes_exits_or_raises
     assert _pairs(transport, ("close", "exit", "raise"), 1) is None
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -8,7 +8,7 @@ open, one get, then close / ``sys.exit(0)`` without closing / an exception out
 of the ``with``; its status, its output and its last-moment thread list are
 checked (``tests/support/exit_runs.py``). The default suite makes a few runs
 (the thread list catches a thread left behind in every run, not only in the
-runs that abort); ``-m slow`` makes hundreds (``EXIT_RUNS`` sets how many).
+runs that abort); ``-m soak`` makes hundreds (``EXIT_RUNS`` sets how many).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def test_a_client_script_exits_with_its_own_status_whether_it_closes_exits_or_ra
     assert _runs(2) is None
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_hundreds_of_client_scripts_never_abort_at_exit():
