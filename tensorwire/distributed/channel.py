@@ -63,6 +63,8 @@ __all__ = ["Peer", "SendWork", "RecvWork", "MAX_TAG", "SlotPool", "check_tag"]
 log = logging.getLogger(__name__)
 
 _NOTICE_SLOTS = 2
+#: a group shut down waits this long at most for each peer's side of the close (so it reads what was sent)
+LINGER_S = 5.0
 
 
 class Peer:
@@ -204,8 +206,13 @@ class Peer:
         tag: int | None = None,
         sig: Signature | None = None,
         work: RecvWork | None = None,
+        graceful: bool = False,
     ) -> BaseException:
-        """Record the pair's first fatal error, close the connection, fail every pending work; returns the error."""
+        """Record the pair's first fatal error, close the connection, fail every pending work; returns the error.
+
+        ``graceful`` (a group shut down, not broken): leave the connection to :meth:`close`, which lets the
+        peer read what was sent before it; otherwise it is aborted at once.
+        """
         if isinstance(exc, ProtocolError) and not isinstance(exc, SignatureMismatch) and tag is not None:
             exc = self._mismatch_from(exc, tag, sig, work) or exc
         err = translate(exc, context) if context else exc
@@ -221,7 +228,8 @@ class Peer:
                 self._send_notice(tag, sig)
             if not isinstance(err, GroupClosed):
                 log.error("tensorwire.distributed: rank %d <-> rank %d failed: %s", self.rank, self.peer, err)
-            self.transport.abort()
+            if not graceful:
+                self.transport.abort()
             for chan in list(self._recv.values()):
                 while chan.fifo:
                     try:
@@ -282,12 +290,15 @@ class Peer:
         finally:
             self._notice_lock.release()
 
-    def close(self, reason: BaseException) -> None:
+    def close(self, reason: BaseException, *, abort: bool = True) -> None:
+        """Fail what is pending with ``reason`` and close the pair: aborted at once, or (``abort=False``, the
+        group shut down) closed so that the peer still reads every message this side sent -- an abort sends a
+        reset, and a reset destroys bytes the peer has not read yet."""
         if self.ce is not None:
             self.ce.close(reason)
-        self.fail(reason, "")
+        self.fail(reason, "", graceful=not abort)
         for chan in list(self._send.values()):
             chan.close(self.error or reason)
         for rchan in list(self._recv.values()):
             rchan.close()
-        self.link.close()
+        self.link.close(linger=None if abort else min(self.timeout, LINGER_S))

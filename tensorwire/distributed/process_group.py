@@ -406,7 +406,7 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         )
         for peer in self._peers.values():
             try:
-                peer.close(reason)
+                peer.close(reason, abort=abort)
             except Exception as exc:  # noqa: BLE001 - closing goes on
                 log.debug("closing the connection to rank %d: %s", peer.peer, exc)
         self._completer.close(fail=lambda w: w._finish(reason))

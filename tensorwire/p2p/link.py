@@ -29,6 +29,7 @@ from tensorwire.p2p.paths import IsendQueue, RecvPath, SendHandle, SendPath, rec
 from tensorwire.p2p.staging import CudaOps, staging_chunk
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.base import Transport
+from tensorwire.transport.tcp import TcpTransport
 
 #: Receives of at most this many bytes (host memory, TCP) may arrive before their slot's credit reached the
 #: peer (:meth:`Link._offer_eager`); above it a message's cross-memory copy or its bytes dominate a credit frame.
@@ -345,8 +346,12 @@ class Link:
         return p.recv(out, self._timeout if timeout is None else timeout)
 
     # -- lifecycle --------------------------------------------------------------
-    def close(self) -> None:
-        """Close the data connection and release the slots. Idempotent."""
+    def close(self, *, linger: float | None = None) -> None:
+        """Close the data connection and release the slots. Idempotent.
+
+        ``linger``: over TCP, how long to wait for the peer's side of the close (default: the transport's) --
+        so that it still reads every message sent before (backend ``tensorwire`` passes a few seconds).
+        """
         if self._closed:
             return
         self._closed = True
@@ -358,7 +363,10 @@ class Link:
             if self.ce is not None:
                 self.ce.close(ClosedError(f"link to rank {self.peer} is closed"))
         finally:
-            self._t.close()
+            if linger is not None and isinstance(self._t, TcpTransport):
+                self._t.close(linger=linger)
+            else:
+                self._t.close()
             self._queue.join()  # the sender thread ends with the transport (an isend under way fails)
             lifecycle.untrack(self)
 

@@ -75,6 +75,15 @@ def test_256_mib_tensor_each_way(transport):
     assert res[0]["seconds"] > 0
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_messages_sent_right_before_destroy_process_group_still_arrive(transport):
+    # destroy_process_group closes each connection so that the peer reads what was sent before: an abort's
+    # reset destroyed the bytes the receiver had not read yet
+    res = run_ranks(W.send_then_destroy, 2, timeout=90, transport=transport)
+    assert res[1]["got"] == [True, True, True]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_four_ranks_ring_of_isends(transport):

@@ -208,6 +208,24 @@ def big(rank: int, world: int, store: Any, transport: str, mib: int = 256) -> di
     return {"seconds": elapsed}
 
 
+def send_then_destroy(rank: int, world: int, store: Any, transport: str) -> dict:
+    """Rank 0 sends and destroys its group at once; rank 1 posts its receives only a moment later."""
+    _init(rank, world, store, transport)
+    msgs = [torch.full((64, 1024), float(i)) for i in range(3)]  # 256 KiB each (the eager size over TCP)
+    got = []
+    if rank == 0:
+        for t in msgs:
+            dist.send(t, 1)
+    else:
+        time.sleep(0.5)  # its credits reach rank 0 after rank 0 began closing
+        for t in msgs:
+            r = torch.empty_like(t)
+            dist.recv(r, 0)
+            got.append(bool(torch.equal(r, t)))
+    dist.destroy_process_group()
+    return {"got": got}
+
+
 def ring(rank: int, world: int, store: Any, transport: str) -> dict:
     """Every rank sends to the next and receives from the previous at once (a cycle of isends)."""
     _init(rank, world, store, transport)

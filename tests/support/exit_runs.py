@@ -8,6 +8,7 @@ the operation's bytes right) and by the absence of ``terminate called`` in its o
 from __future__ import annotations
 
 import json
+import re
 import os
 import pathlib
 import subprocess
@@ -56,14 +57,13 @@ def run_all(
         return list(pool.map(one, cmds))
 
 
+_PROBE = re.compile(r"EXIT-PROBE (\{[^{}]*\})")
+
+
 def probes(out: str) -> list[dict]:
     """The EXIT-PROBE records in ``out`` (one per worker process; torchrun relays several)."""
-    found = []
-    for line in out.splitlines():
-        at = line.find("EXIT-PROBE ")
-        if at >= 0:
-            found.append(json.loads(line[at + len("EXIT-PROBE ") :]))
-    return found
+    # (two ranks' lines can run into each other in torchrun's relay: find each record, not each line)
+    return [json.loads(m.group(1)) for m in _PROBE.finditer(out)]
 
 
 def judge(rc: int, out: str, *, status: int, processes: int = 1) -> str | None:

@@ -225,7 +225,9 @@ class TcpTransport(FrameReader):
         finally:
             self._send_lock.release()
 
-    def close(self) -> None:
+    def close(self, *, linger: float = 0.25) -> None:
+        """Say goodbye, send FIN after every byte sent, then wait up to ``linger`` s for the peer's FIN (reading
+        and discarding what still comes) before freeing the socket. Idempotent."""
         with self._cond:
             if self._closed:
                 return
@@ -242,21 +244,30 @@ class TcpTransport(FrameReader):
                 pass
             finally:
                 self._send_lock.release()
-        self._drain()
+        self._drain(linger)
         self._shutdown()
 
-    def _drain(self, limit: float = 0.25) -> None:
-        """Discard unread input before closing: closing with unread bytes makes the
-        kernel send RST, and an RST can destroy frames the peer has not read yet."""
+    def _drain(self, limit: float) -> None:
+        """Discard input until the peer's FIN, ``limit`` s at most, before closing: closing with unread bytes --
+        or receiving any after the close, such as the credit of a receive the peer posts a moment later --
+        makes the kernel send RST, and an RST destroys frames the peer has not read yet."""
         scratch = bytearray(1 << 16)
         end = time.monotonic() + limit
-        while time.monotonic() < end:
+        while True:
             try:
                 if self._sock.recv_into(scratch, len(scratch), socket.MSG_DONTWAIT) == 0:
                     return  # the peer closed too: nothing left
+                continue
             except (BlockingIOError, InterruptedError):
-                return  # nothing unread now
+                pass  # nothing unread now: wait for more, or the FIN
             except OSError:
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                select.select([self._sock], [], [], left)
+            except (OSError, ValueError):
                 return
 
     def abort(self) -> None:
