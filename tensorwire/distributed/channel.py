@@ -301,4 +301,7 @@ class Peer:
             chan.close(self.error or reason)
         for rchan in list(self._recv.values()):
             rchan.close()
-        self.link.close(linger=None if abort else min(self.timeout, LINGER_S))
+        if abort:
+            self.link.close()
+        else:
+            self.link.close(linger=min(self.timeout, LINGER_S))

@@ -258,7 +258,7 @@ class FakeLink:
         self.connection = transport
         self.peer = peer
 
-    def close(self) -> None:
+    def close(self, *, linger: float | None = None) -> None:
         self.connection.close()
 
 
