@@ -4,7 +4,8 @@
 #
 #   bash bench/ce_gpu_round.sh            (repo root; grpc wheels carried in .whl/: bash bench/gpu_run.sh --fetch-wheels)
 #
-# Knobs: NCCL_CAPTURE=1 (also try NCCL's captured step), STEPS=tests,ce,graph,profile,dist (a subset picks steps), MACHINE (names the result files).
+# Knobs: NCCL_CAPTURE=1 (also try NCCL's captured step), STEPS=tests,ce,graph,profile,dist (a subset picks steps; add multi for
+# the N-GPU benchmark, bench/bench_multi_gpu.py, not in the default), MACHINE (names the result files).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -55,4 +56,10 @@ if [[ ,$STEPS, == *,dist,* ]] && [ "$NGPU" -ge 2 ]; then
   timeout 330 python3 bench/bench_distributed_gpu.py --parts p2p,pipelining --machine "$MACHINE" --timeout 320 \
     --out "$OUT/distributed-gpu_$MACHINE.md" >"$OUT/distributed-gpu_$MACHINE.log" 2>&1
   tail -40 "$OUT/distributed-gpu_$MACHINE.log"
+fi
+if [[ ,$STEPS, == *,multi,* ]] && [ "$NGPU" -ge 2 ]; then
+  echo "=== bench/bench_multi_gpu.py ($NGPU GPUs: pipelining, ring)"
+  timeout 420 python3 bench/bench_multi_gpu.py --machine "$MACHINE" --timeout 400 \
+    --out "$OUT/multi-gpu_$MACHINE.md" >"$OUT/multi-gpu_$MACHINE.log" 2>&1
+  tail -40 "$OUT/multi-gpu_$MACHINE.log"
 fi
