@@ -6,7 +6,10 @@
     torchrun --standalone --nproc-per-node 2 bench/profile_ce_host.py [--bytes 65536] [--iters 2000]
 
 A ``dist.send``/``dist.recv`` ping-pong; rank 0 prints its host time per call without the profiler, then
-the functions that took the most time under it.
+the functions that took the most time under it. Before that (``--pieces``, default on) rank 0 times each piece
+of a message alone, in a loop on its own stream: torch's dispatch into a Python ProcessGroup that does nothing,
+the signature, a Work, the current stream, each driver call the path makes, the region's lock -- the budget
+a message's host time is made of.
 """
 
 from __future__ import annotations
@@ -28,14 +31,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bytes", type=int, default=65536)
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--no-pieces", dest="pieces", action="store_false", help="skip timing each piece alone")
     args = ap.parse_args()
     if args.bytes < 4 or args.iters < 1:
         ap.error("--bytes >= 4 and --iters >= 1")
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
+    if args.pieces:
+        _register_nothing()
     dist.init_process_group("tensorwire")
     t = torch.ones(args.bytes // 4, device=device)
+    if args.pieces:
+        nothing = dist.new_group(backend="twnothing")
+        if rank == 0:
+            for name, us in _pieces(torch, dist, nothing, t, device):
+                print(f"piece {name:<44s} {us:7.2f} us")
+        dist.barrier()
 
     def loop(n: int) -> float:
         torch.cuda.synchronize()
@@ -51,8 +63,30 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / (2 * n)
 
+    def split(n: int) -> list[float]:
+        """Host time inside isend, its wait, irecv, its wait (rank 0's order), microseconds per call."""
+        acc = [0.0] * 4
+        clock = time.perf_counter
+        torch.cuda.synchronize()
+        dist.barrier()
+        for _ in range(n):
+            peer = 1 - rank
+            calls = ((dist.isend, 0), (dist.irecv, 2)) if rank == 0 else ((dist.irecv, 2), (dist.isend, 0))
+            for call, k in calls:
+                t0 = clock()
+                w = call(t, peer)
+                t1 = clock()
+                w.wait()
+                acc[k] += t1 - t0
+                acc[k + 1] += clock() - t1
+        torch.cuda.synchronize()
+        return [a / n * 1e6 for a in acc]
+
     loop(50)
     plain = loop(args.iters)
+    parts = split(args.iters)
+    if rank == 0:
+        print("host time per call: isend {:.1f} us, its wait {:.1f}; irecv {:.1f}, its wait {:.1f}".format(*parts))
     prof = cProfile.Profile()
     prof.enable()
     profiled = loop(args.iters)
@@ -63,6 +97,103 @@ def main() -> None:
         print(f"one-way {plain * 1e6:.1f} us per message ({profiled * 1e6:.1f} us under the profiler)")
         print(out.getvalue())
     dist.destroy_process_group()
+
+
+def _register_nothing() -> None:
+    """A ProcessGroup whose send/recv return a finished Work at once: what torch's dispatch alone costs."""
+
+    class _Done(dist.Work):
+        def wait(self, timeout: object = None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+    def make(store: object, rank: int, size: int, timeout: object) -> dist.ProcessGroup:
+        class _Nothing(dist.ProcessGroup):
+            def __init__(self) -> None:
+                super().__init__(rank, size)
+
+            def send(self, tensors: object, dst: int, tag: int) -> dist.Work:
+                return _Done()
+
+            def recv(self, tensors: object, src: int, tag: int) -> dist.Work:
+                return _Done()
+
+            def getBackendName(self) -> str:
+                return "twnothing"
+
+        return _Nothing()
+
+    dist.Backend.register_backend("twnothing", make, devices=["cpu", "cuda"])
+
+
+def _pieces(torch: object, dist: object, nothing: object, t: object, device: object) -> list[tuple[str, float]]:
+    """Host time of each piece alone (microseconds per call; stream work drained every 200 calls, untimed)."""
+    import ctypes
+    import mmap
+
+    from tensorwire.distributed.signatures import signature_of
+    from tensorwire.distributed.work import Work
+    from tensorwire.transport.ce import CeDriver
+    from tensorwire.transport.ce.region import Region
+
+    d = CeDriver.get()
+    idx = device.index
+    d.context(idx)
+    s, s2, ev = d.new_stream(), d.new_stream(), d.new_event()
+    host = mmap.mmap(-1, 1 << 16)
+    haddr = ctypes.addressof(ctypes.c_char.from_buffer(host))
+    dev = d.register_host(haddr, 1 << 16)
+    a = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    b = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    region = Region.create()
+    raw = torch._C._cuda_getCurrentRawStream
+    out = []
+
+    def timed(name: str, fn: object, stream_work: bool = False) -> None:
+        total, n = 0.0, 0
+        for batch in range(21):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            dt = time.perf_counter() - t0
+            if stream_work:
+                torch.cuda.synchronize(device)
+                d.context(idx)
+            if batch:  # (the first batch warms up)
+                total, n = total + dt, n + 200
+        out.append((name, total / n * 1e6))
+
+    timed("dist.isend into a do-nothing Python group", lambda: dist.isend(t, 1, group=nothing))
+    timed("dist.isend(...).wait() into it", lambda: dist.isend(t, 1, group=nothing).wait())
+    timed("signature_of(tensor)", lambda: signature_of(t))
+    timed("Work(...) (tensorwire's base)", lambda: Work(10.0, [t]))
+    timed("current raw stream", lambda: raw(idx))
+    timed("tensor.data_ptr() + is_contiguous()", lambda: (t.data_ptr(), t.is_contiguous()))
+    timed("driver.context (cached)", lambda: d.context(idx))
+    timed("cuStreamIsCapturing", lambda: d.capturing(s))
+    timed("cuPointerGetAttributes (allocation)", lambda: d.allocation(a.data_ptr()))
+    timed("region mutex lock + unlock", lambda: region.mutex.__enter__() or region.mutex.__exit__())
+    timed("cuStreamWriteValue32", lambda: d.write(s, dev, 1), True)
+    timed("cuStreamWaitValue32 (already reached)", lambda: d.wait(s, dev, 0), True)
+    timed("cuEventRecord + cuStreamWaitEvent", lambda: d.order(s2, s, ev), True)
+    timed("cuMemcpyAsync 64 KiB (device-local)", lambda: d.copy(s, a.data_ptr(), b.data_ptr(), 65536), True)
+    timed("cuMemcpyAsync 1 MiB (device-local)", lambda: d.copy(s, a.data_ptr(), b.data_ptr(), 1 << 20), True)
+    timed(
+        "write + wait + copy 64 KiB + write",
+        lambda: (
+            d.write(s, dev, 1),
+            d.wait(s, dev, 0),
+            d.copy(s, a.data_ptr(), b.data_ptr(), 65536),
+            d.write(s, dev + 4, 1),
+        ),
+        True,
+    )
+    torch.cuda.synchronize(device)
+    region.close()
+    d.unregister_host(haddr)
+    return out
 
 
 if __name__ == "__main__":
