@@ -294,8 +294,8 @@ class Peer:
         """Fail what is pending with ``reason`` and close the pair: aborted at once, or (``abort=False``, the
         group shut down) closed so that the peer still reads every message this side sent -- an abort sends a
         reset, and a reset destroys bytes the peer has not read yet."""
-        if self.ce is not None:
-            self.ce.close(reason)
+        if self.ce is not None:  # (a shutdown lets the CUDA messages already queued run first)
+            self.ce.close(reason, linger=0.0 if abort else min(self.timeout, LINGER_S))
         self.fail(reason, "", graceful=not abort)
         for chan in list(self._send.values()):
             chan.close(self.error or reason)

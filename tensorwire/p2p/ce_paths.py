@@ -40,7 +40,7 @@ from tensorwire.errors import ShapeMismatchError, TransferTimeout
 from tensorwire.spec import TensorSpec
 from tensorwire.transport.select import host_id
 from tensorwire.transport.ce import CaptureError, CePair, Watchdog, capable, exchange_region
-from tensorwire.transport.ce.region import DST_READY, ENTRIES, ENTRY, LANDED, RECEIVED, Block
+from tensorwire.transport.ce.region import DST_READY, ENTRIES, ENTRY, LANDED, RECEIVED, Block, reached
 
 __all__ = ["CeSend", "CeRecv", "CeHandle", "link_pair"]
 
@@ -111,6 +111,11 @@ class _Channel:
         self.flags = self.offset  # the channel's first entry: its flag words and head serve the whole channel
         self.count = 0
         pair.on_failure(self._release)
+        pair.on_drain(self._idle)
+
+    def _idle(self) -> bool:
+        """Every message so far is in the receiver's slot (the sender's copies ran; the receiver's came)."""
+        return reached(self.region.flag(self.flags, _FULL), self.count)
 
     def _release(self) -> None:  # the peer is lost: let both streams go on
         self.region.release(self.flags, _FREE, self.count + ENTRIES)
@@ -154,7 +159,8 @@ class CeSend:
         exports = self._chan.pair.exports
         for i in range(self.depth):
             block = r.read_block(self._chan.offset + i * ENTRY, False)
-            self._slots.append(exports.open(device, block.handle) + block.offset)
+            # (an empty spec's slots have no memory to map: nothing is ever copied into them)
+            self._slots.append(exports.open(device, block.handle) + block.offset if self.spec.nbytes else 0)
 
     def _what(self) -> str:
         return f"send of {self.spec.name!r} to rank {self._chan.pair.peer} (copy engine)"

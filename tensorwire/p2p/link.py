@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 
 MAX_DEPTH = 64
+#: how long closing a link waits for its CUDA messages on the copy-engine path to run (the peer's queued streams
+#: wait for them; a close that did not wait would release them with bytes that never came)
+CE_LINGER_S = 5.0
 
 
 def slot_depths(depth: "int | Mapping[str, int] | None", names: Sequence[str]) -> dict[str, int]:
@@ -360,8 +363,9 @@ class Link:
         try:
             for p in self._recv.values():
                 p.close()
-            if self.ce is not None:
-                self.ce.close(ClosedError(f"link to rank {self.peer} is closed"))
+            if self.ce is not None:  # (after its CUDA messages ran: the peer's streams wait for them)
+                ce_linger = min(self._timeout, CE_LINGER_S) if linger is None else linger
+                self.ce.close(ClosedError(f"link to rank {self.peer} is closed"), linger=ce_linger)
         finally:
             if linger is not None and isinstance(self._t, TcpTransport):
                 self._t.close(linger=linger)

@@ -231,6 +231,32 @@ def test_a_peer_that_closes_fails_pending_messages(pair):
     assert isinstance(s.error, PeerLostError)
 
 
+@pytest.mark.parametrize("linger", [5.0, 0.0], ids=["closed-with-linger", "aborted"])
+def test_a_side_closed_right_after_its_last_send_lets_that_message_land(pair, linger):
+    """A script's last ``isend`` returns long before its copy ran (here: behind a gate on the sender's stream);
+    closing with a linger waits for it, so the receiver gets the bytes; an abort fails the receiver instead."""
+    gate = pair.sim.alloc(4)
+    pair.sim.wait(pair.sa, gate.data_ptr(), 1)  # "a long kernel" queued before the send
+    src, dst = pair.tensor((256,), fill=3), pair.tensor((256,), fill=-1)
+    s = pair.send(src)
+    r = pair.recv(dst)
+    closer = threading.Thread(target=pair.a.close, args=(PeerLostError("shut down"), linger))
+    t0 = time.monotonic()
+    closer.start()
+    time.sleep(0.2)
+    gate.view(torch.int32)[0] = 1  # the kernel ends
+    closer.join(10)
+    assert not closer.is_alive()
+    pair.b.check(time.monotonic())  # the receiver's watchdog sees the sender closed
+    pair.settle()
+    if linger:
+        assert time.monotonic() - t0 >= 0.2  # the close waited for the copy
+        assert s.error is None and r.poll() and r.error is None
+        assert torch.equal(dst, src)
+    else:
+        assert isinstance(r.error, PeerLostError)  # released without the bytes
+
+
 def test_a_peer_without_heartbeat_is_lost(tmp_path):
     p = Pair(str(tmp_path))
     p.a.peer_timeout = 0.1

@@ -205,11 +205,13 @@ def _cuda() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [*TRANSPORTS, "ce"])
 def test_cuda_isend_after_queued_writes_and_irecv_before_consuming_kernel(transport):
+    # (the last isend's copy is still queued behind a long kernel when rank 0 destroys its group: the shutdown
+    # must let it run -- over the copy-engine path the close drains the pair)
     res = run_ranks(W.cuda_p2p, 2, timeout=200, transport=transport)
     assert {k for k in res[1] if k.startswith("wait_s")} == {"wait_s_0", "wait_s_1", "wait_s_2"}
-    assert res[0]["transports"] == {1: transport}
+    assert res[0]["transports"] == {1: "tcp" if transport == "ce" else transport}  # (the link's own transport)
 
 
 @pytest.mark.gpu

@@ -86,7 +86,9 @@ def _gpus() -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() == 0, reason="needs a CUDA device")
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport,path", [("tcp", "staged"), pytest.param("ucx", "ucx", marks=TRANSPORTS[1].marks)])
+@pytest.mark.parametrize(
+    "transport,path", [("tcp", "staged"), ("ce", "ce"), pytest.param("ucx", "ucx", marks=TRANSPORTS[1].marks)]
+)
 def test_cuda_exchange_ranges_and_counts_carry_the_cuda_path(transport, path):
     n = 20
     res = run_ranks(W.profiled_backend_exchange, 2, timeout=200, transport=transport, n=n, device="cuda")

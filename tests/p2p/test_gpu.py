@@ -37,7 +37,9 @@ pytestmark = [
 HAVE_UCX = (
     importlib.util.find_spec("ucxx") is not None and importlib.util.find_spec("tensorwire.transport.ucx") is not None
 )
-TRANSPORTS = [pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")), "tcp"]
+#: "ce": a link over TCP whose CUDA specs go over the copy-engine path (both ranks on one host); "tcp"/"ucx": CUDA
+#: specs on that transport (the copy-engine path off, as between hosts) -- see ``_node``
+TRANSPORTS = [pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed")), "tcp", "ce"]
 
 
 # -- worker bodies (module level: the spawned ranks import them) ---------------------------------
@@ -52,7 +54,13 @@ def _dev(rank: int):
 
 
 def _node(rank, world, store, transport):
+    """"ce": a link over TCP whose CUDA specs take the copy-engine path; "tcp"/"ucx": CUDA specs on that transport."""
+    import os
+
     import tensorwire as tw
+
+    os.environ["TENSORWIRE_CUDA_PATH"] = "ce" if transport == "ce" else "ucx"
+    transport = "tcp" if transport == "ce" else transport
 
     return tw.Node(rank=rank, world_size=world, store=store, transport=transport, device=_dev(rank))
 
@@ -518,7 +526,7 @@ def staged_under_expandable_segments(rank, world, store, transport):
 def test_every_dtype_bit_exact_gpu_to_gpu(transport):
     res = run_ranks(every_dtype, transport=transport, timeout=240)
     assert res[0]["bad"] == [] and res[1]["bad"] == []
-    assert res[0]["transport"] == transport
+    assert res[0]["transport"] == ("tcp" if transport == "ce" else transport)
 
 
 @pytest.mark.timeout(120)
@@ -558,7 +566,7 @@ def test_recv_into_out_is_not_overwritten_before_the_queued_copy_ran(transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_deeper_cuda_slots_outlive_later_recvs(transport):
     res = run_ranks(deep_cuda_slots_read_late, transport=transport, timeout=240)[1]
-    assert res == {"deep": transport == "ucx", "bad": 0}
+    assert res == {"deep": transport in ("ucx", "ce"), "bad": 0}  # (TCP stages through depth-2 pinned slots)
 
 
 @pytest.mark.timeout(300)

@@ -58,6 +58,7 @@ def test_get_rows_into_cuda_reads_the_daemons_memory_in_place_bit_exact_for_ever
     monkeypatch.setenv(LEASES_ENV, leases)
     dev = torch.device("cuda")
     spy = _Spy(monkeypatch)
+    regs: list = []
     with in_process(transport="auto", max_bytes="1GiB") as s, Client(s.address, transport="shm") as c:
         for k, dtype in enumerate(ALL_DTYPES):
             name = f"gd/{dtype}"
@@ -75,8 +76,8 @@ def test_get_rows_into_cuda_reads_the_daemons_memory_in_place_bit_exact_for_ever
             assert c.get(name, out=whole) is whole and torch.equal(whole.cpu(), x)
             c.put(name, whole.flip(0))  # a CUDA source: device to the registered slot
             assert torch.equal(c.get(name), x.flip(0))
+            regs += _registered(c)  # (before the delete: a deleted tensor's mapping goes with it)
             c.delete(name)
-        regs = _registered(c)
         assert regs and all(m.device == torch.cuda.current_device() for m in regs)
         if leases == "1":
             assert c.lease_reads > 0

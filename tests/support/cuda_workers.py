@@ -20,12 +20,19 @@ LONG_KERNEL = 50_000_000
 
 
 def _init(rank: int, world: int, store: Any, transport: str, *, stream_wait: bool = True, timeout: float = 60) -> Any:
-    os.environ["TENSORWIRE_TRANSPORT"] = transport
+    _cuda_path(transport)
     os.environ["TENSORWIRE_CUDA_STREAM_WAIT"] = "1" if stream_wait else "0"
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     dist.init_process_group("tensorwire", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return dev
+
+
+def _cuda_path(transport: str) -> None:
+    """``transport`` of the GPU tests: "ce" -- links over TCP, CUDA tensors on the copy-engine path; "tcp" / "ucx" --
+    CUDA tensors on that transport itself (the copy-engine path off, as where ranks do not share a host)."""
+    os.environ["TENSORWIRE_TRANSPORT"] = "tcp" if transport == "ce" else transport
+    os.environ["TENSORWIRE_CUDA_PATH"] = "ce" if transport == "ce" else "ucx"
 
 
 def _streamed(work: Any) -> bool:

@@ -39,7 +39,9 @@ PAYLOAD_DTYPES = [
 def _init(
     rank: int, world: int, store: Any, transport: str, *, backend: str = "tensorwire", timeout: float = 60.0
 ) -> None:
-    os.environ["TENSORWIRE_TRANSPORT"] = transport
+    from cuda_workers import _cuda_path
+
+    _cuda_path(transport)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
 
 

@@ -21,7 +21,9 @@ ELEMS = 1024  # float32: 4 KiB per message
 
 
 def _init(rank: int, world: int, store: Any, transport: str) -> None:
-    os.environ["TENSORWIRE_TRANSPORT"] = transport
+    from cuda_workers import _cuda_path
+
+    _cuda_path(transport)
     dist.init_process_group("tensorwire", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
 
 
