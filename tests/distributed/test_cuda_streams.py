@@ -47,7 +47,11 @@ UCX_STREAM_WAIT_FLAKY = pytest.mark.xfail(
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 @pytest.mark.parametrize(
     "transport",
-    [pytest.param("ucx", marks=[UCX_STREAM_WAIT_FLAKY, pytest.mark.skipif(not HAVE_UCX, reason="no ucxx")]), "tcp", "ce"],
+    [
+        pytest.param("ucx", marks=[UCX_STREAM_WAIT_FLAKY, pytest.mark.skipif(not HAVE_UCX, reason="no ucxx")]),
+        "tcp",
+        "ce",
+    ],
 )
 def test_kernel_before_isend_and_kernel_after_wait_see_the_right_bytes(transport, layout):
     res = run_ranks(C.ordered, 2, timeout=200, transport=transport, layout=layout)

@@ -211,7 +211,7 @@ def test_cuda_isend_after_queued_writes_and_irecv_before_consuming_kernel(transp
     # must let it run -- over the copy-engine path the close drains the pair)
     res = run_ranks(W.cuda_p2p, 2, timeout=200, transport=transport)
     assert {k for k in res[1] if k.startswith("wait_s")} == {"wait_s_0", "wait_s_1", "wait_s_2"}
-    assert res[0]["transports"] == {1: "tcp" if transport == "ce" else transport}  # (the link's own transport)
+    assert res[0]["transports"] == {1: "tcp+ce" if transport == "ce" else transport}
 
 
 @pytest.mark.gpu

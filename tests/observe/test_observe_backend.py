@@ -98,6 +98,9 @@ def test_cuda_exchange_ranges_and_counts_carry_the_cuda_path(transport, path):
     (sent,) = [f for f in r0["metrics"]["flows"] if (f["peer"], f["direction"], f["path"]) == ("1", "send", path)]
     assert sent["messages"] == 3 + n and sent["bytes"] == (3 + n) * BYTES and sent["completed"] == 3 + n
     if path == "staged":  # CUDA tensors over TCP: the fallback is counted, with its reason
-        assert {"peer": "1", "wanted": "ucx", "taken": "staged", "reason": "tcp_cannot_reach_cuda", "count": 1} in r0[
-            "metrics"
-        ]["fallbacks"]
+        fallbacks = [
+            f
+            for f in r0["metrics"]["fallbacks"]
+            if (f["peer"], f["wanted"], f["taken"], f["reason"]) == ("1", "ucx", "staged", "tcp_cannot_reach_cuda")
+        ]
+        assert len(fallbacks) == 1 and fallbacks[0]["count"] >= 1, r0["metrics"]["fallbacks"]

@@ -54,7 +54,7 @@ def _dev(rank: int):
 
 
 def _node(rank, world, store, transport):
-    """"ce": a link over TCP whose CUDA specs take the copy-engine path; "tcp"/"ucx": CUDA specs on that transport."""
+    """ "ce": a link over TCP whose CUDA specs take the copy-engine path; "tcp"/"ucx": CUDA specs on that transport."""
     import os
 
     import tensorwire as tw

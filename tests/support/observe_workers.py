@@ -60,7 +60,9 @@ def profiled_backend_exchange(
     if device != "cpu":
         torch.cuda.synchronize()
     assert torch.equal(buf.cpu(), torch.full((ELEMS,), float(peer))), buf[:4]
-    names = [e.name for e in prof.events() if e.name.startswith("tensorwire.")]
+    # (host ranges only: with CUDA recorded, a range around queued GPU work shows again as a GPU annotation)
+    cpu = torch.autograd.DeviceType.CPU
+    names = [e.name for e in prof.events() if e.name.startswith("tensorwire.") and e.device_type == cpu]
     for _ in range(n):
         if rank == 0:
             dist.send(mine, peer, tag=5)

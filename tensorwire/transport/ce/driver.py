@@ -273,5 +273,11 @@ class CeDriver:
         """Queue ``dst.copy_(src)`` (torch's copy: any strides) on ``stream`` of their device."""
         import torch
 
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=dst.device)):
+        # (stream 0 is the legacy default stream -- torch's default stream; torch.cuda.ExternalStream(0) is not
+        # that stream but a new one from torch's pool, unordered with the caller's work)
+        if stream == 0:
+            target = torch.cuda.default_stream(dst.device)
+        else:
+            target = torch.cuda.ExternalStream(stream, device=dst.device)
+        with torch.cuda.stream(target):
             dst.copy_(src)
