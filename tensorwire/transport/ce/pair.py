@@ -40,6 +40,7 @@ from ...cuda import alloc_cuda
 from ...errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from .driver import CeDriver
 from .exports import Exports
+from .closing import Closing
 from .graphs import CaptureError, Capture
 from .region import (
     DST_READY,
@@ -154,7 +155,7 @@ class Channel:
         self.lock = threading.Lock()
 
 
-class CePair(Capture):
+class CePair(Capture, Closing):
     """The copy-engine path between this process and one peer process on the same host.
 
     Args:
@@ -360,30 +361,6 @@ class CePair(Capture):
         """Call ``release`` when the pair fails (to let streams waiting on flags of the caller's go on)."""
         self._releasers.append(release)
 
-    def on_drain(self, idle: Callable[[], bool]) -> None:
-        """``idle()`` says whether the caller's own messages on this pair are over (asked by :meth:`drain`)."""
-        self._drainers.append(idle)
-
-    def drain(self, linger: float) -> bool:
-        """Wait up to ``linger`` s until every message of this side is over on the GPUs; True if they are.
-
-        A close that did not wait would fail messages whose copies are still queued (the peer's stream would be
-        released with bytes that never came): a script's last ``isend``/``send`` returns long before its copy
-        ran. Stops early when the pair failed, or the peer closed or died (then nothing more can complete).
-        """
-        deadline = time.monotonic() + linger
-        while True:
-            now = time.monotonic()
-            gone = self._peer_lost(now) is not None  # (read before the flags: see check)
-            with self._pending_lock:
-                self._pending = [op for op in self._pending if not op.poll()]
-                busy = any(not op.graph for op in self._pending)
-            if not busy and all(idle() for idle in self._drainers):
-                return True
-            if gone or self.error is not None or now >= deadline:
-                return False
-            time.sleep(0.001)
-
     def _new_op(self, entry: int, seq: int, sending: bool, flag: int, keep: Any, what: Callable[[], str]) -> CeOp:
         return CeOp(self, entry, seq, sending, flag, keep, what)
 
@@ -541,37 +518,6 @@ class CePair(Capture):
             release()
         for op in ops:
             op.fail(exc)
-
-    def close(self, reason: BaseException, linger: float = 0.0) -> None:
-        """Close this side: after up to ``linger`` s for this side's messages to be over (:meth:`drain`), fail
-        whatever is still pending with ``reason`` and tell the peer.
-
-        Where messages were still pending (or CUDA graphs hold this pair's flags), streams may still hold flag
-        writes and copies that name the region and the peer's mapped memory: both stay mapped for the life of
-        the process (a few MiB) rather than let queued GPU work fault on memory unmapped under it.
-        """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        drained = self.drain(linger if self.error is None else 0.0)
-        self.fail(reason)
-        if not drained or self._graph_entries:
-            self.region.mark_closed()
-            _KEPT.append(self)
-            return
-        if self._registered:
-            try:
-                self.driver.unregister_host(self.region.addr)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
-        if self._own_exports:
-            self.exports.close_all()
-        self.region.close()
-
-
-#: pairs closed while GPU work could still name their memory (see :meth:`CePair.close`)
-_KEPT: list[CePair] = []
 
 
 def _as(staged: Any, tensor: Any) -> Any:
