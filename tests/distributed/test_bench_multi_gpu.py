@@ -4,24 +4,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
+from bench_scripts import run_bench
 
 torch = pytest.importorskip("torch")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "bench", "bench_multi_gpu.py")
-
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TENSORWIRE_TRANSPORT", None)
-    return subprocess.run(
-        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-    )
+    return run_bench("bench_multi_gpu.py", *args, timeout=timeout)
 
 
 @pytest.mark.timeout(60)

@@ -55,11 +55,11 @@ def _dev(rank: int):
 
 def _node(rank, world, store, transport):
     """ "ce": a link over TCP whose CUDA specs take the copy-engine path; "tcp"/"ucx": CUDA specs on that transport."""
-    import os
+    from cuda_workers import _cuda_path
 
     import tensorwire as tw
 
-    os.environ["TENSORWIRE_CUDA_PATH"] = "ce" if transport == "ce" else "ucx"
+    _cuda_path(transport)
     transport = "tcp" if transport == "ce" else transport
 
     return tw.Node(rank=rank, world_size=world, store=store, transport=transport, device=_dev(rank))

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 
 import pytest
+from bench_scripts import ROOT, run_bench
 
 pytest.importorskip("torch")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "bench", "bench_distributed_trees.py")
-
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("TENSORWIRE_TRANSPORT", None)
-    return subprocess.run(
-        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-    )
+    return run_bench("bench_distributed_trees.py", *args, timeout=timeout, checkout_first=False)
 
 
 @pytest.mark.timeout(200)

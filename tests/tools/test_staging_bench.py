@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
+from bench_scripts import run_bench
 
 torch = pytest.importorskip("torch")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "bench", "bench_staged_gpu.py")
-
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(
-        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-    )
+    return run_bench("bench_staged_gpu.py", *args, timeout=timeout, keep_transport=True)
 
 
 @pytest.mark.timeout(120)
