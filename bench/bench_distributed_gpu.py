@@ -141,7 +141,12 @@ class _Trainer:
         return dt
 
 
-def worker(args: argparse.Namespace) -> None:
+def start_worker(args: argparse.Namespace, *, tf32: bool = True, one_thread_on_cpu: bool = False) -> tuple:
+    """A benchmark job's rank: ``(device, the reference backend, LOCAL_RANK)``, the default group made with that
+    backend (NCCL on GPUs, gloo with ``--device cpu``), tensorwire's backend registered, ``--dump-after`` armed.
+
+    ``tf32``: leave TF32 matmuls on (off: float32 matmuls exact); ``one_thread_on_cpu``: one torch thread per
+    rank on CPU (N ranks share the host's cores)."""
     import torch
     import torch.distributed as dist
 
@@ -155,12 +160,23 @@ def worker(args: argparse.Namespace) -> None:
     if args.device == "cuda":
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False
+        if not tf32:
+            torch.backends.cuda.matmul.allow_tf32 = False
         ref = "nccl"
     else:
         device = torch.device("cpu")
+        if one_thread_on_cpu:
+            torch.set_num_threads(1)
         ref = "gloo"
     dist.init_process_group(ref)
+    return device, ref, local
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    device, ref, _local = start_worker(args, tf32=False)
     rank = dist.get_rank()
     tw = dist.new_group([0, 1], backend="tensorwire")
     groups = {ref: None, "tensorwire": tw}

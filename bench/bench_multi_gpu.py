@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from bench_distributed import add_tree_option, hot_path, with_tree  # (this script's folder is on sys.path)
-from bench_distributed_gpu import _gpus, _mib_list, _sync
+from bench_distributed_gpu import _gpus, _mib_list, _sync, start_worker
 
 MIB = 1 << 20
 #: the measurements, in the order they run
@@ -162,22 +162,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    import tensorwire  # noqa: F401 - registers the backend
-
-    if args.dump_after:
-        import faulthandler
-
-        faulthandler.dump_traceback_later(args.dump_after, exit=True)  # every thread's stack, then exit
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        ref = "nccl"
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)  # N ranks share the host's cores
-        ref = "gloo"
-    dist.init_process_group(ref)
+    device, ref, local = start_worker(args, one_thread_on_cpu=True)
     rank, nproc = dist.get_rank(), dist.get_world_size()
     barrier = (lambda: dist.barrier(device_ids=[local])) if device.type == "cuda" else dist.barrier
     tw = dist.new_group(list(range(nproc)), backend="tensorwire")
