@@ -258,6 +258,13 @@ class Settings:
         "always UCX (two-sided tag messages).",
         "auto",
     )
+    ce_push_wait_us: float = _var(
+        _microseconds,
+        "On the copy-engine path, microseconds a send of more than 4 MiB that comes before its receive waits on "
+        "the host for it, so that the sending GPU pushes the bytes (each GPU then copies what leaves it: both "
+        "directions at full speed) instead of the receiving GPU pulling them; 0: never wait.",
+        300.0,
+    )
     # -- observability (links and the torch.distributed backend) ------------------------------------------
     metrics: bool = _var(
         _switch,

@@ -106,6 +106,50 @@ def test_bytes_arrive_whichever_side_comes_first(pair, first, shape, inline):
     assert s.error is None and r.error is None
 
 
+def test_a_large_send_waits_for_its_receiver_and_pushes_the_bytes_itself(pair):
+    """Above inline_max, a sender that comes first waits (a bounded host wait) for the receiver, so that the copy is
+    the sender's -- a push, on the sender's GPU -- not the receiver's pull."""
+    pair.a.inline_max = pair.b.inline_max = 64  # (bytes: every message below is "large")
+    pair.a.push_wait_s = 5.0
+    src = pair.tensor((256,), fill=3)
+    dst = pair.tensor((256,), fill=-1)
+    box: dict = {}
+    sender = threading.Thread(target=lambda: box.setdefault("s", pair.send(src)))
+    sender.start()
+    time.sleep(0.05)  # the sender is waiting, not yet in the entry: the receiver comes first
+    assert "s" not in box
+    r = pair.recv(dst)
+    sender.join(timeout=10)
+    s = box["s"]
+    pair.settle(s, r)
+    assert torch.equal(dst, src)
+    assert pair.a.counts[3] == 1 and pair.a.counts[4] == 0  # the receiver came while the sender waited
+    assert pair.a.counts[0] == 0 and pair.b.counts[0] == 1  # ... so the sender came second: the copy was its own
+    assert pair.b.counts[1] + pair.b.counts[2] == 0
+
+
+def test_a_large_send_whose_receiver_does_not_come_goes_on_after_its_wait(pair):
+    pair.a.inline_max = pair.b.inline_max = 64
+    pair.a.push_wait_s = 0.02
+    src = pair.tensor((256,), fill=5)
+    dst = pair.tensor((256,), fill=-1)
+    t0 = time.monotonic()
+    s = pair.send(src)
+    waited = time.monotonic() - t0
+    assert 0.02 <= waited < 2.0
+    assert pair.a.counts[4] == 1 and pair.a.counts[0] == 1  # came first after all: the receiver pulls
+    r = pair.recv(dst)
+    pair.settle(s, r)
+    assert torch.equal(dst, src)
+    assert pair.b.counts[1] + pair.b.counts[2] == 1
+    small = pair.tensor((8,), fill=1)  # at most inline_max bytes: no wait at all
+    t0 = time.monotonic()
+    s2 = pair.send(small)
+    assert time.monotonic() - t0 < 0.02 and pair.a.counts[4] == 1
+    r2 = pair.recv(pair.tensor((8,), fill=-1))
+    pair.settle(s2, r2)
+
+
 def test_a_hundred_messages_reuse_the_entries_in_order(pair):
     n = 3 * ENTRIES + 5
     srcs = [pair.tensor((64,), fill=i) for i in range(n)]

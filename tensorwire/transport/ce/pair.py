@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from ...cuda import alloc_cuda
 from ...errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
+from ...settings import setting
 from .driver import CeDriver
 from .exports import Exports
 from .closing import Closing
@@ -61,6 +62,11 @@ from .region import (
 __all__ = ["CePair", "CeOp"]
 
 _NO_HANDLE = bytes(64)
+# A sender of a message larger than ``inline_max`` that comes before its receiver waits on the host for the
+# receiver to come (``TENSORWIRE_CE_PUSH_WAIT_US``), so that the sender's GPU pushes the bytes instead of the
+# receiver's GPU pulling them: a GPU moves ~380 GB/s with its copy engines, but between processes about half that
+# each way when it makes the copies of both directions (bench/ce_engines_gpu.py), so each message is best copied by
+# the GPU it leaves from. A receiver that has not come by then gets the bytes by a pull.
 #: up to this many bytes, a copy whose peer is ready already goes on the caller's stream (a copy of 4 MiB over
 #: NVLink takes ~12 us; a larger one would hold back the caller's next kernels, so it goes on an internal stream)
 INLINE_MAX = 4 << 20
@@ -207,6 +213,12 @@ class CePair(Capture, Closing):
         self._side = region.side
         #: a copy whose peer's stream is already past its call goes on the caller's stream up to this size
         self.inline_max = INLINE_MAX
+        #: a large send waits up to this long for its receiver (see the comment at the top)
+        self.push_wait_s = setting("ce_push_wait_us") * 1e-6
+        #: messages by this side's part: [came first, came second and copied on the caller's stream, came second
+        #: and copied on an internal stream, large sends whose receiver came while they waited, large sends whose
+        #: receiver did not] (where the host time goes: bench/profile_ce_host.py prints them)
+        self.counts = [0, 0, 0, 0, 0]
         #: updated by every look of the watchdog (deadlines of new messages are counted from it)
         self.clock = time.monotonic()
 
@@ -297,10 +309,13 @@ class CePair(Capture, Closing):
         with chan.lock:
             chan.seq += 1
             seq = chan.seq
+            if sending and nbytes > self.inline_max and self.push_wait_s > 0:
+                self._await_receiver(chan, seq)
             entry, theirs = self._arrive(chan, seq, sending, Block(words, nbytes, offset, handle), unstage, what)
             op = CeOp(self, entry, seq, sending, RECV_DONE if unstage else LANDED, (tensor, staged), what)
             dev = self.region.device_addr + entry
             if theirs is None:  # first: only say that this side's stream reached the call
+                self.counts[0] += 1
                 d.write(stream, dev + (SRC_READY if sending else DST_READY), seq)
                 if unstage:
                     d.order(st[1], stream, st[3])
@@ -310,15 +325,19 @@ class CePair(Capture, Closing):
                 return self._pend(op)
             # second: the copy is this side's to make
             ready = DST_READY if sending else SRC_READY
-            if nbytes <= self.inline_max and reached(self.region.flag(entry, ready), seq):
-                # the peer's stream is past its call already (its flag is in host memory): nothing to wait for
-                # on the GPU, so a small copy goes on the caller's stream itself -- no event, no internal stream
+            # the peer's stream is past its call already (its flag is in host memory): nothing to wait for on the GPU
+            peer_past = reached(self.region.flag(entry, ready), seq)
+            if peer_past and nbytes <= self.inline_max:
+                # so a small copy goes on the caller's stream itself -- no event, no internal stream
                 inner = stream
                 op.stream = stream
+                self.counts[1] += 1
             else:
                 inner, event = (st[0], st[2]) if sending else (st[1], st[3])
                 d.order(inner, stream, event)
-                d.wait(inner, dev + ready, seq)
+                if not peer_past:
+                    d.wait(inner, dev + ready, seq)
+                self.counts[2] += 1
             if nbytes:
                 peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
                 if sending:
@@ -404,6 +423,25 @@ class CePair(Capture, Closing):
             if not deadline:
                 deadline = time.monotonic() + self.timeout
             r.wait_free(entry, deadline)  # the peer is ENTRIES messages behind on this channel
+
+    def _await_receiver(self, chan: Channel, seq: int) -> None:
+        """Wait (host, at most ``push_wait_s``) until the receiver has come to message ``seq`` of ``chan``.
+
+        A look at the entry's head in shared memory per turn, no lock: :meth:`_arrive` decides under the lock.
+        """
+        r = self.region
+        entry = r.entry(chan.offset, seq)
+        s32 = seq & 0xFFFFFFFF
+        clock = time.perf_counter
+        deadline = clock() + self.push_wait_s
+        while True:
+            eseq, state, _err = r.head(entry)
+            if eseq == s32 and state & RECEIVED:
+                self.counts[3] += 1
+                return
+            if clock() > deadline or self.error is not None:
+                self.counts[4] += 1
+                return
 
     def _done(self, entry: int, eseq: int, state: int) -> bool:
         """Whether the entry's message ``eseq`` is over on both sides (its entry may be reused)."""

@@ -292,7 +292,7 @@ class Region:
             raise TransferTimeout(
                 f"the peer is {ENTRIES} messages behind on one tag of the copy-engine path and did not catch up"
             )
-        time.sleep(0.0002)
+        time.sleep(0.00005)
 
     def close(self) -> None:
         with self._lock:
