@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import faulthandler
 import json
 import os
 import statistics
@@ -138,7 +139,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--micros", default="2,16", help="microbatches per step (2 x that many messages per rank)")
     ap.add_argument("--nccl-capture", action="store_true", help="also capture NCCL's step (eager NCCL always runs)")
+    ap.add_argument(
+        "--stall-s",
+        type=float,
+        default=0.0,
+        help="print every thread's stack and exit if the run takes longer than this (0: never)",
+    )
     args = ap.parse_args()
+    if args.stall_s > 0:  # (a hung capture or replay shows where it waits)
+        faulthandler.dump_traceback_later(args.stall_s, exit=True)
     acts = [int(a) for a in args.acts.split(",") if a]
     if not acts or min(acts) < 1 or args.steps < 3:
         ap.error("--acts >= 1 MiB each, --steps >= 3")
@@ -206,9 +215,9 @@ def main() -> int:
             results.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
-    dist.destroy_process_group()
-    if rank == 0 and args.out:
+    if rank == 0 and args.out:  # (before the groups go: a hang tearing one down must not lose the figures)
         _report(args.out, results, ngpu, torch.cuda.get_device_name(device))
+    dist.destroy_process_group()
     return 0
 
 
@@ -241,10 +250,13 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str) -> None:
             else:
                 line += f" {eager} | {r.get('nccl_error', 'not captured (run with --nccl-capture)')} | - | - |"
         lines.append(line)
+    same = [r for r in rows if "nccl_checksum" in r]
+    agree = sum(r["nccl_checksum"] == r["tensorwire_checksum"] for r in same)
     lines += [
         "",
-        "Each backend and size trains its own copy from the same start (tensorwire: warm-up, capture, the eager and "
-        "the captured steps; NCCL eager: its steps only), so their weights are not compared here; "
+        "Each backend and size trains its own copy from the same start through the same modes (warm-up, capture "
+        "where captured, the eager and the captured steps): the weights' checksums after the run agree between "
+        f"tensorwire and NCCL in {agree} of {len(same)} rows (the same bytes arrived). "
         "`--check` compares captured against eager steps bit for bit.",
     ]
     with open(out, "w") as f:

@@ -4,8 +4,9 @@
 #
 #   bash bench/ce_gpu_round.sh            (repo root; grpc wheels carried in .whl/: bash bench/gpu_run.sh --fetch-wheels)
 #
-# Knobs: NCCL_CAPTURE=1 (also try NCCL's captured step), STEPS=tests,ce,graph,profile,dist (a subset picks steps; add multi for
-# the N-GPU benchmark, bench/bench_multi_gpu.py, not in the default), MACHINE (names the result files).
+# Knobs: NCCL_CAPTURE=1 (also try NCCL's captured step), STEPS=tests,ce,graph,profile,dist (a subset picks steps; add
+# multi for the N-GPU benchmark, bench/bench_multi_gpu.py, and overlap, bench/bench_overlap_gpu.py), MACHINE (names the result files),
+# PROFILE_BYTES / PROFILE_COPY (the profile's message sizes, and copy calls: generic, dtod).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -33,23 +34,32 @@ if [[ ,$STEPS, == *,ce,* ]]; then
   tail -12 "$OUT/ce-gpu_$MACHINE.log"
 fi
 if [[ ,$STEPS, == *,graph,* ]]; then
-  echo "=== bench/bench_graph_gpu.py"
-  timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
-    --steps 10 --out "$OUT/graph-gpu_$MACHINE.md" >"$OUT/graph-gpu_$MACHINE.log" 2>&1
-  tail -14 "$OUT/graph-gpu_$MACHINE.log"
-  if [ "$NGPU" -ge 2 ] && [ -n "${NCCL_CAPTURE:-}" ]; then  # NCCL's own captured step, apart: it may fail or hang where tensorwire's does not
-    echo "=== bench/bench_graph_gpu.py --nccl-capture (1 MiB)"
-    timeout 60 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
-      --acts 1 --micros 2 --steps 5 --nccl-capture --out "$OUT/graph-gpu-nccl-capture_$MACHINE.md" \
-      >"$OUT/graph-gpu-nccl-capture_$MACHINE.log" 2>&1; echo "exit $?"
-    grep -E "^\[graph bench\]|capture failed|^\|" "$OUT/graph-gpu-nccl-capture_$MACHINE.log" | tail -8
-  fi
+  # with NCCL_CAPTURE (two GPUs), NCCL's step is captured too; a stall prints every thread's stack (NCCL may hang
+  # where tensorwire does not)
+  capture=(); stall=190
+  if [ "$NGPU" -ge 2 ] && [ -n "${NCCL_CAPTURE:-}" ]; then capture=(--nccl-capture); fi
+  echo "=== bench/bench_graph_gpu.py ${capture[*]}"
+  NCCL_DEBUG=WARN timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
+    --steps 10 "${capture[@]}" --stall-s "$stall" --out "$OUT/graph-gpu_$MACHINE.md" >"$OUT/graph-gpu_$MACHINE.log" 2>&1
+  echo "exit $?"
+  grep -E "^\[graph bench\]|capture failed|^\||NCCL WARN|File |Thread|Stack" "$OUT/graph-gpu_$MACHINE.log" | tail -60
+fi
+if [[ ,$STEPS, == *,overlap,* ]] && [ "$NGPU" -ge 2 ]; then
+  echo "=== bench/bench_overlap_gpu.py"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_overlap_gpu.py \
+    --machine "$MACHINE" --out "$OUT/overlap-gpu_$MACHINE.md" >"$OUT/overlap-gpu_$MACHINE.log" 2>&1
+  echo "exit $?"; tail -25 "$OUT/overlap-gpu_$MACHINE.log"
 fi
 if [[ ,$STEPS, == *,profile,* ]]; then
   echo "=== bench/profile_ce_host.py"
-  timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_ce_host.py \
-    >"$OUT/profile_$MACHINE.log" 2>&1
-  grep -A40 "one-way" "$OUT/profile_$MACHINE.log" | head -45
+  for size in ${PROFILE_BYTES:-65536 1048576}; do
+    for call in ${PROFILE_COPY:-generic}; do
+      log="$OUT/profile_${MACHINE}_${size}_$call.log"
+      timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_ce_host.py \
+        --bytes "$size" --iters 1000 --copy-call "$call" >"$log" 2>&1
+      grep -E "^piece|host time per call|one-way|part in its messages" "$log"
+    done
+  done
 fi
 if [[ ,$STEPS, == *,dist,* ]] && [ "$NGPU" -ge 2 ]; then
   echo "=== bench/bench_distributed_gpu.py (p2p, pipelining)"

@@ -32,6 +32,12 @@ def main() -> None:
     ap.add_argument("--bytes", type=int, default=65536)
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--no-pieces", dest="pieces", action="store_false", help="skip timing each piece alone")
+    ap.add_argument(
+        "--copy-call",
+        choices=("generic", "dtod"),
+        default="generic",
+        help="the driver call of the path's copies: cuMemcpyAsync (the path's) or cuMemcpyDtoDAsync",
+    )
     args = ap.parse_args()
     if args.bytes < 4 or args.iters < 1:
         ap.error("--bytes >= 4 and --iters >= 1")
@@ -40,6 +46,11 @@ def main() -> None:
     torch.cuda.set_device(device)
     if args.pieces:
         _register_nothing()
+    if args.copy_call == "dtod":
+        from tensorwire.transport.ce import CeDriver
+
+        drv = CeDriver.get()
+        drv._memcpy = drv._memcpy_dtod
     dist.init_process_group("tensorwire")
     t = torch.ones(args.bytes // 4, device=device)
     if args.pieces:
@@ -85,18 +96,46 @@ def main() -> None:
     loop(50)
     plain = loop(args.iters)
     parts = split(args.iters)
-    if rank == 0:
-        print("host time per call: isend {:.1f} us, its wait {:.1f}; irecv {:.1f}, its wait {:.1f}".format(*parts))
+    pair = _pair_of(1 - rank)
+    counts = list(pair.counts) if pair is not None else None
     prof = cProfile.Profile()
     prof.enable()
     profiled = loop(args.iters)
     prof.disable()
-    if rank == 0:
+    # each rank reports in turn (the one that waits in a ping-pong is the one whose host is not the limit)
+    for turn in range(2):
+        dist.barrier()
+        if turn != rank:
+            continue
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-        print(f"one-way {plain * 1e6:.1f} us per message ({profiled * 1e6:.1f} us under the profiler)")
-        print(out.getvalue())
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+        order = "isend first" if rank == 0 else "irecv first"
+        print(
+            f"rank {rank} ({order}): host time per call: isend {parts[0]:.1f} us, its wait {parts[1]:.1f}; "
+            f"irecv {parts[2]:.1f}, its wait {parts[3]:.1f}"
+        )
+        print(f"rank {rank}: one-way {plain * 1e6:.1f} us per message ({profiled * 1e6:.1f} us under the profiler)")
+        if counts is not None:
+            first, inline, queued = counts
+            print(
+                f"rank {rank}'s part in its messages: first {first}, second with the copy on the caller's stream "
+                f"{inline}, second with the copy on an internal stream {queued} (copy call: {args.copy_call})"
+            )
+        print(out.getvalue(), flush=True)
     dist.destroy_process_group()
+
+
+def _pair_of(peer: int) -> object:
+    """This rank's copy-engine pair with ``peer`` in the default group (None where CUDA tensors take UCX)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cuda", torch.cuda.current_device()))
+    except RuntimeError:
+        return None
+    p = getattr(backend, "_peers", {}).get(peer)
+    return getattr(p, "ce", None)
 
 
 def _register_nothing() -> None:
@@ -180,6 +219,9 @@ def _pieces(torch: object, dist: object, nothing: object, t: object, device: obj
     timed("cuEventRecord + cuStreamWaitEvent", lambda: d.order(s2, s, ev), True)
     timed("cuMemcpyAsync 64 KiB (device-local)", lambda: d.copy(s, a.data_ptr(), b.data_ptr(), 65536), True)
     timed("cuMemcpyAsync 1 MiB (device-local)", lambda: d.copy(s, a.data_ptr(), b.data_ptr(), 1 << 20), True)
+    dtod = d._memcpy_dtod
+    timed("cuMemcpyDtoDAsync 64 KiB (device-local)", lambda: dtod(a.data_ptr(), b.data_ptr(), 65536, s), True)
+    timed("cuMemcpyDtoDAsync 1 MiB (device-local)", lambda: dtod(a.data_ptr(), b.data_ptr(), 1 << 20, s), True)
     timed(
         "write + wait + copy 64 KiB + write",
         lambda: (
