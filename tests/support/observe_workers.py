@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import time
 import urllib.request
 from datetime import timedelta
 from typing import Any
@@ -68,7 +69,15 @@ def profiled_backend_exchange(
             dist.send(mine, peer, tag=5)
         else:
             dist.recv(buf, peer, tag=5)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    # A CUDA message whose wait() only made a stream wait is counted complete when the group next sees it done
+    # (its watchdog looks a few times a second; a thread busy in torch's profiler can hold it off): wait for that.
+    deadline = time.monotonic() + 10.0
     metrics = observe.metrics()
+    while time.monotonic() < deadline and any(f["completed"] < f["messages"] for f in metrics["flows"]):
+        time.sleep(0.01)
+        metrics = observe.metrics()
     port = observe.endpoint_port()
     assert port is not None
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
