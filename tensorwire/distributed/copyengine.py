@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import observe
 from ..cuda import current_raw_stream
 from ..errors import ProtocolError
 from ..transport.ce import CeDriver, CeOp, CePair, Exports, Watchdog, capable, exchange_region
@@ -75,6 +76,7 @@ def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout:
             mismatch=_mismatch_text(rank, other),
             peer_timeout=max(5.0, min(timeout, 30.0)),
         )
+        pair.counts = observe.ce_counts(other)  # (the pair counts its messages' parts where tw.metrics() reads)
         peer.ce = pair
         if watchdog is None:
             watchdog = Watchdog(f"tw-dist-ce-watchdog-{rank}")

@@ -29,7 +29,7 @@ from typing import Any
 
 from tensorwire.observe.exporter import EXPORTER, P2PCollector, render
 from tensorwire.observe.hooks import GroupWatch, LinkWatch, profiler_flag, profiling, traced_wait
-from tensorwire.observe.registry import PATHS, REGISTRY, enabled, set_enabled
+from tensorwire.observe.registry import CE_PARTS, PATHS, REGISTRY, enabled, set_enabled
 from tensorwire.settings import setting
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
     "note_negotiated",
     "note_fallback",
     "note_error",
+    "ce_counts",
+    "CE_PARTS",
     "P2PCollector",
     "LinkWatch",
     "GroupWatch",
@@ -65,7 +67,10 @@ def metrics() -> dict[str, Any]:
     ``call_seconds`` and ``completion_seconds`` with their bucket counts, ``completed``),
     ``negotiations``, ``fallbacks`` (``wanted``, ``taken``, ``reason``), ``errors``
     (``kind``: the error's class), ``held`` (``slots``, ``slot_bytes``, ``mapped_bytes``),
-    ``totals`` (``{"send"|"recv": {"messages", "bytes"}}``) and ``enabled``.
+    ``ce`` (per peer on the copy-engine path, how many of this side's messages played each part of
+    :data:`CE_PARTS`: came first, came second and copied on the caller's stream or on an internal stream, a
+    large send whose receiver came while it waited or did not), ``totals``
+    (``{"send"|"recv": {"messages", "bytes"}}``) and ``enabled``.
     """
     snap = REGISTRY.snapshot()
     totals = {d: {"messages": 0, "bytes": 0} for d in ("send", "recv")}
@@ -81,6 +86,11 @@ def metrics() -> dict[str, Any]:
 def reset() -> None:
     """Zero every count of this process (tests, or a fresh start of a measured phase)."""
     REGISTRY.clear()
+
+
+def ce_counts(peer: int) -> list[int]:
+    """The counts a copy-engine pair with ``peer`` keeps in place (``CePair.counts``; :data:`CE_PARTS`)."""
+    return REGISTRY.ce_counts(peer)
 
 
 def note_negotiated(peer: int, path: str) -> None:

@@ -17,6 +17,8 @@ Families (label ``peer`` is the peer's rank, ``path`` one of
 - ``tensorwire_p2p_errors_total{peer,path,kind}``: failures by error class
 - ``tensorwire_p2p_slots{peer,path}``, ``tensorwire_p2p_slot_bytes{peer,path}``,
   ``tensorwire_p2p_mapped_bytes{peer,path}``: held now
+- ``tensorwire_p2p_ce_messages_total{peer,part}``: this side's copy-engine messages by the part each played
+  (``part`` one of :data:`tensorwire.observe.registry.CE_PARTS`)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import threading
 from typing import Any
 
 from tensorwire.errors import ConfigError
-from tensorwire.observe.registry import BUCKETS_US, REGISTRY, Registry
+from tensorwire.observe.registry import BUCKETS_US, CE_PARTS, REGISTRY, Registry
 
 __all__ = ["P2PCollector", "Exporter", "EXPORTER", "render"]
 
@@ -96,7 +98,16 @@ class P2PCollector:
             slots.add_metric([e["peer"], e["path"]], e["slots"])
             slot_bytes.add_metric([e["peer"], e["path"]], e["slot_bytes"])
             mapped.add_metric([e["peer"], e["path"]], e["mapped_bytes"])
-        return [messages, nbytes, calls, done, negotiations, fallbacks, errors, slots, slot_bytes, mapped]
+        ce = CounterMetricFamily(
+            "tensorwire_p2p_ce_messages",
+            "This side's copy-engine messages by the part each played (who copied, on which stream; large sends "
+            "that waited for their receiver)",
+            labels=["peer", "part"],
+        )
+        for e in snap["ce"]:
+            for part in CE_PARTS:
+                ce.add_metric([e["peer"], part], e[part])
+        return [messages, nbytes, calls, done, negotiations, fallbacks, errors, slots, slot_bytes, mapped, ce]
 
 
 def render(registry: Registry = REGISTRY) -> bytes:

@@ -40,6 +40,7 @@ from tensorwire.settings import setting
 
 __all__ = [
     "BUCKETS_US",
+    "CE_PARTS",
     "NBUCKETS",
     "LAST",
     "PATHS",
@@ -57,6 +58,12 @@ NBUCKETS = len(BUCKETS_US) + 1
 LAST = NBUCKETS - 1  # the +Inf bucket
 #: The path labels tensorwire uses (a hook may pass another; these are the documented ones).
 PATHS = ("ucx", "tcp", "cma", "staged", "ce")
+
+
+#: The parts a message of the copy-engine path plays on one side (``tensorwire.transport.ce.CePair.counts``): it
+#: came first (queued a flag write); came second and copied on the caller's stream; came second and copied on an
+#: internal stream; a large send whose receiver came while it waited (it pushed); one whose receiver did not.
+CE_PARTS = ("first", "second_inline", "second_queued", "push_waited", "push_wait_missed")
 
 
 def bucket(ns: int) -> int:
@@ -138,6 +145,7 @@ class Registry:
         self._fallbacks: dict[tuple[str, str, str, str], int] = {}
         self._errors: dict[tuple[str, str, str], int] = {}
         self._held: dict[tuple[str, str], list[int]] = {}  # (peer, path) -> [slots, slot bytes, mapped bytes]
+        self._ce: dict[str, list[int]] = {}  # peer -> the copy-engine pair's counts (CE_PARTS, in that order)
 
     def flow(self, peer: int | str, path: str, direction: str) -> Flow:
         """The flow of (``peer``, ``path``, ``direction``), made on first use (``direction``: send or recv)."""
@@ -179,6 +187,18 @@ class Registry:
             cell[1] += nbytes
             cell[2] += mapped
 
+    def ce_counts(self, peer: int | str) -> list[int]:
+        """The list a copy-engine pair with ``peer`` counts its messages' parts in (:data:`CE_PARTS`, in order).
+
+        The pair increments it in place (no call per message); :meth:`clear` zeroes it in place.
+        """
+        key = str(peer)
+        with self._lock:
+            cell = self._ce.get(key)
+            if cell is None:
+                cell = self._ce[key] = [0] * len(CE_PARTS)
+            return cell
+
     def snapshot(self) -> dict[str, Any]:
         """Everything, as plain data (see :func:`tensorwire.observe.metrics`)."""
         with self._lock:
@@ -187,6 +207,7 @@ class Registry:
             fallbacks = dict(self._fallbacks)
             errors = dict(self._errors)
             held = {k: list(v) for k, v in self._held.items()}
+            ce = {k: list(v) for k, v in self._ce.items()}
         return {
             # (a flow prepared for a path no message took yet -- CUDA tensors of a CPU job -- is left out)
             "flows": [
@@ -204,6 +225,7 @@ class Registry:
                 {"peer": k[0], "path": k[1], "slots": v[0], "slot_bytes": v[1], "mapped_bytes": v[2]}
                 for k, v in held.items()
             ],
+            "ce": [{"peer": k, **dict(zip(CE_PARTS, v))} for k, v in ce.items() if any(v)],
         }
 
     def clear(self) -> None:
@@ -215,6 +237,8 @@ class Registry:
             self._fallbacks.clear()
             self._errors.clear()
             self._held.clear()
+            for cell in self._ce.values():
+                cell[:] = [0] * len(cell)
 
 
 REGISTRY = Registry()

@@ -430,3 +430,37 @@ def test_a_lost_peer_releases_a_replay_waiting_on_it(pair):
     pair.sim.replay(pair.sb, gb)  # the peer never replays its half
     pair.b.fail(PeerLostError("rank 0 died"))
     pair.settle()  # released: no stream hangs
+
+
+def test_the_parts_messages_played_show_in_tw_metrics_and_prometheus(pair):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tensorwire import observe
+
+    observe.reset()
+    # (as distributed/copyengine.py does for a group's pairs: each side counts where tw.metrics() reads)
+    pair.a.counts = observe.ce_counts(1)
+    pair.b.counts = observe.ce_counts(0)
+    src, dst = pair.tensor((16,), fill=1), pair.tensor((16,), fill=-1)
+    ops = []
+    for _ in range(3):  # the sender first, then the receiver -- second, its peer's flag set: on its own stream
+        ops.append(pair.send(src))
+        pair.settle()
+        ops.append(pair.recv(dst))
+    pair.settle(*ops)
+    parts = {e["peer"]: e for e in observe.metrics()["ce"]}
+    assert parts["1"]["first"] == 3 and parts["1"]["second_inline"] == 0  # side a (rank 0) sent, came first
+    assert parts["0"]["first"] == 0 and parts["0"]["second_inline"] == 3  # side b (rank 1) copied each one
+    assert set(observe.CE_PARTS) <= set(parts["0"])
+    families = {f.name: f for f in text_string_to_metric_families(observe.render().decode())}
+    samples = {(s.labels["peer"], s.labels["part"]): s.value for s in families["tensorwire_p2p_ce_messages"].samples}
+    assert samples[("0", "second_inline")] == 3 and samples[("1", "first")] == 3
+    assert families["tensorwire_p2p_ce_messages"].type == "counter"
+    observe.reset()  # zeroed in place: the pairs go on counting into the same lists
+    assert observe.metrics()["ce"] == []
+    op_s = pair.send(src)
+    pair.settle()
+    op_r = pair.recv(dst)
+    pair.settle(op_s, op_r)
+    assert {e["peer"]: e["first"] for e in observe.metrics()["ce"]} == {"1": 1, "0": 0}
+    observe.reset()

@@ -111,7 +111,9 @@ def test_tw_metrics_is_the_same_snapshot_and_does_not_import_torch():
     code = "import sys, tensorwire as tw; m = tw.metrics(); assert 'torch' not in sys.modules; print(sorted(m))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env, cwd=root)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(["enabled", "errors", "fallbacks", "flows", "held", "negotiations", "totals"])
+    assert out.stdout.strip() == str(
+        ["ce", "enabled", "errors", "fallbacks", "flows", "held", "negotiations", "totals"]
+    )
 
 
 def test_counting_off_counts_nothing_and_on_again_counts_from_there(links):
