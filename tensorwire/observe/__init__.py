@@ -143,7 +143,8 @@ def _size(n: int) -> str:
 
 
 def summary(rank: int | None = None) -> str:
-    """One line: messages and bytes by direction, peer and path; negotiations, fallbacks and errors."""
+    """One line: messages and bytes by direction, peer and path; negotiations, fallbacks and errors; the parts
+    copy-engine messages played, per peer."""
     m = metrics()
     parts = []
     for d in ("send", "recv"):
@@ -163,8 +164,14 @@ def summary(rank: int | None = None) -> str:
         or "none"
     )
     errors = ", ".join(f"{e['kind']} on {e['path']}->{e['peer']} x{e['count']}" for e in m["errors"]) or "none"
+    ce = "".join(
+        f"; copy engine ->{e['peer']}: first {e['first']}, second {e['second_inline'] + e['second_queued']} "
+        f"({e['second_queued']} on an internal stream), large sends pushed after a wait {e['push_waited']}, "
+        f"waited in vain {e['push_wait_missed']}"
+        for e in sorted(m["ce"], key=lambda e: e["peer"])
+    )
     who = f" rank {rank}" if rank is not None else ""
-    return f"tensorwire{who}: {'; '.join(parts)}; links: {links}; fallbacks: {falls}; errors: {errors}"
+    return f"tensorwire{who}: {'; '.join(parts)}; links: {links}; fallbacks: {falls}; errors: {errors}{ce}"
 
 
 def log_summary(rank: int | None = None) -> None:

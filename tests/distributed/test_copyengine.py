@@ -456,6 +456,9 @@ def test_the_parts_messages_played_show_in_tw_metrics_and_prometheus(pair):
     samples = {(s.labels["peer"], s.labels["part"]): s.value for s in families["tensorwire_p2p_ce_messages"].samples}
     assert samples[("0", "second_inline")] == 3 and samples[("1", "first")] == 3
     assert families["tensorwire_p2p_ce_messages"].type == "counter"
+    line = observe.summary(0)
+    assert "copy engine ->0: first 0, second 3 (0 on an internal stream)" in line, line
+    assert "copy engine ->1: first 3, second 0" in line, line
     observe.reset()  # zeroed in place: the pairs go on counting into the same lists
     assert observe.metrics()["ce"] == []
     op_s = pair.send(src)
