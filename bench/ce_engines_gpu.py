@@ -20,12 +20,25 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import time
+from typing import Any
 
 import torch
 
 from tensorwire.transport.ce import CeDriver
+from tensorwire.transport.ce.driver import _fn, _lib
+
+
+@functools.cache
+def _stream_synchronize() -> Any:
+    """``cuStreamSynchronize``, declared with the driver module's helpers."""
+    return _fn(_lib(), ("cuStreamSynchronize",), [ctypes.c_void_p])
+
+
+def _sync(stream: int) -> int:
+    return int(_stream_synchronize()(stream))
 
 
 def both_ways(d: CeDriver, mib: int, copies: int) -> None:
@@ -52,7 +65,7 @@ def both_ways(d: CeDriver, mib: int, copies: int) -> None:
         for dev in (0, 1):
             d.context(dev)
             for s in streams[dev]:
-                d._check(d._lib_sync(s), "cuStreamSynchronize")
+                d._check(_sync(s), "cuStreamSynchronize")
         return time.perf_counter() - t0
 
     a0, b0 = (t.data_ptr() for t in bufs[0])
@@ -117,7 +130,7 @@ def both_ways_ipc(d: CeDriver, mib: int, copies: int) -> None:
                 d.copy(s1, inn.data_ptr(), p_out, n)  # pull
                 d.copy(s2, p_in, out.data_ptr(), n)  # push
         for s in (s1, s2):
-            d._check(d._lib_sync(s), "cuStreamSynchronize")
+            d._check(_sync(s), "cuStreamSynchronize")
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return copies * n / dt.item() / 1e9
@@ -136,7 +149,6 @@ def both_ways_ipc(d: CeDriver, mib: int, copies: int) -> None:
 
 
 def graph_launch(d: CeDriver, nodes: int) -> None:
-    lib = d._lib
     d.context(0)
     s = torch.cuda.Stream(0)
     flags = torch.zeros(4096, dtype=torch.int32, device="cuda:0")
@@ -162,7 +174,6 @@ def graph_launch(d: CeDriver, nodes: int) -> None:
             torch.cuda.synchronize(0)
         times.sort()
         print(f"graph of {nodes:4d} {kind:<7s} nodes: replay() host {times[len(times) // 2] * 1e6:8.1f} us")
-    del lib
 
 
 def main() -> None:
@@ -171,9 +182,6 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=40)
     args = ap.parse_args()
     d = CeDriver.get()
-    d._lib = ctypes.PyDLL("libcuda.so.1")
-    d._lib_sync = d._lib.cuStreamSynchronize
-    d._lib_sync.argtypes = [ctypes.c_void_p]
     if "RANK" in os.environ:
         both_ways_ipc(d, args.mib, args.copies)
         return

@@ -49,8 +49,7 @@ def main() -> None:
     if args.copy_call == "dtod":
         from tensorwire.transport.ce import CeDriver
 
-        drv = CeDriver.get()
-        drv._memcpy = drv._memcpy_dtod
+        CeDriver.get()._memcpy = _memcpy_dtod()  # (the path's copy() calls whatever _memcpy is)
     dist.init_process_group("tensorwire")
     t = torch.ones(args.bytes // 4, device=device)
     if args.pieces:
@@ -123,6 +122,16 @@ def main() -> None:
             )
         print(out.getvalue(), flush=True)
     dist.destroy_process_group()
+
+
+def _memcpy_dtod() -> object:
+    """``cuMemcpyDtoDAsync`` with the argument types of the path's ``cuMemcpyAsync`` (the driver module's helpers)."""
+    import ctypes
+
+    from tensorwire.transport.ce.driver import _fn, _lib
+
+    c = ctypes
+    return _fn(_lib(), ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p])
 
 
 def _pair_of(peer: int) -> object:
@@ -219,7 +228,7 @@ def _pieces(torch: object, dist: object, nothing: object, t: object, device: obj
     timed("cuEventRecord + cuStreamWaitEvent", lambda: d.order(s2, s, ev), True)
     timed("cuMemcpyAsync 64 KiB (device-local)", lambda: d.copy(s, a.data_ptr(), b.data_ptr(), 65536), True)
     timed("cuMemcpyAsync 1 MiB (device-local)", lambda: d.copy(s, a.data_ptr(), b.data_ptr(), 1 << 20), True)
-    dtod = d._memcpy_dtod
+    dtod = _memcpy_dtod()
     timed("cuMemcpyDtoDAsync 64 KiB (device-local)", lambda: dtod(a.data_ptr(), b.data_ptr(), 65536, s), True)
     timed("cuMemcpyDtoDAsync 1 MiB (device-local)", lambda: dtod(a.data_ptr(), b.data_ptr(), 1 << 20, s), True)
     timed(

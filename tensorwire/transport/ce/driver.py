@@ -114,8 +114,6 @@ class CeDriver:
             lib, ("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"), [c.POINTER(u64), p, c.c_uint]
         )
         self._memcpy = _fn(lib, ("cuMemcpyAsync",), [u64, u64, c.c_size_t, p])
-        # (device to device without the unified-address lookup of both pointers; bench/profile_ce_host.py times both)
-        self._memcpy_dtod = _fn(lib, ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [u64, u64, c.c_size_t, p])
         self._write = _fn(lib, ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), [p, u64, u32, c.c_uint])
         self._wait = _fn(lib, ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), [p, u64, u32, c.c_uint])
         self._stream_create = _fn(lib, ("cuStreamCreate",), [c.POINTER(p), c.c_uint])
