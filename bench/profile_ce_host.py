@@ -33,6 +33,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--no-pieces", dest="pieces", action="store_false", help="skip timing each piece alone")
     ap.add_argument(
+        "--driver-times",
+        action="store_true",
+        help="after the split, one more with each driver call counted and timed inside the messages",
+    )
+    ap.add_argument(
         "--copy-call",
         choices=("generic", "dtod"),
         default="generic",
@@ -73,28 +78,34 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / (2 * n)
 
-    def split(n: int) -> list[float]:
+    def split(n: int, clock: object = time.perf_counter) -> list[float]:
         """Host time inside isend, its wait, irecv, its wait (rank 0's order), microseconds per call."""
         acc = [0.0] * 4
-        clock = time.perf_counter
         torch.cuda.synchronize()
         dist.barrier()
         for _ in range(n):
             peer = 1 - rank
             calls = ((dist.isend, 0), (dist.irecv, 2)) if rank == 0 else ((dist.irecv, 2), (dist.isend, 0))
             for call, k in calls:
-                t0 = clock()
+                t0 = clock()  # type: ignore[operator]
                 w = call(t, peer)
-                t1 = clock()
+                t1 = clock()  # type: ignore[operator]
                 w.wait()
                 acc[k] += t1 - t0
-                acc[k + 1] += clock() - t1
+                acc[k + 1] += clock() - t1  # type: ignore[operator]
         torch.cuda.synchronize()
         return [a / n * 1e6 for a in acc]
 
     loop(50)
     plain = loop(args.iters)
     parts = split(args.iters)
+    # the same calls by the thread's CPU clock: where it is well below the wall clock, the thread was not running
+    # (waiting for the GIL, or asleep in the driver) for the difference
+    cpu_parts = split(args.iters, time.thread_time)
+    calls = _time_driver() if args.driver_times else None
+    if calls is not None:
+        split(args.iters)
+        driver = {k: (v[0] / (2 * args.iters), v[1] / max(v[0], 1) * 1e6) for k, v in calls.items() if v[0]}
     pair = _pair_of(1 - rank)
     counts = list(pair.counts) if pair is not None else None
     prof = cProfile.Profile()
@@ -113,15 +124,45 @@ def main() -> None:
             f"rank {rank} ({order}): host time per call: isend {parts[0]:.1f} us, its wait {parts[1]:.1f}; "
             f"irecv {parts[2]:.1f}, its wait {parts[3]:.1f}"
         )
+        print(
+            f"rank {rank}: the same by the thread's CPU clock: isend {cpu_parts[0]:.1f} us, its wait "
+            f"{cpu_parts[1]:.1f}; irecv {cpu_parts[2]:.1f}, its wait {cpu_parts[3]:.1f}"
+        )
+        if calls is not None:
+            for name, (per_msg, us) in sorted(driver.items()):
+                print(f"rank {rank}: driver {name:<12s} {per_msg:5.2f} calls per message, {us:6.2f} us per call")
         print(f"rank {rank}: one-way {plain * 1e6:.1f} us per message ({profiled * 1e6:.1f} us under the profiler)")
         if counts is not None:
-            first, inline, queued = counts
+            first, inline, queued = counts[:3]
             print(
                 f"rank {rank}'s part in its messages: first {first}, second with the copy on the caller's stream "
                 f"{inline}, second with the copy on an internal stream {queued} (copy call: {args.copy_call})"
             )
         print(out.getvalue(), flush=True)
     dist.destroy_process_group()
+
+
+def _time_driver() -> dict[str, list[int]]:
+    """Wrap the path's driver calls to count them and add up their wall time (the wrapper adds ~0.2 us each)."""
+    from tensorwire.transport.ce import CeDriver
+
+    d = CeDriver.get()
+    acc: dict[str, list[int]] = {}
+    clock = time.perf_counter_ns
+    for name in ("context", "capturing", "allocation", "copy", "write", "wait", "order", "copy_tensor"):
+        fn = getattr(d, name)
+        slot = acc[name] = [0, 0]
+
+        def timed(*a: object, _fn: object = fn, _slot: list[int] = slot) -> object:
+            t0 = clock()
+            try:
+                return _fn(*a)  # type: ignore[operator]
+            finally:
+                _slot[0] += 1
+                _slot[1] += clock() - t0
+
+        setattr(d, name, timed)
+    return acc
 
 
 def _memcpy_dtod() -> object:

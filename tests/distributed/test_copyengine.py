@@ -249,6 +249,35 @@ def test_non_exportable_and_non_contiguous_memory_go_through_staging(pair):
     assert torch.equal(dst2, src)
 
 
+def test_the_side_that_comes_second_copies_from_its_own_memory_without_exporting_it(pair):
+    """Its own memory is local to its copy: no export call, and no staging where legacy IPC cannot export it."""
+    exports: list[int] = []
+    real = pair.sim.export
+
+    def export(base: int) -> bytes:
+        exports.append(base)
+        return real(base)
+
+    pair.sim.export = export
+    src = pair.tensor((16, 4), fill=5)
+    dst = pair.tensor((16, 4), fill=0, exportable=False)  # (expandable-segment memory, say)
+    s = pair.send(src)  # first: its bytes must be reachable by the peer -> exported
+    r = pair.recv(dst)  # second: pulls into its own tensor, which needs no export
+    pair.settle(s, r)
+    assert torch.equal(dst, src)
+    assert exports == [pair.sim.allocation(src.data_ptr())[0]]
+    assert pair.b.counts[0] == 0 and pair.b.counts[1] + pair.b.counts[2] == 1
+    assert not r.keep or r.keep[1] is None  # no staging buffer was taken
+    # the other order: the unexportable receiver first has to stage (the sender pushes into an export)
+    dst2 = pair.tensor((16, 4), fill=0, exportable=False)
+    r = pair.recv(dst2)
+    s = pair.send(src)
+    pair.settle(s, r)
+    assert torch.equal(dst2, src)
+    base2 = pair.sim.allocation(dst2.data_ptr())[0]
+    assert exports[1] == base2 and len(exports) == 3  # its tensor refused, then the staging buffer's export
+
+
 def test_a_message_whose_peer_never_comes_times_out_and_releases_streams(tmp_path):
     p = Pair(str(tmp_path), timeout=0.2)
     try:

@@ -52,8 +52,8 @@ from .region import (
     SENT,
     SRC_READY,
     STAGED,
-    Block,
     Region,
+    pack_block,
     pid_namespace,
     process_alive,
     reached,
@@ -152,10 +152,13 @@ class CeOp:
 class Channel:
     """One tag in one direction of a pair: where its entries are and how many messages it has had."""
 
-    __slots__ = ("offset", "seq", "graph", "lock")
+    __slots__ = ("offset", "seq", "graph", "lock", "block_key", "block")
 
     def __init__(self, offset: int) -> None:
         self.offset = offset
+        #: this side's last block, packed (and what it was packed from)
+        self.block_key: tuple[Any, ...] = ()
+        self.block = b""
         self.seq = 0  # eager messages so far
         self.graph = 0  # captured messages so far
         self.lock = threading.Lock()
@@ -288,33 +291,51 @@ class CePair(Capture, Closing):
             st = self._device(device)
         if d.capturing(stream):
             return self._captured(tensor, tag, words, nbytes, stream, device, what, sending)
-        # where this side's bytes are: the tensor itself, or a staging buffer
-        staged = None
-        addr = 0
-        handle, offset = _NO_HANDLE, 0
-        if nbytes:
-            addr = tensor.data_ptr()
-            exp = self.exports.export(addr) if tensor.is_contiguous() else None
-            if exp is None:
-                staged = self._take_stage(nbytes, tensor.device)
-                if sending:  # the bytes go into the staging buffer on the caller's stream, before the ready flag
-                    d.copy_tensor(stream, _as(staged, tensor), tensor)
-                addr = staged.data_ptr()
-                exp = self.exports.export(addr)
-                if exp is None:
-                    raise TensorWireError("the staging buffer (plain cudaMalloc) cannot be exported with CUDA IPC")
-            handle, offset = exp
-        unstage = staged is not None and not sending
         chan = self._channels.get(2 * tag + (self._side if sending else 1 - self._side)) or self._channel(tag, sending)
         with chan.lock:
             chan.seq += 1
             seq = chan.seq
+            r = self.region
+            entry = r.entry(chan.offset, seq)
+            # Has the peer come to this message already? Its arrival is never taken back, so this side will be
+            # the second and make the copy: between its own memory and the peer's export -- its own needs no
+            # export then (one driver call fewer), and a contiguous tensor no staging even where legacy IPC cannot
+            # export it. (Not come yet: this side exports, and may still turn out second; the export goes unused.)
+            eseq, state, _err = r.head(entry)
+            second = eseq == seq & 0xFFFFFFFF and state & (RECEIVED if sending else SENT) != 0
+            # where this side's bytes are: the tensor itself, or a staging buffer
+            staged = None
+            addr = 0
+            handle, offset = _NO_HANDLE, 0
+            if nbytes:
+                addr = tensor.data_ptr()
+                contiguous = tensor.is_contiguous()
+                exp = self.exports.export(addr) if contiguous and not second else None
+                if not contiguous or (exp is None and not second):
+                    staged = self._take_stage(nbytes, tensor.device)
+                    if sending:  # the bytes go into the staging buffer on the caller's stream, before the ready flag
+                        d.copy_tensor(stream, _as(staged, tensor), tensor)
+                    addr = staged.data_ptr()
+                    if not second:
+                        exp = self.exports.export(addr)
+                        if exp is None:
+                            raise TensorWireError(
+                                "the staging buffer (plain cudaMalloc) cannot be exported with CUDA IPC"
+                            )
+                if exp is not None:
+                    handle, offset = exp
+            unstage = staged is not None and not sending
             if sending and nbytes > self.inline_max and self.push_wait_s > 0:
                 self._await_receiver(chan, seq)
-            entry, theirs = self._arrive(chan, seq, sending, Block(words, nbytes, offset, handle), unstage, what)
+            key = (words, nbytes, offset, handle)
+            if chan.block_key != key:  # (a channel's blocks repeat: packed once)
+                chan.block_key, chan.block = key, pack_block(words, nbytes, offset, handle)
+            theirs = self._arrive(chan, entry, seq, sending, words, chan.block, unstage, what)
             op = CeOp(self, entry, seq, sending, RECV_DONE if unstage else LANDED, (tensor, staged), what)
-            dev = self.region.device_addr + entry
+            dev = r.device_addr + entry
             if theirs is None:  # first: only say that this side's stream reached the call
+                if handle is _NO_HANDLE and nbytes:
+                    raise TensorWireError(f"{what()}: came first to a message it saw the peer take (internal)")
                 self.counts[0] += 1
                 d.write(stream, dev + (SRC_READY if sending else DST_READY), seq)
                 if unstage:
@@ -326,7 +347,7 @@ class CePair(Capture, Closing):
             # second: the copy is this side's to make
             ready = DST_READY if sending else SRC_READY
             # the peer's stream is past its call already (its flag is in host memory): nothing to wait for on the GPU
-            peer_past = reached(self.region.flag(entry, ready), seq)
+            peer_past = reached(r.flag(entry, ready), seq)
             if peer_past and nbytes <= self.inline_max:
                 # so a small copy goes on the caller's stream itself -- no event, no internal stream
                 inner = stream
@@ -339,7 +360,7 @@ class CePair(Capture, Closing):
                     d.wait(inner, dev + ready, seq)
                 self.counts[2] += 1
             if nbytes:
-                peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
+                peer_addr = self.exports.open(device, theirs[1]) + theirs[0]
                 if sending:
                     d.copy(inner, peer_addr, addr, nbytes)
                 else:
@@ -389,11 +410,21 @@ class CePair(Capture, Closing):
         return op
 
     def _arrive(
-        self, chan: Channel, seq: int, sending: bool, mine: Block, staged: bool, what: Callable[[], str]
-    ) -> tuple[int, Block | None]:
-        """Take this side's place in the message's entry; returns ``(entry, the peer's block if it came first)``."""
+        self,
+        chan: Channel,
+        entry: int,
+        seq: int,
+        sending: bool,
+        words: tuple[int, ...],
+        packed: bytes,
+        staged: bool,
+        what: Callable[[], str],
+    ) -> tuple[int, bytes] | None:
+        """Take this side's place in the message's entry; returns the peer's ``(offset, handle)`` if it came first.
+
+        ``packed``: this side's block (:func:`~.region.pack_block`).
+        """
         r = self.region
-        entry = r.entry(chan.offset, seq)
         me, them = (SENT, RECEIVED) if sending else (RECEIVED, SENT)
         deadline = 0.0
         s32 = seq & 0xFFFFFFFF
@@ -401,23 +432,22 @@ class CePair(Capture, Closing):
             with r.mutex:
                 eseq, state, _err = r.head(entry)
                 if eseq == s32 and state & them and not state & me:
-                    theirs = r.read_block(entry, not sending)
-                    r.write_block(entry, sending, mine)
+                    r.write_packed(entry, sending, packed)
                     err = None
-                    if theirs.words != mine.words or theirs.nbytes != mine.nbytes:
-                        err = self._mismatch(mine.words, theirs.words, sending)
+                    if not r.same_signature(entry, not sending, packed):
+                        err = self._mismatch(words, r.read_block(entry, not sending).words, sending)
                     if err is not None:
                         r.set_head(entry, seq, state | me | FAILED, _ERR_MISMATCH)
                         self._release(entry, seq)
                         raise ProtocolError(err)
                     r.set_head(entry, seq, state | me | (STAGED if staged else 0))
-                    return entry, theirs
+                    return r.address(entry, not sending)
                 if eseq == s32:
                     raise ProtocolError(f"{what()}: message {seq} was already taken on this side (state {state:#x})")
                 if eseq == 0 or self._done(entry, eseq, state):
-                    r.write_block(entry, sending, mine)
+                    r.write_packed(entry, sending, packed)
                     r.set_head(entry, seq, me | (STAGED if staged else 0))
-                    return entry, None
+                    return None
             if self.error is not None:
                 raise self.error
             if not deadline:

@@ -61,6 +61,8 @@ __all__ = [
     "LANDED",
     "RECV_DONE",
     "Block",
+    "BLOCK_BYTES",
+    "pack_block",
     "reached",
     "pid_namespace",
     "process_alive",
@@ -87,10 +89,18 @@ SENT, RECEIVED, FAILED, STAGED = 1, 2, 4, 8
 
 _HEAD = struct.Struct("<III")  # seq, state, error
 _BLOCK = struct.Struct("<8qQQ64s")  # signature words, nbytes, offset, handle
+BLOCK_BYTES = _BLOCK.size
+_SIG_BYTES = 72  # the signature words and the byte count: what both sides must agree on
+_ADDR = struct.Struct("<Q64s")  # offset, handle: after the signature
 _SIDE = struct.Struct("<QQQQ")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _MASK = 0xFFFFFFFF
+
+
+def pack_block(words: tuple[int, ...], nbytes: int, offset: int, handle: bytes) -> bytes:
+    """A block's bytes as :meth:`Region.write_packed` writes them."""
+    return _BLOCK.pack(*words, nbytes, offset, handle)
 
 
 def reached(value: int, seq: int) -> bool:
@@ -281,6 +291,20 @@ class Region:
         _BLOCK.pack_into(
             self.buf, entry + _BLOCKS[0 if sender else 1], *block.words, block.nbytes, block.offset, block.handle
         )
+
+    def write_packed(self, entry: int, sender: bool, packed: bytes) -> None:
+        """Write a block packed once by :func:`pack_block` (a channel's blocks repeat message after message)."""
+        off = entry + _BLOCKS[0 if sender else 1]
+        self.buf[off : off + BLOCK_BYTES] = packed
+
+    def same_signature(self, entry: int, sender: bool, packed: bytes) -> bool:
+        """Whether the block in the entry has the signature and byte count of ``packed`` (no unpacking)."""
+        off = entry + _BLOCKS[0 if sender else 1]
+        return self.buf[off : off + _SIG_BYTES] == packed[:_SIG_BYTES]
+
+    def address(self, entry: int, sender: bool) -> tuple[int, bytes]:
+        """``(offset, IPC handle)`` of the block in the entry."""
+        return _ADDR.unpack_from(self.buf, entry + _BLOCKS[0 if sender else 1] + _SIG_BYTES)
 
     def read_block(self, entry: int, sender: bool) -> Block:
         v = _BLOCK.unpack_from(self.buf, entry + _BLOCKS[0 if sender else 1])
