@@ -332,6 +332,12 @@ def main() -> int:
     ap.add_argument("--max-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--iters", type=int, default=200, help="round trips per turn at 1 MiB (fewer for larger)")
+    ap.add_argument("--min-kib", type=int, default=64, help="the smallest message (KiB)")
+    ap.add_argument(
+        "--inline-max",
+        type=int,
+        help="diagnostic: the pairs' inline_max (bytes up to which the second side copies on the caller's stream)",
+    )
     args = ap.parse_args()
     if args.max_mib < 1 or args.reps < 1 or args.iters < 4:
         ap.error("--max-mib, --reps and --iters must be >= 1, 1 and 4")
@@ -347,6 +353,10 @@ def main() -> int:
         kinds = dict(getattr(pg._get_backend(device), "transports", {}))
     except RuntimeError:
         kinds = {}
+    if args.inline_max is not None:
+        for peer in getattr(pg._get_backend(device), "_peers", {}).values():
+            if peer.ce is not None:
+                peer.ce.inline_max = args.inline_max
     if rank == 0:
         print(f"GPUs: {ngpu} ({torch.cuda.get_device_name(device)}); transports: {kinds}", flush=True)
     if args.check:
@@ -363,7 +373,7 @@ def main() -> int:
     floor = Floor(rank, device, max(_sizes(args.max_mib)))
     node = tensorwire.init(device=device)
     rows = []
-    for n in _sizes(args.max_mib):
+    for n in [n for n in _sizes(args.max_mib) if n >= args.min_kib * 1024]:
         iters = max(20, min(2000, int(args.iters * MIB / n))) if n >= MIB else 2 * args.iters
         res: dict[str, list[float]] = {"floor": [], "tensorwire": [], "nccl": [], "link": []}
         st: dict[str, list[float]] = {"tensorwire": [], "nccl": []}

@@ -128,6 +128,27 @@ def test_a_large_send_waits_for_its_receiver_and_pushes_the_bytes_itself(pair):
     assert pair.b.counts[1] + pair.b.counts[2] == 0
 
 
+def test_a_large_send_to_a_peer_on_the_same_gpu_does_not_wait_for_its_receiver(pair):
+    """Two processes on one GPU share its copy engines: once a side has seen that the peer's memory is on its own
+    GPU, its large sends go on at once (a GPU-side wait between two contexts of one GPU can cost a time slice)."""
+    pair.a.inline_max = pair.b.inline_max = 64
+    pair.a.push_wait_s = 5.0
+    pair.sim.peer_device = None  # (the simulator's device is None: the peer's memory is "on this GPU")
+    src = pair.tensor((256,), fill=2)
+    s0 = pair.send(src, side="b")
+    r0 = pair.recv(pair.tensor((256,), fill=-1), side="a")  # side a comes second: it opens an export of b's
+    pair.settle(s0, r0)
+    assert pair.a._one_gpu == {None: True}
+    t0 = time.monotonic()
+    s = pair.send(src)  # no receiver yet, and no wait: it comes first
+    assert time.monotonic() - t0 < 1.0
+    assert pair.a.counts[3] == 0 and pair.a.counts[4] == 0
+    dst = pair.tensor((256,), fill=-1)
+    r = pair.recv(dst)
+    pair.settle(s, r)
+    assert torch.equal(dst, src)
+
+
 def test_a_large_send_whose_receiver_does_not_come_goes_on_after_its_wait(pair):
     pair.a.inline_max = pair.b.inline_max = 64
     pair.a.push_wait_s = 0.02

@@ -73,6 +73,7 @@ class SimDriver:
         self.allocs: list[tuple[int, int, int, bool, torch.Tensor]] = []  # base, size, id, exportable, owner
         self.opened: list[bytes] = []
         self.copies = 0
+        self.peer_device: Any = -1
 
     # memory
     def alloc(self, nbytes: int, *, exportable: bool = True) -> torch.Tensor:
@@ -85,6 +86,11 @@ class SimDriver:
             if base <= ptr < base + size:
                 return base, size, ident
         raise DriverError(f"cuPointerGetAttributes: {ptr:#x} is no allocation of the simulator")
+
+    def device_of(self, ptr: int) -> Any:
+        """The device of a mapped peer export: ``peer_device`` (-1, unknown, unless a test says otherwise)."""
+        self.allocation(ptr)
+        return self.peer_device
 
     def export(self, base: int) -> bytes:
         for b, _size, ident, exportable, _t in self.allocs:

@@ -37,6 +37,7 @@ _CU_EVENT_DISABLE_TIMING = 0x2
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
 _CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # with a memory barrier: earlier writes are visible first
 _CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
 _CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
 _CUDA_ERROR_NOT_READY = 600
@@ -187,6 +188,14 @@ class CeDriver:
         base, size, buf_id, data = out
         self._check(self._attrs(3, self._attr_kinds, data, ptr), "cuPointerGetAttributes")
         return base.value, size.value, buf_id.value
+
+    def device_of(self, ptr: int) -> int:
+        """The ordinal of the device whose memory holds ``ptr`` (a mapped peer export: the device it lives on)."""
+        kind = (ctypes.c_int * 1)(_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+        ordinal = ctypes.c_int(-1)
+        data = (ctypes.c_void_p * 1)(ctypes.addressof(ordinal))
+        self._check(self._attrs(1, kind, data, ptr), "cuPointerGetAttributes(device ordinal)")
+        return ordinal.value
 
     def export(self, base: int) -> bytes:
         """The IPC handle (64 bytes) of the allocation starting at ``base``.

@@ -218,6 +218,11 @@ class CePair(Capture, Closing):
         self.inline_max = INLINE_MAX
         #: a large send waits up to this long for its receiver (see the comment at the top)
         self.push_wait_s = setting("ce_push_wait_us") * 1e-6
+        #: device -> whether the peer's memory is on that very GPU (learnt from the first export this side opened):
+        #: two processes sharing one GPU share its copy engines, so which side copies makes no difference and a
+        #: large send does not wait for its receiver (a GPU-side wait between two processes' contexts on one GPU
+        #: can cost a time slice of the GPU's scheduler)
+        self._one_gpu: dict[int, bool] = {}
         #: messages by this side's part: [came first, came second and copied on the caller's stream, came second
         #: and copied on an internal stream, large sends whose receiver came while they waited, large sends whose
         #: receiver did not] (where the host time goes: bench/profile_ce_host.py prints them)
@@ -325,7 +330,7 @@ class CePair(Capture, Closing):
                 if exp is not None:
                     handle, offset = exp
             unstage = staged is not None and not sending
-            if sending and nbytes > self.inline_max and self.push_wait_s > 0:
+            if sending and nbytes > self.inline_max and self.push_wait_s > 0 and not self._one_gpu.get(device):
                 self._await_receiver(chan, seq)
             key = (words, nbytes, offset, handle)
             if chan.block_key != key:  # (a channel's blocks repeat: packed once)
@@ -361,6 +366,8 @@ class CePair(Capture, Closing):
                 self.counts[2] += 1
             if nbytes:
                 peer_addr = self.exports.open(device, theirs[1]) + theirs[0]
+                if device not in self._one_gpu:
+                    self._learn_gpu(device, peer_addr)
                 if sending:
                     d.copy(inner, peer_addr, addr, nbytes)
                 else:
@@ -453,6 +460,12 @@ class CePair(Capture, Closing):
             if not deadline:
                 deadline = time.monotonic() + self.timeout
             r.wait_free(entry, deadline)  # the peer is ENTRIES messages behind on this channel
+
+    def _learn_gpu(self, device: int, peer_addr: int) -> None:
+        try:
+            self._one_gpu[device] = self.driver.device_of(peer_addr) == device
+        except TensorWireError:  # (unknown: keep the behaviour for two GPUs)
+            self._one_gpu[device] = False
 
     def _await_receiver(self, chan: Channel, seq: int) -> None:
         """Wait (host, at most ``push_wait_s``) until the receiver has come to message ``seq`` of ``chan``.
