@@ -37,14 +37,16 @@ import time
 from typing import Any, Callable
 
 from ...cuda import alloc_cuda
-from ...errors import PeerLostError, ProtocolError, TensorWireError, TransferTimeout
+from ...errors import PeerLostError, ProtocolError, TensorWireError
 from ...settings import setting
 from .driver import CeDriver
 from .exports import Exports
 from .closing import Closing
+from .watched import Watched
 from .graphs import CaptureError, Capture
 from .region import (
     DST_READY,
+    ERR_MISMATCH,
     FAILED,
     LANDED,
     RECEIVED,
@@ -54,8 +56,6 @@ from .region import (
     STAGED,
     Region,
     pack_block,
-    pid_namespace,
-    process_alive,
     reached,
 )
 
@@ -70,7 +70,6 @@ _NO_HANDLE = bytes(64)
 #: up to this many bytes, a copy whose peer is ready already goes on the caller's stream (a copy of 4 MiB over
 #: NVLink takes ~12 us; a larger one would hold back the caller's next kernels, so it goes on an internal stream)
 INLINE_MAX = 4 << 20
-_ERR_MISMATCH, _ERR_LOST, _ERR_TIMEOUT, _ERR_CLOSED = 1, 2, 3, 4
 
 
 class CeOp:
@@ -164,7 +163,7 @@ class Channel:
         self.lock = threading.Lock()
 
 
-class CePair(Capture, Closing):
+class CePair(Capture, Watched, Closing):
     """The copy-engine path between this process and one peer process on the same host.
 
     Args:
@@ -353,8 +352,10 @@ class CePair(Capture, Closing):
             ready = DST_READY if sending else SRC_READY
             # the peer's stream is past its call already (its flag is in host memory): nothing to wait for on the GPU
             peer_past = reached(r.flag(entry, ready), seq)
-            if peer_past and nbytes <= self.inline_max:
-                # so a small copy goes on the caller's stream itself -- no event, no internal stream
+            if peer_past and (nbytes <= self.inline_max or self._one_gpu.get(device)):
+                # so a small copy goes on the caller's stream itself -- no event, no internal stream (any copy between
+                # two processes of one GPU: the GPU's own engines and SMs are shared by both anyway, and a second
+                # stream's event and flag wait cost more there -- bench/results/ce-gpu_h200_*.md)
                 inner = stream
                 op.stream = stream
                 self.counts[1] += 1
@@ -444,7 +445,7 @@ class CePair(Capture, Closing):
                     if not r.same_signature(entry, not sending, packed):
                         err = self._mismatch(words, r.read_block(entry, not sending).words, sending)
                     if err is not None:
-                        r.set_head(entry, seq, state | me | FAILED, _ERR_MISMATCH)
+                        r.set_head(entry, seq, state | me | FAILED, ERR_MISMATCH)
                         self._release(entry, seq)
                         raise ProtocolError(err)
                     r.set_head(entry, seq, state | me | (STAGED if staged else 0))
@@ -505,7 +506,7 @@ class CePair(Capture, Closing):
     def failure(self, entry: int, sending: bool, what: Callable[[], str]) -> BaseException:
         """The error of a message whose entry says FAILED (the peer refused it, or the pair was lost)."""
         _seq, _state, code = self.region.head(entry)
-        if code == _ERR_MISMATCH:
+        if code == ERR_MISMATCH:
             mine = self.region.read_block(entry, sending)
             theirs = self.region.read_block(entry, not sending)
             return ProtocolError(self._mismatch(mine.words, theirs.words, sending) or f"{what()}: refused by the peer")
@@ -535,70 +536,6 @@ class CePair(Capture, Closing):
 
     def _give_stage(self, buf: Any) -> None:
         self._staging.setdefault((buf.device.index, buf.numel()), []).append(buf)
-
-    # -- the watchdog's look ----------------------------------------------------------------------------------
-    def pending(self) -> int:
-        with self._pending_lock:
-            return len(self._pending)
-
-    def check(self, now: float) -> BaseException | None:
-        """Beat, look at the peer and at pending messages; returns the error that failed the pair now, if any."""
-        self.clock = now
-        self.region.beat()
-        # the peer's state first, then the messages: a peer closes only once its copies ran (drain), so a message
-        # still pending after a "closed" was read can no longer complete
-        lost = self._peer_lost(now)
-        with self._pending_lock:
-            ops = self._pending
-            self._pending = [op for op in ops if not op.poll()]
-            late = [op for op in self._pending if now > op.deadline]
-        if lost is None and late:
-            lost = TransferTimeout(
-                f"{late[0].what()}: the peer (rank {self.peer}) did not take part within {self.timeout:.3g} s "
-                f"({len(late)} message(s) pending on the copy-engine path)"
-            )
-        if lost is not None:
-            self.fail(lost)
-            return lost
-        return None
-
-    def _peer_lost(self, now: float) -> BaseException | None:
-        pid, pidns, beat, closed = self.region.peer_state()
-        if closed:
-            return PeerLostError(f"rank {self.peer} closed its side of the copy-engine path")
-        if pidns == pid_namespace() and pid > 0 and not process_alive(pid):
-            return PeerLostError(f"rank {self.peer} (pid {pid}) died")
-        last, since = self._last_beat
-        if beat != last:
-            self._last_beat = (beat, now)
-        elif now - since > self.peer_timeout:
-            return PeerLostError(f"rank {self.peer} did not show a sign of life for {self.peer_timeout:.3g} s")
-        return None
-
-    def fail(self, exc: BaseException) -> None:
-        """Fail the pair: release every stream waiting on a pending message, fail them all; later calls raise."""
-        with self._lock:
-            if self.error is not None:
-                return
-            self.error = exc
-        with self._pending_lock:
-            ops, self._pending = self._pending, []
-        r = self.region
-        with r.mutex:
-            for op in ops:
-                if op._done:
-                    continue
-                seq, state, _err = r.head(op.entry)
-                if seq == op.seq & 0xFFFFFFFF and not state & FAILED:
-                    r.set_head(op.entry, op.seq, state | FAILED, _ERR_LOST)
-                self._release(op.entry, op.seq)
-            for entry in self._graph_entries:  # a replay waiting on the lost peer goes on
-                for which in (SRC_READY, DST_READY, LANDED):
-                    r.set(entry, which, 1)
-        for release in self._releasers:
-            release()
-        for op in ops:
-            op.fail(exc)
 
 
 def _as(staged: Any, tensor: Any) -> Any:

@@ -55,6 +55,8 @@ __all__ = [
     "SENT",
     "RECEIVED",
     "FAILED",
+    "ERR_MISMATCH",
+    "ERR_LOST",
     "STAGED",
     "SRC_READY",
     "DST_READY",
@@ -86,6 +88,8 @@ _SEQ = 64
 _BLOCKS = (96, 240)  # sender's, receiver's
 
 SENT, RECEIVED, FAILED, STAGED = 1, 2, 4, 8
+#: why an entry says FAILED (its error word)
+ERR_MISMATCH, ERR_LOST, ERR_TIMEOUT, ERR_CLOSED = 1, 2, 3, 4
 
 _HEAD = struct.Struct("<III")  # seq, state, error
 _BLOCK = struct.Struct("<8qQQ64s")  # signature words, nbytes, offset, handle

@@ -1,0 +1,104 @@
+"""The watchdog's look at a copy-engine pair (:class:`Watched`, a part of :class:`~.pair.CePair`).
+
+A pair's watchdog thread (:class:`~.setup.Watchdog`) calls :meth:`Watched.check` a few times a second: it beats
+this side's heartbeat, reads the peer's state (closed, dead, silent), completes the messages whose flags came,
+and fails the pair -- every stream waiting on one of its flags released, every pending message failed -- when
+the peer is lost or a message outlived the timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Callable
+
+from ...errors import PeerLostError, TransferTimeout
+from .region import DST_READY, ERR_LOST, FAILED, LANDED, SRC_READY, pid_namespace, process_alive
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pair import CeOp
+    from .region import Region
+
+__all__ = ["Watched"]
+
+
+class Watched:
+    """The watchdog's half of :class:`~.pair.CePair` (see the module docstring)."""
+
+    region: "Region"
+    peer: int
+    timeout: float
+    peer_timeout: float
+    error: BaseException | None
+    clock: float
+    _pending: "list[CeOp]"
+    _pending_lock: threading.Lock
+    _lock: threading.Lock
+    _last_beat: tuple[int, float]
+    _graph_entries: list[int]
+    _releasers: list[Callable[[], None]]
+
+    _release: Callable[[int, int], None]  # (CePair's: lets every stream waiting on one entry go on)
+
+    # -- the watchdog's look ----------------------------------------------------------------------------------
+    def pending(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
+
+    def check(self, now: float) -> BaseException | None:
+        """Beat, look at the peer and at pending messages; returns the error that failed the pair now, if any."""
+        self.clock = now
+        self.region.beat()
+        # the peer's state first, then the messages: a peer closes only once its copies ran (drain), so a message
+        # still pending after a "closed" was read can no longer complete
+        lost = self._peer_lost(now)
+        with self._pending_lock:
+            ops = self._pending
+            self._pending = [op for op in ops if not op.poll()]
+            late = [op for op in self._pending if now > op.deadline]
+        if lost is None and late:
+            lost = TransferTimeout(
+                f"{late[0].what()}: the peer (rank {self.peer}) did not take part within {self.timeout:.3g} s "
+                f"({len(late)} message(s) pending on the copy-engine path)"
+            )
+        if lost is not None:
+            self.fail(lost)
+            return lost
+        return None
+
+    def _peer_lost(self, now: float) -> BaseException | None:
+        pid, pidns, beat, closed = self.region.peer_state()
+        if closed:
+            return PeerLostError(f"rank {self.peer} closed its side of the copy-engine path")
+        if pidns == pid_namespace() and pid > 0 and not process_alive(pid):
+            return PeerLostError(f"rank {self.peer} (pid {pid}) died")
+        last, since = self._last_beat
+        if beat != last:
+            self._last_beat = (beat, now)
+        elif now - since > self.peer_timeout:
+            return PeerLostError(f"rank {self.peer} did not show a sign of life for {self.peer_timeout:.3g} s")
+        return None
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail the pair: release every stream waiting on a pending message, fail them all; later calls raise."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = exc
+        with self._pending_lock:
+            ops, self._pending = self._pending, []
+        r = self.region
+        with r.mutex:
+            for op in ops:
+                if op._done:
+                    continue
+                seq, state, _err = r.head(op.entry)
+                if seq == op.seq & 0xFFFFFFFF and not state & FAILED:
+                    r.set_head(op.entry, op.seq, state | FAILED, ERR_LOST)
+                self._release(op.entry, op.seq)
+            for entry in self._graph_entries:  # a replay waiting on the lost peer goes on
+                for which in (SRC_READY, DST_READY, LANDED):
+                    r.set(entry, which, 1)
+        for release in self._releasers:
+            release()
+        for op in ops:
+            op.fail(exc)
