@@ -34,6 +34,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--no-pieces", dest="pieces", action="store_false", help="skip timing each piece alone")
     ap.add_argument(
+        "--levels",
+        action="store_true",
+        help="the same ping-pong entered at each layer of the path in turns (torch's dist call, the backend, "
+        "the copy-engine module, the pair) -- what each layer adds",
+    )
+    ap.add_argument(
         "--driver-times",
         action="store_true",
         help="after the split, one more with each driver call counted and timed inside the messages",
@@ -98,6 +104,17 @@ def main() -> None:
         return [a / n * 1e6 for a in acc]
 
     loop(50)
+    if args.levels:
+        got = _levels(rank, t, device, args.iters)
+        for turn in range(2):
+            dist.barrier()
+            if turn == rank:
+                for name, (us_send, us_recv) in got.items():
+                    print(
+                        f"rank {rank}: level {name:<32s} send + wait {us_send:6.1f} us, recv + wait {us_recv:6.1f} us "
+                        "(median message)",
+                        flush=True,
+                    )
     plain = loop(args.iters)
     parts = split(args.iters)
     # the same calls by the thread's CPU clock: where it is well below the wall clock, the thread was not running
@@ -148,6 +165,61 @@ def main() -> None:
             )
         print(out.getvalue(), flush=True)
     dist.destroy_process_group()
+
+
+def _levels(rank: int, t: object, device: object, iters: int) -> dict[str, tuple[float, float]]:
+    """Median host us of (send + its wait) and (recv + its wait) when the ping-pong enters at each layer."""
+    from tensorwire.distributed import copyengine
+    from tensorwire.distributed.signatures import signature_of
+
+    peer = 1 - rank
+    backend = dist.group.WORLD._get_backend(device)
+    p = backend._peers[peer]
+    pair = p.ce
+    dev = device.index  # type: ignore[attr-defined]
+    sig, words = signature_of(t)  # type: ignore[arg-type]
+    raw = torch._C._cuda_getCurrentRawStream
+
+    def what() -> str:
+        return "message"
+
+    def pair_send() -> None:
+        s = raw(dev)
+        pair.order_after(pair.send(t, 1, words, sig.nbytes, s, dev, what), s, dev)
+
+    def pair_recv() -> None:
+        s = raw(dev)
+        pair.order_after(pair.recv(t, 1, words, sig.nbytes, s, dev, what), s, dev)
+
+    levels = {
+        "torch: dist.isend/irecv + wait": (
+            lambda: dist.isend(t, peer).wait(),  # type: ignore[arg-type]
+            lambda: dist.irecv(t, peer).wait(),  # type: ignore[arg-type]
+        ),
+        "backend: pg.send/recv + wait": (
+            lambda: backend.send([t], peer, 0).wait(),
+            lambda: backend.recv([t], peer, 0).wait(),
+        ),
+        "copyengine.isend/irecv + wait": (
+            lambda: copyengine.isend(p, pair, t, 0).wait(),  # type: ignore[arg-type]
+            lambda: copyengine.irecv(p, pair, t, 0).wait(),  # type: ignore[arg-type]
+        ),
+        "pair.send/recv + order_after": (pair_send, pair_recv),
+    }
+    times: dict[str, tuple[list[int], list[int]]] = {k: ([], []) for k in levels}
+    clock = time.perf_counter_ns
+    for _turn in range(4):
+        for name, (send, recv) in levels.items():
+            torch.cuda.synchronize()
+            dist.barrier()
+            sends, recvs = times[name]
+            for _ in range(max(1, iters // 4)):
+                for fn, acc in ((send, sends), (recv, recvs)) if rank == 0 else ((recv, recvs), (send, sends)):
+                    t0 = clock()
+                    fn()
+                    acc.append(clock() - t0)
+    torch.cuda.synchronize()
+    return {k: (statistics.median(a) / 1e3, statistics.median(b) / 1e3) for k, (a, b) in times.items()}
 
 
 def _time_driver() -> dict[str, list[int]]:

@@ -352,6 +352,10 @@ class CePair(Capture, Watched, Closing):
             ready = DST_READY if sending else SRC_READY
             # the peer's stream is past its call already (its flag is in host memory): nothing to wait for on the GPU
             peer_past = reached(r.flag(entry, ready), seq)
+            if not peer_past and self.push_wait_s > 0 and self._one_gpu.get(device):
+                # one GPU: a stream of this process waiting for a flag of the peer's can hold the GPU from the peer's
+                # context for a time slice of its scheduler; wait (bounded) on the host for the flag instead
+                peer_past = self._await_flag(entry, ready, seq)
             if peer_past and (nbytes <= self.inline_max or self._one_gpu.get(device)):
                 # so a small copy goes on the caller's stream itself -- no event, no internal stream (any copy between
                 # two processes of one GPU: the GPU's own engines and SMs are shared by both anyway, and a second
@@ -467,6 +471,16 @@ class CePair(Capture, Watched, Closing):
             self._one_gpu[device] = self.driver.device_of(peer_addr) == device
         except TensorWireError:  # (unknown: keep the behaviour for two GPUs)
             self._one_gpu[device] = False
+
+    def _await_flag(self, entry: int, which: int, seq: int) -> bool:
+        """Whether flag ``which`` of ``entry`` reached ``seq`` within ``push_wait_s`` (a host wait, GIL kept)."""
+        r = self.region
+        clock = time.perf_counter
+        deadline = clock() + self.push_wait_s
+        while not reached(r.flag(entry, which), seq):
+            if clock() > deadline or self.error is not None:
+                return False
+        return True
 
     def _await_receiver(self, chan: Channel, seq: int) -> None:
         """Wait (host, at most ``push_wait_s``) until the receiver has come to message ``seq`` of ``chan``.
