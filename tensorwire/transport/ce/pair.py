@@ -352,9 +352,12 @@ class CePair(Capture, Watched, Closing):
             ready = DST_READY if sending else SRC_READY
             # the peer's stream is past its call already (its flag is in host memory): nothing to wait for on the GPU
             peer_past = reached(r.flag(entry, ready), seq)
-            if not peer_past and self.push_wait_s > 0 and self._one_gpu.get(device):
-                # one GPU: a stream of this process waiting for a flag of the peer's can hold the GPU from the peer's
-                # context for a time slice of its scheduler; wait (bounded) on the host for the flag instead
+            if not peer_past and nbytes > self.inline_max and self.push_wait_s > 0 and self._one_gpu.get(device):
+                # one GPU, a large copy: a stream of this process waiting for a flag of the peer's behind a copy this
+                # long held the GPU from the peer's context for a time slice of its scheduler (~2 ms a message); wait
+                # (bounded) on the host for the flag instead. (Not for small ones: there the GPU-side wait is cheap,
+                # and a host wait tied the ping-pong to the GPU's switches between the two contexts: 172 us one-way
+                # at 64 KiB against 56.)
                 peer_past = self._await_flag(entry, ready, seq)
             if peer_past and (nbytes <= self.inline_max or self._one_gpu.get(device)):
                 # so a small copy goes on the caller's stream itself -- no event, no internal stream (any copy between
