@@ -49,6 +49,9 @@ class FreeDriver:
     def allocation(self, ptr: int) -> tuple[int, int, int]:
         return ptr & ~0xFFFFF, 1 << 20, 1
 
+    def device_of(self, ptr: int) -> int:
+        return -1  # (not the caller's device: the two-GPU rules)
+
     def export(self, base: int) -> bytes:
         return base.to_bytes(8, "little").ljust(64, b"\0")
 

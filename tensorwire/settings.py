@@ -262,7 +262,8 @@ class Settings:
         _microseconds,
         "On the copy-engine path, microseconds a send of more than 4 MiB that comes before its receive waits on "
         "the host for it, so that the sending GPU pushes the bytes (each GPU then copies what leaves it: both "
-        "directions at full speed) instead of the receiving GPU pulling them; 0: never wait.",
+        "directions at full speed) instead of the receiving GPU pulling them; 0: never wait. Between two processes "
+        "of one GPU no send waits; there it bounds a large copy's host wait for its peer's flag instead.",
         300.0,
     )
     # -- observability (links and the torch.distributed backend) ------------------------------------------
