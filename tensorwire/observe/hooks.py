@@ -99,7 +99,18 @@ class Route:
     sends that way count under ``cma``.
     """
 
-    __slots__ = ("peer", "path", "direction", "flow", "nbytes", "cma", "cma_flow", "fallback_due", "on_error")
+    __slots__ = (
+        "peer",
+        "path",
+        "direction",
+        "flow",
+        "nbytes",
+        "cma",
+        "cma_min",
+        "cma_flow",
+        "fallback_due",
+        "on_error",
+    )
 
     def __init__(self, peer: int, path: str, direction: str, *, nbytes: int | None = None, cma: Any = None) -> None:
         self.peer = peer
@@ -108,13 +119,16 @@ class Route:
         self.flow = REGISTRY.flow(peer, path, direction)
         self.nbytes = nbytes
         self.cma = cma if path == "tcp" else None
+        #: below this many bytes a message never goes by cma (the transport's threshold, fixed when it is made; a
+        #: route without cma: never): the hooks take ``flow`` then, without calling :meth:`flow_for`
+        self.cma_min = int(self.cma.min_bytes) if self.cma is not None else 1 << 62
         self.cma_flow: Flow | None = None  # made by the first message that goes by cma
         self.fallback_due = path == "staged"  # a staged route of the backend: its fallback is still to be counted
         self.on_error = self.failed  # (bound once: a work keeps it)
 
     def flow_for(self, nbytes: int) -> Flow:
         cma = self.cma
-        if cma is not None and nbytes >= cma.min_bytes and (self.direction == "recv" or cma.sending):
+        if cma is not None and nbytes >= self.cma_min and (self.direction == "recv" or cma.sending):
             f = self.cma_flow
             if f is None:
                 f = self.cma_flow = REGISTRY.flow(self.peer, "cma", self.direction)
@@ -191,6 +205,8 @@ class LinkWatch:
         for label, n, total in held:
             REGISTRY.hold(self.peer, label, slots=-n, nbytes=-total)
 
+    # send and recv: the whole cost of a counted message is inline below -- two clock readings, one bucket, three
+    # additions; no call of ours below cma's threshold (bench/bench_observe_cost.py)
     def send(self, name: str, tensor: "torch.Tensor", timeout: float | None) -> None:
         if self._prof():
             return self._traced("send", self._send, self._do_send, name, tensor, timeout)
@@ -203,9 +219,11 @@ class LinkWatch:
         except BaseException as exc:
             REGISTRY.error(self.peer, r.path, exc)
             raise
-        n = r.nbytes if r.nbytes is not None else _nbytes(tensor)
-        f = r.flow if r.cma is None else r.flow_for(n)
         ns = _clock() - t0
+        n = r.nbytes
+        if n is None:
+            n = _nbytes(tensor)
+        f = r.flow if n < r.cma_min else r.flow_for(n)
         i = (ns // 1000).bit_length()
         if i > LAST:
             i = LAST
@@ -226,9 +244,11 @@ class LinkWatch:
         except BaseException as exc:
             REGISTRY.error(self.peer, r.path, exc)
             raise
-        n = r.nbytes if r.nbytes is not None else _nbytes(got)
-        f = r.flow if r.cma is None else r.flow_for(n)
         ns = _clock() - t0
+        n = r.nbytes
+        if n is None:
+            n = _nbytes(got)
+        f = r.flow if n < r.cma_min else r.flow_for(n)
         i = (ns // 1000).bit_length()
         if i > LAST:
             i = LAST
@@ -305,7 +325,9 @@ class GroupWatch:
         self._do_recv = do_recv
         self._prof = _profiler_enabled()
         # peer -> (host route, CUDA route), one dict per direction
-        self._routes: dict[str, dict[int, tuple[Route, Route]]] = {"send": {}, "recv": {}}
+        self._sends: dict[int, tuple[Route, Route]] = {}
+        self._recvs: dict[int, tuple[Route, Route]] = {}
+        self._routes: dict[str, dict[int, tuple[Route, Route]]] = {"send": self._sends, "recv": self._recvs}
         for peer, t in peers.items():
             cma = getattr(t, "cma", None)
             for d, routes in self._routes.items():
@@ -318,36 +340,64 @@ class GroupWatch:
             h, c = routes[peer]
             routes[peer] = (h if host is None else Route(peer, host, d), c if cuda is None else Route(peer, cuda, d))
 
+    # send and recv: the same code, inline -- what follows is a counted message's whole cost, with no call of
+    # ours below cma's threshold (bench/bench_observe_cost.py measures it against counting off)
     def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
-        return self._call("send", self._do_send, tensors, dst, tag)
-
-    def recv(self, tensors: list[Any], src: int, tag: int) -> Any:
-        return self._call("recv", self._do_recv, tensors, src, tag)
-
-    def _call(
-        self, direction: str, fn: Callable[[list[Any], int, int], Any], tensors: list[Any], peer: int, tag: int
-    ) -> Any:
+        """``send`` of the group, counted (and in a profiler range while one records)."""
         if self._prof():
-            return self._traced(direction, fn, tensors, peer, tag)
+            return self._traced("send", self._do_send, tensors, dst, tag)
         if not SWITCH.on:
-            return fn(tensors, peer, tag)
-        routes = self._routes[direction].get(peer)
+            return self._do_send(tensors, dst, tag)
+        routes = self._sends.get(dst)
         if routes is None or len(tensors) != 1:
-            return fn(tensors, peer, tag)  # (raises: not a peer, not one tensor)
+            return self._do_send(tensors, dst, tag)  # (raises: not a peer, not one tensor)
         t = tensors[0]
         r = routes[1] if t.is_cuda else routes[0]
         if r.fallback_due:  # (staged CUDA tensors: the fallback is counted once)
             self._note_staged(r, routes[0].path)
-        # what follows is the message's whole cost when counting: inline, no call of ours (bench/bench_observe.py)
         n = t.nbytes
         t0 = _clock()
         try:
-            work = fn(tensors, peer, tag)
+            work = self._do_send(tensors, dst, tag)
         except BaseException as exc:
             r.failed(exc)
             raise
-        f = r.flow if r.cma is None else r.flow_for(n)
         ns = _clock() - t0
+        f = r.flow if n < r.cma_min else r.flow_for(n)
+        i = (ns // 1000).bit_length()
+        if i > LAST:
+            i = LAST
+        f.bytes += n
+        if work.watch(f, t0, r.on_error):  # completes later: its completion is counted then
+            f.posted_ns += ns
+            f.posted[i] += 1
+        else:  # completed in the call (most host sends): a blocking call
+            f.sync_ns += ns
+            f.sync[i] += 1
+        return work
+
+    def recv(self, tensors: list[Any], src: int, tag: int) -> Any:
+        """``recv`` of the group, counted (and in a profiler range while one records)."""
+        if self._prof():
+            return self._traced("recv", self._do_recv, tensors, src, tag)
+        if not SWITCH.on:
+            return self._do_recv(tensors, src, tag)
+        routes = self._recvs.get(src)
+        if routes is None or len(tensors) != 1:
+            return self._do_recv(tensors, src, tag)  # (raises: not a peer, not one tensor)
+        t = tensors[0]
+        r = routes[1] if t.is_cuda else routes[0]
+        if r.fallback_due:  # (staged CUDA tensors: the fallback is counted once)
+            self._note_staged(r, routes[0].path)
+        n = t.nbytes
+        t0 = _clock()
+        try:
+            work = self._do_recv(tensors, src, tag)
+        except BaseException as exc:
+            r.failed(exc)
+            raise
+        ns = _clock() - t0
+        f = r.flow if n < r.cma_min else r.flow_for(n)
         i = (ns // 1000).bit_length()
         if i > LAST:
             i = LAST
@@ -368,7 +418,7 @@ class GroupWatch:
     def _traced(
         self, direction: str, fn: Callable[[list[Any], int, int], Any], tensors: list[Any], peer: int, tag: int
     ) -> Any:
-        """:meth:`_call` inside a profiler range (a profiler records)."""
+        """:meth:`send` / :meth:`recv` inside a profiler range (a profiler records)."""
         from torch.autograd.profiler import record_function
 
         routes = self._routes[direction].get(peer)
