@@ -5,17 +5,18 @@ Each check reads :meth:`Probe.gpu <tensorwire.doctor.probe.Probe.gpu>` (and
 in ``choice`` what tensorwire will do with it and why. On a host without a
 CUDA device each check is one ``N/A`` line saying so.
 
-The copy-engine path's set-up probe (a real mapped copy into the peer GPU's
-buffer and a flag round trip) belongs to the module of that path: it registers
-itself with :func:`register_copy_engine_probe`, and :func:`check_copy_engine`
-runs it for every pair. Where nothing registered, the check says the build
-has no such probe -- it never guesses.
+The copy-engine path's set-up probe (a real mapped copy into a peer process's
+buffer and a flag round trip, :mod:`tensorwire.doctor.ce_probe`) runs for every
+ordered pair of GPUs, a GPU with itself included (two processes on one GPU);
+another probe can take its place with :func:`register_copy_engine_probe`. Where
+none is registered, the check says so -- it never guesses.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from tensorwire.doctor import ce_probe
 from tensorwire.doctor.checks import Finding
 from tensorwire.doctor.probe import Probe
 
@@ -28,13 +29,19 @@ __all__ = [
     "register_copy_engine_probe",
 ]
 
-#: ``probe(src_device, dst_device) -> (ok, detail)``: the copy-engine path's set-up probe, once registered.
-_COPY_ENGINE_PROBE: list[Callable[[int, int], tuple[bool, str]]] = []
+#: ``probe(src_device, dst_device) -> (ok, detail)``: the copy-engine path's set-up probe, and ``why_not() -> reason
+#: | None``: why this process cannot take the path at all (None: it can). The built-in one unless replaced.
+_COPY_ENGINE_PROBE: list[Callable[[int, int], tuple[bool, str]]] = [ce_probe.probe_pair]
+_COPY_ENGINE_WHY_NOT: list[Callable[[], str | None]] = [ce_probe.why_not]
 
 
-def register_copy_engine_probe(probe: Callable[[int, int], tuple[bool, str]]) -> None:
-    """Make :func:`check_copy_engine` run ``probe(i, j)`` for each ordered pair of GPUs (the last one given)."""
+def register_copy_engine_probe(
+    probe: Callable[[int, int], tuple[bool, str]], why_not: Callable[[], str | None] | None = None
+) -> None:
+    """Make :func:`check_copy_engine` run ``probe(i, j)`` for each ordered pair of GPUs, ``i == j`` included (the
+    last one given); ``why_not``: why this process cannot take the path at all (default: nothing stops it)."""
     _COPY_ENGINE_PROBE[:] = [probe]
+    _COPY_ENGINE_WHY_NOT[:] = [why_not or (lambda: None)]
 
 
 def _no_gpu(check: str, what: str) -> list[Finding]:
@@ -77,12 +84,13 @@ def check_gpu_pairs(p: Probe) -> list[Finding]:
 
 
 def check_copy_engine(p: Probe) -> list[Finding]:
-    """The copy-engine path's set-up probe (mapped copy + flag round trip), for each pair, where one is built in."""
+    """The copy-engine path's set-up probe (mapped copy + flag round trip) for each ordered pair of GPUs, a GPU
+    with itself included, and what tensorwire does with CUDA tensors between two ranks on those GPUs."""
     g = p.gpu()
+    if g.error:
+        return [Finding("copy engine", "N/A", f"could not query the GPUs: {g.error}")]
     if not g.devices:
         return _no_gpu("copy engine", "the copy-engine path (GPU to GPU within a host)")
-    if len(g.devices) == 1:
-        return [Finding("copy engine", "N/A", "one GPU: the copy-engine path joins two GPUs")]
     if not _COPY_ENGINE_PROBE:
         return [
             Finding(
@@ -93,25 +101,51 @@ def check_copy_engine(p: Probe) -> list[Finding]:
             )
         ]
     probe = _COPY_ENGINE_PROBE[0]
-    out = []
-    for (i, j), peer in sorted(g.peer.items()):
-        if not peer:
-            out.append(Finding(f"copy engine {i}->{j}", "N/A", "no peer access: nothing to map"))
-            continue
+    mode = p.env.get("TENSORWIRE_CUDA_PATH", "").strip().lower() or "auto"
+    if mode == "ucx":
+        why: str | None = "TENSORWIRE_CUDA_PATH=ucx"
+    else:
         try:
-            ok, detail = probe(i, j)
-        except Exception as exc:  # noqa: BLE001 - a failing probe is a finding
-            ok, detail = False, f"probe crashed: {exc!r}"
-        out.append(
-            Finding(
-                f"copy engine {i}->{j}",
-                "OK" if ok else "WARN",
-                detail,
-                "" if ok else "see the detail; tensorwire falls back to UCX for this pair",
-                choice="copy-engine path" if ok else "UCX (the copy-engine path failed its set-up probe)",
-            )
-        )
+            why = (_COPY_ENGINE_WHY_NOT or [lambda: None])[0]()
+        except Exception as exc:  # noqa: BLE001 - a failing question is a reason
+            why = f"the copy-engine path's own check failed ({exc!r})"
+    out = []
+    n = len(g.devices)
+    for i in range(n):
+        for j in range(n):
+            try:
+                ok, detail = probe(i, j)
+            except Exception as exc:  # noqa: BLE001 - a failing probe is a finding
+                ok, detail = False, f"probe crashed: {exc!r}"
+            out.append(_copy_engine_finding(i, j, ok, detail, why, mode))
     return out
+
+
+def _copy_engine_finding(i: int, j: int, ok: bool, detail: str, why: str | None, mode: str) -> Finding:
+    """What one pair's probe means for a rank on GPU ``i`` sending CUDA tensors to a rank on GPU ``j``."""
+    check = f"copy engine {i}->{j}"
+    if why is not None:  # the path is off for this process whatever the pair can do
+        return Finding(
+            check,
+            "OK" if ok else "N/A",
+            detail if ok else f"the probe failed ({detail}); unused here anyway",
+            choice=f"UCX, because {why}",
+        )
+    if ok:
+        return Finding(check, "OK", detail, choice="copy engine")
+    # capable() decides per process, not per pair: a pair that fails its probe still gets the path
+    return Finding(
+        check,
+        "FAIL",
+        detail,
+        "set TENSORWIRE_CUDA_PATH=ucx for jobs with ranks on these GPUs (see the detail for the cause)",
+        choice=(
+            "copy engine (TENSORWIRE_CUDA_PATH=ce), whose CUDA messages between these GPUs would fail"
+            if mode == "ce"
+            else "copy engine (auto takes it for every pair of ranks on one host), whose CUDA messages between "
+            "these GPUs would fail: UCX only with TENSORWIRE_CUDA_PATH=ucx"
+        ),
+    )
 
 
 def check_ucx_cuda(p: Probe) -> list[Finding]:

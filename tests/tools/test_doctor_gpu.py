@@ -47,10 +47,11 @@ def _by(findings, check):
 
 @pytest.fixture(autouse=True)
 def _no_copy_engine_probe():
-    saved = list(gpu_checks._COPY_ENGINE_PROBE)
+    saved = list(gpu_checks._COPY_ENGINE_PROBE), list(gpu_checks._COPY_ENGINE_WHY_NOT)
     gpu_checks._COPY_ENGINE_PROBE.clear()
-    yield
-    gpu_checks._COPY_ENGINE_PROBE[:] = saved
+    gpu_checks._COPY_ENGINE_WHY_NOT.clear()
+    yield saved
+    gpu_checks._COPY_ENGINE_PROBE[:], gpu_checks._COPY_ENGINE_WHY_NOT[:] = saved
 
 
 def test_cpu_only_host_says_so_in_one_line_per_check():
@@ -84,10 +85,40 @@ def test_copy_engine_check_names_its_missing_probe_and_runs_a_registered_one_per
 
     doctor.register_copy_engine_probe(probe)
     findings = run_checks(_probe(g), [gpu_checks.check_copy_engine])
-    assert calls == [(0, 1), (1, 0)]
-    assert _by(findings, "copy engine 0->1").verdict == "OK"
+    assert calls == [(0, 0), (0, 1), (1, 0), (1, 1)]  # every ordered pair, a GPU with itself included
+    good = _by(findings, "copy engine 0->1")
+    assert good.verdict == "OK" and good.choice == "copy engine"
     bad = _by(findings, "copy engine 1->0")
-    assert bad.verdict == "WARN" and bad.detail == "flag never arrived" and bad.choice.startswith("UCX")
+    # auto takes the path per process, not per pair: a pair that fails its probe is a failure, with the way out
+    assert bad.verdict == "FAIL" and bad.detail == "flag never arrived" and "TENSORWIRE_CUDA_PATH=ucx" in bad.fix
+    assert bad.choice.startswith("copy engine") and "would fail" in bad.choice
+    assert not doctor.report(findings)["ok"]
+
+
+def test_copy_engine_choice_is_ucx_with_the_reason_where_the_path_is_off():
+    g = GpuInfo(devices=TWO[:1])
+    doctor.register_copy_engine_probe(lambda i, j: (False, "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE (1)"))
+    forced = Probe(env={"TENSORWIRE_CUDA_PATH": "ucx"}, memlock=(0, 0), ucx=UCX_CUDA, cuda=(True, TWO[:1]), gpu=g)
+    (f,) = run_checks(forced, [gpu_checks.check_copy_engine])
+    assert f.check == "copy engine 0->0" and f.verdict == "N/A"  # one GPU: two processes on it are a pair
+    assert f.choice == "UCX, because TENSORWIRE_CUDA_PATH=ucx" and "CUDA_ERROR_INVALID_VALUE" in f.detail
+    doctor.register_copy_engine_probe(lambda i, j: (True, "bytes equal"), why_not=lambda: "no /dev/shm")
+    (f,) = run_checks(_probe(g), [gpu_checks.check_copy_engine])
+    assert f.verdict == "OK" and f.choice == "UCX, because no /dev/shm"
+    data = doctor.report([f])
+    _jsonschema().validate(data, doctor.JSON_SCHEMA)
+
+
+def test_the_built_in_probe_is_registered_and_a_cpu_only_host_gets_one_line(_no_copy_engine_probe):
+    from tensorwire.doctor import ce_probe
+
+    # (the fixture emptied the lists; what it saved is the module's own registration)
+    probes, why_nots = _no_copy_engine_probe
+    assert probes == [ce_probe.probe_pair] and why_nots == [ce_probe.why_not]
+    doctor.register_copy_engine_probe(ce_probe.probe_pair, ce_probe.why_not)
+    findings = run_checks(_probe(GpuInfo()), [gpu_checks.check_copy_engine])
+    assert [(f.check, f.verdict) for f in findings] == [("copy engine", "N/A")]
+    assert findings[0].detail.startswith("CPU-only host (no CUDA device visible)")
 
 
 def test_ucx_cuda_transports_and_the_round_trip_decide_the_choice():
