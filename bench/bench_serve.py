@@ -30,6 +30,12 @@ Prints a table with ratios and writes ``bench/results/serve_cpu<cores>_<date>.md
 machine info, the exact command). Usage::
 
     python bench/bench_serve.py [--quick] [--out bench/results/serve_<machine kind>_<date>.md]
+
+``--remote`` measures only what a client on another host gets (:func:`run_remote`): get_rows of 2 MiB
+of rows and get / put of 64 MiB over the daemon's data connections, in turns with the raw socket and
+the gRPC baseline, and prints the ratios (a file only with ``--out``)::
+
+    python bench/bench_serve.py --remote --transport tcp [--rounds 10] [--out FILE]
 """
 
 from __future__ import annotations
@@ -155,8 +161,18 @@ def serve_baseline() -> None:
     server.wait_for_termination()
 
 
+def _recv_exactly(sock: Any, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("raw peer closed")
+        got += k
+
+
 def serve_raw() -> None:
-    """A raw TCP socket server: each request is 8 bytes (a length n), the reply n bytes of a preallocated buffer."""
+    """A raw TCP socket server: each request is 8 bytes, a signed length n; n >= 0: the reply is n bytes of a
+    preallocated buffer; n < 0: -n bytes follow (received into that buffer), the reply is one byte."""
     import socket
 
     srv = socket.socket()
@@ -167,17 +183,16 @@ def serve_raw() -> None:
     while True:
         conn, _ = srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        head = bytearray(8)
+        head = memoryview(bytearray(8))
         try:
             while True:
-                got = 0
-                while got < 8:
-                    k = conn.recv_into(memoryview(head)[got:])
-                    if not k:
-                        raise ConnectionError
-                    got += k
-                (n,) = struct.unpack("<Q", head)
-                conn.sendall(buf[:n])
+                _recv_exactly(conn, head)
+                (n,) = struct.unpack("<q", head)
+                if n >= 0:
+                    conn.sendall(buf[:n])
+                else:
+                    _recv_exactly(conn, buf[:-n])
+                    conn.sendall(b"k")
         except (ConnectionError, OSError):
             conn.close()
 
@@ -193,14 +208,14 @@ class RawClient:
 
     def get(self, dst: Any) -> None:
         mv = memoryview(dst.numpy()).cast("B")
-        n = len(mv)
-        self.sock.sendall(struct.pack("<Q", n))
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(mv[got:])
-            if not k:
-                raise ConnectionError("raw server closed")
-            got += k
+        self.sock.sendall(struct.pack("<q", len(mv)))
+        _recv_exactly(self.sock, mv)
+
+    def put(self, src: Any) -> None:
+        mv = memoryview(src.numpy()).cast("B")
+        self.sock.sendall(struct.pack("<q", -len(mv)))
+        self.sock.sendall(mv)
+        _recv_exactly(self.sock, memoryview(bytearray(1)))
 
     def close(self) -> None:
         self.sock.close()
@@ -834,6 +849,178 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
     return table_md, verdicts
 
 
+def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """``--remote``: what a client on another host gets, the daemon's data connections (no shared memory), in
+    turns with a raw TCP socket moving the same bytes and with the gRPC baseline.
+
+    get_rows of 4,096 rows x 128 float32 (2 MiB) of a 1,000,000-row table (200,000 with ``--quick``): every path
+    ``--rounds`` turns of twenty back-to-back calls; get and put of 64 MiB (16 with ``--quick``): ``--rounds``
+    turns of two calls. Ratios are of medians taken in the same turns.
+    """
+    import torch
+
+    import tensorwire as tw
+
+    daemon, dinfo = _spawn(
+        [sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--transport", args.transport]
+        + ["--max-bytes", "8GiB"]
+    )
+    base, binfo = _spawn([sys.executable, os.path.abspath(__file__), "--baseline-server"])
+    raw, rinfo = _spawn([sys.executable, os.path.abspath(__file__), "--raw-server"])
+    kinds = [d["kind"] for d in dinfo["data"]]
+    print(f"daemon data connections: {', '.join(kinds)}; baseline on port {binfo['port']}", file=sys.stderr)
+    rows: list[tuple[str, ...]] = []
+    verdicts: list[str] = []
+    try:
+        address = f"127.0.0.1:{dinfo['port']}"
+        clients = {k: tw.Client(address, transport=k, timeout=300) for k in kinds}
+        assert all(c.data_path == k for k, c in clients.items()), {k: c.data_path for k, c in clients.items()}
+        bc = BaselineClient(f"127.0.0.1:{binfo['port']}")
+        rc = RawClient(rinfo["port"])
+        R, D, B = (200_000 if args.quick else 1_000_000), 128, 4096
+        table = torch.randn(R, D)
+        first = next(iter(clients.values()))
+        first.put("table", table)
+        bc.put("table", table)
+        bc.set_rows("table", D * 4)
+        gen = torch.Generator().manual_seed(0)
+        idxs = [torch.randint(0, R, (B,), generator=gen) for _ in range(64)]
+        it = iter(range(10**9))
+        out = torch.empty(B, D)
+        gdst = torch.empty(B * D * 4, dtype=torch.uint8)
+        for c in clients.values():
+            assert torch.equal(c.get_rows("table", idxs[5]), table[idxs[5]])
+
+        def rows_of(c: Any) -> Callable[[], Any]:
+            return lambda: c.get_rows("table", idxs[next(it) % 64], out=out)
+
+        res = _interleaved(
+            {
+                **{k: rows_of(c) for k, c in clients.items()},
+                "grpc": lambda: bc.get_rows("table", idxs[next(it) % 64], gdst),
+                "raw": lambda: rc.get(gdst),
+                "local out": lambda: torch.index_select(table, 0, idxs[next(it) % 64], out=out),
+            },
+            20 * args.rounds,
+            warmup=3,
+        )
+        for c in clients.values():
+            i = idxs[next(it) % 64]
+            assert torch.equal(c.get_rows("table", i, out=out), table[i])
+        nb = B * D * 4
+        op = f"get_rows {B}x{D} f32 of {R:,}"
+        for k in kinds:
+            rows.append(
+                (
+                    op,
+                    f"tensorwire/{k}",
+                    f"{res[k] * 1e3:.3f} ms",
+                    f"{_gbps(nb, res[k])} GB/s",
+                    f"{res['grpc'] / res[k]:.1f}x faster than gRPC, {res[k] / res['raw']:.2f}x the raw socket's time",
+                )
+            )
+            verdicts.append(
+                f"get_rows tensorwire/{k}: {res['grpc'] / res[k]:.1f}x gRPC (target >= 10x): "
+                + ("met" if res["grpc"] / res[k] >= 10 else "MISSED")
+                + f"; {res[k] / res['raw']:.2f}x the time of a raw socket moving the same bytes (target <= 1.5x): "
+                + ("met" if res[k] / res["raw"] <= 1.5 else "MISSED")
+            )
+        for key, label in (
+            ("grpc", "gRPC unary"),
+            ("raw", "raw TCP socket, the same bytes (no gather)"),
+            ("local out", "local index_select(out=) (no network)"),
+        ):
+            rows.append((op, label, f"{res[key] * 1e3:.3f} ms", f"{_gbps(nb, res[key])} GB/s", ""))
+        first.delete("table")
+        bc.put("table", torch.empty(0))  # (frees the baseline's copy)
+        mib = 16 if args.quick else 64
+        n = mib * MiB
+        x = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        dst = torch.empty(n, dtype=torch.uint8)
+        for k, c in clients.items():
+            c.put(f"blob {k}", x)  # both slots (current, staging) allocated before anything is timed
+            c.put(f"blob {k}", x)
+        bc.put("blob", x)
+        for what in ("put", "get"):
+            fns: dict[str, Callable[[], Any]] = {}
+            for k, c in clients.items():
+                if what == "put":
+                    fns[k] = lambda c=c, k=k: c.put(f"blob {k}", x)
+                else:
+                    fns[k] = lambda c=c, k=k: c.get(f"blob {k}", out=dst)
+            fns["grpc"] = (lambda: bc.put("blob", x)) if what == "put" else (lambda: bc.get("blob", dst))
+            fns["raw"] = (lambda: rc.put(x)) if what == "put" else (lambda: rc.get(dst))
+            res = _interleaved(fns, 2 * args.rounds, warmup=2, per_turn=2)
+            op = f"{what} {mib} MiB"
+            for k in kinds:
+                rows.append(
+                    (
+                        op,
+                        f"tensorwire/{k}",
+                        f"{res[k] * 1e3:.2f} ms",
+                        f"{_gbps(n, res[k])} GB/s",
+                        f"{res['raw'] / res[k]:.2f}x a raw socket's throughput, {res['grpc'] / res[k]:.1f}x gRPC's",
+                    )
+                )
+                verdicts.append(
+                    f"{op} tensorwire/{k}: {res['raw'] / res[k]:.2f}x a raw socket (target >= 0.8x): "
+                    + ("met" if res["raw"] / res[k] >= 0.8 else "MISSED")
+                )
+            for key, label in (("grpc", "gRPC unary"), ("raw", "raw TCP socket")):
+                rows.append((op, label, f"{res[key] * 1e3:.2f} ms", f"{_gbps(n, res[key])} GB/s", ""))
+        for k, c in clients.items():
+            assert torch.equal(c.get(f"blob {k}", out=dst), x)
+            c.delete(f"blob {k}")
+            c.close()
+        bc.close()
+        rc.close()
+    finally:
+        _stop(daemon)
+        _stop(base)
+        _stop(raw)
+    header = ("operation", "path", "median time", "throughput", "ratio")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    table_md = "\n".join([line(header), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, rows)])
+    return table_md, verdicts
+
+
+def _write_remote(
+    path: str,
+    cmd: str,
+    info: dict[str, str],
+    secs: float,
+    load: tuple[float, float],
+    table_md: str,
+    verdicts: list[str],
+) -> None:
+    doc = [
+        "# tensorwire serve, remote reads and writes: the data connections vs a raw TCP socket and gRPC",
+        "",
+        f"Command (from the repository root): `{cmd}` ({secs:.0f} s, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC).",
+        "",
+        "Machine: " + "; ".join(f"{k} {v}" for k, v in info.items()) + ".",
+        "",
+        f"Load average (1 min) at the start {load[0]:.1f}, at the end {load[1]:.1f}.",
+        "",
+        "Daemon, gRPC baseline and raw socket server each run in their own process on this machine, the clients in "
+        "the bench process, over loopback; the tensorwire clients use the data connection they name (no shared "
+        "memory). Medians; every path measured in turns (get_rows: twenty calls of each at a time; get and put: "
+        "two). The raw socket moves the same bytes with no gather and no header: the wire's floor.",
+        "",
+        table_md,
+        "",
+        "Targets:",
+        "",
+        *[f"- {v}" for v in verdicts],
+        "",
+    ]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(doc))
+    print(f"\nwrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
@@ -847,26 +1034,42 @@ def main() -> int:
     )
     p.add_argument("--clients", type=int, default=16)
     p.add_argument(
-        "--out",
-        default=os.path.join(ROOT, "bench", "results", f"serve_cpu{os.cpu_count()}_{time.strftime('%Y-%m-%d')}.md"),
+        "--remote",
+        action="store_true",
+        help="only the remote reads and writes, in turns: get_rows (2 MiB of rows) and get / put of 64 MiB over "
+        "the daemon's data connections (no shared memory) against a raw TCP socket and gRPC; prints the table "
+        "and the ratios (writes --out only when it is given)",
     )
+    p.add_argument(
+        "--rounds", type=int, default=10, help="--remote: turns of every path (default 10; must be at least 1)"
+    )
+    p.add_argument("--out", default=None, help="the results file (default bench/results/serve_cpu<cores>_<date>.md)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.baseline_server:
         serve_baseline()
         return 0
     if args.raw_server:
         serve_raw()
         return 0
+    if args.out is None and not args.remote:
+        args.out = os.path.join(ROOT, "bench", "results", f"serve_cpu{os.cpu_count()}_{time.strftime('%Y-%m-%d')}.md")
     info = machine_info()
     t0 = time.time()
     load0 = os.getloadavg()[0]
-    table_md, verdicts = run(args)
+    table_md, verdicts = run_remote(args) if args.remote else run(args)
     load1 = os.getloadavg()[0]
     print(table_md)
     print()
     for v in verdicts:
         print(v)
     cmd = "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]])
+    print(f"load average (1 min) at the start {load0:.1f}, at the end {load1:.1f}", file=sys.stderr)
+    if args.remote:
+        if args.out:
+            _write_remote(args.out, cmd, info, time.time() - t0, (load0, load1), table_md, verdicts)
+        return 0
     doc = [
         "# tensorwire serve vs a gRPC-bytes tensor store ("
         + ("GPU host: the `-> GPU` rows include the host-to-device copy" if info["cuda"] == "True" else "CPU only")

@@ -17,7 +17,7 @@ import tensorwire as tw
 from tensorwire.serve.client.client import Client
 from tensorwire.serve.client.grpc_path import GrpcPath
 from tensorwire.serve.protocol import wire
-from tensorwire.serve.protocol.common import DATA_REQUESTS_VERSION, MAX_INDEX_ROWS, TAG_REQUEST
+from tensorwire.serve.protocol.common import DATA_REQUESTS_LEVEL, MAX_INDEX_ROWS, TAG_REQUEST
 
 from serve_common import SHM, in_process, ucx_usable
 
@@ -267,7 +267,7 @@ def test_older_server_without_requests_gets_the_grpc_calls():
             assert torch.equal(c.get("old"), x)
             (sess,) = s.service.sessions()
             assert sess._watch is not None and sess._watch.name.startswith("tensorwire-watch")
-        s.service.data_requests = DATA_REQUESTS_VERSION
+        s.service.data_requests = DATA_REQUESTS_LEVEL
         with Client(s.address, transport="tcp") as c:
             assert c._dp and torch.equal(c.get("old"), x)
 

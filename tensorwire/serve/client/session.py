@@ -24,7 +24,7 @@ from tensorwire.serve.client.grpc_path import GrpcPath
 from tensorwire.serve.client.request_path import RequestPath
 from tensorwire.serve.client import shm_maps
 from tensorwire.serve.client.shm_path import ShmMemory, ShmPath
-from tensorwire.serve.protocol.common import DATA_REQUESTS_VERSION, PROTOCOL_VERSION
+from tensorwire.serve.protocol.common import DATA_REQUESTS_LEVEL, POSTED_READS, PROTOCOL_VERSION
 from tensorwire.serve.protocol import shm, wire
 from tensorwire.serve.protocol.shm import LEASE_VERSION, SHM_VERSION
 from tensorwire.transport.base import get_factory
@@ -44,9 +44,11 @@ Path = GrpcPath | RequestPath
 class Session:
     """One open session: its id, data connection (``kind``: ``ucx`` or ``tcp``) and what the daemon offers."""
 
-    __slots__ = ("sid", "transport", "kind", "layouts", "requests", "closed")
+    __slots__ = ("sid", "transport", "kind", "layouts", "requests", "posted_reads", "closed")
 
-    def __init__(self, sid: str, transport: "Transport", kind: str, *, layouts: bool, requests: bool) -> None:
+    def __init__(
+        self, sid: str, transport: "Transport", kind: str, *, layouts: bool, requests: bool, posted_reads: bool = False
+    ) -> None:
         self.sid = sid
         self.transport = transport
         self.kind = kind
@@ -54,6 +56,8 @@ class Session:
         self.layouts = layouts
         #: The daemon takes data-plane requests on this session.
         self.requests = requests
+        #: ... and reads whose payload receive is posted before the request (``wire.FLAG_POSTED``).
+        self.posted_reads = posted_reads
         self.closed = False
 
     def close(self, ctx: ClientContext) -> None:
@@ -99,7 +103,7 @@ def open_session(
             transport=kind,
             client=ctx.name,
             host_id=host_id(),
-            data_requests=DATA_REQUESTS_VERSION if want_dp else 0,
+            data_requests=DATA_REQUESTS_LEVEL if want_dp else 0,
             shm=(SHM_VERSION if mem.use_ahead else LEASE_VERSION) if offer_shm else 0,
             layouts=1,
         )
@@ -131,6 +135,7 @@ def open_session(
             addr.kind,
             layouts=resp.layouts >= 1,
             requests=want_dp and resp.data_requests >= 1,
+            posted_reads=want_dp and resp.data_requests >= POSTED_READS,
         )
         path = _path_of(ctx, session, mem, resp, offer_shm=offer_shm, pr=pr)
         if want == "shm" and not isinstance(path, ShmPath):

@@ -29,7 +29,10 @@ get_rows: the request thread sends the OK reply first (the client posts its
 receives while the rows are gathered), lets the transport progress once
 (:meth:`Session.nudge`: on UCX the client's request, a rendezvous when it
 carries thousands of row numbers, may complete only then), gathers the rows
-into the session's scratch buffer and sends them. How was chosen by measurement
+into the session's scratch buffer and sends them. A client that posted its
+receive before the request (``FLAG_POSTED``: TCP clients) waits for the rows
+already: they are gathered first, then the reply and the rows (one message)
+go out back to back. How was chosen by measurement
 on the 2-core VM (figures with the constants below; the end-to-end result is in
 bench/results/archive/serve_cpu2_2026-11-22.md):
 

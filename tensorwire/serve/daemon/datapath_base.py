@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire.spec import DTYPE_CODES, TensorSpec
-from tensorwire.serve.protocol.common import ERROR_CLASSES, TAG_REPLY, check_index
+from tensorwire.serve.protocol.common import ERROR_CLASSES, TAG_DOWN, TAG_REPLY, check_index
 from tensorwire.serve.daemon.ops import Draining, status_of
 from tensorwire.serve.daemon.ops import timeout_of as _timeout
 from tensorwire.serve.daemon.jobs import Job
@@ -68,6 +68,14 @@ class RequestHandlers:
         into, out = s.reply_buffer()
         pack_reply(into, **fields)
         t.send(TAG_REPLY, out, step=reply_step, timeout=max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _skip(t: "Transport", step: int, deadline: float) -> None:
+        """The message of no bytes that completes a posted receive the payload does not go into (``FLAG_POSTED``:
+        another spec than the client expected, or an ERROR), as message ``step`` of tag 1."""
+        import torch
+
+        t.send(TAG_DOWN, torch.empty(0, dtype=torch.uint8), step=step, timeout=max(0.0, deadline - time.monotonic()))
 
     def _ok(
         self,
@@ -149,8 +157,10 @@ class RequestHandlers:
                 error=name,
                 message=message,
             )
+            if req.posted:  # the client's posted receive gets no payload: complete it
+                self._skip(t, job.down_step, deadline)
 
-        job = Job(f"{op} error", run, deadline=deadline, direction="", messages=(0, 0, 1))
+        job = Job(f"{op} error", run, deadline=deadline, direction="", messages=(int(req.posted), 0, 1))
         return job
 
     def _index_of(self, req: Request, buf: "torch.Tensor", *, copy: bool = False) -> Callable[[int], "torch.Tensor"]:

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire import errors
-from tensorwire.spec import TensorSpec
+from tensorwire.spec import DTYPE_CODES, TensorSpec
 from tensorwire.serve.protocol.common import TAG_DOWN
 from tensorwire.serve.daemon.ops import plan_rows
 from tensorwire.serve.daemon.ops import check_tensor_name as _name
@@ -64,6 +64,11 @@ def _payload(s: "Session", slot: Any) -> Any:
     if s.kind == "tcp":
         return memoryview(slot.host_array())
     return slot.raw
+
+
+def _expected(req: Request, spec: TensorSpec, shape: tuple[int, ...], nbytes: int) -> bool:
+    """Whether a posted read's receive is for this payload: ``shape`` of ``spec``'s dtype, at least one byte."""
+    return nbytes > 0 and req.dtype == DTYPE_CODES[spec.dtype] and req.shape == shape
 
 
 class _Once:
@@ -193,8 +198,14 @@ class ReadRequests(RequestHandlers):
                     s, req, t0, "get", spec, version, region, nbytes, nbytes, release, deadline, lease
                 )
             raw = _payload(s, slot)
+            # a receive posted for another payload than this one is completed empty first (see wire: FLAG_POSTED)
+            skip = req.posted and not _expected(req, spec, spec.shape, nbytes)
 
             def body(t: "Transport", job: Job) -> BaseException | None:
+                step = job.down_step
+                if skip:
+                    self._skip(t, step, deadline)
+                    step += 1
                 self._ok(
                     s,
                     t,
@@ -203,12 +214,12 @@ class ReadRequests(RequestHandlers):
                     spec,
                     deadline,
                     version=version,
-                    step=job.down_step,
+                    step=step,
                     nbytes=nbytes,
                     chunk=nbytes,
                 )
                 if nbytes:
-                    _send(t, raw, job.down_step, deadline)
+                    _send(t, raw, step, deadline)
                 return None
 
             return self._job(
@@ -218,7 +229,7 @@ class ReadRequests(RequestHandlers):
                 "get",
                 body,
                 deadline=deadline,
-                messages=(1 if nbytes else 0, 0, 1),
+                messages=((1 if nbytes else 0) + int(skip), 0, 1),
                 direction="out",
                 nbytes=nbytes,
                 cleanup=release,
@@ -239,8 +250,13 @@ class ReadRequests(RequestHandlers):
         # as soon as it is gathered; else one gather, one message (see the constants for the measurements).
         halves = n >= 2 and nbytes >= PARALLEL_MIN_BYTES and torch.get_num_threads() == 1
         chunk_rows = max(1, n)
+        # Posted (wire: FLAG_POSTED): the rows go as one message into the client's receive, the reply just before
+        # them (the client waits for the rows, not for the reply); a receive posted for other rows is completed empty.
+        posted = req.posted and _expected(req, spec, p.shape, nbytes)
+        skip = req.posted and not posted
         if (
-            not halves
+            not posted
+            and not halves
             and ROWS_CHUNK_BYTES
             and rb
             and nbytes > ROWS_CHUNK_BYTES * 3 // 2
@@ -258,6 +274,10 @@ class ReadRequests(RequestHandlers):
             return max(0.0, deadline - time.monotonic())
 
         def body(t: "Transport", job: Job) -> BaseException | None:
+            step = job.down_step
+            if skip:
+                self._skip(t, step, deadline)
+                step += 1
             out = s.scratch(nbytes)
             table = e.slot(idx).tensor
             helper: _Gather | None = None
@@ -266,7 +286,8 @@ class ReadRequests(RequestHandlers):
                 if s.gatherer is None:
                     s.gatherer = Gatherer(s.id)
                 s.gatherer.start(helper)
-            try:
+
+            def reply() -> None:
                 self._ok(
                     s,
                     t,
@@ -275,13 +296,17 @@ class ReadRequests(RequestHandlers):
                     spec,
                     deadline,
                     version=version,
-                    step=job.down_step,
+                    step=step,
                     nbytes=nbytes,
                     chunk=chunk,
                 )
-                if chunks == 0:
-                    return None
-                s.nudge()  # the request and the reply complete now, not after the gather
+
+            try:
+                if not posted:
+                    reply()
+                    if chunks == 0:
+                        return None
+                    s.nudge()  # the request and the reply complete now, not after the gather
                 if chunks > 1:
                     ops = []
                     for i in range(chunks):
@@ -289,7 +314,7 @@ class ReadRequests(RequestHandlers):
                         _gather_rows(table, p.index, out, a, b, rb)
                         # chunk i is copied out (by the client, on UCX) while chunk i + 1 is gathered
                         start_send = t.start_send
-                        ops.append(start_send(TAG_DOWN, out[a * rb : b * rb], step=job.down_step + i, timeout=left()))
+                        ops.append(start_send(TAG_DOWN, out[a * rb : b * rb], step=step + i, timeout=left()))
                     release()
                     for op in ops:
                         t.wait_send(op, timeout=left())
@@ -300,7 +325,9 @@ class ReadRequests(RequestHandlers):
                     _gather_rows(table, p.index, out, 0, helper.chunk_rows, rb)
                     helper.wait(helper.chunks - 1, deadline)
                 release()
-                _send(t, out, job.down_step, deadline)
+                if posted:
+                    reply()
+                _send(t, out, step, deadline)
                 return None
             finally:
                 if helper is not None:  # never leave it writing into the scratch buffer
@@ -315,7 +342,7 @@ class ReadRequests(RequestHandlers):
                 "get_rows",
                 body,
                 deadline=deadline,
-                messages=(chunks, 0, 1),
+                messages=(chunks + int(skip), 0, 1),
                 direction="out",
                 nbytes=nbytes,
                 cleanup=release,

@@ -34,7 +34,7 @@ from tensorwire.transport.select import auto_preference, host_id
 from tensorwire.transport.base import new_nonce
 from tensorwire.v1 import store_pb2, store_pb2_grpc, types_pb2
 from tensorwire.serve.protocol.common import (
-    DATA_REQUESTS_VERSION,
+    DATA_REQUESTS_LEVEL,
     LIST_PAGE,
     MAX_INDEX_ROWS,
     MAX_ROWS_BYTES,
@@ -90,8 +90,9 @@ class StoreService(TransferCalls, store_pb2_grpc.StoreServicer):
         self.connect_timeout = connect_timeout
         self.default_timeout = default_timeout
         self.draining = False
-        #: The data-plane request format sessions may use (tensorwire.serve.protocol.wire); 0 = none (gRPC calls only).
-        self.data_requests = DATA_REQUESTS_VERSION
+        #: The data-plane requests sessions may use (tensorwire.serve.protocol.common.DATA_REQUESTS_LEVEL); 0 = none
+        #: (gRPC calls only).
+        self.data_requests = DATA_REQUESTS_LEVEL
         #: The shared-memory protocol sessions may use (tensorwire.serve.protocol.shm), when the store has regions; 0 = none.
 
         self.shm_version = SHM_VERSION

@@ -26,9 +26,14 @@ TAG_WATCH = 3  # never sent on: the server waits on it to notice a lost client (
 TAG_REQUEST = 4  # client -> server: data-plane requests (tensorwire.serve.protocol.wire)
 TAG_REPLY = 5  # server -> client: their fixed-size replies
 
-#: Version of the data-plane request format (tensorwire.serve.protocol.wire) this code speaks;
-#: OpenSessionResponse.data_requests carries the server's (0: none, use the gRPC calls).
+#: Version of the data-plane request format (tensorwire.serve.protocol.wire) this code speaks: the version byte
+#: of every request and reply.
 DATA_REQUESTS_VERSION = 1
+#: What this code offers in OpenSession's ``data_requests`` (the session uses the lower of the client's and the
+#: server's; 0: none, use the gRPC calls): 1, the data-plane requests; 2 (:data:`POSTED_READS`), also reads whose
+#: payload receive the client posted before the request (``FLAG_POSTED``). Same format version either way.
+DATA_REQUESTS_LEVEL = 2
+POSTED_READS = 2
 
 #: gRPC messages are control messages only.
 MAX_MESSAGE_BYTES = 4 << 20

@@ -19,11 +19,13 @@ transports report the length)::
     0      4    magic      b"TWRQ"
     4      1    version    DATA_REQUESTS_VERSION (1)
     5      1    op         1 GET, 2 GET_ROWS, 3 PUT, 4 PUT_ROWS, 5 ADD_ROWS; 6 SHM_HELLO, 7 RELEASE, 8 COMMIT
-    6      1    flags      0, or FLAG_SHM (1): shared memory wanted (see below)
-    7      1    ndim       PUT: rank of the tensor; PUT_ROWS/ADD_ROWS: rank of the values; GET_ROWS + FLAG_SHM: 1; else 0
+    6      1    flags      0, or FLAG_SHM (1), FLAG_AHEAD (2), FLAG_LAYOUT (4), FLAG_POSTED (8) (see below)
+    7      1    ndim       PUT: rank of the tensor; PUT_ROWS/ADD_ROWS: rank of the values; GET_ROWS + FLAG_SHM: 1;
+                           GET / GET_ROWS + FLAG_POSTED: rank of the expected payload; else 0
     8      8    req_id     the client's number for the request, echoed in its replies (the client counts 1, 2, ...)
     16     4    timeout_ms 0 = the server's default
-    20     4    dtype      PUT, *_ROWS: tensorwire.v1.DType of the tensor / values; else 0
+    20     4    dtype      PUT, *_ROWS: tensorwire.v1.DType of the tensor / values; GET / GET_ROWS + FLAG_POSTED:
+                           the expected one; else 0
     24     4    name_len   bytes of the UTF-8 tensor name (1..1024)
     28     4    nindex     GET_ROWS, *_ROWS: rows in the index (<= MAX_INDEX_ROWS); else 0
     32     64   dims       8 x int64: the shape of ndim dims, then zeros
@@ -75,6 +77,21 @@ Exchanges (each side serialises its operations, so every tag is FIFO):
   or whose payload was never sent, changes nothing (a GO of 0 bytes --
   an empty tensor -- is followed by no payload: the server commits at once).
 - Any request -> ERROR reply: nothing follows, nothing changed.
+- Posted reads (sessions whose OpenSession answered ``data_requests`` >= 2):
+  ``flags`` bit 3 ``FLAG_POSTED`` (0x08) on GET or GET_ROWS (not with
+  ``FLAG_SHM``) says the client posted, before it sent the request, one
+  receive on tag 1 of exactly the bytes of the payload it expects, which the
+  request describes: ``dtype`` and ``dims`` (``ndim`` of them) are the payload's
+  -- the stored tensor (GET) or the rows ``[nindex, *shape[1:]]`` (GET_ROWS,
+  ``dims[0]`` = ``nindex``). The credit of that receive rides on the request,
+  so the payload can follow the reply at once: no round trip for it. If the
+  read succeeds with exactly that dtype and shape, and at least one byte, the
+  payload is one message (``chunk`` = ``nbytes``) into the posted receive
+  (a GET_ROWS's reply then comes after the rows are gathered, just before
+  them). Otherwise -- another spec, no bytes, or an ERROR reply -- the server
+  first sends one message of no bytes on tag 1, which completes the posted
+  receive, and then answers as without the flag (the reply's ``step`` is then
+  the step after that empty message's).
 
 Steps: tag 1 and tag 2 steps are the session's (shared with the gRPC-scheduled
 transfers); tag 5 replies and tag 4 requests count 1, 2, 3, ... each.
@@ -168,6 +185,7 @@ __all__ = [
     "FLAG_SHM",
     "FLAG_AHEAD",
     "FLAG_LAYOUT",
+    "FLAG_POSTED",
     "OK",
     "ERROR",
     "GO",
@@ -222,6 +240,9 @@ FLAG_SHM = 0x01
 FLAG_AHEAD = 0x02
 #: Request flag (GET, GET_ROWS, PUT, PUT_ROWS, ADD_ROWS): the expected shard layout follows the name.
 FLAG_LAYOUT = 0x04
+#: Request flag (GET, GET_ROWS; ``data_requests`` >= 2): a receive for the payload of the dtype and shape the
+#: request carries is posted on tag 1 already (see the module docstring).
+FLAG_POSTED = 0x08
 OK, ERROR, GO, SHM, FALLBACK = 0, 1, 2, 3, 4
 
 assert REQUEST.size == 96 and REPLY.size == 152
@@ -275,6 +296,11 @@ class Request(NamedTuple):
     @property
     def shm(self) -> bool:
         return bool(self.flags & FLAG_SHM)
+
+    @property
+    def posted(self) -> bool:
+        """The client posted the payload's receive before it sent this read (FLAG_POSTED)."""
+        return bool(self.flags & FLAG_POSTED)
 
     @property
     def ahead(self) -> int:
@@ -335,7 +361,8 @@ def pack_request(
 _SHAPED_SET = frozenset(_SHAPED)
 _INDEXED_SET = frozenset(_INDEXED)
 _SHM_CAPABLE_SET = frozenset(_SHM_CAPABLE)
-_OK_FLAGS = FLAG_SHM | FLAG_LAYOUT
+_OK_FLAGS = FLAG_SHM | FLAG_LAYOUT | FLAG_POSTED
+_POSTED_OPS = frozenset((OP_GET, OP_GET_ROWS))
 _ZERO_DIMS = tuple((0,) * (MAX_DIMS - n) for n in range(MAX_DIMS + 1))
 _NO_DIMS: tuple[int, ...] = ()
 
@@ -359,6 +386,7 @@ def parse_request(data: memoryview) -> Request:
         raise MalformedRequest(f"unknown request op {op}")
     ahead = False
     rows_shm = False
+    posted = False
     if flags:
         ahead = op == OP_COMMIT and flags == FLAG_AHEAD  # carries the grant's ticket as its shape
         if not ahead and (flags & ~_OK_FLAGS or op not in _SHM_CAPABLE_SET):
@@ -368,7 +396,14 @@ def parse_request(data: memoryview) -> Request:
         rows_shm = op == OP_GET_ROWS and bool(flags & FLAG_SHM)  # carries the row count as its shape, no index
         if rows_shm and (ndim != 1 or nindex or fields[10] < 0):
             raise MalformedRequest("a shared-memory GET_ROWS has rank 1 (the row count) and no index")
-    shaped = op in _SHAPED_SET
+        posted = bool(flags & FLAG_POSTED)  # carries the expected payload's dtype and shape
+        if posted and (op not in _POSTED_OPS or flags & FLAG_SHM):
+            raise MalformedRequest(f"FLAG_POSTED on a {'shared-memory ' if flags & FLAG_SHM else ''}{OPS[op]}")
+        if posted and (ndim > MAX_DIMS or any(d < 0 for d in fields[10 : 10 + ndim])):
+            raise MalformedRequest("a posted read's expected shape has negative dims or too many")
+        if posted and op == OP_GET_ROWS and (ndim < 1 or fields[10] != nindex):
+            raise MalformedRequest("a posted GET_ROWS expects [nindex, ...] rows")
+    shaped = op in _SHAPED_SET or posted
     if ndim:
         if ndim > MAX_DIMS or not (shaped or rows_shm or ahead):
             raise MalformedRequest(f"request rank {ndim} for op {OPS[op]}")
