@@ -103,17 +103,27 @@ def _round_trip(d: Any, src: int, dst: int, nbytes: int, timeout: float) -> tupl
 
     from tensorwire.cuda import alloc_cuda
     from tensorwire.doctor.ce_child import VERSION, pattern
-    from tensorwire.transport.ce import Region
+    from tensorwire.transport.ce import NotExportable, Region
     from tensorwire.transport.ce.region import LANDED, SIZE
 
     deadline = time.monotonic() + timeout
     seed = (src * 31 + dst * 7 + 1) & 0xFF
-    buf = alloc_cuda(nbytes, dst)
+    # the memory the path exports in practice: torch's caching allocator's (else plain cudaMalloc, where legacy
+    # IPC cannot export that: expandable segments, as the path stages then)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", dst))
     buf.zero_()
     torch.cuda.synchronize(dst)
     d.context(dst)
     base, _size, _id = d.allocation(buf.data_ptr())
-    handle = d.export(base)
+    try:
+        handle = d.export(base)
+    except NotExportable:
+        buf = alloc_cuda(nbytes, dst)
+        buf.zero_()
+        torch.cuda.synchronize(dst)
+        d.context(dst)
+        base, _size, _id = d.allocation(buf.data_ptr())
+        handle = d.export(base)
     region = Region.create()
     registered = False
     proc: subprocess.Popen[str] | None = None
@@ -148,6 +158,7 @@ def _round_trip(d: Any, src: int, dst: int, nbytes: int, timeout: float) -> tupl
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.close()
+        proc.stdin = None  # (communicate() below must not touch it again)
         while not d.idle(stream):
             if time.monotonic() > deadline or proc.poll() not in (None, 0):
                 break
@@ -183,7 +194,7 @@ def _round_trip(d: Any, src: int, dst: int, nbytes: int, timeout: float) -> tupl
             proc.kill()
             try:
                 proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, OSError, ValueError):
                 pass
         if stream:
             _drain(d, region, stream)
