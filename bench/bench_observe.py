@@ -64,12 +64,9 @@ def _in_turns(
     return out
 
 
-# -- 1. Link ---------------------------------------------------------------------------------------------------
-def link_turns(pairs: int, burst: int, *, null: bool = False) -> dict:
-    """``null``: both turns with counting off (what the figures move by with nothing changed)."""
-    import torch
-
-    from tensorwire import observe
+def tcp_link_pair(name: str) -> tuple[Any, Any, Any]:
+    """``(a, b, listener)``: the two ends of a Link over loopback TCP in this process (``a`` sends ``data``,
+    ``SIZE`` bytes; ``b`` sends ``ack``, one byte). Close both ends and the listener after."""
     from tensorwire.p2p.link import Link
     from tensorwire.spec import TensorSpec
     from tensorwire.transport.base import new_nonce
@@ -86,8 +83,19 @@ def link_turns(pairs: int, burst: int, *, null: bool = False) -> dict:
     tb = lst.accept(nonce, timeout=10)
     th.join(10)
     data, ack = TensorSpec("data", (SIZE,), "uint8", "cpu"), TensorSpec("ack", (1,), "uint8", "cpu")
-    a = Link(node_rank=0, peer=1, name="b", transport=box[0], send=[data], recv=[ack], timeout=30.0, device=None)
-    b = Link(node_rank=1, peer=0, name="b", transport=tb, send=[ack], recv=[data], timeout=30.0, device=None)
+    a = Link(node_rank=0, peer=1, name=name, transport=box[0], send=[data], recv=[ack], timeout=30.0, device=None)
+    b = Link(node_rank=1, peer=0, name=name, transport=tb, send=[ack], recv=[data], timeout=30.0, device=None)
+    return a, b, lst
+
+
+# -- 1. Link ---------------------------------------------------------------------------------------------------
+def link_turns(pairs: int, burst: int, *, null: bool = False) -> dict:
+    """``null``: both turns with counting off (what the figures move by with nothing changed)."""
+    import torch
+
+    from tensorwire import observe
+
+    a, b, lst = tcp_link_pair("b")
     src, one = torch.ones(SIZE, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
 
     def run(k: int) -> tuple[float, float]:

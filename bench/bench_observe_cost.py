@@ -36,12 +36,13 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
-SIZE = 4096
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_observe import SIZE, tcp_link_pair  # (the same 4 KiB Link pair)
+
 CONDITIONS = ("off", "on", "off2")
 
 
@@ -152,24 +153,8 @@ def link_turns(cycles: int, turn: int, seed: int) -> list[dict[str, float]]:
     import torch
 
     from tensorwire import observe
-    from tensorwire.p2p.link import Link
-    from tensorwire.spec import TensorSpec
-    from tensorwire.transport.base import new_nonce
-    from tensorwire.transport.tcp import TcpListener
 
-    lst = TcpListener("127.0.0.1", port=0)
-    nonce = new_nonce()
-    lst.expect(nonce)
-    box: list[Any] = []
-    th = threading.Thread(
-        target=lambda: box.append(TcpListener.connect("127.0.0.1", lst.address[1], nonce, timeout=10))
-    )
-    th.start()
-    tb = lst.accept(nonce, timeout=10)
-    th.join(10)
-    data, ack = TensorSpec("data", (SIZE,), "uint8", "cpu"), TensorSpec("ack", (1,), "uint8", "cpu")
-    a = Link(node_rank=0, peer=1, name="c", transport=box[0], send=[data], recv=[ack], timeout=30.0, device=None)
-    b = Link(node_rank=1, peer=0, name="c", transport=tb, send=[ack], recv=[data], timeout=30.0, device=None)
+    a, b, lst = tcp_link_pair("c")
     src, one = torch.ones(SIZE, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
 

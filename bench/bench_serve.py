@@ -603,17 +603,9 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         # 2. get_rows (measured first: the headline figure, on the quietest part of the run)
         main_rows, rows = rows, []
         main_verdicts, verdicts = verdicts, []
-        R, D, B = (200_000 if args.quick else 1_000_000), 128, 4096
-        table = torch.randn(R, D)
         first = next(iter(clients.values()))
-        first.put("table", table)
-        bc.put("table", table)
-        bc.set_rows("table", D * 4)
-        gen = torch.Generator().manual_seed(0)
-        idxs = [torch.randint(0, R, (B,), generator=gen) for _ in range(64)]
+        R, D, B, table, idxs, out, gdst = _rows_table(args, first, bc)
         it = iter(range(10**9))
-        out = torch.empty(B, D)
-        gdst = torch.empty(B * D * 4, dtype=torch.uint8)
         nrep = 30 if args.quick else 60
         i0 = idxs[5]
         for c in clients.values():
@@ -849,6 +841,21 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
     return table_md, verdicts
 
 
+def _rows_table(args: argparse.Namespace, client: Any, bc: Any) -> tuple[int, int, int, Any, list[Any], Any, Any]:
+    """The get_rows table (1,000,000 x 128 float32; 200,000 rows with ``--quick``) put into the daemon and the
+    gRPC baseline, 64 random indexes of 4,096 rows, and the destinations: ``(R, D, B, table, idxs, out, gdst)``."""
+    import torch
+
+    R, D, B = (200_000 if args.quick else 1_000_000), 128, 4096
+    table = torch.randn(R, D)
+    client.put("table", table)
+    bc.put("table", table)
+    bc.set_rows("table", D * 4)
+    gen = torch.Generator().manual_seed(0)
+    idxs = [torch.randint(0, R, (B,), generator=gen) for _ in range(64)]
+    return R, D, B, table, idxs, torch.empty(B, D), torch.empty(B * D * 4, dtype=torch.uint8)
+
+
 def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
     """``--remote``: what a client on another host gets, the daemon's data connections (no shared memory), in
     turns with a raw TCP socket moving the same bytes and with the gRPC baseline.
@@ -877,17 +884,9 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         assert all(c.data_path == k for k, c in clients.items()), {k: c.data_path for k, c in clients.items()}
         bc = BaselineClient(f"127.0.0.1:{binfo['port']}")
         rc = RawClient(rinfo["port"])
-        R, D, B = (200_000 if args.quick else 1_000_000), 128, 4096
-        table = torch.randn(R, D)
         first = next(iter(clients.values()))
-        first.put("table", table)
-        bc.put("table", table)
-        bc.set_rows("table", D * 4)
-        gen = torch.Generator().manual_seed(0)
-        idxs = [torch.randint(0, R, (B,), generator=gen) for _ in range(64)]
+        R, D, B, table, idxs, out, gdst = _rows_table(args, first, bc)
         it = iter(range(10**9))
-        out = torch.empty(B, D)
-        gdst = torch.empty(B * D * 4, dtype=torch.uint8)
         for c in clients.values():
             assert torch.equal(c.get_rows("table", idxs[5]), table[idxs[5]])
 
