@@ -14,7 +14,7 @@ import time
 import pytest
 
 import dist_workers as W
-from harness import run_ranks
+from harness import gpu_count, run_ranks
 from netns import TORCHRUN, child_env, free_port, run, tail
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
@@ -226,14 +226,8 @@ def test_cuda_auto_transport_is_ucx_where_ucx_runs():
     assert res[0]["transports"] == {1: "ucx" if "ucx" in available_kinds() else "tcp"}, res[0]
 
 
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA devices (one per rank)")
+@pytest.mark.skipif(gpu_count() < 2, reason="needs two CUDA devices (one per rank)")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved1f1b"])
 def test_pipelining_example_on_two_gpus_matches_single_process_training(tmp_path, schedule):

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import observe_workers as W
-from harness import run_ranks
+from harness import gpu_count, run_ranks
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx not installed"))]
@@ -74,17 +74,8 @@ def test_ucx_missing_on_one_rank_shows_as_a_labelled_fallback_on_both():
     assert s[("tensorwire_p2p_fallbacks_total", labels)] == 1
 
 
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001
-        return 0
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() == 0, reason="needs a CUDA device")
+@pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "transport,path", [("tcp", "staged"), ("ce", "ce"), pytest.param("ucx", "ucx", marks=TRANSPORTS[1].marks)]

@@ -19,6 +19,16 @@ from typing import Any, Callable
 CTX = mp.get_context("spawn")
 
 
+def gpu_count() -> int:
+    """CUDA devices this process sees (0 without torch's CUDA, or where asking fails): for skip conditions."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install is "no GPU" for a skip condition
+        return 0
+
+
 class WorkerError(AssertionError):
     def __init__(self, rank: int, etype: str, message: str, tb: str) -> None:
         super().__init__(f"rank {rank} raised {etype}: {message}\n{tb}")

@@ -12,6 +12,8 @@ import pytest
 
 from tensorwire.doctor import ce_child, ce_probe
 
+from harness import gpu_count
+
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -118,22 +120,13 @@ def test_the_probe_refuses_a_bad_size_and_reports_a_host_without_cuda():
     assert not ok and detail  # no driver or no GPU: said, never raised
 
 
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001
-        return 0
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(_gpus() == 0, reason="needs a CUDA device")
+@pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device")
 def test_real_copy_engine_probe_for_every_pair_and_a_forged_handle():
     from tensorwire.transport.ce import Region
 
-    n = _gpus()
+    n = gpu_count()
     for i in range(n):
         for j in range(n):
             ok, detail = ce_probe.probe_pair(i, j, timeout=120)

@@ -16,6 +16,8 @@ from tensorwire.doctor import GpuInfo, Probe, UcxInfo, run_checks
 from tensorwire.doctor import gpu as gpu_checks
 from tensorwire.doctor.probe import UCX_ROUND_TRIP
 
+from harness import gpu_count
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -212,22 +214,13 @@ def test_the_ucx_round_trip_child_moves_bytes_intact_over_host_memory():
     assert out.stdout.strip().splitlines()[-1] == "ok"
 
 
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001
-        return 0
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() == 0, reason="needs a CUDA device")
+@pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device")
 def test_real_gpu_probes_on_this_host_validate_and_pin_memory():
     from tensorwire.doctor import probe_gpu
 
     g = probe_gpu()
-    assert g.error is None and len(g.devices) == _gpus()
+    assert g.error is None and len(g.devices) == gpu_count()
     assert g.pinned is not None and g.pinned[0], g.pinned
     assert g.host_register is not None, g
     assert len(g.peer) == len(g.devices) * (len(g.devices) - 1)
