@@ -229,4 +229,8 @@ def test_cli_demo_prints_progress_and_the_table():
     assert re.search(rf"^  vs gRPC:\s+{ratio} / {ratio} / {ratio}$", out.stdout, re.M), out.stdout
     assert re.search(r"^tensorwire: tcp transport \(.*\); hot path (?:compiled|pure Python|partly)", out.stdout, re.M)
     assert "corrupted messages: 0" in out.stdout
-    assert "gRPC server in process" in out.stderr
+    # gRPC's phase comes after the other two paths' (its threads stay out of their turns), its row lines after it
+    assert "then gRPC alone (its server in process" in out.stderr
+    grpc_at = out.stderr.index("then gRPC alone")
+    assert re.search(r"^  4 KiB round trip: tensorwire ", out.stderr[:grpc_at], re.M), out.stderr
+    assert re.search(r"^  4 KiB round trip: gRPC ", out.stderr[grpc_at:], re.M), out.stderr
