@@ -834,11 +834,15 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         _stop(daemon)
         _stop(base)
         _stop(raw)
+    return _table(rows), verdicts
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    """The results as a markdown table (columns padded to their widest cell)."""
     header = ("operation", "path", "median time", "throughput", "ratio")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    table_md = "\n".join([line(header), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, rows)])
-    return table_md, verdicts
+    return "\n".join([line(header), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, rows)])
 
 
 def _rows_table(args: argparse.Namespace, client: Any, bc: Any) -> tuple[int, int, int, Any, list[Any], Any, Any]:
@@ -977,11 +981,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         _stop(daemon)
         _stop(base)
         _stop(raw)
-    header = ("operation", "path", "median time", "throughput", "ratio")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    table_md = "\n".join([line(header), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, rows)])
-    return table_md, verdicts
+    return _table(rows), verdicts
 
 
 def _write_remote(
