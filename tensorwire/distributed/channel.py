@@ -103,6 +103,8 @@ class Peer:
         self.error: BaseException | None = None
         #: the copy-engine path to this peer (same host, both ranks able; set by :func:`.copyengine.setup`)
         self.ce: "CePair | None" = None
+        #: what the copy-engine path's set-up probe found ("" where no pair was made: another host, or UCX chosen)
+        self.ce_probe = ""
         self._lock = threading.Lock()
         self._send: dict[int, SendChannel] = {}
         self._recv: dict[int, RecvChannel] = {}

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import observe
 from ..cuda import current_raw_stream
-from ..errors import ProtocolError
-from ..transport.ce import CeDriver, CeOp, CePair, Exports, Watchdog, capable, exchange_region
+from ..errors import PeerLostError, ProtocolError, TensorWireError
+from ..settings import setting
+from ..transport.ce import CeDriver, CeOp, CePair, Exports, Watchdog, capable, exchange_region, probe_pair
 from ..transport.select import host_id
 from .errors import SignatureMismatch, WorkTimeout, translate
 from .signatures import Signature, decode, signature_of
@@ -42,6 +44,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CeWork", "setup", "isend", "irecv"]
 
 log = logging.getLogger(__name__)
+
+#: the longest the set-up probe of one pair may take (at group creation; the group's timeout if shorter)
+PROBE_TIMEOUT_S = 30.0
 
 
 def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout: float) -> Watchdog | None:
@@ -76,6 +81,20 @@ def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout:
             mismatch=_mismatch_text(rank, other),
             peer_timeout=max(5.0, min(timeout, 30.0)),
         )
+        failed = _probe(store, f"{prefix}ce/probe/{min(rank, other)}-{max(rank, other)}", pair, timeout)
+        peer.ce_probe = pair.probe
+        if failed is not None:
+            pair.close(PeerLostError(f"the copy-engine set-up probe failed: {failed}"))
+            if setting("cuda_path") == "ce":
+                raise TensorWireError(f"TENSORWIRE_CUDA_PATH=ce, but the copy-engine probe failed: {failed}")
+            log.warning(
+                "tensorwire.distributed: rank %d: CUDA tensors to rank %d go over UCX: the copy-engine path's "
+                "set-up probe failed (%s)",
+                rank,
+                other,
+                failed,
+            )
+            continue
         pair.counts = observe.ce_counts(other)  # (the pair counts its messages' parts where tw.metrics() reads)
         peer.ce = pair
         if watchdog is None:
@@ -88,6 +107,39 @@ def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout:
             len(watchdog.pairs),
         )
     return watchdog
+
+
+def _probe(store: Any, key: str, pair: CePair, timeout: float) -> str | None:
+    """Run the pair's set-up probe (:func:`~tensorwire.transport.ce.probe_pair`) on this rank's current GPU; None:
+    passed or not run.
+
+    It runs where both ranks have picked their GPU before making the group (CUDA initialised: the current device
+    is the rank's, as after ``torch.cuda.set_device(local_rank)``); otherwise it would make a CUDA context on a
+    device the rank may never use, so it is skipped (both sides agree on the store) and said in the log.
+    """
+    dev = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    store.set(f"{key}/device/{pair.rank}", "-" if dev is None else str(dev))
+    theirs = f"{key}/device/{pair.peer}"
+    store.wait([theirs], timedelta(seconds=max(0.1, timeout)))
+    if dev is None or bytes(store.get(theirs)).decode() == "-":
+        pair.probe = "skipped (CUDA not initialised at group creation: no GPU chosen yet)"
+        log.info("tensorwire.distributed: rank %d <-> rank %d: copy-engine probe %s", pair.rank, pair.peer, pair.probe)
+        return None
+    stream = torch.cuda.Stream(device=dev)
+    with torch.cuda.device(dev), torch.cuda.stream(stream):  # (the probe's buffers are filled on its stream)
+        failed = probe_pair(
+            pair,
+            store,
+            key,
+            device=dev,
+            stream=stream.cuda_stream,
+            alloc=lambda n: torch.empty(n, dtype=torch.uint8, device=dev),
+            idle=stream.query,
+            timeout=min(timeout, PROBE_TIMEOUT_S),
+            torch=torch,
+        )
+    pair.probe = "passed" if failed is None else f"failed: {failed}"
+    return failed
 
 
 _EXPORTS: list[Exports] = []

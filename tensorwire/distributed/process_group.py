@@ -201,6 +201,12 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
         take the copy-engine path."""
         return {p: peer.transport.kind + ("+ce" if peer.ce is not None else "") for p, peer in self._peers.items()}
 
+    @property
+    def ce_probes(self) -> dict[int, str]:
+        """What the copy-engine path's set-up probe found for each peer on this host (``passed``, ``skipped ...``,
+        ``failed: ...``: its CUDA tensors then go over UCX); peers whose pair was never made are absent."""
+        return {p: peer.ce_probe for p, peer in self._peers.items() if peer.ce_probe}
+
     def __repr__(self) -> str:
         return f"ProcessGroupTensorwire(rank={self._rank}, size={self._size})"
 

@@ -75,6 +75,8 @@ def test_new_group_tensorwire_under_both_default_group_styles(style):
     p = _torchrun("tests/support/ce_workers.py", "default_groups", style, timeout=120)
     out = p.stdout + p.stderr
     assert p.returncode == 0 and out.count(f"style {style}: OK") == 2, out[-6000:]
+    # the rank chose its GPU before making the groups: the copy-engine path's set-up probe ran and passed
+    assert out.count("probe passed") == 2, out[-6000:]
 
 
 def test_a_captured_training_step_replays_bit_exact_against_eager_steps():

@@ -57,7 +57,8 @@ def default_groups() -> int:
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     ok = bool((r == float(2 - rank)).all())
-    print(f"rank {rank} style {style}: {'OK' if ok else 'WRONG BYTES'}", flush=True)
+    probes = getattr(group, "ce_probes", {})
+    print(f"rank {rank} style {style}: {'OK' if ok else 'WRONG BYTES'}; probe {probes.get(1 - rank)}", flush=True)
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -226,6 +226,8 @@ class CePair(Capture, Watched, Closing):
         #: and copied on an internal stream, large sends whose receiver came while they waited, large sends whose
         #: receiver did not] (where the host time goes: bench/profile_ce_host.py prints them)
         self.counts = [0, 0, 0, 0, 0]
+        #: what the set-up probe found (tensorwire.transport.ce.probe; set by whoever ran it)
+        self.probe = "not run"
         #: updated by every look of the watchdog (deadlines of new messages are counted from it)
         self.clock = time.monotonic()
 
