@@ -95,6 +95,19 @@ def _capture(stage: Stage) -> torch.cuda.CUDAGraph:
     return g
 
 
+def _capture_unbatched(stage: Stage) -> torch.cuda.CUDAGraph:
+    """The step captured with every flag wait and its reset as two graph nodes (no batch of stream memory
+    operations): the captured path as it was before they were batched, for ``--ab-flags``."""
+    from tensorwire.transport.ce import CeDriver
+
+    drv = CeDriver.get()
+    batch, drv._batch = drv._batch, None
+    try:
+        return _capture(stage)
+    finally:
+        drv._batch = batch
+
+
 def check(rank: int, device: torch.device, group) -> list[str]:
     failures = []
     for micro in (1, 4):
@@ -145,6 +158,13 @@ def main() -> int:
         default=0.0,
         help="print every thread's stack and exit if the run takes longer than this (0: never)",
     )
+    ap.add_argument(
+        "--ab-flags",
+        action="store_true",
+        help="also capture tensorwire's step with each flag wait and its reset as two graph nodes instead of one "
+        "batch (the code before), replayed in turns with the rest (diagnostic; the checksums then differ from NCCL's)",
+    )
+    ap.add_argument("--turns", type=int, default=1, help="measure the modes of a row in this many turns")
     args = ap.parse_args()
     if args.stall_s > 0:  # (a hung capture or replay shows where it waits)
         faulthandler.dump_traceback_later(args.stall_s, exit=True)
@@ -204,14 +224,22 @@ def main() -> int:
                         print(f"{name}: capture failed: {exc}", flush=True)
                     del groups[name]
                     continue
-                for mode, fn in (("eager", st.step), ("captured", g.replay)):
-                    fn()
-                    step, host = timed(fn, args.steps)
-                    row[f"{name}_{mode}_ms"] = step * 1e3
-                    row[f"{name}_{mode}_host_us"] = host * 1e6
+                modes = [("eager", st.step), ("captured", g.replay)]
+                if args.ab_flags and name == "tensorwire":
+                    modes.append(("unbatched", _capture_unbatched(st).replay))
+                got: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m, _ in modes}
+                for _turn in range(max(1, args.turns)):
+                    for mode, fn in modes:
+                        fn()
+                        step, host = timed(fn, args.steps)
+                        got[mode][0].append(step)
+                        got[mode][1].append(host)
+                for mode, (steps, hosts) in got.items():
+                    row[f"{name}_{mode}_ms"] = statistics.median(steps) * 1e3
+                    row[f"{name}_{mode}_host_us"] = statistics.median(hosts) * 1e6
                 torch.cuda.synchronize()
                 row[f"{name}_checksum"] = st.checksum()
-                del g
+                del g, modes
             results.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
@@ -236,9 +264,15 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str) -> None:
         "| --- | --- | ---: | ---: | ---: |" + (" ---: | ---: | ---: | ---: |" if nccl else ""),
     ]
     for r in rows:
+        host = f"{r['tensorwire_captured_host_us']:.0f} us"
+        if "tensorwire_unbatched_host_us" in r:  # (--ab-flags: the unbatched graph's figures beside)
+            host += (
+                f" (unbatched flags: {r['tensorwire_unbatched_host_us']:.0f} us, step "
+                f"{r['tensorwire_unbatched_ms']:.2f} ms)"
+            )
         line = (
             f"| {r['act_mib']} MiB | {r['micro']} ({r['messages_per_rank']}) | {r['tensorwire_eager_ms']:.2f} ms | "
-            f"{r['tensorwire_captured_ms']:.2f} ms | {r['tensorwire_captured_host_us']:.0f} us |"
+            f"{r['tensorwire_captured_ms']:.2f} ms | {host} |"
         )
         if nccl:
             eager = f"{r['nccl_eager_ms']:.2f} ms" if "nccl_eager_ms" in r else "-"

@@ -85,6 +85,9 @@ class FreeDriver:
     def wait(self, stream: int, addr: int, value: int) -> None:
         pass
 
+    def wait_reset(self, stream: int, addr: int, value: int) -> None:
+        self.write(stream, addr, 0)
+
     def copy_tensor(self, stream: int, dst: Any, src: Any) -> None:
         dst.copy_(src)
 

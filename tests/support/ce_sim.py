@@ -161,6 +161,10 @@ class SimDriver:
 
         self.streams[stream].put(run)
 
+    def wait_reset(self, stream: int, addr: int, value: int) -> None:
+        self.wait(stream, addr, value)
+        self.write(stream, addr, 0)
+
     def copy_tensor(self, stream: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.streams[stream].put(lambda: dst.copy_(src))
 

@@ -40,6 +40,8 @@ _CU_POINTER_ATTRIBUTE_BUFFER_ID = 7
 _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
 _CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+_CU_STREAM_MEM_OP_WAIT_VALUE_32 = 1
+_CU_STREAM_MEM_OP_WRITE_VALUE_32 = 2
 _CUDA_ERROR_NOT_READY = 600
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
@@ -56,6 +58,21 @@ class _Handle(ctypes.Structure):
     """``CUipcMemHandle``: 64 opaque bytes, passed by value (a bare ctypes array would be passed as a pointer)."""
 
     _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+class _MemOp(ctypes.Structure):
+    """``CUstreamBatchMemOpParams`` as a wait or a write of a 32-bit value (the union's 48 bytes, that member)."""
+
+    _fields_ = [
+        ("operation", ctypes.c_uint32),
+        ("_pad0", ctypes.c_uint32),
+        ("address", ctypes.c_uint64),
+        ("value", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("_pad1", ctypes.c_uint32),
+        ("alias", ctypes.c_uint64),  # (for the driver's use)
+        ("_pad2", ctypes.c_uint64),
+    ]
 
 
 def _lib() -> Any:
@@ -117,6 +134,12 @@ class CeDriver:
         self._memcpy = _fn(lib, ("cuMemcpyAsync",), [u64, u64, c.c_size_t, p])
         self._write = _fn(lib, ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), [p, u64, u32, c.c_uint])
         self._wait = _fn(lib, ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), [p, u64, u32, c.c_uint])
+        try:  # (one call, one graph node, for a wait and a write: wait_reset)
+            self._batch: Any = _fn(
+                lib, ("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"), [p, c.c_uint, c.POINTER(_MemOp), c.c_uint]
+            )
+        except DriverError:
+            self._batch = None
         self._stream_create = _fn(lib, ("cuStreamCreate",), [c.POINTER(p), c.c_uint])
         self._stream_query = _fn(lib, ("cuStreamQuery",), [p])
         self._event_create = _fn(lib, ("cuEventCreate",), [c.POINTER(p), c.c_uint])
@@ -262,6 +285,23 @@ class CeDriver:
 
     def wait(self, stream: int, addr: int, value: int) -> None:
         self._check(self._wait(stream, addr, value & 0xFFFFFFFF, _CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+    def wait_reset(self, stream: int, addr: int, value: int) -> None:
+        """``stream`` waits until the word at ``addr`` reaches ``value``, then writes 0 there: one batch of two
+        stream memory operations (one call; captured, one graph node instead of two -- a replay's host time grows
+        with its nodes). Where the driver refuses the batch, the two operations one by one."""
+        batch = self._batch
+        if batch is not None:
+            ops = (_MemOp * 2)()
+            ops[0].operation, ops[0].address, ops[0].value = _CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, value & 0xFFFFFFFF
+            ops[0].flags = _CU_STREAM_WAIT_VALUE_GEQ
+            ops[1].operation, ops[1].address, ops[1].value = _CU_STREAM_MEM_OP_WRITE_VALUE_32, addr, 0
+            ops[1].flags = _CU_STREAM_WRITE_VALUE_DEFAULT
+            if batch(stream, 2, ops, 0) == 0:
+                return
+            self._batch = None  # (refused: not tried again)
+        self.wait(stream, addr, value)
+        self.write(stream, addr, 0)
 
     def capturing(self, stream: int) -> bool:
         """Whether ``stream`` is being captured into a CUDA graph (its work is recorded, not run)."""

@@ -125,8 +125,7 @@ class Capture:
             op.graph = SECOND
             op.stream = stream
             ready = dev + (DST_READY if sending else SRC_READY)
-            d.wait(stream, ready, 1)
-            d.write(stream, ready, 0)
+            d.wait_reset(stream, ready, 1)
             if nbytes:
                 try:
                     peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
@@ -143,9 +142,7 @@ class Capture:
         d = self.driver
         d.context(device)
         if op.graph == FIRST:
-            dev = op.flag_device_addr
-            d.wait(stream, dev, 1)
-            d.write(stream, dev, 0)
+            d.wait_reset(stream, op.flag_device_addr, 1)
         elif stream != op.stream:
             d.order(stream, op.stream, self._device(device)[3])
         op._complete(None)
