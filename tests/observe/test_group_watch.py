@@ -194,7 +194,11 @@ def test_the_settings_are_read_when_the_first_hooks_are_made(monkeypatch):
     monkeypatch.setattr(SWITCH, "_read", False)
     monkeypatch.setattr(SWITCH, "on", True)
     try:
-        gw = GroupWatch({1: _Transport("tcp", False)}, do_send=lambda ts, p, tag: Work(1.0, ts), do_recv=None)  # type: ignore[arg-type]
+        gw = GroupWatch(
+            {1: _Transport("tcp", False)},
+            do_send=lambda ts, p, tag: Work(1.0, ts),
+            do_recv=lambda ts, p, tag: Work(1.0, ts),
+        )
         gw.send([_Tensor(8, cuda=False)], 1, 0)
         assert observe.metrics()["totals"]["send"]["messages"] == 0 and observe.metrics()["enabled"] is False
         assert observe.sample_every() == 5
