@@ -10,6 +10,9 @@ of a message sees the setting of its turn. Each *cycle* runs three turns, in an 
 - ``off2``: counting off again -- nothing differs from ``off``, so ``off2 / off`` is what the figures move by
   when nothing changes (the noise floor of the same run, under the same load).
 
+In ``on`` the latency histograms time one message in ``TENSORWIRE_METRICS_SAMPLE`` per route (16 unless set;
+the header line says which): set it to 1 to measure timing every message.
+
 Measured:
 
 - ``backend``: ``dist.send`` / ``dist.recv`` of a 4 KiB tensor between two spawned ranks of
@@ -255,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows = link_turns(args.cycles, args.turn, args.seed)
             results.append(("Link over TCP, both ends in one thread (4 calls per round trip)", rows, before, load()))
+    from tensorwire import observe
+
     lines = [
         f"{args.cycles} cycles x 3 turns (off, on, off2 in a random order per cycle) x {args.turn} round trips of "
-        f"{SIZE} bytes; {os.cpu_count()} cores",
+        f"{SIZE} bytes; {os.cpu_count()} cores; counting on times one message in {observe.sample_every()} per route "
+        "(TENSORWIRE_METRICS_SAMPLE)",
         "",
         "| what | off: host us/call | on: host us/call | off2: host us/call | on / off host: median [95% CI] "
         "(IQR) | on / mean(off, off2) host | off2 / off host (noise floor) | on / off CPU | load before -> after |",

@@ -122,6 +122,13 @@ def _count(raw: str) -> int:
     return value
 
 
+def _every(raw: str) -> int:
+    value = int(raw.strip())
+    if value < 1:
+        raise ValueError("must be a whole number >= 1")
+    return value
+
+
 def _port(raw: str) -> int:
     value = int(raw.strip())
     if not 0 <= value <= 65535:
@@ -273,6 +280,13 @@ class Settings:
         "(`tw.metrics()`, the Prometheus endpoint); `0` turns counting off.",
         True,
         shown="1",
+    )
+    metrics_sample: int = _var(
+        _every,
+        "Time one message in this many of each route (a link's tensor name; a backend peer, direction and device "
+        "type), the first one included, for the call-time and completion histograms; messages, bytes, "
+        "completions and errors count every message. `1`: time every message.",
+        16,
     )
     metrics_port: int | None = _var(
         _port,

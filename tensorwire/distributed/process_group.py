@@ -146,7 +146,10 @@ class ProcessGroupTensorwire(dist.ProcessGroup):
             raise
         # counts and profiler ranges of send/recv (tensorwire.observe); set_path relabels a peer's CUDA traffic
         self._watch = GroupWatch(
-            {r: p.transport for r, p in self._peers.items()}, do_send=self._send_now, do_recv=self._recv_now
+            {r: p.transport for r, p in self._peers.items()},
+            do_send=self._send_now,
+            do_recv=self._recv_now,
+            cuda=torch.cuda.is_available(),
         )
         for r, p in self._peers.items():
             if p.ce is not None:

@@ -85,9 +85,17 @@ class Work(dist._Work):
             fut = self._fut
             streamed = self._streamed
             flow = self._flow
+            if flow is not None:
+                self._flow = None  # taken: counted here (see watch())
         self._finished(exc, streamed)
         if flow is not None:
-            self._counted(flow, exc)
+            t0 = self._t0
+            if t0:
+                flow.completed(t0)
+            else:  # (not timed: Flow.completed inline, one subtraction)
+                flow.open -= 1
+            if exc is not None:
+                self._on_error(exc)  # type: ignore[misc]
         if ev is not None:
             ev.set()
         if fut is not None:
@@ -96,23 +104,36 @@ class Work(dist._Work):
     def _finished(self, exc: BaseException | None, streamed: bool) -> None:
         """Hook: called once, right after the work completed (``streamed``: a stream waits for it)."""
 
-    def watch(self, flow: Any, t0: int, on_error: Callable[[BaseException], None]) -> bool:
-        """Count the time from ``t0`` (``perf_counter_ns``) to completion in ``flow`` (a
-        :class:`tensorwire.observe.registry.Flow`) and a failure with ``on_error``, when it completes (True);
-        False: it is complete already (a failure is counted now; the caller counts the time)."""
-        if not self._is_done:
-            with _STATE:
-                if not self._is_done:
-                    self._flow, self._t0, self._on_error = flow, t0, on_error
-                    return True
-        if self._exc is not None:
-            on_error(self._exc)
-        return False
+    def watch(self, flow: Any, t0: int, on_error: Callable[[BaseException], None]) -> None:
+        """Count this work's completion in ``flow`` (a :class:`tensorwire.observe.registry.Flow`; ``t0``: the
+        ``perf_counter_ns`` of its post, timed, or 0) and a failure with ``on_error``, when it completes.
 
-    def _counted(self, flow: Any, exc: BaseException | None) -> None:
-        flow.completed(time.perf_counter_ns() - self._t0)
-        if exc is not None and self._on_error is not None:
-            self._on_error(exc)
+        For a work that was not done when the caller looked (a done one the caller counts itself); the backend's
+        hooks do the same inline for a message they do not time. No lock: the stores, ``_flow`` last, then a
+        look at ``_is_done``. :meth:`_finish` takes ``_flow`` under ``_STATE`` after marking the work done, so
+        if it ran before the stores it marked the work done first and the look sees that; then
+        :meth:`_watched_late` and :meth:`_finish` each take ``_flow`` under the lock, and whichever finds it
+        still set counts the completion -- once. (Most works complete in their caller's thread, never between
+        the caller's look and the stores.)
+        """
+        if t0:  # (0 is the class's: one store less)
+            self._t0 = t0
+        self._on_error = on_error
+        self._flow = flow
+        if self._is_done:  # completed by another thread meanwhile
+            self._watched_late(flow)
+
+    def _watched_late(self, flow: Any) -> None:
+        """(see :meth:`watch`) The work completed while it was being watched: count it, unless :meth:`_finish`
+        took ``flow`` (and counted it)."""
+        with _STATE:
+            mine = self._flow is flow
+            if mine:
+                self._flow = None
+        if mine:
+            flow.completed(self._t0)
+            if self._exc is not None and self._on_error is not None:
+                self._on_error(self._exc)
 
     def _settle(self, fut: torch.futures.Future) -> None:
         if fut.done():

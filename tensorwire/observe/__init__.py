@@ -29,7 +29,15 @@ from typing import Any
 
 from tensorwire.observe.exporter import EXPORTER, P2PCollector, render
 from tensorwire.observe.hooks import GroupWatch, LinkWatch, profiler_flag, profiling, traced_wait
-from tensorwire.observe.registry import CE_PARTS, PATHS, REGISTRY, enabled, set_enabled
+from tensorwire.observe.registry import (
+    CE_PARTS,
+    PATHS,
+    REGISTRY,
+    enabled,
+    sample_every,
+    set_enabled,
+    set_sample_every,
+)
 from tensorwire.settings import setting
 
 __all__ = [
@@ -37,6 +45,8 @@ __all__ = [
     "reset",
     "enabled",
     "set_enabled",
+    "sample_every",
+    "set_sample_every",
     "profiling",
     "profiler_flag",
     "start_endpoint",
@@ -63,8 +73,9 @@ log = logging.getLogger(__name__)
 def metrics() -> dict[str, Any]:
     """This process's point-to-point counts as plain data (``tw.metrics()``).
 
-    Keys: ``flows`` (one dict per peer, path and direction: ``messages``, ``bytes``,
-    ``call_seconds`` and ``completion_seconds`` with their bucket counts, ``completed``),
+    Keys: ``flows`` (one dict per peer, path and direction: ``messages``, ``bytes`` and ``completed``, every
+    message; ``call_seconds`` and ``completion_seconds`` with their bucket counts, of the ``timed`` messages:
+    one in :func:`sample_every` of each route, see :mod:`.registry`),
     ``negotiations``, ``fallbacks`` (``wanted``, ``taken``, ``reason``), ``errors``
     (``kind``: the error's class), ``held`` (``slots``, ``slot_bytes``, ``mapped_bytes``),
     ``ce`` (per peer on the copy-engine path, how many of this side's messages played each part of
@@ -154,7 +165,7 @@ def summary(rank: int | None = None) -> str:
         )
         detail = ", ".join(
             f"{f['path']}->{f['peer']} {f['messages']}"
-            + (f" ({f['call_seconds'] / f['messages'] * 1e6:.0f} us/call)" if f["messages"] else "")
+            + (f" ({f['call_seconds'] / f['timed'] * 1e6:.0f} us/call)" if f["timed"] else "")
             for f in per
         )
         parts.append(f"{d} {t['messages']} msgs {_size(t['bytes'])}" + (f" [{detail}]" if detail else ""))

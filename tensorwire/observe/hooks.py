@@ -3,9 +3,10 @@
 One object per link (:class:`LinkWatch`) and one per process group
 (:class:`GroupWatch`) sits between the public method and the work it does:
 
-- with counting on (:mod:`.registry`) and no profiler, a call costs two clock
-  readings and one locked update of its flow (``bench/bench_observe.py``
-  measures it against counting off);
+- with counting on (:mod:`.registry`) and no profiler, a call costs a few
+  additions to its flow, and one call in ``TENSORWIRE_METRICS_SAMPLE`` of each
+  route (16 unless set) two clock readings and a bucket more: it is timed
+  (``bench/bench_observe_cost.py`` measures it against counting off);
 - while a ``torch.profiler`` session records, each call also runs inside a
   ``record_function`` range named with the operation, the peer, the tag (or the
   tensor's name), the bytes and the path, e.g.
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tensorwire.observe.registry import LAST, REGISTRY, SWITCH, Flow
+from tensorwire.observe.registry import REGISTRY, SWITCH, Flow
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -96,7 +97,9 @@ class Route:
 
     ``nbytes``: the bytes of every message (static specs), or None (read from the tensor). ``cma``: the
     transport's cross-memory-attach state, when it has one: messages of at least its ``min_bytes`` that it
-    sends that way count under ``cma``.
+    sends that way count under ``cma``. ``due``: messages until the next timed one (1: the next), counted down
+    by the hooks (the route's messages are timed one in ``SWITCH.every``; a race of two threads on one route
+    can time one message more or fewer, never lose a count).
     """
 
     __slots__ = (
@@ -110,6 +113,7 @@ class Route:
         "cma_flow",
         "fallback_due",
         "on_error",
+        "due",
     )
 
     def __init__(self, peer: int, path: str, direction: str, *, nbytes: int | None = None, cma: Any = None) -> None:
@@ -125,6 +129,7 @@ class Route:
         self.cma_flow: Flow | None = None  # made by the first message that goes by cma
         self.fallback_due = path == "staged"  # a staged route of the backend: its fallback is still to be counted
         self.on_error = self.failed  # (bound once: a work keeps it)
+        self.due = 1  # the first message is timed
 
     def flow_for(self, nbytes: int) -> Flow:
         cma = self.cma
@@ -190,6 +195,7 @@ class LinkWatch:
             REGISTRY.fell_back(peer, "ucx", "staged", f"{transport_path(transport)}_cannot_reach_cuda")
         self._prof = _profiler_enabled()
         self._held: list[tuple[str, int, int]] = []
+        SWITCH.load()  # (TENSORWIRE_METRICS and TENSORWIRE_METRICS_SAMPLE, read once per process)
 
     def hold(self, slots: "list[Any]") -> None:
         """Count the link's slots as held (by the path of the link's transport), until :meth:`release`."""
@@ -205,32 +211,30 @@ class LinkWatch:
         for label, n, total in held:
             REGISTRY.hold(self.peer, label, slots=-n, nbytes=-total)
 
-    # send and recv: the whole cost of a counted message is inline below -- two clock readings, one bucket, three
-    # additions; no call of ours below cma's threshold (bench/bench_observe_cost.py)
+    # send and recv: the whole cost of a counted message that is not timed is inline below -- a countdown and
+    # two additions, no call of ours below cma's threshold; a timed one (one in SWITCH.every) goes through
+    # _timed: two clock readings and a bucket more (bench/bench_observe_cost.py)
     def send(self, name: str, tensor: "torch.Tensor", timeout: float | None) -> None:
         if self._prof():
             return self._traced("send", self._send, self._do_send, name, tensor, timeout)
         r = self._send.get(name)
         if r is None or not SWITCH.on:
             return self._do_send(name, tensor, timeout)
-        t0 = _clock()
+        due = r.due - 1
+        if not due:
+            return self._timed("send", r, self._do_send, name, tensor, timeout)
+        r.due = due
         try:
             self._do_send(name, tensor, timeout)
         except BaseException as exc:
             REGISTRY.error(self.peer, r.path, exc)
             raise
-        ns = _clock() - t0
         n = r.nbytes
         if n is None:
             n = _nbytes(tensor)
         f = r.flow if n < r.cma_min else r.flow_for(n)
-        i = (ns // 1000).bit_length()
-        if i > LAST:
-            i = LAST
-        # Flow.called inline (a method call costs as much as the update)
+        f.messages += 1
         f.bytes += n
-        f.sync_ns += ns
-        f.sync[i] += 1
 
     def recv(self, name: str, out: "torch.Tensor | None", timeout: float | None) -> "torch.Tensor":
         if self._prof():
@@ -238,23 +242,21 @@ class LinkWatch:
         r = self._recv.get(name)
         if r is None or not SWITCH.on:
             return self._do_recv(name, out, timeout)
-        t0 = _clock()
+        due = r.due - 1
+        if not due:
+            return self._timed("recv", r, self._do_recv, name, out, timeout)
+        r.due = due
         try:
             got = self._do_recv(name, out, timeout)
         except BaseException as exc:
             REGISTRY.error(self.peer, r.path, exc)
             raise
-        ns = _clock() - t0
         n = r.nbytes
         if n is None:
             n = _nbytes(got)
         f = r.flow if n < r.cma_min else r.flow_for(n)
-        i = (ns // 1000).bit_length()
-        if i > LAST:
-            i = LAST
+        f.messages += 1
         f.bytes += n
-        f.sync_ns += ns
-        f.sync[i] += 1
         return got
 
     def isend(self, name: str, tensor: "torch.Tensor", timeout: float | None) -> Any:
@@ -263,24 +265,49 @@ class LinkWatch:
         r = self._send.get(name)
         if r is None or not SWITCH.on:
             return self._do_isend(name, tensor, timeout)
-        return self._isend(r, name, tensor, timeout)
-
-    def _isend(self, r: Route, name: str, tensor: Any, timeout: float | None) -> Any:
-        t0 = _clock()
+        due = r.due - 1
+        if not due:
+            return self._timed("isend", r, self._do_isend, name, tensor, timeout)
+        r.due = due
         try:
             handle = self._do_isend(name, tensor, timeout)
         except BaseException as exc:
             REGISTRY.error(self.peer, r.path, exc)
             raise
         n = r.nbytes if r.nbytes is not None else _nbytes(tensor)
-        flow = r.flow_for(n)
-        flow.post(n, _clock() - t0)
-        handle.watch(flow, t0)
+        f = r.flow_for(n)
+        f.messages += 1
+        f.bytes += n
+        f.open += 1
+        handle.watch(f, 0)
         return handle
+
+    def _timed(self, op: str, r: Route, fn: Callable[..., Any], name: str, t: Any, timeout: Any) -> Any:
+        """``op`` (send, recv, isend) of ``name`` through ``fn``, counted and timed (the route's next timed
+        message is ``SWITCH.every`` on)."""
+        r.due = SWITCH.every
+        t0 = _clock()
+        try:
+            got = fn(name, t, timeout)
+        except BaseException as exc:
+            REGISTRY.error(self.peer, r.path, exc)
+            raise
+        ns = _clock() - t0
+        n = r.nbytes
+        if n is None:
+            n = _nbytes(got if op == "recv" else t)
+        f = r.flow_for(n)
+        if op == "isend":
+            f.post(n, ns)
+            got.watch(f, t0)
+        else:
+            f.called(n, ns)
+        return got
 
     def _traced(
         self, op: str, routes: dict[str, Route], fn: Callable[..., Any], name: str, t: Any, timeout: Any
     ) -> Any:
+        """``op`` inside a profiler range (a profiler records; every message is timed then)."""
         r = routes.get(name)
         if r is None:
             return traced(f"tensorwire.link.{op} {name} peer={self.peer}", fn, name, t, timeout)
@@ -291,18 +318,7 @@ class LinkWatch:
         from torch.autograd.profiler import record_function
 
         with record_function(label):
-            if op == "isend":
-                return self._isend(r, name, t, timeout)
-            t0 = _clock()
-            try:
-                got = fn(name, t, timeout)
-            except BaseException as exc:
-                REGISTRY.error(self.peer, r.path, exc)
-                raise
-            if r.nbytes is None and op == "recv":
-                n = _nbytes(got)
-            r.flow_for(n).called(n, _clock() - t0)
-            return got
+            return self._timed(op, r, fn, name, t, timeout)
 
 
 class GroupWatch:
@@ -311,7 +327,9 @@ class GroupWatch:
 
     Args:
         peers: the data connection to each other rank.
-        do_send(tensors, dst, tag) -> Work, do_recv(tensors, src, tag) -> Work: the group's own operations.
+        do_send(tensors, dst, tag) -> Work, do_recv(tensors, src, tag) -> Work: the group's own operations
+            (a :class:`tensorwire.distributed.work.Work`: the hooks read its ``_is_done`` and ``_exc``).
+        cuda: whether a tensor can be a CUDA one in this process (False: the hooks do not ask a tensor).
     """
 
     def __init__(
@@ -320,60 +338,72 @@ class GroupWatch:
         *,
         do_send: Callable[[list[Any], int, int], Any],
         do_recv: Callable[[list[Any], int, int], Any],
+        cuda: bool = True,
     ) -> None:
         self._do_send = do_send
         self._do_recv = do_recv
+        self._cuda = cuda
         self._prof = _profiler_enabled()
-        # peer -> (host route, CUDA route), one dict per direction
-        self._sends: dict[int, tuple[Route, Route]] = {}
-        self._recvs: dict[int, tuple[Route, Route]] = {}
-        self._routes: dict[str, dict[int, tuple[Route, Route]]] = {"send": self._sends, "recv": self._recvs}
+        SWITCH.load()  # (TENSORWIRE_METRICS and TENSORWIRE_METRICS_SAMPLE, read once per process)
+        # peer -> route, per direction: of host tensors and of CUDA tensors (the hooks look up the host one first:
+        # in a process without CUDA it is the only one asked for)
+        self._host: dict[str, dict[int, Route]] = {"send": {}, "recv": {}}
+        self._dev: dict[str, dict[int, Route]] = {"send": {}, "recv": {}}
+        self._hsend, self._hrecv = self._host["send"], self._host["recv"]
+        self._dsend, self._drecv = self._dev["send"], self._dev["recv"]
         for peer, t in peers.items():
             cma = getattr(t, "cma", None)
-            for d, routes in self._routes.items():
-                routes[peer] = (Route(peer, transport_path(t), d, cma=cma), Route(peer, cuda_path(t), d))
+            for d in ("send", "recv"):
+                self._host[d][peer] = Route(peer, transport_path(t), d, cma=cma)
+                self._dev[d][peer] = Route(peer, cuda_path(t), d)
 
     def set_path(self, peer: int, *, cuda: str | None = None, host: str | None = None) -> None:
         """Count the CUDA (or host) tensors to and from ``peer`` under ``cuda`` (or ``host``) from now on (e.g.
         ``cuda="ce"`` once the copy-engine path to that peer is set up)."""
-        for d, routes in self._routes.items():
-            h, c = routes[peer]
-            routes[peer] = (h if host is None else Route(peer, host, d), c if cuda is None else Route(peer, cuda, d))
+        for d in ("send", "recv"):
+            if host is not None:
+                self._host[d][peer] = Route(peer, host, d)
+            if cuda is not None:
+                self._dev[d][peer] = Route(peer, cuda, d)
 
-    # send and recv: the same code, inline -- what follows is a counted message's whole cost, with no call of
-    # ours below cma's threshold (bench/bench_observe_cost.py measures it against counting off)
+    # send and recv: the same code, inline -- what follows is the whole cost of a counted message that is not
+    # timed (a countdown, a few additions), with no call of ours below cma's threshold; a timed one (one in
+    # SWITCH.every) goes through _timed (bench/bench_observe_cost.py measures it against counting off)
     def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
         """``send`` of the group, counted (and in a profiler range while one records)."""
         if self._prof():
             return self._traced("send", self._do_send, tensors, dst, tag)
         if not SWITCH.on:
             return self._do_send(tensors, dst, tag)
-        routes = self._sends.get(dst)
-        if routes is None or len(tensors) != 1:
+        try:
+            r = self._hsend[dst]
+            (t,) = tensors
+        except (KeyError, TypeError, ValueError):
             return self._do_send(tensors, dst, tag)  # (raises: not a peer, not one tensor)
-        t = tensors[0]
-        r = routes[1] if t.is_cuda else routes[0]
-        if r.fallback_due:  # (staged CUDA tensors: the fallback is counted once)
-            self._note_staged(r, routes[0].path)
+        if self._cuda and t.is_cuda:
+            r = self._device_route("send", dst)
         n = t.nbytes
-        t0 = _clock()
+        due = r.due - 1
+        if not due:
+            return self._timed(r, self._do_send, tensors, dst, tag, n)
+        r.due = due
         try:
             work = self._do_send(tensors, dst, tag)
         except BaseException as exc:
             r.failed(exc)
             raise
-        ns = _clock() - t0
         f = r.flow if n < r.cma_min else r.flow_for(n)
-        i = (ns // 1000).bit_length()
-        if i > LAST:
-            i = LAST
+        f.messages += 1
         f.bytes += n
-        if work.watch(f, t0, r.on_error):  # completes later: its completion is counted then
-            f.posted_ns += ns
-            f.posted[i] += 1
-        else:  # completed in the call (most host sends): a blocking call
-            f.sync_ns += ns
-            f.sync[i] += 1
+        if work._is_done:  # completed in the call (most host sends)
+            if work._exc is not None:
+                r.failed(work._exc)
+        else:  # completes later: counted then (Work.watch inline, untimed: see its docstring)
+            f.open += 1
+            work._on_error = r.on_error
+            work._flow = f
+            if work._is_done:
+                work._watched_late(f)
         return work
 
     def recv(self, tensors: list[Any], src: int, tag: int) -> Any:
@@ -382,69 +412,85 @@ class GroupWatch:
             return self._traced("recv", self._do_recv, tensors, src, tag)
         if not SWITCH.on:
             return self._do_recv(tensors, src, tag)
-        routes = self._recvs.get(src)
-        if routes is None or len(tensors) != 1:
+        try:
+            r = self._hrecv[src]
+            (t,) = tensors
+        except (KeyError, TypeError, ValueError):
             return self._do_recv(tensors, src, tag)  # (raises: not a peer, not one tensor)
-        t = tensors[0]
-        r = routes[1] if t.is_cuda else routes[0]
-        if r.fallback_due:  # (staged CUDA tensors: the fallback is counted once)
-            self._note_staged(r, routes[0].path)
+        if self._cuda and t.is_cuda:
+            r = self._device_route("recv", src)
         n = t.nbytes
-        t0 = _clock()
+        due = r.due - 1
+        if not due:
+            return self._timed(r, self._do_recv, tensors, src, tag, n)
+        r.due = due
         try:
             work = self._do_recv(tensors, src, tag)
         except BaseException as exc:
             r.failed(exc)
             raise
-        ns = _clock() - t0
         f = r.flow if n < r.cma_min else r.flow_for(n)
-        i = (ns // 1000).bit_length()
-        if i > LAST:
-            i = LAST
+        f.messages += 1
         f.bytes += n
-        if work.watch(f, t0, r.on_error):  # completes later: its completion is counted then
-            f.posted_ns += ns
-            f.posted[i] += 1
-        else:  # completed in the call (most host sends): a blocking call
-            f.sync_ns += ns
-            f.sync[i] += 1
+        if work._is_done:  # completed in the call (most host sends)
+            if work._exc is not None:
+                r.failed(work._exc)
+        else:  # completes later: counted then (Work.watch inline, untimed: see its docstring)
+            f.open += 1
+            work._on_error = r.on_error
+            work._flow = f
+            if work._is_done:
+                work._watched_late(f)
         return work
 
+    def _device_route(self, direction: str, peer: int) -> Route:
+        """The route of a CUDA tensor to or from ``peer`` (a staged one counts its fallback once)."""
+        r = self._dev[direction][peer]
+        if r.fallback_due:
+            r.fallback_due = False
+            REGISTRY.fell_back(peer, "ucx", "staged", f"{self._host[direction][peer].path}_cannot_reach_cuda")
+        return r
+
     @staticmethod
-    def _note_staged(r: Route, host_path: str) -> None:
-        r.fallback_due = False
-        REGISTRY.fell_back(r.peer, "ucx", "staged", f"{host_path}_cannot_reach_cuda")
+    def _timed(
+        r: Route, fn: Callable[[list[Any], int, int], Any], tensors: list[Any], peer: int, tag: int, n: int
+    ) -> Any:
+        """``fn(tensors, peer, tag)`` (a message of ``n`` bytes), counted and timed (the route's next timed
+        message is ``SWITCH.every`` on)."""
+        r.due = SWITCH.every
+        t0 = _clock()
+        try:
+            work = fn(tensors, peer, tag)
+        except BaseException as exc:
+            r.failed(exc)
+            raise
+        ns = _clock() - t0
+        f = r.flow_for(n)
+        if work._is_done:  # a blocking call: its call time is its time to completion
+            f.called(n, ns)
+            if work._exc is not None:
+                r.failed(work._exc)
+        else:
+            f.post(n, ns)
+            work.watch(f, t0, r.on_error)
+        return work
 
     def _traced(
         self, direction: str, fn: Callable[[list[Any], int, int], Any], tensors: list[Any], peer: int, tag: int
     ) -> Any:
-        """:meth:`send` / :meth:`recv` inside a profiler range (a profiler records)."""
+        """:meth:`send` / :meth:`recv` inside a profiler range (a profiler records; every message is timed)."""
         from torch.autograd.profiler import record_function
 
-        routes = self._routes[direction].get(peer)
-        if routes is None or len(tensors) != 1:
+        host = self._host[direction].get(peer)
+        if host is None or len(tensors) != 1:
             return traced(f"tensorwire.{direction} peer={peer} tag={tag}", fn, tensors, peer, tag)
         t = tensors[0]
-        r = routes[1] if t.is_cuda else routes[0]
+        r = self._device_route(direction, peer) if t.is_cuda else host
         n = int(t.nbytes)
         with record_function(f"tensorwire.{direction} peer={peer} tag={tag} bytes={n} path={r.path_for(n)}"):
             if not SWITCH.on:
                 return fn(tensors, peer, tag)
-            if r.fallback_due:
-                self._note_staged(r, routes[0].path)
-            t0 = _clock()
-            try:
-                work = fn(tensors, peer, tag)
-            except BaseException as exc:
-                r.failed(exc)
-                raise
-            f = r.flow_for(n)
-            ns = _clock() - t0
-            if work.watch(f, t0, r.on_error):
-                f.post(n, ns)
-            else:
-                f.called(n, ns)
-            return work
+            return self._timed(r, fn, tensors, peer, tag, n)
 
 
 def traced_wait(wait: Callable[[Any], bool], describe: Callable[[], str], timeout: Any) -> bool:

@@ -3,11 +3,12 @@
 What is counted (the names under which :mod:`.exporter` publishes them are in
 ``docs/operations.md``):
 
-- per flow (``peer``, ``path``, ``direction``): messages, bytes, the host time
-  each call took (``send``/``recv``/``isend``/``irecv`` of a link or of the
-  backend, until it returned), and, for operations that complete after their
-  call returned (an ``isend`` or ``irecv``), the time from the post to the
-  completion (blocking calls count their call time there too);
+- per flow (``peer``, ``path``, ``direction``): messages, bytes and
+  completions; for the timed messages (below), the host time each call took
+  (``send``/``recv``/``isend``/``irecv`` of a link or of the backend, until it
+  returned), and, for operations that complete after their call returned (an
+  ``isend`` or ``irecv``), the time from the post to the completion (blocking
+  calls count their call time there too);
 - events: links negotiated, by the path chosen; fallbacks, with the path
   wanted, the path taken and the reason; errors, by error class; slots and
   bytes held, and bytes mapped from peers, by peer and path.
@@ -15,6 +16,19 @@ What is counted (the names under which :mod:`.exporter` publishes them are in
 Paths: ``ucx``, ``tcp``, ``cma`` (TCP links whose large messages go by
 cross-memory attach), ``staged`` (CUDA tensors through pinned host memory),
 ``ce`` (the copy-engine path within a host); ``peer`` is the peer's rank.
+
+Messages, bytes, completions and errors count every message. Latencies are
+timed for one message in ``TENSORWIRE_METRICS_SAMPLE`` (16 unless set; 1:
+every message) of each route -- a link's name, or a backend peer, direction and
+device type -- its first message and every 16th after a timed one. Why: the two
+clock readings and the bucket of every message, and following every backend
+work to its completion with a time, cost a 4 KiB message over TCP on a 2-core
+VM about the whole 1.02x budget of counting (issue 32,
+``bench/bench_observe_cost.py``), so a timed message pays them and the others
+pay a countdown and a few integer additions. The histograms are then a sample: their
+``_count`` is the timed messages, their ``_sum`` those messages' time, and a
+mean (``_sum / _count``) or quantile estimates all messages' as any sample
+does (while a profiler records, every message is timed).
 
 Latencies go into histograms of power-of-two buckets in microseconds (1, 2,
 4 ... 2**24 µs, then +Inf): a bucket is one integer division and one
@@ -34,6 +48,7 @@ leaves are imported here.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from tensorwire.settings import setting
@@ -50,6 +65,8 @@ __all__ = [
     "bucket",
     "enabled",
     "set_enabled",
+    "sample_every",
+    "set_sample_every",
 ]
 
 #: Upper bounds (µs) of the latency buckets; one more bucket, +Inf, follows.
@@ -66,6 +83,9 @@ PATHS = ("ucx", "tcp", "cma", "staged", "ce")
 CE_PARTS = ("first", "second_inline", "second_queued", "push_waited", "push_wait_missed")
 
 
+_clock = time.perf_counter_ns
+
+
 def bucket(ns: int) -> int:
     """The bucket of a latency of ``ns`` nanoseconds: ``k`` holds [2**(k-1), 2**k) µs, 0 holds < 1 µs."""
     i = (ns // 1000).bit_length()
@@ -75,22 +95,41 @@ def bucket(ns: int) -> int:
 class Flow:
     """Counts of one (peer, path, direction), written by the threads moving its messages, read by scrapes.
 
-    Three histograms (bucket counts, and the nanoseconds summed): ``sync`` (blocking calls: their call time is
-    their time to completion), ``posted`` (calls that return before the message completes) and ``done`` (those
-    messages' post -> completion). Exposed as the call-time histogram ``sync + posted`` and the completion
-    histogram ``sync + done``; messages are ``sync + posted`` calls. Hooks on a hot path update the fields
-    inline (``bench/bench_observe.py``: each method call counts there); the methods are the same updates.
+    Every message: ``messages``, ``bytes``; ``open``: posted messages not complete yet (a blocking call's
+    message is complete when it returns: only a call that returns before its message completes adds one, its
+    completion takes it off; not zeroed by :meth:`reset`, a gauge), so completed messages are
+    ``messages - open`` without an update per blocking call. Timed messages only (the sample, see the module docstring), three histograms
+    (bucket counts, and the nanoseconds summed): ``sync`` (blocking calls: their call time is their time to
+    completion), ``posted`` (calls that return before the message completes) and ``done`` (those messages'
+    post -> completion). Exposed as the call-time histogram ``sync + posted`` and the completion histogram
+    ``sync + done``. Hooks on a hot path update the fields inline (``bench/bench_observe.py``: each method
+    call counts there); the methods are the same updates.
     """
 
-    __slots__ = ("peer", "path", "direction", "bytes", "sync_ns", "sync", "posted_ns", "posted", "done_ns", "done")
+    __slots__ = (
+        "peer",
+        "path",
+        "direction",
+        "messages",
+        "bytes",
+        "open",
+        "sync_ns",
+        "sync",
+        "posted_ns",
+        "posted",
+        "done_ns",
+        "done",
+    )
 
     def __init__(self, peer: str, path: str, direction: str) -> None:
         self.peer = peer
         self.path = path
         self.direction = direction
+        self.open = 0
         self.reset()
 
     def reset(self) -> None:
+        self.messages = 0
         self.bytes = 0
         self.sync_ns = 0
         self.sync = [0] * NBUCKETS
@@ -100,40 +139,49 @@ class Flow:
         self.done = [0] * NBUCKETS
 
     def called(self, nbytes: int, ns: int) -> None:
-        """A blocking call moved one message of ``nbytes`` in ``ns`` ns (also its time to completion)."""
+        """A blocking call moved one message of ``nbytes`` in ``ns`` ns (timed; also its time to completion)."""
         i = bucket(ns)
         # (no call and no loop from here on: no other thread runs in between; see the module docstring)
+        self.messages += 1
         self.bytes += nbytes
         self.sync_ns += ns
         self.sync[i] += 1
 
     def post(self, nbytes: int, ns: int) -> None:
-        """A call posted one message of ``nbytes`` in ``ns`` ns; its completion is counted by :meth:`completed`."""
+        """A call posted one message of ``nbytes`` in ``ns`` ns (timed); its completion is :meth:`completed`."""
         i = bucket(ns)
+        self.messages += 1
         self.bytes += nbytes
+        self.open += 1
         self.posted_ns += ns
         self.posted[i] += 1
 
-    def completed(self, ns: int) -> None:
-        """A posted message completed ``ns`` ns after its post (called per message: :func:`bucket` inline)."""
-        i = (ns // 1000).bit_length()
-        if i > LAST:
-            i = LAST
-        self.done_ns += ns
-        self.done[i] += 1
+    def completed(self, t0: int) -> None:
+        """A posted message completed; ``t0``: the ``perf_counter_ns`` of its post (timed), or 0 (not timed)."""
+        if t0:
+            ns = _clock() - t0
+            i = (ns // 1000).bit_length()
+            if i > LAST:
+                i = LAST
+            self.done_ns += ns
+            self.done[i] += 1
+        self.open -= 1
 
     def read(self) -> dict[str, Any]:
-        """A copy of the counts."""
+        """A copy of the counts (``timed``: the messages in the histograms' sample; ``completed``: at least 0 --
+        messages posted before a :meth:`reset` and still open then are not in ``messages``)."""
         sync, posted, done = list(self.sync), list(self.posted), list(self.done)
         sync_ns = self.sync_ns
+        messages = self.messages
         return {
-            "messages": sum(sync) + sum(posted),
+            "messages": messages,
             "bytes": self.bytes,
+            "timed": sum(sync) + sum(posted),
             "call_seconds": (sync_ns + self.posted_ns) / 1e9,
             "call_buckets": [a + b for a, b in zip(sync, posted)],
             "completion_seconds": (sync_ns + self.done_ns) / 1e9,
             "completion_buckets": [a + b for a, b in zip(sync, done)],
-            "completed": sum(sync) + sum(done),
+            "completed": max(0, messages - self.open),
         }
 
 
@@ -247,17 +295,20 @@ REGISTRY = Registry()
 
 
 class _Switch:
-    """Whether hooks count (read on every message: one attribute of one object)."""
+    """Whether hooks count, and one message in how many they time (read on every message: attributes of one
+    object)."""
 
-    __slots__ = ("on", "_read")
+    __slots__ = ("on", "every", "_read")
 
     def __init__(self) -> None:
         self.on = True
+        self.every = 16
         self._read = False
 
     def load(self) -> bool:
         if not self._read:
             self.on = bool(setting("metrics"))
+            self.every = int(setting("metrics_sample"))
             self._read = True
         return self.on
 
@@ -272,5 +323,20 @@ def enabled() -> bool:
 
 def set_enabled(on: bool) -> None:
     """Turn counting on or off for this process from now on (what was counted stays)."""
-    SWITCH._read = True
+    SWITCH.load()
     SWITCH.on = bool(on)
+
+
+def sample_every() -> int:
+    """One message in how many of each route is timed (``TENSORWIRE_METRICS_SAMPLE``, unless
+    :func:`set_sample_every` said otherwise)."""
+    SWITCH.load()
+    return SWITCH.every
+
+
+def set_sample_every(n: int) -> None:
+    """Time one message in ``n`` of each route from each route's next timed message on (1: every message)."""
+    if int(n) < 1:
+        raise ValueError(f"one message in n is timed: n must be >= 1, not {n}")
+    SWITCH.load()
+    SWITCH.every = int(n)

@@ -43,14 +43,14 @@ class SendHandle:
         self._t0 = 0
 
     def watch(self, flow: Any, t0: int) -> None:
-        """Count the time from ``t0`` (``perf_counter_ns``) to the completion this handle first reports
-        (``done()`` true or ``wait()`` returning) in ``flow`` (a :class:`tensorwire.observe.registry.Flow`)."""
+        """Count the completion this handle first reports (``done()`` true or ``wait()`` returning) in ``flow``
+        (a :class:`tensorwire.observe.registry.Flow`), timed from ``t0`` (``perf_counter_ns``; 0: not timed)."""
         self._flow, self._t0 = flow, t0
 
     def _seen_done(self) -> None:
         flow, self._flow = self._flow, None
         if flow is not None:
-            flow.completed(time.perf_counter_ns() - self._t0)
+            flow.completed(self._t0)
 
     def done(self) -> bool:
         if self._op is not None:

@@ -24,9 +24,12 @@ SIZE = 4096
 @pytest.fixture
 def links():
     """(a, b): two Links over one TCP connection, a sends ``x`` (4 KiB) to b and b sends ``ack`` (1 byte) back;
-    a is rank 0 and b rank 1. Counting is reset around the test."""
+    a is rank 0 and b rank 1. Counting is reset around the test, and every message is timed (a test of the
+    sample sets its own rate)."""
     observe.reset()
     observe.set_enabled(True)
+    every = observe.sample_every()
+    observe.set_sample_every(1)
     lst = TcpListener("127.0.0.1", port=0)
     ta, tb = tcp_pair(lst)
     x, ack = TensorSpec("x", (SIZE,), "uint8", "cpu"), TensorSpec("ack", (1,), "uint8", "cpu")
@@ -40,6 +43,7 @@ def links():
         lst.close()
         observe.reset()
         observe.set_enabled(True)
+        observe.set_sample_every(every)
 
 
 def _flow(peer: str, direction: str, path: str = "tcp") -> dict:
@@ -252,3 +256,22 @@ def test_summary_line_is_written_at_info_and_not_otherwise(links, monkeypatch, c
     monkeypatch.setenv("TENSORWIRE_LOG", "loud")
     with pytest.raises(ConfigError, match="TENSORWIRE_LOG"):
         observe.log_summary(0)
+
+
+def test_a_link_times_one_message_in_n_and_counts_every_one(links):
+    """TENSORWIRE_METRICS_SAMPLE on a link: blocking calls and isends, each name a route of its own."""
+    a, b = links
+    observe.set_sample_every(3)
+    _exchange(a, b, 7)  # messages 1, 4 and 7 of each name are timed
+    src = torch.zeros(SIZE, dtype=torch.uint8)
+    handles = [a.isend("x", src) for _ in range(2)]  # the 8th (not timed) and 9th (not timed) of "x"
+    for h in handles:
+        h.wait()
+        b.recv("x")
+    sent, acks = _flow("1", "send"), _flow("0", "send")
+    assert sent["messages"] == 9 and sent["bytes"] == 9 * SIZE and sent["completed"] == 9
+    assert sent["timed"] == 3 and sum(sent["call_buckets"]) == sum(sent["completion_buckets"]) == 3
+    assert acks["messages"] == 7 and acks["timed"] == 3 and acks["completed"] == 7
+    text = observe.render().decode()
+    assert 'tensorwire_p2p_messages_total{direction="send",path="tcp",peer="1"} 9.0' in text
+    assert 'tensorwire_p2p_call_seconds_count{direction="send",path="tcp",peer="1"} 3.0' in text

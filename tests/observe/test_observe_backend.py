@@ -53,7 +53,11 @@ def test_backend_ranges_counts_endpoint_and_summary_of_a_two_rank_exchange(trans
     key = tuple(sorted({"peer": "1", "path": transport, "direction": "send"}.items()))
     assert s[("tensorwire_p2p_messages_total", key)] == 3 + n
     assert s[("tensorwire_p2p_bytes_total", key)] == (3 + n) * BYTES
-    assert s[("tensorwire_p2p_completion_seconds_count", key)] == 3 + n
+    # the histograms hold the sample: the 3 messages under the profiler (all timed), then one in 16 (the default
+    # TENSORWIRE_METRICS_SAMPLE: each route's 16th message after a timed one)
+    assert sent["timed"] == 3 + n // 16
+    assert s[("tensorwire_p2p_completion_seconds_count", key)] == s[("tensorwire_p2p_call_seconds_count", key)]
+    assert s[("tensorwire_p2p_completion_seconds_count", key)] == 3 + n // 16
     assert s[("tensorwire_p2p_negotiations_total", (("path", transport), ("peer", "1")))] == 1
     # the summary line at destroy_process_group() (TENSORWIRE_LOG=info)
     assert f"tensorwire rank 0: send {4 + n} msgs" not in r0["summary"]  # (the batch's receive is a recv)
