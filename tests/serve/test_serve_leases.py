@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from tensorwire.serve.client import shm_maps
 from tensorwire.serve.client.client import LEASES_ENV, Client
 from tensorwire.serve.client.shm_path import leases_wanted as _leases_wanted
 from tensorwire.errors import NotFoundError, TensorWireError
@@ -202,6 +203,7 @@ def test_a_lease_does_not_outlive_its_daemon(sig):
             assert torch.equal(c.get("x"), torch.ones(4096)) and c.lease_reads == 1
             d.signal(sig)
             d.wait(30)
+            time.sleep(2 * shm_maps.LeaseTable.ALIVE_FOR)  # the longest a lease may outlive a killed daemon
             # the table of a dead daemon never changes again: the lease must not be used
             with pytest.raises(TensorWireError):
                 c.get("x")

@@ -40,7 +40,7 @@ def as_tensor(what: str, obj: Any, *, writable: bool = False) -> "torch.Tensor":
     import torch
 
     if isinstance(obj, torch.Tensor):
-        if obj.device.type not in ("cpu", "cuda"):
+        if not (obj.is_cpu or obj.is_cuda):
             raise SpecError(f"{what} is on {obj.device}: a serve client reads and writes CPU and CUDA memory")
         return obj
     if not hasattr(obj, "__dlpack__"):

@@ -20,7 +20,9 @@ Read leases (x86 only; ``TENSORWIRE_SHM_LEASES=0`` turns them off): until a
 writer or the daemon's exit changes the tensor's generation in the daemon's
 lease table, the next get / get_rows of it reads the same slot with no
 request at all, checking the generation before and after its copy
-(:class:`tensorwire.serve.daemon.shm.Leases`). Write-ahead grants
+(:class:`tensorwire.serve.daemon.shm.Leases`); a get_rows into host memory from
+a lease is :func:`tensorwire.serve.client.shm_rows.lease_rows`, torch's gather
+with a few microseconds of Python around it. Write-ahead grants
 (``TENSORWIRE_SHM_AHEAD=0`` turns them off): a put's COMMIT reply may reserve
 the staging slot for this session's next put of the same name and spec,
 which then writes there and sends only a COMMIT.
@@ -45,6 +47,7 @@ from tensorwire.serve.client.common import TensorStat
 from tensorwire.serve.client.context import Progress, typed
 from tensorwire.serve.client.request_path import RequestPath
 from tensorwire.serve.client.shm_gpu import GpuGather
+from tensorwire.serve.client.shm_rows import MISS, LeasedTable, check_rows, lease_rows
 from tensorwire.serve.client.window import ShardView
 from tensorwire.serve.client import shm_maps
 from tensorwire.serve.protocol import shm, wire
@@ -63,8 +66,6 @@ log = logging.getLogger(__name__)
 #: about this long for an idle reader. Measured on the 2-core VM: a RELEASE per read cost the client
 #: ~40 us and the daemon ~60 us before it answered the next request.
 RELEASE_AFTER = 0.002
-#: What :meth:`ShmPath.lease_read` returns when the lease cannot serve the read.
-MISS = object()
 #: ``TENSORWIRE_SHM_LEASES=0`` turns read leases off (every shared-memory read asks the daemon).
 LEASES_ENV = "TENSORWIRE_SHM_LEASES"
 #: ``TENSORWIRE_SHM_AHEAD=0`` turns write-ahead grants off (every shared-memory put reserves its slot first).
@@ -89,6 +90,8 @@ class ShmMemory:
         self.regions_of: dict[str, set[str]] = {}  # tensor name -> region names mapped for it
         #: name -> (key, the slot as uint8 [rows, row bytes]: a numpy array, a tensor)
         self.rows_views: dict[str, tuple[tuple[str, int, int], Any, Any]] = {}
+        #: name -> the slot its read lease names, as a table (shm_rows.lease_rows; made once per lease)
+        self.leased: dict[str, LeasedTable] = {}
         self.index_pinned: Any = None  # pinned staging of a GPU gather's index (shm_gpu.GpuGather)
         self.broken = False
         self.why = why
@@ -111,12 +114,14 @@ class ShmMemory:
         """``name`` was deleted: unmap its regions (the daemon unlinked them: the memory goes back)."""
         regions = self.regions_of.pop(name, ())
         self.rows_views.pop(name, None)
+        self.leased.pop(name, None)  # (a view keeps a mapping alive)
         if self.maps is not None:
             for r in regions:
                 self.maps._drop(r)
 
     def close(self) -> None:
         self.rows_views.clear()
+        self.leased.clear()
         if self.maps is not None:
             self.maps.close()
             self.copier.close()
@@ -218,6 +223,7 @@ class ShmPath(RequestPath):
     def close(self) -> None:
         self.gpu.wait()
         self.leases.clear()
+        self.mem.leased.clear()
         self.ahead = None
         self.pin = None  # the daemon releases what a closed session held
         tab, self.lease_tab = self.lease_tab, None
@@ -281,6 +287,12 @@ class ShmPath(RequestPath):
             spec = self.ctx.reply_spec(name, rep)
             self.leases[name] = (rep.lease, rep.step, rep.message, rep.chunk, rep.nbytes, spec)
 
+    def drop_lease(self, name: str) -> None:
+        """The lease on ``name`` no longer holds (a writer came, the daemon is gone): read by request next."""
+        self.leases.pop(name, None)
+        self.mem.leased.pop(name, None)
+        self.mem.lease_misses += 1
+
     def lease_read(self, name: str, use: Callable[[TensorSpec, "torch.Tensor", str], Any], op: str) -> Any:
         """A read served from this session's lease on ``name`` (no request), or :data:`MISS`.
 
@@ -296,21 +308,20 @@ class ShmPath(RequestPath):
         mem = self.mem
         cell, gen, region, offset, nbytes, spec = lease
         cells = tab.cells
-        if cells[cell] != gen or not tab.alive():
-            del self.leases[name]
-            mem.lease_misses += 1
+        if cells[cell] != gen or not tab.alive_lately():
+            self.drop_lease(name)
             return MISS
         try:
             view = mem.maps.get(region, offset, nbytes)
         except shm.ShmError:
             del self.leases[name]
+            mem.leased.pop(name, None)
             return MISS
         before = mem.shm_bytes
         result = use(spec, view, region)
         if cells[cell] != gen:  # a writer came meanwhile: what was copied may be mixed
-            del self.leases[name]
+            self.drop_lease(name)
             mem.shm_bytes = before
-            mem.lease_misses += 1
             return MISS
         mem.lease_reads += 1
         self.page.add(op, mem.shm_bytes - before)
@@ -362,9 +373,7 @@ class ShmPath(RequestPath):
         n = idx.numel()
         inp = idx.numpy()
         if n:
-            lo, hi = int(inp.min()), int(inp.max())
-            if lo < 0 or hi >= rows:
-                raise SpecError(f"index: row {lo if lo < 0 else hi} out of range for a tensor of {rows} rows")
+            check_rows(idx, rows)
         if out is not None and out.is_cuda and self.gpu.gather(idx, out, got, src, region, lease=pool):
             mem.shm_bytes += got.nbytes // rows * n
             return out
@@ -401,6 +410,9 @@ class ShmPath(RequestPath):
 
     def get_rows(self, name: str, idx: "torch.Tensor", out: "torch.Tensor | None", pr: Progress) -> "torch.Tensor":
         if self.leases:
+            got = lease_rows(self, name, idx, out)  # the usual case, into host memory: a few microseconds
+            if got is not MISS:
+                return got
             got = self.lease_read(
                 name, lambda spec, src, region: self.gather(name, idx, out, spec, src, region, pool=True), "get_rows"
             )
@@ -523,9 +535,8 @@ class ShmPath(RequestPath):
         if lease is None or tab is None:
             return None
         cell, gen, region, offset, nbytes, spec = lease
-        if tab.cells[cell] != gen or not tab.alive():
-            del self.leases[name]
-            self.mem.lease_misses += 1
+        if tab.cells[cell] != gen or not tab.alive_lately():
+            self.drop_lease(name)
             return None
         return ShardView(region, offset, nbytes, spec, tab.cells, cell, gen)
 

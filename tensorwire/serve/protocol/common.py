@@ -156,9 +156,9 @@ def as_index(index: Any) -> "torch.Tensor":
     import torch
 
     if isinstance(index, torch.Tensor):
+        if index.dtype == torch.int64 and index.dim() == 1 and index.is_cpu and index.is_contiguous():
+            return index  # the usual case, in a few hundred nanoseconds (an integer tensor has no grad to detach)
         t = index.detach()
-        if t.dtype == torch.int64 and t.dim() == 1 and t.device.type == "cpu" and t.is_contiguous():
-            return t  # the usual case, in a few hundred nanoseconds
     else:
         try:
             t = torch.as_tensor(index)
