@@ -32,7 +32,7 @@ def srv():
 @pytest.fixture(params=["torch", "numpy"])
 def gather(request, monkeypatch):
     """Either way a lease gather goes: torch's index_select, or numpy's take on a machine oversubscribed."""
-    monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: 1 if request.param == "torch" else self._cpus + 5)
+    monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: 1 if request.param == "torch" else 2 * self._cpus + 5)
     return request.param
 
 
@@ -163,3 +163,23 @@ def test_the_index_check_names_the_row_the_general_path_names():
             continue
         with pytest.raises(tw.SpecError, match=rf"row {named} out of range for a tensor of {rows} rows"):
             shm_rows.check_rows(t, rows)
+
+
+@pytest.mark.timeout(30)
+def test_the_clients_own_torch_threads_spinning_after_a_gather_are_not_load(monkeypatch):
+    """Right after a torch gather its intra-op team spins a while, runnable: /proc/loadavg then counts it. That is
+    this client's own team, not other work, so the next lease gather stays torch's; one runnable more is load."""
+    copier = shm_maps.Copier()
+    try:
+        copier._team = 7  # (a torch of eight threads: seven besides the caller)
+        monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: self._cpus + 7)
+        copier._torch_ok, copier._load_until = True, 0.0  # the last gather was torch's
+        assert copier.torch_gather()
+        monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: self._cpus + 8)
+        copier._load_until = 0.0
+        assert not copier.torch_gather()  # one more than the team: others want the cores
+        monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: self._cpus + 7)
+        copier._load_until = 0.0
+        assert not copier.torch_gather()  # numpy's last: no team of ours spins, all of it is others'
+    finally:
+        copier.close()

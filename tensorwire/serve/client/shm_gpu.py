@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from tensorwire.serve.client.shm_path import ShmMemory
+    from tensorwire.serve.client.shm_rows import LeasedTable
 
 __all__ = ["GpuGather"]
 
@@ -41,6 +42,7 @@ class GpuGather:
         self.ctx = ctx
         self.mem = mem
         self.pending: Any = None  # the event ending the last pinned GPU read (torch.cuda.Event)
+        self.event: Any = None  # the event a lease read waits on (one, reused)
 
     def gather(
         self,
@@ -74,8 +76,7 @@ class GpuGather:
             return True
         self.wait()  # the index's staging buffer is free again
         dest = out if out.is_contiguous() else torch.empty(shape, dtype=out.dtype, device=out.device)
-        # rows moved as the widest words that divide them (a warp reads 32 x 8 bytes, not 32 x 1)
-        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)
+        word = _word(row_bytes)
         width = row_bytes // word.itemsize
         stream = torch.cuda.current_stream(out.device)
         index = self._cuda_index(idx, out.device)
@@ -89,6 +90,35 @@ class GpuGather:
         else:
             self.pending = ev
             self.mem.maps.gpu_read(region, ev)
+        return True
+
+    def leased(self, t: "LeasedTable", region: str, idx: "torch.Tensor", out: "torch.Tensor") -> bool:
+        """A lease's get_rows into CUDA tensor ``out`` (contiguous, of the table's dtype and row shape; ``idx``
+        checked): the kernel of :meth:`gather` on the slot's CUDA view, made once per lease and device
+        (``t.cuda``, beside the registration it views: a region registered anew gets a new view); the host waits for the stream to pass it, so the caller's lease check after it covers what
+        the GPU read. False: the slot is not registered for ``out``'s device (nothing was done)."""
+        import torch
+
+        dev = out.device
+        maps = self.mem.maps
+        reg = maps.cuda_mapping(region)  # (a look-up once registered: the view is used only with its registration)
+        got = t.cuda.get(dev.index)
+        if got is None or got[0] is not reg:
+            raw = maps.cuda_view(region, t.table.view(-1).view(torch.uint8), dev)
+            if raw is None:
+                return False
+            word = _word(t.row_bytes)  # pragma: no cover - needs a GPU (from here on)
+            got = t.cuda[dev.index] = (reg, raw.view(word).view(t.rows, t.row_bytes // word.itemsize))
+        view = got[1]  # pragma: no cover - needs a GPU (from here on)
+        n = idx.numel()
+        self.wait()  # the index's staging buffer is free again
+        index = self._cuda_index(idx, dev)
+        torch.index_select(view, 0, index, out=as_bytes(out).view(view.dtype).view(n, view.shape[1]))
+        ev = self.event
+        if ev is None:
+            ev = self.event = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        ev.synchronize()
         return True
 
     def wait(self) -> None:
@@ -109,3 +139,11 @@ class GpuGather:
             buf = mem.index_pinned = torch.empty(max(n, 4096), dtype=torch.int64).pin_memory()
         buf[:n].copy_(idx)
         return buf[:n].to(device, non_blocking=True)
+
+
+def _word(row_bytes: int) -> Any:
+    """The widest integer dtype whose size divides ``row_bytes``: rows are moved as such words (a warp then reads
+    32 x 8 bytes, not 32 x 1)."""
+    import torch
+
+    return next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % w.itemsize == 0)

@@ -27,8 +27,11 @@ numpy min and max of the index, an ``flock`` for the daemon's liveness and a
 
 On a machine oversubscribed at the moment the gather is numpy's ``take``
 over the slot's bytes (:meth:`Copier.torch_gather
-<tensorwire.serve.client.shm_maps.Copier.torch_gather>` says why). Anything
-else -- a CUDA, non-contiguous or ill-fitting ``out``, a table of a dtype
+<tensorwire.serve.client.shm_maps.Copier.torch_gather>` says why). Into a CUDA
+``out`` the GPU gathers the rows from the slot in place (its registered mapping, a view made once per lease and
+device: :meth:`GpuGather.leased <tensorwire.serve.client.shm_gpu.GpuGather.leased>`), the host waiting for the
+kernel before the lease is checked again. Anything
+else -- a non-contiguous or ill-fitting ``out``, a table of a dtype
 outside :data:`TYPED`, a 0-d tensor, an empty index -- returns :data:`MISS` before
 anything is read or counted, and takes the general path, which raises the
 errors it raises.
@@ -71,7 +74,7 @@ class LeasedTable:
     same slot, makes a new one); ``tail``: the shape of one row; ``row_bytes``: its size.
     """
 
-    __slots__ = ("lease", "table", "rows", "tail", "dtype", "row_bytes", "as_bytes")
+    __slots__ = ("lease", "table", "rows", "tail", "dtype", "row_bytes", "as_bytes", "cuda")
 
     def __init__(self, lease: tuple[int, int, str, int, int, TensorSpec], table: "torch.Tensor") -> None:
         import torch
@@ -84,6 +87,8 @@ class LeasedTable:
         self.row_bytes = lease[4] // self.rows if self.rows else 0
         #: The slot as a numpy uint8 array, rows x row bytes (numpy's take, when the machine is oversubscribed).
         self.as_bytes = table.view(-1).view(torch.uint8).numpy().reshape(self.rows, self.row_bytes)
+        #: device -> (the region's CUDA registration, the slot as a CUDA tensor over it): :meth:`GpuGather.leased`
+        self.cuda: dict[int, tuple[Any, Any]] = {}
 
     @staticmethod
     def of(maps: ClientMaps, lease: tuple[int, int, str, int, int, TensorSpec]) -> "LeasedTable | None":
@@ -148,6 +153,8 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
         if len(mem.leased) >= MAX_TABLES:
             mem.leased.clear()
         mem.leased[name] = t
+    if out is not None and out.is_cuda:
+        return _into_cuda(path, name, idx, out, t)
     if out is not None:
         if not (out.is_cpu and out.dtype == t.dtype and out.shape == (n, *t.tail) and out.is_contiguous()):
             return MISS
@@ -178,3 +185,32 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
     mem.lease_reads += 1
     path.page.add("get_rows", nbytes)
     return dest
+
+
+def _into_cuda(  # pragma: no cover - needs a GPU
+    path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tensor", t: LeasedTable
+) -> Any:
+    """Rows ``idx`` into CUDA tensor ``out``, the GPU gathering them from the leased slot in place
+    (:meth:`GpuGather.leased <tensorwire.serve.client.shm_gpu.GpuGather.leased>`), the lease checked around it
+    as for host memory; MISS where that cannot be (an ill-fitting ``out``, a slot CUDA could not register for
+    ``out``'s device: the general path stages it)."""
+    n = idx.numel()
+    if not (out.dtype == t.dtype and out.shape == (n, *t.tail) and out.is_contiguous()):
+        return MISS
+    lease = t.lease
+    tab = path.lease_tab
+    cell, gen = lease[0], lease[1]
+    if tab is None or tab.cells[cell] != gen or not tab.alive_lately():
+        path.drop_lease(name)
+        return MISS
+    check_rows(idx, t.rows)  # (first: a row out of range in a CUDA kernel is a device-side assert)
+    if not path.gpu.leased(t, lease[2], idx, out):
+        return MISS
+    if tab.cells[cell] != gen:  # a writer came while the GPU read: what it copied may be mixed
+        path.drop_lease(name)
+        return MISS
+    nbytes = n * t.row_bytes
+    path.mem.shm_bytes += nbytes
+    path.mem.lease_reads += 1
+    path.page.add("get_rows", nbytes)
+    return out
