@@ -81,7 +81,11 @@ def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout:
             mismatch=_mismatch_text(rank, other),
             peer_timeout=max(5.0, min(timeout, 30.0)),
         )
-        failed = _probe(store, f"{prefix}ce/probe/{min(rank, other)}-{max(rank, other)}", pair, timeout)
+        try:
+            failed = _probe(store, f"{prefix}ce/probe/{min(rank, other)}-{max(rank, other)}", pair, timeout)
+        except BaseException:  # (the store failed us: the group's creation fails; the pair goes with it)
+            pair.close(PeerLostError("the group's creation failed during the copy-engine set-up probe"))
+            raise
         peer.ce_probe = pair.probe
         if failed is not None:
             pair.close(PeerLostError(f"the copy-engine set-up probe failed: {failed}"))
