@@ -95,8 +95,9 @@ class GpuGather:
     def leased(self, t: "LeasedTable", region: str, idx: "torch.Tensor", out: "torch.Tensor") -> bool:
         """A lease's get_rows into CUDA tensor ``out`` (contiguous, of the table's dtype and row shape; ``idx``
         checked): the kernel of :meth:`gather` on the slot's CUDA view, made once per lease and device
-        (``t.cuda``, beside the registration it views: a region registered anew gets a new view); the host waits for the stream to pass it, so the caller's lease check after it covers what
-        the GPU read. False: the slot is not registered for ``out``'s device (nothing was done)."""
+        (``t.cuda``, beside the registration it views: a region registered anew gets a new view). The host
+        waits for the stream to pass it, so the caller's lease check after it covers what the GPU read.
+        False: the slot is not registered for ``out``'s device (nothing was done)."""
         import torch
 
         dev = out.device

@@ -128,8 +128,8 @@ def check_rows(idx: "torch.Tensor", rows: int) -> None:
 
 
 def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tensor | None") -> Any:
-    """Rows ``idx`` of ``name`` into ``out`` (a contiguous host tensor of the right shape and dtype) or a
-    pooled result buffer, from ``path``'s lease on ``name``; MISS when this path cannot serve it (see the
+    """Rows ``idx`` of ``name`` into ``out`` (a contiguous host or CUDA tensor of the right shape and dtype) or
+    a pooled result buffer, from ``path``'s lease on ``name``; MISS when this path cannot serve it (see the
     module docstring: nothing was written or counted then, except when a writer came during the gather).
 
     Raises:
@@ -153,10 +153,9 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
         if len(mem.leased) >= MAX_TABLES:
             mem.leased.clear()
         mem.leased[name] = t
-    if out is not None and out.is_cuda:
-        return _into_cuda(path, name, idx, out, t)
+    cuda = out is not None and out.is_cuda
     if out is not None:
-        if not (out.is_cpu and out.dtype == t.dtype and out.shape == (n, *t.tail) and out.is_contiguous()):
+        if not ((cuda or out.is_cpu) and out.dtype == t.dtype and out.shape == (n, *t.tail) and out.is_contiguous()):
             return MISS
         dest = out
     else:
@@ -168,7 +167,11 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
         return MISS
     import torch
 
-    if mem.copier.torch_gather():
+    if cuda:  # the GPU gathers from the slot in place (a slot not registered for out's device: the general path)
+        check_rows(idx, t.rows)  # (first: a row out of range in a CUDA kernel is a device-side assert)
+        if not path.gpu.leased(t, lease[2], idx, dest):
+            return MISS
+    elif mem.copier.torch_gather():
         try:
             torch.index_select(t.table, 0, idx, out=dest)  # checks every row before it reads it
         except IndexError:
@@ -185,32 +188,3 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
     mem.lease_reads += 1
     path.page.add("get_rows", nbytes)
     return dest
-
-
-def _into_cuda(  # pragma: no cover - needs a GPU
-    path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tensor", t: LeasedTable
-) -> Any:
-    """Rows ``idx`` into CUDA tensor ``out``, the GPU gathering them from the leased slot in place
-    (:meth:`GpuGather.leased <tensorwire.serve.client.shm_gpu.GpuGather.leased>`), the lease checked around it
-    as for host memory; MISS where that cannot be (an ill-fitting ``out``, a slot CUDA could not register for
-    ``out``'s device: the general path stages it)."""
-    n = idx.numel()
-    if not (out.dtype == t.dtype and out.shape == (n, *t.tail) and out.is_contiguous()):
-        return MISS
-    lease = t.lease
-    tab = path.lease_tab
-    cell, gen = lease[0], lease[1]
-    if tab is None or tab.cells[cell] != gen or not tab.alive_lately():
-        path.drop_lease(name)
-        return MISS
-    check_rows(idx, t.rows)  # (first: a row out of range in a CUDA kernel is a device-side assert)
-    if not path.gpu.leased(t, lease[2], idx, out):
-        return MISS
-    if tab.cells[cell] != gen:  # a writer came while the GPU read: what it copied may be mixed
-        path.drop_lease(name)
-        return MISS
-    nbytes = n * t.row_bytes
-    path.mem.shm_bytes += nbytes
-    path.mem.lease_reads += 1
-    path.page.add("get_rows", nbytes)
-    return out
