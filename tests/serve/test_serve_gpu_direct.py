@@ -240,3 +240,40 @@ def test_a_cuda_destination_of_the_wrong_shape_or_dtype_is_refused_and_nothing_i
         with pytest.raises(tw.ShapeMismatchError):
             c.get("w", out=whole)
         assert bool((whole == 7).all())
+
+
+@pytest.mark.timeout(180)
+def test_a_lease_read_into_cuda_reuses_nothing_it_should_not():
+    """The lease reader keeps a word view of the last destination, the index slice per length and the current
+    stream: each must follow a new destination (even one at the same address), a new length, a larger index
+    than its buffer holds, and another stream; a row out of range is refused before the kernel."""
+    from tensorwire.errors import SpecError
+
+    dev = torch.device("cuda")
+    with in_process(transport="auto", max_bytes="1GiB") as s, Client(s.address, transport="shm") as c:
+        if not c._mem.use_leases:
+            pytest.skip("read leases are off here")
+        x = _values(torch.bfloat16, (70_000, 6), 3)  # 12-byte rows: int32 words
+        c.put("lr", x)
+        c.get_rows("lr", [0], out=torch.empty(1, 6, dtype=torch.bfloat16, device=dev))  # takes the lease
+        reads = c.lease_reads
+        g = torch.Generator().manual_seed(5)
+        for n in (1, 4_096, 3, 4_096, 69_999):  # the last one is larger than the first index buffer
+            i = torch.randint(0, 70_000, (n,), generator=g)
+            out = torch.full((n, 6), -1, dtype=torch.bfloat16, device=dev)
+            assert c.get_rows("lr", i, out=out) is out and torch.equal(out.cpu(), x[i]), n
+            del out  # the next destination of the same size may get the same address
+        side = torch.cuda.Stream()
+        i = torch.tensor([69_999, 5, 5, 0])
+        out = torch.zeros(4, 6, dtype=torch.bfloat16, device=dev)
+        with torch.cuda.stream(side):
+            c.get_rows("lr", i, out=out)
+        side.synchronize()
+        assert torch.equal(out.cpu(), x[i])
+        assert c.lease_reads == reads + 6, (c.lease_reads, reads)
+        for bad in ([70_000], [-1], [3, 2**62]):
+            kept = torch.full((len(bad), 6), 7, dtype=torch.bfloat16, device=dev)
+            with pytest.raises(SpecError, match="out of range"):
+                c.get_rows("lr", bad, out=kept)
+            assert torch.equal(kept.cpu(), torch.full((len(bad), 6), 7, dtype=torch.bfloat16))
+        assert torch.equal(c.get_rows("lr", i, out=out).cpu(), x[i])  # the lease still serves after a refusal

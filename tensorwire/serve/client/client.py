@@ -76,6 +76,7 @@ from tensorwire.serve.client.request_path import RequestPath
 from tensorwire.serve.client.session import Path, open_session
 from tensorwire.serve.client.sharded_client import ShardedClient
 from tensorwire.serve.client.shm_path import AHEAD_ENV, LEASES_ENV, Releaser, ShmMemory, ShmPath
+from tensorwire.serve.client.shm_rows import MISS, lease_rows
 from tensorwire.serve.protocol.common import SessionLost, as_index
 from tensorwire.serve.protocol.layout import ShardLayout
 from tensorwire.serve.protocol.tls import TLSConfig
@@ -247,6 +248,17 @@ class Client(ClientShm):
                     log.debug("data connection lost (%s); once more on a new session", exc)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _lease_rows(self, name: str, idx: "torch.Tensor", out: "torch.Tensor") -> Any:
+        """get_rows into ``out`` from a read lease of the current session, without :meth:`_run`'s deadline
+        and retry (a lease read sends nothing: there is nothing to time out or to run again); MISS when no
+        lease serves it (then :meth:`_run` takes it, on whatever path it needs). ~10 us less per read on the
+        2-core VM, where a lease read of a few rows took ~25 us in all."""
+        with self._lock:
+            r = self._requests
+            if self._closed or not isinstance(r, ShmPath) or not r.leases or r.transport.closed:
+                return MISS
+            return lease_rows(r, name, idx, out)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("client is closed")
@@ -318,7 +330,9 @@ class Client(ClientShm):
         kind = check_as(as_, out)
         if out is not None:
             t = self._ctx.check_tensor("get_rows: out", out, writable=True)
-            got = self._run("get_rows", name, idx, t)
+            got = self._lease_rows(name, idx, t)
+            if got is MISS:
+                got = self._run("get_rows", name, idx, t)
             return got if t is out else out
         if kind == "cupy":
             return convert(self._run("get_rows", name, idx, self._cuda_dest(name, idx.numel())), kind)

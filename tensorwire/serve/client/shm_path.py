@@ -93,6 +93,7 @@ class ShmMemory:
         #: name -> the slot its read lease names, as a table (shm_rows.lease_rows; made once per lease)
         self.leased: dict[str, LeasedTable] = {}
         self.index_pinned: Any = None  # pinned staging of a GPU gather's index (shm_gpu.GpuGather)
+        self.cuda_index: dict[int, Any] = {}  # device -> the index a lease read's GPU reads (shm_gpu.HostIndex)
         self.broken = False
         self.why = why
         self.use_leases = leases_wanted()
@@ -122,6 +123,10 @@ class ShmMemory:
     def close(self) -> None:
         self.rows_views.clear()
         self.leased.clear()
+        for index in self.cuda_index.values():
+            if index:  # (lease reads wait for their kernels: no GPU reads these any more)
+                index.close()
+        self.cuda_index.clear()
         if self.maps is not None:
             self.maps.close()
             self.copier.close()

@@ -87,8 +87,8 @@ class LeasedTable:
         self.row_bytes = lease[4] // self.rows if self.rows else 0
         #: The slot as a numpy uint8 array, rows x row bytes (numpy's take, when the machine is oversubscribed).
         self.as_bytes = table.view(-1).view(torch.uint8).numpy().reshape(self.rows, self.row_bytes)
-        #: device -> (the region's CUDA registration, the slot as a CUDA tensor over it): :meth:`GpuGather.leased`
-        self.cuda: dict[int, tuple[Any, Any]] = {}
+        #: device -> the slot's reader on that GPU (:class:`~tensorwire.serve.client.shm_gpu.LeaseRows`)
+        self.cuda: dict[int, Any] = {}
 
     @staticmethod
     def of(maps: ClientMaps, lease: tuple[int, int, str, int, int, TensorSpec]) -> "LeasedTable | None":
@@ -168,8 +168,7 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
     import torch
 
     if cuda:  # the GPU gathers from the slot in place (a slot not registered for out's device: the general path)
-        check_rows(idx, t.rows)  # (first: a row out of range in a CUDA kernel is a device-side assert)
-        if not path.gpu.leased(t, lease[2], idx, dest):
+        if not path.gpu.leased(t, lease[2], idx, dest):  # (checks the rows first: a device-side assert else)
             return MISS
     elif mem.copier.torch_gather():
         try:
