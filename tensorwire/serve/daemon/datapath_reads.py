@@ -47,6 +47,13 @@ log = logging.getLogger(__name__)
 #: chunks beat one message (p50 1.81 / 1.83 vs 1.88 ms, p10 1.18 / 1.25 vs 1.46 ms; 256 KiB slower).
 #: On TCP, where a send returns once the bytes are in the socket, chunks sent by this thread while a
 #: helper thread gathered were slower than one message (p50 2.21 vs 1.99 ms): TCP sends one message.
+#: Measured again on the VM with two plain processes (the same 2 MiB of rows of a 100 MB table, one socket,
+#: 15 turns of 20 calls of each, medians, load 0.8-1.7): gather then send 1.51 ms against the gather in 128 /
+#: 256 / 512 KiB pieces, each written without waiting as soon as it is gathered (one thread, no hand-off) 3.09 /
+#: 2.39 / 2.07; gather then send 1.59 against a helper thread gathering pieces ahead of the sending thread
+#: 2.05 / 1.83 / 1.90 (256 KiB / 512 KiB / 1 MiB); gather then send 2.85 and 2.82 against the kernel gathering
+#: the rows itself (``sendmsg`` of one iovec per row, 1,024 per call: no gather copy) 3.41 and 3.20. A raw
+#: 2 MiB send took 0.84-1.9 ms over those runs: the host's load drifts, only figures of one run compare.
 #: 0 = one message everywhere.
 ROWS_CHUNK_BYTES = 512 << 10
 #: A get_rows of at least this many bytes is gathered by two threads -- this one and the session's

@@ -75,8 +75,8 @@ log = logging.getLogger(__name__)
 #: long before it blocks: the client is copying meanwhile (no bytes cross the connection), and a thread
 #: that has gone to sleep took ~0.2 ms longer to answer on the 2-core VM (measured: a 16 MiB put's two
 #: round trips 400 -> 190 us each). At most one session per CPU but one polls at a time, so many busy
-#: clients never spin the daemon's cores away; the others block as before. 0 = never poll. Only on a data
-#: connection whose zero-timeout receive reads (UCX): TCP's does not look at the socket (see _request_loop).
+#: clients never spin the daemon's cores away; the others block as before. 0 = never poll. Not on TCP data
+#: connections (see _request_loop).
 SHM_SPIN_S = 0.002
 #: ... but not after a reply that leaves the client more than this many bytes to copy: that copy outlasts
 #: the poll anyway, and a polling daemon keeps the client from splitting its copy over two cores.
@@ -294,10 +294,14 @@ class Session(SessionBuffers, SessionShm):
         # (measured with a RELEASE after every read: a tiny get 210 -> 120 us).
         posted: "collections.deque[torch.Tensor]" = collections.deque()
         expected = 0
-        # Poll only where a zero-timeout receive looks for a message (UCX progresses its worker): TCP's
-        # returns at once without reading the socket, so polling there would burn up to SHM_SPIN_S of CPU per
-        # request and leave the request unread until it ends (measured on the 2-core VM: a 4 KiB shared-memory
-        # get 2.7 ms and ~2 ms of the daemon's CPU with the poll, 0.37 ms and 0.18 ms without).
+        # Not on TCP. When this was decided, TCP's zero-timeout receive did not read the socket: a poll burnt up
+        # to SHM_SPIN_S of CPU per request and left the request unread until it ended (2-core VM: a 4 KiB
+        # shared-memory get 2.7 ms and ~2 ms of the daemon's CPU with the poll, 0.37 ms and 0.18 ms without).
+        # It reads the socket once now (FrameReader._wait_for), and polling TCP sessions too was measured again
+        # for get_rows of 4,096 x 512-byte rows of a 100 MB table over TCP (not shared memory), daemons of both
+        # kinds in turns: 2.195 -> 2.052 and 2.185 -> 2.095 ms (-4 to -7%, within the VM's drift between
+        # runs), for up to SHM_SPIN_S of a core per request: left off. Shared-memory sessions on a TCP
+        # connection were not measured again.
         can_spin = SHM_SPIN_S > 0 and _CAN_SPIN and t.kind != "tcp"
         try:
             t.post_recv(TAG_WATCH, self._probe_buf)  # for nudge(); the client never sends on it
