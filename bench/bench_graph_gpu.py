@@ -108,6 +108,19 @@ def _capture_unbatched(stage: Stage) -> torch.cuda.CUDAGraph:
         drv._batch = batch
 
 
+def _capture_flags(stage: Stage, kernels: bool) -> torch.cuda.CUDAGraph:
+    """The step captured with every captured message's flags written and waited on by kernels (``kernels``) or
+    by stream memory operations, whatever ``TENSORWIRE_CE_GRAPH_FLAGS`` would choose (``--ab-kernels``)."""
+    from tensorwire.transport.ce.graphs import Capture
+
+    real = Capture._flag_kernels
+    Capture._flag_kernels = lambda self, device: kernels and self.driver.flag_kernels(device)  # type: ignore[method-assign]
+    try:
+        return _capture(stage)
+    finally:
+        Capture._flag_kernels = real  # type: ignore[method-assign]
+
+
 def check(rank: int, device: torch.device, group) -> list[str]:
     failures = []
     for micro in (1, 4):
@@ -163,6 +176,12 @@ def main() -> int:
         action="store_true",
         help="also capture tensorwire's step with each flag wait and its reset as two graph nodes instead of one "
         "batch (the code before), replayed in turns with the rest (diagnostic; the checksums then differ from NCCL's)",
+    )
+    ap.add_argument(
+        "--ab-kernels",
+        action="store_true",
+        help="also capture tensorwire's step with its flags by kernels and by stream memory operations, whatever "
+        "TENSORWIRE_CE_GRAPH_FLAGS chooses, replayed in turns with the rest (the host time per replay of each)",
     )
     ap.add_argument("--turns", type=int, default=1, help="measure the modes of a row in this many turns")
     args = ap.parse_args()
@@ -227,6 +246,9 @@ def main() -> int:
                 modes = [("eager", st.step), ("captured", g.replay)]
                 if args.ab_flags and name == "tensorwire":
                     modes.append(("unbatched", _capture_unbatched(st).replay))
+                if args.ab_kernels and name == "tensorwire":
+                    modes.append(("memops", _capture_flags(st, False).replay))
+                    modes.append(("kernels", _capture_flags(st, True).replay))
                 got: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m, _ in modes}
                 for _turn in range(max(1, args.turns)):
                     for mode, fn in modes:
@@ -270,6 +292,12 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str) -> None:
                 f" (unbatched flags: {r['tensorwire_unbatched_host_us']:.0f} us, step "
                 f"{r['tensorwire_unbatched_ms']:.2f} ms)"
             )
+        for mode in ("memops", "kernels"):  # (--ab-kernels)
+            if f"tensorwire_{mode}_host_us" in r:
+                host += (
+                    f"; flags by {mode}: {r[f'tensorwire_{mode}_host_us']:.0f} us, step "
+                    f"{r[f'tensorwire_{mode}_ms']:.2f} ms"
+                )
         line = (
             f"| {r['act_mib']} MiB | {r['micro']} ({r['messages_per_rank']}) | {r['tensorwire_eager_ms']:.2f} ms | "
             f"{r['tensorwire_captured_ms']:.2f} ms | {host} |"

@@ -273,6 +273,15 @@ class Settings:
         "of one GPU no send waits; there it bounds a large copy's host wait for its peer's flag instead.",
         300.0,
     )
+    ce_graph_flags: Literal["auto", "memop", "kernel"] = _var(
+        _choice("auto", "memop", "kernel"),
+        "How messages captured in a CUDA graph on the copy-engine path write and wait on their flags. `memop`: "
+        "stream memory operations, each costing the host ~2 us at every replay; `kernel`: one-thread kernels "
+        "(a replay's host time then does not grow with its messages; a waiting kernel polls with one thread); "
+        "`auto` (the default): kernels between two GPUs, memory operations between two processes of one GPU "
+        "(where a polling kernel would hold the GPU's time slice its peer needs).",
+        "auto",
+    )
     # -- observability (links and the torch.distributed backend) ------------------------------------------
     metrics: bool = _var(
         _switch,

@@ -429,14 +429,26 @@ def _captured_step(pair: Pair, act, grad_in, grad_out, act_in):
     return sim.capture_end(pair.sa), sim.capture_end(pair.sb)
 
 
-def test_a_captured_step_moves_the_bytes_again_on_every_replay(pair):
+@pytest.mark.parametrize(
+    "flags, one_gpu, kernels",
+    [("memop", False, 0), ("kernel", True, 8), ("auto", False, 8), ("auto", True, 0), ("auto", None, 0)],
+    ids=["memop", "kernel", "auto-two-gpus", "auto-one-gpu", "auto-not-known"],
+)
+def test_a_captured_step_moves_the_bytes_again_on_every_replay(pair, flags, one_gpu, kernels):
     act, grad_in = pair.tensor((64,), fill=0), pair.tensor((64,), fill=0)
     grad_out, act_in = pair.tensor((64,), fill=0), pair.tensor((64,), fill=0)
     # warm-up (eager) step: sets the pair's device up, as torch's capture rules ask
     ops = [pair.send(act), pair.recv(act_in)]
     pair.settle(*ops)
+    for side in (pair.a, pair.b):  # how the flags go (TENSORWIRE_CE_GRAPH_FLAGS), and where the peer's memory is
+        side.graph_flags = flags
+        side._one_gpu.clear()
+        if one_gpu is not None:
+            side._one_gpu.update(dict.fromkeys(side._streams, one_gpu))
     ga, gb = _captured_step(pair, act, grad_in, grad_out, act_in)
     assert pair.sim.copies == 1  # capture recorded the copies; it ran none
+    # two messages, each: the first side's flag write and its wait(), the second side's wait and write
+    assert pair.sim.kernel_ops == kernels
     for i in range(100):
         act.fill_(float(i))
         grad_out.fill_(float(-i))
@@ -470,9 +482,11 @@ def test_captured_sequences_that_differ_are_refused_at_capture(pair):
     pair.sim.capture_end(pair.sb)
 
 
-def test_a_lost_peer_releases_a_replay_waiting_on_it(pair):
+@pytest.mark.parametrize("flags", ["memop", "kernel"])
+def test_a_lost_peer_releases_a_replay_waiting_on_it(pair, flags):
     act, act_in = pair.tensor((16,), fill=1), pair.tensor((16,))
     pair.settle(pair.send(act), pair.recv(act_in))
+    pair.b.graph_flags = flags  # (a waiting flag kernel reads the same host word the watchdog writes)
     pair.sim.capture_begin(pair.sb)
     r = pair.recv(act_in, side="b")
     pair.b.order_after(r, pair.sb, None)
@@ -480,6 +494,7 @@ def test_a_lost_peer_releases_a_replay_waiting_on_it(pair):
     pair.sim.replay(pair.sb, gb)  # the peer never replays its half
     pair.b.fail(PeerLostError("rank 0 died"))
     pair.settle()  # released: no stream hangs
+    assert pair.sim.kernel_ops == (2 if flags == "kernel" else 0)  # its ready flag, its wait for landed
 
 
 def test_the_parts_messages_played_show_in_tw_metrics_and_prometheus(pair):

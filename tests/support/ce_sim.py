@@ -73,6 +73,7 @@ class SimDriver:
         self.allocs: list[tuple[int, int, int, bool, torch.Tensor]] = []  # base, size, id, exportable, owner
         self.opened: list[bytes] = []
         self.copies = 0
+        self.kernel_ops = 0  # flag kernels queued (captured messages with TENSORWIRE_CE_GRAPH_FLAGS kernel)
         self.peer_device: Any = -1
 
     # memory
@@ -164,6 +165,18 @@ class SimDriver:
     def wait_reset(self, stream: int, addr: int, value: int) -> None:
         self.wait(stream, addr, value)
         self.write(stream, addr, 0)
+
+    # the flag kernels of captured messages: the same effects as the memory operations, counted apart
+    def flag_kernels(self, device: Any) -> bool:
+        return True
+
+    def kernel_wait_reset(self, device: Any, stream: int, addr: int, value: int) -> None:
+        self.kernel_ops += 1
+        self.wait_reset(stream, addr, value)
+
+    def kernel_write(self, device: Any, stream: int, addr: int, value: int) -> None:
+        self.kernel_ops += 1
+        self.write(stream, addr, value)
 
     def copy_tensor(self, stream: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.streams[stream].put(lambda: dst.copy_(src))

@@ -11,6 +11,10 @@ number baked in at capture:
 - the first side's ``wait()`` records a wait for ``landed`` and its reset; the second side's, on another
   stream than the copy's, an event dependency.
 
+The writes and waits are stream memory operations, or one-thread kernels (``TENSORWIRE_CE_GRAPH_FLAGS``,
+:meth:`Capture._flag_kernels`): a memory-operation node costs the host ~2 us at every replay of the graph, a
+kernel node ~0.01 us, so with kernels a replay's host time does not grow with its messages.
+
 Both ranks must capture the same sequence of messages per tag and direction and replay their graphs alike;
 what breaks that and can be seen at capture (another signature, an entry already taken) raises there.
 """
@@ -46,6 +50,8 @@ class Capture:
     _side: int
     _channels: "dict[int, Channel]"
     _graph_entries: list[int]
+    _one_gpu: dict[int, bool]
+    graph_flags: str
     _mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None]
 
     def _channel(self, tag: int, sending: bool) -> "Channel":
@@ -117,15 +123,23 @@ class Capture:
                     )
             self._graph_entries.append(entry)
             op = self._new_op(entry, k, sending, LANDED, (tensor, None), what)
+            op.kernels = kernels = self._flag_kernels(device)
             dev = r.device_addr + entry
             if theirs is None:
                 op.graph = FIRST
-                d.write(stream, dev + (SRC_READY if sending else DST_READY), 1)
+                ready = dev + (SRC_READY if sending else DST_READY)
+                if kernels:
+                    d.kernel_write(device, stream, ready, 1)
+                else:
+                    d.write(stream, ready, 1)
                 return op
             op.graph = SECOND
             op.stream = stream
             ready = dev + (DST_READY if sending else SRC_READY)
-            d.wait_reset(stream, ready, 1)
+            if kernels:
+                d.kernel_wait_reset(device, stream, ready, 1)
+            else:
+                d.wait_reset(stream, ready, 1)
             if nbytes:
                 try:
                     peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
@@ -135,13 +149,29 @@ class Capture:
                     d.copy(stream, peer_addr, addr, nbytes)
                 else:
                     d.copy(stream, addr, peer_addr, nbytes)
-            d.write(stream, dev + LANDED, 1)
+            if kernels:
+                d.kernel_write(device, stream, dev + LANDED, 1)
+            else:
+                d.write(stream, dev + LANDED, 1)
             return op
+
+    def _flag_kernels(self, device: int) -> bool:
+        """Whether this message's flags go by kernels (``TENSORWIRE_CE_GRAPH_FLAGS``): a stream memory operation
+        captured in a graph costs the host ~2 us at every replay, a kernel ~0.01 us
+        (``bench/results/graph-launch-probe_h200_2026-11-29.md``), but a polling kernel between two processes
+        of one GPU would hold the GPU's time slice its peer needs: there ``auto`` keeps the memory operations
+        (as it does where the pair has not yet learnt where the peer's memory is)."""
+        want = self.graph_flags
+        if want == "memop" or (want == "auto" and self._one_gpu.get(device, True)):
+            return False
+        return self.driver.flag_kernels(device)
 
     def _order_captured(self, op: "CeOp", stream: int, device: int) -> None:
         d = self.driver
         d.context(device)
-        if op.graph == FIRST:
+        if op.graph == FIRST and op.kernels:
+            d.kernel_wait_reset(device, stream, op.flag_device_addr, 1)
+        elif op.graph == FIRST:
             d.wait_reset(stream, op.flag_device_addr, 1)
         elif stream != op.stream:
             d.order(stream, op.stream, self._device(device)[3])

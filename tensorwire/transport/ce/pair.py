@@ -89,6 +89,7 @@ class CeOp:
         "what",
         "stream",
         "graph",
+        "kernels",
     )
 
     def __init__(
@@ -106,6 +107,8 @@ class CeOp:
         self.stream = -1
         #: captured in a CUDA graph: 0 no, FIRST / SECOND: which side of the message this one was
         self.graph = 0
+        #: captured: its flags written and waited on by kernels (not stream memory operations; see graphs.py)
+        self.kernels = False
         self.on_done: Callable[[BaseException | None], None] | None = None
         self._done = False
         self.what = what
@@ -226,6 +229,8 @@ class CePair(Capture, Watched, Closing):
         #: and copied on an internal stream, large sends whose receiver came while they waited, large sends whose
         #: receiver did not] (where the host time goes: bench/profile_ce_host.py prints them)
         self.counts = [0, 0, 0, 0, 0]
+        #: how captured messages write and wait on their flags (TENSORWIRE_CE_GRAPH_FLAGS; graphs.py)
+        self.graph_flags = setting("ce_graph_flags")
         #: what the set-up probe found (tensorwire.transport.ce.probe; set by whoever ran it)
         self.probe = "not run"
         #: updated by every look of the watchdog (deadlines of new messages are counted from it)
@@ -244,6 +249,8 @@ class CePair(Capture, Watched, Closing):
                         self.region.device_addr = d.register_host(self.region.addr, len(self.region.buf))
                         self._registered.add(device)
                     st = self._streams[device] = (d.new_stream(), d.new_stream(), d.new_event(), d.new_event())
+                    if self.graph_flags != "memop":
+                        d.flag_kernels(device)  # (loaded before any capture: a module load may not run in one)
         return st
 
     # -- the two calls ---------------------------------------------------------------------------------------
