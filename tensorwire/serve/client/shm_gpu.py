@@ -47,7 +47,6 @@ class GpuGather:
         self.ctx = ctx
         self.mem = mem
         self.pending: Any = None  # the event ending the last pinned GPU read (torch.cuda.Event)
-        self.event: Any = None  # the event a lease read waits on (one, reused)
 
     def gather(
         self,

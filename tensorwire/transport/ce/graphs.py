@@ -123,23 +123,16 @@ class Capture:
                     )
             self._graph_entries.append(entry)
             op = self._new_op(entry, k, sending, LANDED, (tensor, None), what)
-            op.kernels = kernels = self._flag_kernels(device)
+            op.kernels = self._flag_kernels(device)
+            write, wait_reset = self._flag_calls(device, op.kernels)
             dev = r.device_addr + entry
             if theirs is None:
                 op.graph = FIRST
-                ready = dev + (SRC_READY if sending else DST_READY)
-                if kernels:
-                    d.kernel_write(device, stream, ready, 1)
-                else:
-                    d.write(stream, ready, 1)
+                write(stream, dev + (SRC_READY if sending else DST_READY), 1)
                 return op
             op.graph = SECOND
             op.stream = stream
-            ready = dev + (DST_READY if sending else SRC_READY)
-            if kernels:
-                d.kernel_wait_reset(device, stream, ready, 1)
-            else:
-                d.wait_reset(stream, ready, 1)
+            wait_reset(stream, dev + (DST_READY if sending else SRC_READY), 1)
             if nbytes:
                 try:
                     peer_addr = self.exports.open(device, theirs.handle) + theirs.offset
@@ -149,10 +142,7 @@ class Capture:
                     d.copy(stream, peer_addr, addr, nbytes)
                 else:
                     d.copy(stream, addr, peer_addr, nbytes)
-            if kernels:
-                d.kernel_write(device, stream, dev + LANDED, 1)
-            else:
-                d.write(stream, dev + LANDED, 1)
+            write(stream, dev + LANDED, 1)
             return op
 
     def _flag_kernels(self, device: int) -> bool:
@@ -166,13 +156,22 @@ class Capture:
             return False
         return self.driver.flag_kernels(device)
 
+    def _flag_calls(self, device: int, kernels: bool) -> tuple[Callable[[int, int, int], None], ...]:
+        """``(write, wait_reset)`` of a captured message's flags, each ``(stream, address, value)``: by kernels on
+        ``device``, or by stream memory operations."""
+        d = self.driver
+        if not kernels:
+            return d.write, d.wait_reset
+        return (
+            lambda stream, addr, value: d.kernel_write(device, stream, addr, value),
+            lambda stream, addr, value: d.kernel_wait_reset(device, stream, addr, value),
+        )
+
     def _order_captured(self, op: "CeOp", stream: int, device: int) -> None:
         d = self.driver
         d.context(device)
-        if op.graph == FIRST and op.kernels:
-            d.kernel_wait_reset(device, stream, op.flag_device_addr, 1)
-        elif op.graph == FIRST:
-            d.wait_reset(stream, op.flag_device_addr, 1)
+        if op.graph == FIRST:
+            self._flag_calls(device, op.kernels)[1](stream, op.flag_device_addr, 1)
         elif stream != op.stream:
             d.order(stream, op.stream, self._device(device)[3])
         op._complete(None)
