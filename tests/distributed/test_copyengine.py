@@ -394,6 +394,37 @@ def test_region_file_is_private_and_gone_once_attached(tmp_path):
     ra.close()
 
 
+_MUTEX_IN_THREADS = """
+import sys, threading, time
+from tensorwire.transport.ce import Region
+ra = Region.create(sys.argv[1]); rb = Region.attach(ra.path)
+held = threading.Event(); order = []
+def first():
+    with ra.mutex:
+        held.set()
+        time.sleep(0.2)  # (sleeping hands the GIL to the other thread, which then finds the lock taken)
+        order.append("first")
+t = threading.Thread(target=first); t.start(); held.wait()
+with rb.mutex:
+    order.append("second")
+t.join(); rb.close(); ra.close()
+print(",".join(order))
+"""
+
+
+def test_two_threads_of_one_process_take_the_region_lock_in_turn(tmp_path):
+    """The pair's lock is shared between processes, but threads of one process take it too: a thread that finds it
+    taken must not wait with the GIL held, or the holder can never go on to unlock it (it once hung the tests)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _MUTEX_IN_THREADS, str(tmp_path)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "first,second"
+
+
 def test_a_dead_or_zombie_peer_process_is_seen_at_once(tmp_path):
     import subprocess
     import sys

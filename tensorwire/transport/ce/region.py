@@ -131,19 +131,25 @@ class _Mutex:
 
     def __init__(self, addr: int, *, create: bool) -> None:
         if _Mutex._libc is None:
-            # PyDLL: the calls keep the GIL (a lock held for microseconds by the peer process; releasing the GIL
-            # around them let another thread take it, and taking it back cost up to the switch interval)
-            libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6")
-            for name in (
-                "pthread_mutex_lock",
+            name = ctypes.util.find_library("c") or "libc.so.6"
+            # PyDLL: these calls keep the GIL (the lock is held for microseconds; releasing the GIL around every
+            # call let another thread take it, and taking it back cost up to the switch interval). Only a lock that
+            # is taken already is waited for through CDLL, which releases the GIL: its holder may be a thread of
+            # this process, which needs the GIL to go on and unlock.
+            libc = ctypes.PyDLL(name)
+            for fn in (
+                "pthread_mutex_trylock",
                 "pthread_mutex_unlock",
                 "pthread_mutex_consistent",
                 "pthread_mutex_init",
             ):
-                getattr(libc, name).restype = ctypes.c_int
-            _Mutex._libc = libc
-        lib = _Mutex._libc
-        self._lock_fn = lib.pthread_mutex_lock
+                getattr(libc, fn).restype = ctypes.c_int
+            waiting = ctypes.CDLL(name)
+            waiting.pthread_mutex_lock.restype = ctypes.c_int
+            _Mutex._libc = (libc, waiting)
+        lib, waiting = _Mutex._libc
+        self._trylock_fn = lib.pthread_mutex_trylock
+        self._lock_fn = waiting.pthread_mutex_lock
         self._unlock_fn = lib.pthread_mutex_unlock
         self._consistent = lib.pthread_mutex_consistent
         self._ptr = ctypes.c_void_p(addr)
@@ -158,7 +164,9 @@ class _Mutex:
                 raise TensorWireError(f"pthread_mutex_init: {os.strerror(code)}")
 
     def __enter__(self) -> None:
-        code = self._lock_fn(self._ptr)
+        code = self._trylock_fn(self._ptr)
+        if code == errno.EBUSY:
+            code = self._lock_fn(self._ptr)
         if code == errno.EOWNERDEAD:  # the peer died holding it: the region's state is still consistent per entry
             self._consistent(self._ptr)
         elif code:
