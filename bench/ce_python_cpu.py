@@ -67,6 +67,9 @@ class FreeDriver:
     def unregister_host(self, addr: int) -> None:
         pass
 
+    def flag_kernels(self, device: Any) -> bool:
+        return False  # (no kernels here: captured flags fall back to stream memory operations)
+
     def new_stream(self) -> int:
         return 1
 
