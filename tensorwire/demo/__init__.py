@@ -21,11 +21,15 @@ on a control socket; rank 0 starts its clock when the go arrives, rank 1 when
 it has said it; each side reads its clock again after every exchange of the
 round (rank 0 once the acknowledgement is in, rank 1 once it is out). Filling
 the sent tensors (rank 0) and checking every received byte against the
-expected pattern (rank 1) happen outside both clocks, between rounds: the
-receiver keeps every message of a round in its own buffer until it has
-checked it (tensorwire: ``Node.link(..., depth=messages per round + 1)``, so no
-copy; the socket and gRPC receive into as many buffers). Each row starts with
-warm-up rounds that are checked but not counted.
+expected pattern (rank 1) happen outside both clocks, between rounds. The
+layout is ``tensorwire bench``'s (:func:`tensorwire.benchmark.worker.recv_slots`):
+rank 0 sends every message of a row out of one tensor, written anew each round;
+rank 1 receives into a link of default depth (two slots) and, for the socket and
+gRPC, into one buffer, reused in turn -- as a pipeline stage's activations,
+written just before they go into a link, stay in the caches. After each round
+rank 1 checks every byte of each receive buffer (the last message into it)
+against the round's pattern. Each row starts with warm-up rounds that are
+checked but not counted.
 
 The paths:
 
@@ -123,6 +127,8 @@ class DemoResult:
     build: str = "?"
     #: the settings that shape tensorwire's path, as ``name=value`` words
     settings: str = ""
+    #: receive buffers each path used per row: ``slots[row][path]`` (:func:`~tensorwire.benchmark.worker.recv_slots`)
+    slots: list[dict[str, int]] = dataclasses.field(default_factory=list)
 
     def figure(self, row: int, path: str, *, clock: str = "sender") -> float:
         """Median per exchange: seconds for a round trip row, bytes/s for a stream row."""
@@ -234,6 +240,7 @@ def measure(
         cpu=cpu,
         build=ready.get("build", "?"),
         settings=ready.get("settings", ""),
+        slots=[{p: got[1]["slots"].get(f"{i}/{p}", 0) for p in paths} for i in range(n)],
     )
 
 
@@ -335,7 +342,8 @@ def run_demo(
     print(
         "tensorwire demo: two processes on this machine (loopback), rank 0 -> rank 1; tensorwire and a raw socket in "
         "turns, then gRPC; "
-        "exchanges back to back (steady state); every byte checked, outside the clocks",
+        "exchanges back to back (steady state), laid out as tensorwire bench's; every byte of each receive buffer checked "
+        "after each round, outside the clocks",
         file=out,
         flush=True,
     )
@@ -360,7 +368,7 @@ def run_demo(
         print(line, file=out)
     bad = sum(res.bad.values())
     print(
-        f"checked {res.checked_bytes / 1e9:.2f} GB received, corrupted messages: {bad} "
+        f"checked {res.checked_bytes / 1e9:.2f} GB (each receive buffer's last message, every round), corrupted: {bad} "
         f"({time.monotonic() - t0:.0f} s; medians by the sender's clock; round trip = 4 KiB there, 1 byte back)",
         file=out,
     )

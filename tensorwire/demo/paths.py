@@ -2,8 +2,9 @@
 
 A sender's ``exchange(row, srcs, first)`` sends one exchange's messages and waits
 for the acknowledgement; a receiver's ``exchange(row, first, n)`` returns the
-``n`` buffers the messages landed in (each message in its own buffer, so all
-of a round can be checked after it). What each path does is described in
+``n`` buffers the messages landed in: the receiver has as many buffers per row
+as ``tensorwire bench``'s (:func:`~tensorwire.benchmark.worker.recv_slots`) and
+reuses them in turn, so after a round each holds the last message into it. What each path does is described in
 :mod:`tensorwire.demo`. grpc and numpy are imported on first use.
 """
 
@@ -51,7 +52,7 @@ class TwReceiver:
 
     def exchange(self, row: int, first: int, n: int) -> list[Any]:
         name = f"row{row}"
-        got = [self.link.recv(name) for _ in range(n)]  # depth per round + 1: all stay valid until checked
+        got = [self.link.recv(name) for _ in range(n)]  # (the last message of each slot stays until the next go)
         self.link.send("ack", self.ack)
         return got
 
@@ -74,10 +75,12 @@ class SocketReceiver:
         self.buffers = buffers
 
     def exchange(self, row: int, first: int, n: int) -> list[Any]:
-        for view in self.views[row][first : first + n]:
-            recv_exact(self.sock, view)
+        views, bufs = self.views[row], self.buffers[row]
+        k = len(views)
+        for msg in range(first, first + n):
+            recv_exact(self.sock, views[msg % k])
         self.sock.sendall(_ACK)
-        return self.buffers[row][first : first + n]
+        return [bufs[msg % k] for msg in range(first, first + n)]
 
 
 class GrpcSender:
@@ -149,7 +152,8 @@ class GrpcReceiver:
 
         try:
             row, first = self._where(context)
-            dst = self.arrays[row][first]
+            arrays = self.arrays[row]
+            dst = arrays[first % len(arrays)]
             dst[:] = np.frombuffer(request, dtype=np.uint8)
             self.done.put(None)
         except BaseException as exc:
@@ -165,7 +169,7 @@ class GrpcReceiver:
             arrays = self.arrays[row]
             msg, off = first, 0
             for chunk in chunks:
-                dst = arrays[msg]
+                dst = arrays[msg % len(arrays)]
                 dst[off : off + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
                 off += len(chunk)
                 if off == len(dst):
@@ -182,7 +186,8 @@ class GrpcReceiver:
         err = self.done.get(timeout=self.timeout)
         if err is not None:
             raise err
-        return self.buffers[row][first : first + n]
+        bufs = self.buffers[row]
+        return [bufs[msg % len(bufs)] for msg in range(first, first + n)]
 
     def close(self) -> None:
         self.server.stop(grace=1.0).wait(3.0)

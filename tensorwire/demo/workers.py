@@ -2,7 +2,7 @@
 
 :class:`Row` is one row of the table and :class:`RunPlan` one run; :func:`worker`
 is what each spawned process runs (rank 0 sends and times, rank 1 receives,
-times and checks every byte, outside both clocks). Results go back to the
+times and checks every byte of each receive buffer after each round, outside both clocks). Results go back to the
 parent on a queue. torch and tensorwire are imported in the worker, not here.
 """
 
@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from tensorwire import native
-from tensorwire.benchmark.worker import pair_process_setup
+from tensorwire.benchmark.worker import pair_process_setup, recv_slots
 from tensorwire.demo.paths import (
     GrpcReceiver,
     GrpcSender,
@@ -29,7 +29,20 @@ from tensorwire.demo.paths import (
     tune,
 )
 
-__all__ = ["Row", "DEFAULT_ROWS", "PATHS", "RunPlan", "worker", "make_ramp", "message_value", "fill", "count_bad"]
+__all__ = [
+    "Row",
+    "DEFAULT_ROWS",
+    "PATHS",
+    "RunPlan",
+    "worker",
+    "make_ramp",
+    "message_value",
+    "fill",
+    "count_bad",
+    "SOURCES",
+    "CHECK_CHUNK",
+    "last_in_each",
+]
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -54,7 +67,7 @@ class Row:
 
     @property
     def per_round(self) -> int:
-        """Messages per round: all stay in their own receive buffers until the round is checked."""
+        """Messages per round."""
         return self.messages * self.exchanges
 
 
@@ -77,13 +90,20 @@ def make_ramp(size: int) -> Any:
     return torch.arange(256, dtype=torch.uint8).repeat(size // 256)
 
 
-def message_value(row: int, path: int, rnd: int, msg: int, messages: int) -> int:
-    """What message ``msg`` of round ``rnd`` (``messages`` per round) adds to the ramp.
+#: Source tensors per row, filled before its rounds; round ``r`` sends every message out of source
+#: ``r % SOURCES``, so nothing is written between rounds (as ``tensorwire bench`` writes nothing between its
+#: messages) and any ``SOURCES`` consecutive rounds expect different bytes.
+SOURCES = 3
+#: The receiver compares what it got with the expected bytes this many at a time: the check writes no more
+#: than this (a 64 MiB expected copy written between rounds left the caches full of dirty lines that the next
+#: round's copies had to write back first).
+CHECK_CHUNK = 1 << 20
 
-    Any 251 consecutive messages of a path differ, so a slot still holding an earlier round's message
-    is caught (a slot is reused one round later).
-    """
-    return (row * 17 + path * 5 + rnd * messages + msg + 1) % 251
+
+def message_value(row: int, rnd: int) -> int:
+    """What every message of round ``rnd`` of row ``row`` adds to the ramp: the value of source
+    ``rnd % SOURCES`` (a receive buffer left with a message of any of the last ``SOURCES - 1`` rounds is caught)."""
+    return (row * 17 + rnd % SOURCES + 1) % 251
 
 
 def fill(out: Any, ramp: Any, value: int) -> None:
@@ -92,14 +112,28 @@ def fill(out: Any, ramp: Any, value: int) -> None:
     torch.add(ramp, value, out=out)  # uint8 arithmetic wraps around
 
 
+def last_in_each(received: Sequence[Any]) -> list[Any]:
+    """The distinct buffers among ``received`` (tensors: a round's receive buffers, message by message; a buffer
+    reused holds the last message received into it), by address, in order of first use."""
+    seen: dict[int, Any] = {}
+    for buf in received:
+        seen.setdefault(buf.data_ptr(), buf)
+    return list(seen.values())
+
+
 def count_bad(received: Sequence[Any], ramp: Any, values: Sequence[int], scratch: Any) -> int:
-    """How many of ``received`` differ anywhere from ``ramp + value`` (every byte compared)."""
+    """How many of ``received`` differ anywhere from ``ramp + value`` (every byte compared, ``scratch`` bytes at a
+    time: ``scratch`` holds the expected bytes of one piece, a multiple of the ramp's 256-byte period long)."""
     import torch
 
     bad = 0
+    c = scratch.numel()
+    n = ramp.numel()
     for buf, value in zip(received, values):
-        fill(scratch, ramp, value)
-        if buf.shape != scratch.shape or not torch.equal(buf, scratch):
+        fill(scratch, ramp[:c], value)
+        if buf.shape != ramp.shape or not all(
+            torch.equal(buf[o : o + c], scratch[: min(c, n - o)]) for o in range(0, n, c)
+        ):
             bad += 1
     return bad
 
@@ -151,17 +185,19 @@ class RunPlan:
         return max(1, self.rounds * row.scale)
 
     def warmup(self, row: Row) -> int:
-        """Rounds before the timed ones: at least two, so that every receive slot (a round's messages + 1) has
-        had a message before the clocks run. With one, the first timed 64 MiB round read 2.2-3.4 GB/s on the
-        2-core VM against 4-8 for the rounds after it, and with a few rounds that one moved the median."""
-        return max(2, self.timed(row) // 10)
+        """Rounds before the timed ones: at least one per source (:data:`SOURCES`), so that every source and every
+        receive buffer has been through the path before the clocks run. The first time a buffer goes through a
+        path costs more (on the 2-core VM the first round out of a source never sent read 5.1 GB/s at 64 MiB
+        against 6.2-8.8 for the rounds after it; the first out of a receive slot never written, 2.2-3.4 against
+        4-8), and with a few timed rounds that one moved the median."""
+        return max(SOURCES, self.timed(row) // 10)
 
 
 def _specs(plan: RunPlan) -> tuple[list[Any], Any, dict[str, int]]:
     import tensorwire as tw
 
     rows = [tw.TensorSpec(f"row{i}", (r.size,), "uint8") for i, r in enumerate(plan.rows)]
-    depth = {s.name: r.per_round + 1 for s, r in zip(rows, plan.rows)}
+    depth = {s.name: recv_slots("tensorwire") for s in rows}  # (the receive slots tensorwire bench's link has)
     return rows, tw.TensorSpec("ack", (1,), "uint8"), depth
 
 
@@ -198,17 +234,18 @@ def _sender(plan: RunPlan, store: Any, q: Any) -> None:
                 for i, row in enumerate(plan.rows):
                     q.put(("start", 0, (i, phase)))
                     ramp = make_ramp(row.size)
-                    n, m = row.per_round, row.messages
-                    srcs = [torch.empty(row.size, dtype=torch.uint8) for _ in range(n)]
-                    parts = [(srcs[e * m : (e + 1) * m], e * m) for e in range(row.exchanges)]
+                    m = row.messages
+                    srcs = [torch.empty(row.size, dtype=torch.uint8) for _ in range(SOURCES)]
+                    for k, t in enumerate(srcs):  # the "model" wrote its outputs (see SOURCES)
+                        fill(t, ramp, message_value(i, k))
                     row_times: dict[str, list[float]] = {names[p]: [] for p in phase}
                     row_cpu = {names[p]: 0.0 for p in phase}
                     warm = plan.warmup(row)
                     for rnd in range(warm + plan.timed(row)):
                         for p in phase:
                             path = paths[p]
-                            for k, t in enumerate(srcs):  # the "model" writes its outputs: not timed
-                                fill(t, ramp, message_value(i, p, rnd, k, n))
+                            src = srcs[rnd % SOURCES]  # every message of the round: tensorwire bench's layout
+                            parts = [([src] * m, e * m) for e in range(row.exchanges)]
                             recv_exact(ctrl, go)  # the receiver has checked the last round and is ready
                             c0 = cpu_seconds()
                             stamps = [perf()]
@@ -239,8 +276,8 @@ def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
     ctrl_l = socket.create_server(("127.0.0.1", 0))
     data_l = socket.create_server(("127.0.0.1", 0))
 
-    def buffers() -> list[list[Any]]:
-        return [[torch.empty(r.size, dtype=torch.uint8) for _ in range(r.per_round)] for r in plan.rows]
+    def buffers(path: str) -> list[list[Any]]:
+        return [[torch.empty(r.size, dtype=torch.uint8) for _ in range(recv_slots(path))] for r in plan.rows]
 
     grpc_rx: GrpcReceiver | None = None
     store.set("demo/ports", f"{ctrl_l.getsockname()[1]},{data_l.getsockname()[1]}")
@@ -251,21 +288,25 @@ def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
             data_l.settimeout(plan.timeout)
             ctrl = tune(ctrl_l.accept()[0], plan.timeout)
             data = tune(data_l.accept()[0], plan.timeout)
-            paths: list[Any] = [TwReceiver(link, torch.ones(1, dtype=torch.uint8)), SocketReceiver(data, buffers())]
+            paths: list[Any] = [
+                TwReceiver(link, torch.ones(1, dtype=torch.uint8)),
+                SocketReceiver(data, buffers("raw socket")),
+            ]
             names = plan.paths()
             times: dict[str, list[float]] = {}
             cpu: dict[str, float] = {}
             bad = {p: 0 for p in names}
             checked = 0
+            slots: dict[str, int] = {}  # receive buffers seen per row and path
             perf = time.perf_counter
             for phase in plan.phases():
                 if phase == (2,):  # gRPC: its server made only now (see RunPlan.phases)
-                    grpc_rx = GrpcReceiver(buffers(), plan.timeout)
+                    grpc_rx = GrpcReceiver(buffers("gRPC"), plan.timeout)
                     paths.append(grpc_rx)
                     store.set("demo/grpc_port", str(grpc_rx.port))
                 for i, row in enumerate(plan.rows):
                     ramp = make_ramp(row.size)
-                    scratch = torch.empty(row.size, dtype=torch.uint8)
+                    scratch = torch.empty(min(row.size, CHECK_CHUNK), dtype=torch.uint8)
                     warm = plan.warmup(row)
                     row_times: dict[str, list[float]] = {names[p]: [] for p in phase}
                     n, m = row.per_round, row.messages
@@ -282,9 +323,11 @@ def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
                             if rnd >= warm:
                                 cpu[f"{i}/{names[p]}"] = cpu.get(f"{i}/{names[p]}", 0.0) + cpu_seconds() - c0
                                 row_times[names[p]] += [b - a for a, b in zip(stamps, stamps[1:])]
-                            values = [message_value(i, p, rnd, k, n) for k in range(n)]
-                            bad[names[p]] += count_bad(got, ramp, values, scratch)  # every byte: not timed
-                            checked += row.size * len(got)
+                            # every byte of each receive buffer, which holds the last message into it: not timed
+                            last = last_in_each(got)
+                            bad[names[p]] += count_bad(last, ramp, [message_value(i, rnd)] * len(last), scratch)
+                            checked += row.size * len(last)
+                            slots[f"{i}/{names[p]}"] = max(slots.get(f"{i}/{names[p]}", 0), len(last))
                             if plan.check_pause:
                                 time.sleep(plan.check_pause)  # tests: a slow check must stay off both clocks
                     for kind in row_times:
@@ -299,7 +342,8 @@ def _receiver(plan: RunPlan, store: Any, q: Any) -> None:
             grpc_rx.close()
         ctrl_l.close()
         data_l.close()
-    q.put(("done", 1, {"times": times, "cpu": cpu, "bad": bad, "checked_bytes": checked, "pid": os.getpid()}))
+    done = {"times": times, "cpu": cpu, "bad": bad, "checked_bytes": checked, "slots": slots, "pid": os.getpid()}
+    q.put(("done", 1, done))
 
 
 def worker(rank: int, port: int, plan: RunPlan, q: Any) -> None:

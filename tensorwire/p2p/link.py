@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 
 MAX_DEPTH = 64
+#: receive slots per name when ``Node.link`` is given no ``depth``: the least that lets a sender run one message ahead
+DEFAULT_DEPTH = 2
 #: how long closing a link waits for its CUDA messages on the copy-engine path to run (the peer's queued streams
 #: wait for them; a close that did not wait would release them with bytes that never came)
 CE_LINGER_S = 5.0
@@ -148,14 +150,14 @@ class Link:
             for tag, n in enumerate(sorted(self.send_specs))
         }
         self._recv: dict[str, RecvPath | CeRecv] = {
-            n: CeRecv(self.recv_specs[n], tag, ce, device=device, depth=(depth or {}).get(n, 2))
+            n: CeRecv(self.recv_specs[n], tag, ce, device=device, depth=(depth or {}).get(n, DEFAULT_DEPTH))
             if ce is not None and _ce_spec(self.recv_specs[n])
             else recv_path(
                 self.recv_specs[n],
                 tag,
                 transport,
                 device=device,
-                depth=(depth or {}).get(n, 2),
+                depth=(depth or {}).get(n, DEFAULT_DEPTH),
                 staging=self._staging,
                 side=h2d,
             )

@@ -38,27 +38,57 @@ def test_count_bad_flags_one_changed_byte_and_a_stale_message():
     assert demo.count_bad(msgs, ramp, [4, 6, 7], scratch) == 2  # the first one is a previous round's message
 
 
+def test_count_bad_compares_every_piece_of_a_message_longer_than_its_scratch():
+    import torch
+
+    size = 3 * 1024 + 512  # three whole pieces of 1 KiB and a half one
+    ramp = workers.make_ramp(size)
+    scratch = torch.empty(1024, dtype=torch.uint8)
+    msg = torch.empty(size, dtype=torch.uint8)
+    workers.fill(msg, ramp, 9)
+    assert demo.count_bad([msg], ramp, [9], scratch) == 0
+    for where in (0, 1500, size - 1):  # the first piece, a middle one, the last (short) one
+        msg[where] ^= 0x40
+        assert demo.count_bad([msg], ramp, [9], scratch) == 1, where
+        msg[where] ^= 0x40
+    assert demo.count_bad([msg[:-256]], ramp, [9], scratch) == 1  # a message cut short
+
+
 def test_consecutive_rounds_expect_different_bytes():
+    # a receive buffer still holding a message of one of the last SOURCES - 1 rounds must fail the check
+    assert workers.SOURCES >= 3
     for row in range(3):
-        for path in range(3):
-            seen = [workers.message_value(row, path, rnd, m, 8) for rnd in range(20) for m in range(8)]
-            assert len(set(seen)) == len(seen)
+        for rnd in range(20):
+            seen = {workers.message_value(row, rnd + k) for k in range(workers.SOURCES)}
+            assert len(seen) == workers.SOURCES
 
 
-def test_default_rows_run_back_to_back_and_a_stale_slot_is_caught():
-    from tensorwire.p2p.link import MAX_DEPTH
-
+def test_default_rows_run_back_to_back():
     rt = demo.DEFAULT_ROWS[0]
     assert rt.round_trip and rt.exchanges >= 20  # steady state: many round trips per go, not one
     assert demo.DEFAULT_ROWS[1].messages >= 32  # a stream long enough that its start does not dominate
-    for i, row in enumerate(demo.DEFAULT_ROWS):
-        n = row.per_round
-        assert n + 1 <= MAX_DEPTH  # the receiver holds a whole round in tensorwire's slots
-        # a slot is reused a round later: two consecutive rounds must expect different bytes everywhere
-        seen = [workers.message_value(i, p, rnd, k, n) for p in range(3) for rnd in (7, 8) for k in range(n)]
-        for p in range(3):
-            two_rounds = seen[p * 2 * n : (p + 1) * 2 * n]
-            assert len(set(two_rounds)) == 2 * n
+
+
+def test_last_in_each_keeps_one_buffer_per_address_in_order_of_first_use():
+    import torch
+
+    a, b = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    again = a.view(-1)  # another tensor object over a's memory: the same buffer
+    got = workers.last_in_each([a, b, again, b, a])
+    assert len(got) == 2 and got[0] is a and got[1] is b
+
+
+@pytest.mark.timeout(180)
+def test_the_demo_receives_into_as_many_buffers_as_tensorwire_bench(small_run):
+    from tensorwire.benchmark.backends import tw
+    from tensorwire.benchmark.worker import recv_slots
+    from tensorwire.p2p.link import DEFAULT_DEPTH
+
+    assert recv_slots("tensorwire") == DEFAULT_DEPTH and recv_slots("raw socket") == recv_slots("gRPC") == 1
+    assert tw.recv_slots is recv_slots  # the bench's tensorwire receiver sizes its link by the same function
+    for i, row in enumerate(SMALL):
+        for p in demo.PATHS:
+            assert small_run.slots[i][p] == min(row.per_round, recv_slots(p)), (row.label, p, small_run.slots)
 
 
 @pytest.mark.timeout(180)
@@ -70,9 +100,13 @@ def test_grpc_server_runs_in_the_receivers_process_not_the_clients(small_run):
 
 
 @pytest.mark.timeout(180)
-def test_every_message_is_checked_and_none_is_corrupted(small_run):
+def test_every_receive_buffer_is_checked_each_round_and_none_is_corrupted(small_run):
     plan = workers.RunPlan(SMALL, 1, "tcp", True, 90, PAUSE)
-    expect = sum((plan.warmup(r) + plan.timed(r)) * r.per_round * r.size for r in SMALL) * len(demo.PATHS)
+    from tensorwire.benchmark.worker import recv_slots
+
+    expect = sum(
+        (plan.warmup(r) + plan.timed(r)) * min(r.per_round, recv_slots(p)) * r.size for r in SMALL for p in demo.PATHS
+    )
     assert small_run.checked_bytes == expect
     assert small_run.bad == {p: 0 for p in demo.PATHS}
     for i, row in enumerate(SMALL):
@@ -228,7 +262,7 @@ def test_cli_demo_prints_progress_and_the_table():
     ratio = r"\d+\.\d+x (?:faster|slower)"
     assert re.search(rf"^  vs gRPC:\s+{ratio} / {ratio} / {ratio}$", out.stdout, re.M), out.stdout
     assert re.search(r"^tensorwire: tcp transport \(.*\); hot path (?:compiled|pure Python|partly)", out.stdout, re.M)
-    assert "corrupted messages: 0" in out.stdout
+    assert "corrupted: 0" in out.stdout
     # gRPC's phase comes after the other two paths' (its threads stay out of their turns), its row lines after it
     assert "then gRPC alone (its server in process" in out.stderr
     grpc_at = out.stderr.index("then gRPC alone")

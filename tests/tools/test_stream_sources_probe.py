@@ -18,8 +18,9 @@ def test_each_row_and_path_gets_the_bench_layout_and_the_demo_layout():
     assert len(v) == len(set(v))
     for i, (_label, _size, m) in enumerate(p.ROWS):
         for path in p.PATHS:
-            mine = {(k, b) for r, q, k, b in v if r == i and q == path}
+            mine = {(k, b) for r, q, k, b, w in v if r == i and q == path and not w}
             assert mine == {(k, b) for k in (1, m) for b in (2, m)}  # (m == 2: the layouts coincide)
+            assert [(k, b) for r, q, k, b, w in v if r == i and q == path and w] == [(1, 2)]
 
 
 def test_one_turn_prints_every_row_and_path():
@@ -29,4 +30,4 @@ def test_one_turn_prints_every_row_and_path():
     assert len(rows) == 4, out.stdout
     for ln in rows:
         rates = [float(x) for x in re.findall(r"([0-9.]+) GB/s", ln)]
-        assert len(rates) == 4 and all(r > 0 for r in rates), ln
+        assert len(rates) == 5 and all(r > 0 for r in rates), ln

@@ -24,6 +24,7 @@ from tensorwire.benchmark.backends.base import PairContext, Prepare
 from tensorwire.benchmark.backends.base import Receiver as _Receiver
 from tensorwire.benchmark.backends.base import Sender as _Sender
 from tensorwire.settings import env_var
+from tensorwire.benchmark.worker import recv_slots
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -131,13 +132,11 @@ class Receiver(_Receiver):
         self.node = _node(ctx, _transport(arg))
         self.link: "Link | None" = None
         self.ack_t = torch.ones(1, dtype=torch.uint8)
-        self.depth = max(2, _window(arg))
+        self.depth = max(recv_slots("tensorwire"), _window(arg))  # (as the demo's receiver: recv_slots)
 
     def open(self, size: int) -> None:
         data, ack = _specs(size, self.ctx)
-        self.link = self.node.link(
-            0, send=[ack], recv=[data], name=f"bench-{size}", depth=self.depth if self.depth > 2 else None
-        )
+        self.link = self.node.link(0, send=[ack], recv=[data], name=f"bench-{size}", depth=self.depth)
 
     def recv(self) -> "torch.Tensor":
         assert self.link is not None
