@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from tensorwire.benchmark.backends.base import PairContext, Prepare
 from tensorwire.benchmark.backends.base import Receiver as _Receiver
 from tensorwire.benchmark.backends.base import Sender as _Sender
-from tensorwire.settings import env_var
 from tensorwire.benchmark.worker import recv_slots
+from tensorwire.settings import env_var
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
