@@ -79,7 +79,7 @@ def _run(rank: int, port: int, a: argparse.Namespace, q: Any) -> None:
             srcs = {s: torch.full((s,), 7, dtype=torch.uint8) for s in sizes}
             views = {s: memoryview(t.numpy()) for s, t in srcs.items()}
         else:
-            link = node.link(0, send=[ack_spec], recv=specs)
+            link = node.link(0, send=[ack_spec], recv=specs, depth=a.depth)
             lst = socket.create_server(("127.0.0.1", 0))
             store.set("probe/port", str(lst.getsockname()[1]))
             sock = tune(lst.accept()[0], 300)
@@ -132,6 +132,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="1M,4M", help="message sizes (K/M suffixes)")
     ap.add_argument("--pieces", default="1M,512K,256K", help="piece sizes to try; the first is today's")
     ap.add_argument("--messages", type=int, default=32, help="messages per round")
+    ap.add_argument("--depth", type=int, default=2, help="the receiver's slots per message size (Node.link's depth)")
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
@@ -146,7 +147,7 @@ def main() -> int:
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, store.port, a, q), daemon=True) for r in (0, 1)]
     print(
-        f"# stream rounds ({a.messages} messages, then an ack), tcp, {a.turns} turns in random order; "
+        f"# stream rounds ({a.messages} messages, then an ack), tcp, link depth {a.depth}, {a.turns} turns in random order; "
         f"{os.cpu_count()} cores; hot path {native.summary()}"
     )
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
