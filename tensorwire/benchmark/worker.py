@@ -226,7 +226,7 @@ def recv_slots(path: str) -> int:
     """Receive buffers per message size of a host stream, in ``tensorwire bench`` and ``tensorwire demo`` alike:
     a Link's default depth for ``"tensorwire"`` (the sender runs one message ahead), one buffer for a raw socket
     or gRPC (the next message waits in the kernel's or gRPC's buffers meanwhile). The sender sends every message
-    of a size from one tensor. Both stay in the caches of a stream of 1 MiB messages, as a pipeline stage's
+    of a round from one tensor. Both stay in the caches of a stream of 1 MiB messages, as a pipeline stage's
     activations, written just before they are sent into a link of default depth, do; a source and a slot per
     message (a round's worth, 32 MiB) streamed a Link at 0.74-0.81x (``bench/probe_stream_sources.py``)."""
     from tensorwire.p2p.link import DEFAULT_DEPTH

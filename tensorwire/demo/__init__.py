@@ -20,10 +20,12 @@ a socket's reader pays a wake-up too). A round starts when rank 1 says "go"
 on a control socket; rank 0 starts its clock when the go arrives, rank 1 when
 it has said it; each side reads its clock again after every exchange of the
 round (rank 0 once the acknowledgement is in, rank 1 once it is out). Filling
-the sent tensors (rank 0) and checking every received byte against the
-expected pattern (rank 1) happen outside both clocks, between rounds. The
+the sent tensors (rank 0, before a row's rounds) and checking the received
+bytes against the expected pattern (rank 1, between rounds) happen outside
+both clocks. The
 layout is ``tensorwire bench``'s (:func:`tensorwire.benchmark.worker.recv_slots`):
-rank 0 sends every message of a row out of one tensor, written anew each round;
+rank 0 sends every message of a round out of one tensor (one of three, filled
+before the row's rounds: nothing is written between rounds);
 rank 1 receives into a link of default depth (two slots) and, for the socket and
 gRPC, into one buffer, reused in turn -- as a pipeline stage's activations,
 written just before they go into a link, stay in the caches. After each round
