@@ -18,9 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
 import random
 import socket
 import statistics
@@ -29,16 +27,12 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from probe_common import run_pair, size_list
+
 try:  # an installed (or PYTHONPATH's compiled) tensorwire first; else the checkout's own
     import tensorwire  # noqa: F401
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _size(text: str) -> int:
-    from tensorwire.settings import parse_size
-
-    return parse_size(text)
 
 
 def _variants(sizes: list[int], pieces: list[int]) -> list[tuple[int, int]]:
@@ -46,14 +40,7 @@ def _variants(sizes: list[int], pieces: list[int]) -> list[tuple[int, int]]:
     return [(s, p) for s in sizes for p in [0, *pieces]]
 
 
-def _worker(rank: int, port: int, a: argparse.Namespace, q: Any) -> None:
-    try:
-        _run(rank, port, a, q)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        q.put((rank, f"{type(exc).__name__}: {exc}"))
-
-
-def _run(rank: int, port: int, a: argparse.Namespace, q: Any) -> None:
+def _run(rank: int, port: int, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import tensorwire as tw
@@ -63,9 +50,8 @@ def _run(rank: int, port: int, a: argparse.Namespace, q: Any) -> None:
     from torch.distributed import TCPStore
 
     pair_process_setup()
+    sizes, pieces = a.size_list, a.piece_list
     store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=300))
-    sizes = [_size(s) for s in a.sizes.split(",")]
-    pieces = [_size(p) for p in a.pieces.split(",")]
     specs = [tw.TensorSpec(f"m{s}", (s,), "uint8") for s in sizes]
     ack_spec = tw.TensorSpec("ack", (1,), "uint8")
     order = random.Random(a.seed)
@@ -124,7 +110,7 @@ def _run(rank: int, port: int, a: argparse.Namespace, q: Any) -> None:
             sock.close()
     from tensorwire.settings import setting
 
-    q.put((rank, {"times": times, "cma": cma, "threads": setting("cma_threads") or syscalls.default_threads()}))
+    return {"times": times, "cma": cma, "threads": setting("cma_threads") or syscalls.default_threads()}
 
 
 def main() -> int:
@@ -138,43 +124,20 @@ def main() -> int:
     a = ap.parse_args()
     if a.turns < 1 or a.messages < 1:
         ap.error("--turns and --messages must be >= 1")
+    sizes = a.size_list = size_list(ap, "--sizes", a.sizes)
+    pieces = a.piece_list = size_list(ap, "--pieces", a.pieces)
     from torch.distributed import TCPStore
 
     from tensorwire import native
 
     store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=300), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, a, q), daemon=True) for r in (0, 1)]
     print(
         f"# stream rounds ({a.messages} messages, then an ack), tcp, link depth {a.depth}, {a.turns} turns in random order; "
         f"{os.cpu_count()} cores; hot path {native.summary()}"
     )
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + 1800
-        while len(got) < 2:
-            try:
-                rank, res = q.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise SystemExit(f"a worker died ({dead}) or the probe ran past 30 minutes") from None
-                continue
-            if isinstance(res, str):
-                raise SystemExit(f"worker {rank} failed: {res}")
-            got[rank] = res
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    got = run_pair(_run, store.port, a)
     times = got[0]["times"]
-    sizes = [_size(s) for s in a.sizes.split(",")]
-    pieces = [_size(p) for p in a.pieces.split(",")]
     print(
         f"# paths the link counted its messages on (tensorwire.metrics): {got[0]['cma']}; copy threads: {got[0]['threads']}"
     )

@@ -27,13 +27,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import random
 import socket
 import statistics
 import sys
 import time
 from typing import Any
+
+from probe_common import run_pair, size_list
 
 try:  # an installed (or PYTHONPATH's) tensorwire first; else the checkout's own
     import tensorwire  # noqa: F401
@@ -43,20 +44,7 @@ except ImportError:  # pragma: no cover
 VARIANTS = ("socket", "write", "split")
 
 
-def _size(text: str) -> int:
-    from tensorwire.settings import parse_size
-
-    return parse_size(text)
-
-
-def _worker(rank: int, a: argparse.Namespace, ports: Any, q: Any) -> None:
-    try:
-        _run(rank, a, ports, q)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        q.put((rank, f"{type(exc).__name__}: {exc}"))
-
-
-def _run(rank: int, a: argparse.Namespace, ports: Any, q: Any) -> None:
+def _run(rank: int, a: argparse.Namespace, ports: Any) -> dict[str, Any]:
     import numpy as np
 
     from tensorwire.benchmark.backends.rawtcp import recv_exact, tune
@@ -65,7 +53,7 @@ def _run(rank: int, a: argparse.Namespace, ports: Any, q: Any) -> None:
     libc = syscalls.load_libc()
     if libc is None:
         raise OSError("no process_vm_readv/writev here")
-    sizes = [_size(s) for s in a.sizes.split(",")]
+    sizes = a.size_list
     if rank == 1:
         lst = socket.create_server(("127.0.0.1", 0))
         ports.put(lst.getsockname()[1])
@@ -132,7 +120,7 @@ def _run(rank: int, a: argparse.Namespace, ports: Any, q: Any) -> None:
                 if turn == a.turns and not bool((buf == 7).all()):
                     raise AssertionError(f"{v} {size}: bytes differ")
     sock.close()
-    q.put((rank, times))
+    return times
 
 
 def main() -> int:
@@ -144,40 +132,19 @@ def main() -> int:
     a = ap.parse_args()
     if a.turns < 1 or a.messages < 1:
         ap.error("--turns and --messages must be >= 1")
-    ctx = mp.get_context("spawn")
-    q, ports = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, a, ports, q), daemon=True) for r in (0, 1)]
+    a.size_list = size_list(ap, "--sizes", a.sizes)
+    ports = mp.get_context("spawn").Queue()
     print(
         f"# stream rounds ({a.messages} messages, then an ack), {a.turns} turns in random order; {os.cpu_count()} cores"
     )
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + 1800
-        while len(got) < 2:
-            try:
-                rank, res = q.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise SystemExit(f"a worker died ({dead}) or the probe ran past 30 minutes") from None
-                continue
-            if isinstance(res, str):
-                raise SystemExit(f"worker {rank} failed: {res}")
-            got[rank] = res
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    got = run_pair(_run, a, ports)
     times = got[0]
     print(
         "| message | socket | write (one side copies) | split (each side copies half) | split / write | split / socket |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for s in [_size(x) for x in a.sizes.split(",")]:
+    for s in a.size_list:
         r = {v: s * a.messages / statistics.median(times[f"{s}/{v}"]) for v in VARIANTS}
         print(
             f"| {s >> 10} KiB | {r['socket'] / 1e9:.2f} GB/s | {r['write'] / 1e9:.2f} GB/s | {r['split'] / 1e9:.2f} GB/s "

@@ -22,9 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
 import random
 import socket
 import statistics
@@ -32,6 +30,8 @@ import sys
 import time
 from datetime import timedelta
 from typing import Any
+
+from probe_common import run_pair
 
 try:  # an installed (or PYTHONPATH's compiled) tensorwire first; else the checkout's own
     import tensorwire  # noqa: F401
@@ -57,14 +57,7 @@ def _variants(rows: tuple[tuple[str, int, int], ...]) -> list[tuple[int, str, in
     ] + [(i, p, 1, 2, True) for i in range(len(rows)) for p in PATHS]
 
 
-def _worker(rank: int, port: int, turns: int, seed: int, q: Any) -> None:
-    try:
-        _run(rank, port, turns, seed, q)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        q.put((rank, f"{type(exc).__name__}: {exc}"))
-
-
-def _run(rank: int, port: int, turns: int, seed: int, q: Any) -> None:
+def _run(rank: int, port: int, turns: int, seed: int) -> dict[str, Any]:
     import torch
 
     import tensorwire as tw
@@ -131,7 +124,7 @@ def _run(rank: int, port: int, turns: int, seed: int, q: Any) -> None:
                             sock.sendall(b"k")
         finally:
             sock.close()
-    q.put((rank, times))
+    return times
 
 
 def main() -> int:
@@ -144,32 +137,9 @@ def main() -> int:
     from tensorwire import native
 
     store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=300), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, a.turns, a.seed, q), daemon=True) for r in (0, 1)]
     print(f"# stream rounds by source layout, tcp, {a.turns} turns in random order; hot path {native.summary()}")
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        deadline = time.monotonic() + 1800
-        while len(got) < 2:
-            try:
-                rank, times = q.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise SystemExit(f"a worker died ({dead}) or the probe ran past 30 minutes") from None
-                continue
-            if isinstance(times, str):
-                raise SystemExit(f"worker {rank} failed: {times}")
-            got[rank] = times
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    got = run_pair(_run, store.port, a.turns, a.seed)
     times = got[0]
     print(
         "| row | path | bench's layout: one source, 2 receive buffers | one source, a buffer each "

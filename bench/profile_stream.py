@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import multiprocessing as mp
 import os
 import pstats
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+
+from probe_common import run_pair, size_list
 
 try:  # an installed (or PYTHONPATH's compiled) tensorwire first; else the checkout's own
     import tensorwire  # noqa: F401
@@ -28,23 +28,15 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _worker(rank: int, port: int, a: argparse.Namespace, q: Any) -> None:
-    try:
-        q.put((rank, _run(rank, port, a)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        q.put((rank, f"failed: {type(exc).__name__}: {exc}"))
-
-
 def _run(rank: int, port: int, a: argparse.Namespace) -> str:
     import torch
 
     import tensorwire as tw
     from tensorwire.benchmark.worker import pair_process_setup
-    from tensorwire.settings import parse_size
     from torch.distributed import TCPStore
 
     pair_process_setup()
-    size = parse_size(a.bytes)
+    size = a.size
     store = TCPStore("127.0.0.1", port, 1, False, timedelta(seconds=120))
     spec = tw.TensorSpec("m", (size,), "uint8")
     ack = tw.TensorSpec("ack", (1,), "uint8")
@@ -96,27 +88,20 @@ def main() -> int:
     a = ap.parse_args()
     if a.rounds < 1 or a.messages < 1:
         ap.error("--rounds and --messages must be >= 1")
+    sizes = size_list(ap, "--bytes", a.bytes)
+    if len(sizes) != 1:
+        ap.error(f"--bytes: one size, not {a.bytes!r}")
+    a.size = sizes[0]
     from torch.distributed import TCPStore
 
     from tensorwire import native
 
     store = TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=120), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, store.port, a, q), daemon=True) for r in (0, 1)]
     print(f"# a Link's stream over tcp, {a.bytes} x {a.messages} per round; {os.cpu_count()} cores; {native.summary()}")
-    for p in procs:
-        p.start()
-    try:
-        got = dict(q.get(timeout=600) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    got = run_pair(_run, store.port, a, limit_s=600, what="the profile")
     for rank in sorted(got):
         print(got[rank])
-    return 1 if any(v.startswith("failed") for v in got.values()) else 0
+    return 0
 
 
 if __name__ == "__main__":
