@@ -303,6 +303,19 @@ def report(results: dict, args: argparse.Namespace, wall: float, gpus: str) -> s
         f"Run took {wall:.0f} s.",
         f'One torchrun job, 2 ranks; {ref_name} default group and `new_group(backend="tensorwire")` over the same '
         f"processes, measured in turns. Command: `{cmd}`" + (f" with `{env}`" if env else "") + ".",
+    ]
+    # (a part left out with --parts gets no section)
+    if r0.get("p2p"):
+        lines += _p2p_section(r0, ref, ref_name)
+    if r0.get("overlap"):
+        lines += _overlap_section(r0, r1, ref, ref_name)
+    if r0.get("pipelining"):
+        lines += _pipelining_section(r0, r1, ref, ref_name, args)
+    return "\n".join(lines) + "\n"
+
+
+def _p2p_section(r0: dict, ref: str, ref_name: str) -> list[str]:
+    lines = [
         "",
         "## Point-to-point (rank 0's view)",
         "",
@@ -318,7 +331,11 @@ def report(results: dict, args: argparse.Namespace, wall: float, gpus: str) -> s
         pg, pt = 2 * size / v["pingpong"][ref] / 1e9, 2 * size / v["pingpong"]["tensorwire"] / 1e9
         sg, st = size / v["stream"][ref] / 1e9, size / v["stream"]["tensorwire"] / 1e9
         lines.append(f"| {_fmt(size)} | {pg:.1f} | {pt:.1f} | {pt / pg:.2f}x | {sg:.1f} | {st:.1f} | {st / sg:.2f}x |")
-    lines += [
+    return lines
+
+
+def _overlap_section(r0: dict, r1: dict, ref: str, ref_name: str) -> list[str]:
+    lines = [
         "",
         "## Overlap: every microbatch's send and receive in flight while the kernels run",
         "",
@@ -335,7 +352,11 @@ def report(results: dict, args: argparse.Namespace, wall: float, gpus: str) -> s
             f"{v[ref] * 1e3:.2f} / {w[ref] * 1e3:.2f} ms | {v['tensorwire'] * 1e3:.2f} / {w['tensorwire'] * 1e3:.2f} ms "
             f"| {v['tensorwire'] / v[ref]:.2f}x |"
         )
-    lines += [
+    return lines
+
+
+def _pipelining_section(r0: dict, r1: dict, ref: str, ref_name: str, args: argparse.Namespace) -> list[str]:
+    lines = [
         "",
         f"## torch.distributed.pipelining: 2 stages, 4 microbatches, width {args.width}, {args.steps} steps after one "
         "warm-up",
@@ -355,7 +376,7 @@ def report(results: dict, args: argparse.Namespace, wall: float, gpus: str) -> s
             f"| {schedule} | {act} MiB | {v[ref]['step'] * 1e3:.2f} ms | {v['tensorwire']['step'] * 1e3:.2f} ms | "
             f"{v['tensorwire']['step'] / v[ref]['step']:.2f}x | {lg:.6f} | {lt:.6f} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:

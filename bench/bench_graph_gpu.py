@@ -24,6 +24,7 @@ import argparse
 import datetime as _dt
 import faulthandler
 import json
+import logging
 import os
 import statistics
 import sys
@@ -187,6 +188,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.stall_s > 0:  # (a hung capture or replay shows where it waits)
         faulthandler.dump_traceback_later(args.stall_s, exit=True)
+    # which calls the captured flags make (stream memory operations or kernels), said once per pair in the log
+    flags_log = logging.getLogger("tensorwire.transport.ce.graphs")
+    flags_log.setLevel(logging.INFO)
+    flags_log.addHandler(logging.StreamHandler(sys.stderr))
     acts = [int(a) for a in args.acts.split(",") if a]
     if not acts or min(acts) < 1 or args.steps < 3:
         ap.error("--acts >= 1 MiB each, --steps >= 3")
@@ -233,7 +238,7 @@ def main() -> int:
                     st.step()
                     step, host = timed(st.step, args.steps)
                     row["nccl_eager_ms"], row["nccl_eager_host_us"] = step * 1e3, host * 1e6
-                    row["nccl_checksum"] = st.checksum()
+                    row["nccl_checksum"] = st.checksum()  # (not the same steps as tensorwire's: not compared)
                     continue
                 try:
                     g = _capture(st)
@@ -262,6 +267,9 @@ def main() -> int:
                 torch.cuda.synchronize()
                 row[f"{name}_checksum"] = st.checksum()
                 del g, modes
+            # the weights are compared only where both backends ran the same steps (NCCL captured too, no extra
+            # tensorwire modes)
+            row["same_steps"] = "nccl_captured_ms" in row and not (args.ab_flags or args.ab_kernels)
             results.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
@@ -312,13 +320,22 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str) -> None:
             else:
                 line += f" {eager} | {r.get('nccl_error', 'not captured (run with --nccl-capture)')} | - | - |"
         lines.append(line)
-    same = [r for r in rows if "nccl_checksum" in r]
+    same = [r for r in rows if r.get("same_steps") and "nccl_checksum" in r and "tensorwire_checksum" in r]
     agree = sum(r["nccl_checksum"] == r["tensorwire_checksum"] for r in same)
+    if same:
+        compared = (
+            f"the weights' checksums after the run agree between tensorwire and NCCL in {agree} of {len(same)} rows "
+            "(the same bytes arrived)"
+        )
+    else:
+        compared = (
+            "the weights are not compared in this run: NCCL ran only eager steps (no `--nccl-capture`) or tensorwire "
+            "ran extra flag modes (`--ab-flags`, `--ab-kernels`), so the two took different steps"
+        )
     lines += [
         "",
         "Each backend and size trains its own copy from the same start through the same modes (warm-up, capture "
-        "where captured, the eager and the captured steps): the weights' checksums after the run agree between "
-        f"tensorwire and NCCL in {agree} of {len(same)} rows (the same bytes arrived). "
+        f"where captured, the eager and the captured steps); {compared}. "
         "`--check` compares captured against eager steps bit for bit.",
     ]
     with open(out, "w") as f:

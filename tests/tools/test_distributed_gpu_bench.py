@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from bench_scripts import run_bench
+from bench_scripts import bench_script, run_bench
 
 torch = pytest.importorskip("torch")
 
@@ -72,3 +72,27 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message)
     assert res.returncode == 2, res
     assert message in res.stderr, res.stderr
     assert not out.exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_part_left_out_gets_no_section():
+    import argparse
+
+    b = bench_script("bench_distributed_gpu")
+    args = argparse.Namespace(device="cuda", rounds=1, steps=2, max_mib=1, acts=[1], tree=None, machine="m", width=256)
+    step = {"nccl": {"step": 0.002, "loss": 1.5}, "tensorwire": {"step": 0.001, "loss": 1.5}}
+    rank = {
+        "ref": "nccl",
+        "device": "cuda:0",
+        "transport": {"1": "tcp+ce"},
+        "hot_path": "pure Python",
+        "p2p": {
+            "1048576": {"pingpong": {"nccl": 1e-4, "tensorwire": 5e-5}, "stream": {"nccl": 1e-4, "tensorwire": 1e-4}}
+        },
+        "overlap": {},
+        "pipelining": {"gpipe/1": step},
+    }
+    text = b.report({0: rank, 1: dict(rank, device="cuda:1")}, args, 1.0, "2 x GPU")
+    assert "## Point-to-point" in text and "| 1 MiB | 21.0 | 41.9 | 2.00x |" in text
+    assert "## torch.distributed.pipelining" in text and "| gpipe | 1 MiB | 2.00 ms | 1.00 ms | 0.50x |" in text
+    assert "## Overlap" not in text  # (--parts p2p,pipelining: it printed a heading over an empty table before)

@@ -1,0 +1,45 @@
+"""``bench/bench_graph_gpu.py``'s report without a GPU: the weights are compared only between runs of the same steps."""
+
+from __future__ import annotations
+
+import pytest
+from bench_scripts import bench_script
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.timeout(60)
+
+
+def _row(same_steps: bool, nccl_sum: float) -> dict:
+    row = {
+        "act_mib": 1,
+        "micro": 2,
+        "messages_per_rank": 4,
+        "tensorwire_eager_ms": 1.0,
+        "tensorwire_captured_ms": 0.4,
+        "tensorwire_captured_host_us": 30.0,
+        "tensorwire_checksum": 1.5,
+        "nccl_eager_ms": 0.9,
+        "nccl_checksum": nccl_sum,
+        "same_steps": same_steps,
+    }
+    if same_steps:
+        row.update(nccl_captured_ms=0.5, nccl_captured_host_us=20.0)
+    return row
+
+
+def test_weights_of_the_same_steps_are_compared(tmp_path):
+    b = bench_script("bench_graph_gpu")
+    out = tmp_path / "g.md"
+    b._report(str(out), [_row(True, 1.5), _row(True, 2.5)], 2, "GPU")
+    text = out.read_text()
+    assert "agree between tensorwire and NCCL in 1 of 2 rows" in text
+    assert "| 0.80 |" in text  # tw / NCCL captured: 0.4 / 0.5
+
+
+def test_eager_only_nccl_is_not_compared(tmp_path):
+    b = bench_script("bench_graph_gpu")
+    out = tmp_path / "g.md"
+    b._report(str(out), [_row(False, 9.0)], 2, "GPU")
+    text = out.read_text()
+    assert "the weights are not compared in this run" in text
+    assert "agree between" not in text  # (it said "in 0 of 6 rows" for a run without --nccl-capture before)
