@@ -122,10 +122,12 @@ def _probe(store: Any, key: str, pair: CePair, timeout: float) -> str | None:
     device the rank may never use, so it is skipped (both sides agree on the store) and said in the log.
     """
     dev = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-    store.set(f"{key}/device/{pair.rank}", "-" if dev is None else str(dev))
+    mine = "-" if dev is None else f"{dev}:{_gpu_uuid(dev)}"
+    store.set(f"{key}/device/{pair.rank}", mine)
     theirs = f"{key}/device/{pair.peer}"
     store.wait([theirs], timedelta(seconds=max(0.1, timeout)))
-    if dev is None or bytes(store.get(theirs)).decode() == "-":
+    word = bytes(store.get(theirs)).decode()
+    if dev is None or word == "-":
         pair.probe = "skipped (CUDA not initialised at group creation: no GPU chosen yet)"
         log.info("tensorwire.distributed: rank %d <-> rank %d: copy-engine probe %s", pair.rank, pair.peer, pair.probe)
         return None
@@ -143,7 +145,24 @@ def _probe(store: Any, key: str, pair: CePair, timeout: float) -> str | None:
             torch=torch,
         )
     pair.probe = "passed" if failed is None else f"failed: {failed}"
+    same = same_gpu(mine, word)
+    if same is not None:  # (known before any message: captured flags can pick their calls from the first step)
+        pair.peer_gpu(dev, same)
     return failed
+
+
+def _gpu_uuid(dev: int) -> str:
+    """The GPU's UUID (the same in every process, whatever each one's ``CUDA_VISIBLE_DEVICES``), or ""."""
+    try:
+        return str(torch.cuda.get_device_properties(dev).uuid)
+    except (AttributeError, RuntimeError):  # (a torch without it)
+        return ""
+
+
+def same_gpu(mine: str, theirs: str) -> bool | None:
+    """Whether two ranks' set-up words (``"<index>:<uuid>"``, ``"-"``: no GPU chosen) name one GPU; None: unknown."""
+    a, b = mine.partition(":")[2], theirs.partition(":")[2]
+    return a == b if a and b else None
 
 
 _EXPORTS: list[Exports] = []

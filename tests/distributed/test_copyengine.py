@@ -7,6 +7,7 @@ that no simulated stream was left waiting on a flag.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -462,8 +463,15 @@ def _captured_step(pair: Pair, act, grad_in, grad_out, act_in):
 
 @pytest.mark.parametrize(
     "flags, one_gpu, kernels",
-    [("memop", False, 0), ("kernel", True, 8), ("auto", False, 8), ("auto", True, 0), ("auto", None, 0)],
-    ids=["memop", "kernel", "auto-two-gpus", "auto-one-gpu", "auto-not-known"],
+    [
+        ("memop", False, 0),
+        ("kernel", True, 8),
+        ("kernel", False, 8),
+        ("auto", False, 0),
+        ("auto", True, 0),
+        ("auto", None, 0),
+    ],
+    ids=["memop", "kernel-one-gpu", "kernel-two-gpus", "auto-two-gpus", "auto-one-gpu", "auto-not-known"],
 )
 def test_a_captured_step_moves_the_bytes_again_on_every_replay(pair, flags, one_gpu, kernels):
     act, grad_in = pair.tensor((64,), fill=0), pair.tensor((64,), fill=0)
@@ -563,3 +571,31 @@ def test_the_parts_messages_played_show_in_tw_metrics_and_prometheus(pair):
     pair.settle(op_s, op_r)
     assert {e["peer"]: e["first"] for e in observe.metrics()["ce"]} == {"1": 1, "0": 0}
     observe.reset()
+
+
+def test_set_up_words_say_whether_two_ranks_share_a_gpu():
+    from tensorwire.distributed.copyengine import same_gpu
+
+    uuid = "GPU-8f0c2a51-1b2c-4d5e-8f90-0123456789ab"
+    assert same_gpu(f"0:{uuid}", f"1:{uuid}") is True  # (indices differ under CUDA_VISIBLE_DEVICES: the UUID counts)
+    assert same_gpu(f"0:{uuid}", "0:GPU-other") is False
+    for a, b in ((f"0:{uuid}", "-"), ("-", "-"), ("0:", f"0:{uuid}")):
+        assert same_gpu(a, b) is None, (a, b)  # no GPU chosen, or a torch without UUIDs: not known
+
+
+def test_the_captured_flags_calls_are_said_once_per_gpu_with_where_the_peer_is(pair, caplog):
+    ops = [pair.send(pair.tensor((8,), fill=1)), pair.recv(pair.tensor((8,)))]
+    pair.settle(*ops)
+    side = pair.a
+    (device,) = side._streams
+    side._one_gpu.clear()
+    side._flags_said.clear()
+    side.peer_gpu(device, False)  # (what the set-up's exchange of GPU UUIDs records for two GPUs)
+    with caplog.at_level(logging.INFO, logger="tensorwire.transport.ce.graphs"):
+        side.graph_flags = "auto"
+        assert side._flag_kernels(device) is False  # auto: memory operations, also between two GPUs
+        side.graph_flags = "kernel"
+        assert side._flag_kernels(device) is True
+    said = [r.getMessage() for r in caplog.records if "captured messages" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "stream memory operations" in said[0] and "FLAGS=auto" in said[0] and "another GPU" in said[0], said

@@ -13,7 +13,8 @@ number baked in at capture:
 
 The writes and waits are stream memory operations, or one-thread kernels (``TENSORWIRE_CE_GRAPH_FLAGS``,
 :meth:`Capture._flag_kernels`): a memory-operation node costs the host ~2 us at every replay of the graph, a
-kernel node ~0.01 us, so with kernels a replay's host time does not grow with its messages.
+kernel node ~0.01 us, so with kernels a replay's host time grows far less with its messages -- but the step
+itself was slower with them (a kernel polls the flag in host memory), so memory operations are the default.
 
 Both ranks must capture the same sequence of messages per tag and direction and replay their graphs alike;
 what breaks that and can be seen at capture (another signature, an entry already taken) raises there.
@@ -21,6 +22,7 @@ what breaks that and can be seen at capture (another signature, an entry already
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import ProtocolError, TensorWireError
@@ -32,6 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .region import Region
 
 __all__ = ["Capture", "CaptureError", "FIRST", "SECOND"]
+
+log = logging.getLogger(__name__)
 
 FIRST, SECOND = 1, 2  # CeOp.graph: which side of a captured message this one was
 _NO_HANDLE = bytes(64)
@@ -51,7 +55,10 @@ class Capture:
     _channels: "dict[int, Channel]"
     _graph_entries: list[int]
     _one_gpu: dict[int, bool]
+    _flags_said: set[int]
     graph_flags: str
+    rank: int
+    peer: int
     _mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None]
 
     def _channel(self, tag: int, sending: bool) -> "Channel":
@@ -148,13 +155,26 @@ class Capture:
     def _flag_kernels(self, device: int) -> bool:
         """Whether this message's flags go by kernels (``TENSORWIRE_CE_GRAPH_FLAGS``): a stream memory operation
         captured in a graph costs the host ~2 us at every replay, a kernel ~0.01 us
-        (``bench/results/graph-launch-probe_h200_2026-11-29.md``), but a polling kernel between two processes
-        of one GPU would hold the GPU's time slice its peer needs: there ``auto`` keeps the memory operations
-        (as it does where the pair has not yet learnt where the peer's memory is)."""
+        (``bench/results/graph-launch-probe_h200_2026-11-29.md``); but the captured step was slower with kernels:
+        1-10 % on two H200s, 2-8x between two processes of one GPU, where a polling kernel holds the GPU's time
+        slice its peer needs (``bench/results/graph-kernels_h200x2_2026-11-29.md``,
+        ``graph-gpu_h200_2026-11-29-2.md``). So only ``kernel`` asks for them; ``auto`` is memory operations."""
         want = self.graph_flags
-        if want == "memop" or (want == "auto" and self._one_gpu.get(device, True)):
-            return False
-        return self.driver.flag_kernels(device)
+        one_gpu = self._one_gpu.get(device)
+        kernels = want == "kernel" and bool(self.driver.flag_kernels(device))
+        if device not in self._flags_said:  # (said once per device: which calls every replay will make)
+            self._flags_said.add(device)
+            log.info(
+                "tensorwire: rank %d <-> rank %d on cuda:%s: captured messages wait on and write their flags by %s "
+                "(TENSORWIRE_CE_GRAPH_FLAGS=%s; the peer's memory on %s)",
+                self.rank,
+                self.peer,
+                device,
+                "one-thread kernels" if kernels else "stream memory operations",
+                want,
+                {True: "this GPU", False: "another GPU", None: "a GPU not known yet"}[one_gpu],
+            )
+        return kernels
 
     def _flag_calls(self, device: int, kernels: bool) -> tuple[Callable[[int, int, int], None], ...]:
         """``(write, wait_reset)`` of a captured message's flags, each ``(stream, address, value)``: by kernels on

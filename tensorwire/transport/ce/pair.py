@@ -231,6 +231,7 @@ class CePair(Capture, Watched, Closing):
         self.counts = [0, 0, 0, 0, 0]
         #: how captured messages write and wait on their flags (TENSORWIRE_CE_GRAPH_FLAGS; graphs.py)
         self.graph_flags = setting("ce_graph_flags")
+        self._flags_said: set[int] = set()  # (devices whose captured flags' calls were said in the log)
         #: what the set-up probe found (tensorwire.transport.ce.probe; set by whoever ran it)
         self.probe = "not run"
         #: updated by every look of the watchdog (deadlines of new messages are counted from it)
@@ -249,7 +250,7 @@ class CePair(Capture, Watched, Closing):
                         self.region.device_addr = d.register_host(self.region.addr, len(self.region.buf))
                         self._registered.add(device)
                     st = self._streams[device] = (d.new_stream(), d.new_stream(), d.new_event(), d.new_event())
-                    if self.graph_flags != "memop":
+                    if self.graph_flags == "kernel":
                         d.flag_kernels(device)  # (loaded before any capture: a module load may not run in one)
         return st
 
@@ -420,6 +421,11 @@ class CePair(Capture, Watched, Closing):
         self.driver.context(device)
         if device not in self._streams:
             self._device(device)
+
+    def peer_gpu(self, device: int, same: bool) -> None:
+        """Record whether the peer's memory is on ``device`` itself (known at set-up, before any message: else
+        learnt from the first export this side opens)."""
+        self._one_gpu[device] = same
 
     def on_failure(self, release: Callable[[], None]) -> None:
         """Call ``release`` when the pair fails (to let streams waiting on flags of the caller's go on)."""
