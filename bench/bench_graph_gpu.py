@@ -54,6 +54,9 @@ class Stage:
         self.lr = 1e-3
 
     def step(self) -> None:
+        if self.group is None:
+            self._compute_only()
+            return
         grp, peer = self.group, self.peer
         if self.rank == 0:
             acts = [x @ self.w for x in self.x]
@@ -76,6 +79,21 @@ class Stage:
                 grads.append(g_out @ self.w.t())
             for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, gr, peer, group=grp) for gr in grads]):
                 w.wait()
+            self.w.sub_(self.lr * gw)
+
+    def _compute_only(self) -> None:
+        """The rank's kernels of :meth:`step` with no message at all (``--floor``): what arrives stays as it is."""
+        if self.rank == 0:
+            acts = [x @ self.w for x in self.x]
+            del acts  # (computed as the step does; nothing sends them)
+            gw = sum(x.t() @ gr for x, gr in zip(self.x, self.grad_in))
+            self.w.sub_(self.lr * gw)
+        else:
+            gw = None
+            for a, tgt in zip(self.act_in, self.target):
+                g_out = (a @ self.w - tgt) * (2.0 / a.numel())
+                gw = a.t() @ g_out if gw is None else gw + a.t() @ g_out
+                g_out @ self.w.t()
             self.w.sub_(self.lr * gw)
 
     def checksum(self) -> float:
@@ -185,6 +203,12 @@ def main() -> int:
         "TENSORWIRE_CE_GRAPH_FLAGS chooses, replayed in turns with the rest (the host time per replay of each)",
     )
     ap.add_argument("--turns", type=int, default=1, help="measure the modes of a row in this many turns")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time each rank's kernels of the step captured with no message at all; their sum is the step "
+        "a transport that took no time would give (the two stages run one after the other in this step)",
+    )
     args = ap.parse_args()
     if args.stall_s > 0:  # (a hung capture or replay shows where it waits)
         faulthandler.dump_traceback_later(args.stall_s, exit=True)
@@ -267,6 +291,19 @@ def main() -> int:
                 torch.cuda.synchronize()
                 row[f"{name}_checksum"] = st.checksum()
                 del g, modes
+            if args.floor:  # each rank's compute alone, captured; rank 0 adds rank 1's (sent over the group)
+                st = Stage(rank, rows_of[a], micro, device, None)
+                g = _capture(st)
+                g.replay()
+                own, _host = timed(g.replay, args.steps)
+                t = torch.tensor([own], dtype=torch.float64)
+                if rank == 0:
+                    dist.recv(t, 1, group=groups["tensorwire"])
+                    row["floor_ranks_ms"] = [own * 1e3, float(t[0]) * 1e3]
+                    row["floor_ms"] = sum(row["floor_ranks_ms"])
+                else:
+                    dist.send(t, 0, group=groups["tensorwire"])
+                del g
             # the weights are compared only where both backends ran the same steps (NCCL captured too, no extra
             # tensorwire modes)
             row["same_steps"] = "nccl_captured_ms" in row and not (args.ab_flags or args.ab_kernels)
@@ -320,6 +357,31 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str) -> None:
             else:
                 line += f" {eager} | {r.get('nccl_error', 'not captured (run with --nccl-capture)')} | - | - |"
         lines.append(line)
+    floors = [r for r in rows if "floor_ms" in r]
+    if floors:
+        ref = "nccl_captured_ms" if nccl else "tensorwire_captured_ms"
+        lines += [
+            "",
+            "The floor (`--floor`): each rank's kernels of the same step captured with no message at all, and their "
+            "sum -- in this step the two stages run one after the other, so a transport that took no time would "
+            "give that step. A target of x times NCCL's captured step is out of reach for any transport where the "
+            "floor alone is above x times it.",
+            "",
+            "| activation | microbatches | floor (rank 0 + rank 1) | tw captured / floor |"
+            + (" floor / NCCL captured | NCCL captured / floor |" if nccl else ""),
+            "| --- | --- | ---: | ---: |" + (" ---: | ---: |" if nccl else ""),
+        ]
+        for r in floors:
+            f0, f1 = r["floor_ranks_ms"]
+            line = (
+                f"| {r['act_mib']} MiB | {r['micro']} | {r['floor_ms']:.2f} ms ({f0:.2f} + {f1:.2f}) | "
+                f"{r['tensorwire_captured_ms'] / r['floor_ms']:.2f} |"
+            )
+            if nccl and "nccl_captured_ms" in r:
+                line += f" {r['floor_ms'] / r[ref]:.2f} | {r[ref] / r['floor_ms']:.2f} |"
+            elif nccl:
+                line += " - | - |"
+            lines.append(line)
     same = [r for r in rows if r.get("same_steps") and "nccl_checksum" in r and "tensorwire_checksum" in r]
     agree = sum(r["nccl_checksum"] == r["tensorwire_checksum"] for r in same)
     if same:

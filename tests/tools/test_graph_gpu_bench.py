@@ -43,3 +43,13 @@ def test_eager_only_nccl_is_not_compared(tmp_path):
     text = out.read_text()
     assert "the weights are not compared in this run" in text
     assert "agree between" not in text  # (it said "in 0 of 6 rows" for a run without --nccl-capture before)
+
+
+def test_the_floor_is_both_ranks_compute_and_is_set_against_each_step(tmp_path):
+    b = bench_script("bench_graph_gpu")
+    out = tmp_path / "g.md"
+    row = dict(_row(True, 1.5), floor_ranks_ms=[0.1, 0.2], floor_ms=0.3)
+    b._report(str(out), [row], 2, "GPU")
+    text = out.read_text()
+    # floor 0.3 ms; tensorwire captured 0.4 ms (1.33x the floor); NCCL captured 0.5 ms (the floor 0.60x it)
+    assert "| 1 MiB | 2 | 0.30 ms (0.10 + 0.20) | 1.33 | 0.60 | 1.67 |" in text, text
