@@ -220,10 +220,9 @@ class CePair(Capture, Watched, Closing):
         self.inline_max = INLINE_MAX
         #: a large send waits up to this long for its receiver (see the comment at the top)
         self.push_wait_s = setting("ce_push_wait_us") * 1e-6
-        #: device -> whether the peer's memory is on that very GPU (learnt from the first export this side opened):
-        #: two processes sharing one GPU share its copy engines, so which side copies makes no difference and a
-        #: large send does not wait for its receiver (a GPU-side wait between two processes' contexts on one GPU
-        #: can cost a time slice of the GPU's scheduler)
+        #: device -> whether the peer's memory is on that very GPU (:meth:`peer_gpu`, else the first export opened):
+        #: one GPU's processes share its copy engines, so which side copies makes no difference and a large send
+        #: does not wait for its receiver (a GPU-side wait between their contexts can cost a scheduler time slice)
         self._one_gpu: dict[int, bool] = {}
         #: messages by this side's part: [came first, came second and copied on the caller's stream, came second
         #: and copied on an internal stream, large sends whose receiver came while they waited, large sends whose
@@ -423,8 +422,7 @@ class CePair(Capture, Watched, Closing):
             self._device(device)
 
     def peer_gpu(self, device: int, same: bool) -> None:
-        """Record whether the peer's memory is on ``device`` itself (known at set-up, before any message: else
-        learnt from the first export this side opens)."""
+        """Record whether the peer's memory is on ``device`` itself (known at set-up: before any message)."""
         self._one_gpu[device] = same
 
     def on_failure(self, release: Callable[[], None]) -> None:
