@@ -359,7 +359,6 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str) -> None:
         lines.append(line)
     floors = [r for r in rows if "floor_ms" in r]
     if floors:
-        ref = "nccl_captured_ms" if nccl else "tensorwire_captured_ms"
         lines += [
             "",
             "The floor (`--floor`): each rank's kernels of the same step captured with no message at all, and their "
@@ -378,7 +377,8 @@ def _report(out: str, rows: list[dict], ngpu: int, name: str) -> None:
                 f"{r['tensorwire_captured_ms'] / r['floor_ms']:.2f} |"
             )
             if nccl and "nccl_captured_ms" in r:
-                line += f" {r['floor_ms'] / r[ref]:.2f} | {r[ref] / r['floor_ms']:.2f} |"
+                nccl_ms = r["nccl_captured_ms"]
+                line += f" {r['floor_ms'] / nccl_ms:.2f} | {nccl_ms / r['floor_ms']:.2f} |"
             elif nccl:
                 line += " - | - |"
             lines.append(line)

@@ -34,7 +34,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import random
 import statistics
@@ -45,6 +44,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_observe import SIZE, tcp_link_pair  # (the same 4 KiB Link pair)
+from probe_common import run_pair
 
 CONDITIONS = ("off", "on", "off2")
 
@@ -84,7 +84,7 @@ def in_turns(
 
 
 # -- backend --------------------------------------------------------------------------------------------------
-def _backend_rank(rank: int, port: int, args: dict[str, Any], q: Any) -> None:
+def _backend_rank(rank: int, port: int, args: dict[str, Any]) -> tuple[list[dict[str, float]], dict[str, Any]]:
     os.environ["TENSORWIRE_TRANSPORT"] = args["transport"]
     import torch
     import torch.distributed as dist
@@ -112,11 +112,7 @@ def _backend_rank(rank: int, port: int, args: dict[str, Any], q: Any) -> None:
 
     try:
         rows = in_turns(run, observe.set_enabled, args["cycles"], args["turn"], args["seed"])
-        counted = observe.metrics()["totals"]
-        q.put((rank, rows, counted))
-    except BaseException as exc:  # the parent reports it
-        q.put((rank, None, repr(exc)))
-        raise
+        return rows, observe.metrics()["totals"]
     finally:
         dist.destroy_process_group()
 
@@ -125,29 +121,16 @@ def backend_turns(cycles: int, turn: int, seed: int, transport: str) -> dict[int
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     args = {"cycles": cycles, "turn": turn, "seed": seed, "transport": transport}
-    procs = [ctx.Process(target=_backend_rank, args=(r, store.port, args, q), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
     got: dict[int, list[dict[str, float]]] = {}
-    try:
-        for _ in procs:
-            rank, rows, extra = q.get(timeout=900)
-            if rows is None:
-                raise RuntimeError(f"backend rank {rank} failed: {extra}")
-            # (every "on" turn counted its messages: a run where counting never happened would show it here)
-            expect = (cycles + 1) * turn
-            if extra["send"]["messages"] < expect or extra["recv"]["messages"] < expect:
-                raise RuntimeError(f"rank {rank} counted {extra}, expected at least {expect} per direction")
-            got[rank] = rows
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    for rank, (rows, counted) in run_pair(
+        _backend_rank, store.port, args, limit_s=1800, what="the backend turns"
+    ).items():
+        # (every "on" turn counted its messages: a run where counting never happened would show it here)
+        expect = (cycles + 1) * turn
+        if counted["send"]["messages"] < expect or counted["recv"]["messages"] < expect:
+            raise RuntimeError(f"rank {rank} counted {counted}, expected at least {expect} per direction")
+        got[rank] = rows
     return got
 
 
