@@ -99,7 +99,14 @@ class Route:
     transport's cross-memory-attach state, when it has one: messages of at least its ``min_bytes`` that it
     sends that way count under ``cma``. ``due``: messages until the next timed one (1: the next), counted down
     by the hooks (the route's messages are timed one in ``SWITCH.every``; a race of two threads on one route
-    can time one message more or fewer, never lose a count).
+    can time one message more or fewer).
+
+    ``fixed``: every message of the route has ``nbytes`` bytes and goes to ``flow`` (a static spec below cma's
+    threshold: a Link's usual route). Its untimed messages are counted by the countdown alone: ``batch - due``
+    of them are the route's since its last timed message, which adds them into the flow (the flow's reads add
+    a fixed route's share still on it: :meth:`pending`). One decrement per message instead of a decrement and
+    two additions: in a 4 KiB ping-pong on a 2-core VM the additions were most of what counting cost
+    (``bench/bench_observe_cost.py``).
     """
 
     __slots__ = (
@@ -114,6 +121,8 @@ class Route:
         "fallback_due",
         "on_error",
         "due",
+        "batch",
+        "fixed",
     )
 
     def __init__(self, peer: int, path: str, direction: str, *, nbytes: int | None = None, cma: Any = None) -> None:
@@ -129,7 +138,30 @@ class Route:
         self.cma_flow: Flow | None = None  # made by the first message that goes by cma
         self.fallback_due = path == "staged"  # a staged route of the backend: its fallback is still to be counted
         self.on_error = self.failed  # (bound once: a work keeps it)
-        self.due = 1  # the first message is timed
+        self.due = self.batch = 1  # the first message is timed
+        self.fixed = nbytes is not None and nbytes < self.cma_min
+        if self.fixed:
+            self.flow.tally(self)
+
+    def pending(self) -> tuple[int, int]:
+        """(messages, bytes) of a fixed route counted by its countdown and not added into its flow yet."""
+        k = self.batch - self.due
+        return k, k * (self.nbytes or 0)
+
+    def settle(self) -> None:
+        """A timed message of a fixed route is due: add its untimed messages into the flow and restart the
+        countdown (``SWITCH.every`` messages to the next timed one). The reads, the reset and the additions have
+        no call between them, so no thread of this process sees them half done (CPython hands its lock to
+        another thread only at calls and backward jumps)."""
+        k = self.batch - self.due
+        self.batch = self.due = SWITCH.every
+        f = self.flow
+        f.messages += k
+        f.bytes += k * (self.nbytes or 0)
+
+    def forget(self) -> None:
+        """The counts were reset: the untimed messages on this route are dropped with them."""
+        self.batch = self.due
 
     def flow_for(self, nbytes: int) -> Flow:
         cma = self.cma
@@ -206,14 +238,18 @@ class LinkWatch:
         self._held.append((label, len(slots), total))
 
     def release(self) -> None:
-        """The link closed: its slots are no longer held."""
+        """The link closed: its slots are no longer held, its fixed routes' counts go into their flows."""
         held, self._held = self._held, []
         for label, n, total in held:
             REGISTRY.hold(self.peer, label, slots=-n, nbytes=-total)
+        for r in [*self._send.values(), *self._recv.values()]:
+            if r.fixed:
+                r.flow.untally(r)
 
-    # send and recv: the whole cost of a counted message that is not timed is inline below -- a countdown and
-    # two additions, no call of ours below cma's threshold; a timed one (one in SWITCH.every) goes through
-    # _timed: two clock readings and a bucket more (bench/bench_observe_cost.py)
+    # send and recv: the whole cost of a counted message that is not timed is inline below -- a countdown (a
+    # fixed route: Route's docstring), or a countdown and two additions, no call of ours below cma's threshold;
+    # a timed one (one in SWITCH.every) goes through _timed: two clock readings and a bucket more
+    # (bench/bench_observe_cost.py)
     def send(self, name: str, tensor: "torch.Tensor", timeout: float | None) -> None:
         if self._prof():
             return self._traced("send", self._send, self._do_send, name, tensor, timeout)
@@ -227,8 +263,10 @@ class LinkWatch:
         try:
             self._do_send(name, tensor, timeout)
         except BaseException as exc:
-            REGISTRY.error(self.peer, r.path, exc)
+            self._failed(r, exc)
             raise
+        if r.fixed:  # counted by the countdown
+            return
         n = r.nbytes
         if n is None:
             n = _nbytes(tensor)
@@ -249,8 +287,10 @@ class LinkWatch:
         try:
             got = self._do_recv(name, out, timeout)
         except BaseException as exc:
-            REGISTRY.error(self.peer, r.path, exc)
+            self._failed(r, exc)
             raise
+        if r.fixed:  # counted by the countdown
+            return got
         n = r.nbytes
         if n is None:
             n = _nbytes(got)
@@ -272,20 +312,32 @@ class LinkWatch:
         try:
             handle = self._do_isend(name, tensor, timeout)
         except BaseException as exc:
-            REGISTRY.error(self.peer, r.path, exc)
+            self._failed(r, exc)
             raise
-        n = r.nbytes if r.nbytes is not None else _nbytes(tensor)
-        f = r.flow_for(n)
-        f.messages += 1
-        f.bytes += n
+        if r.fixed:  # counted by the countdown
+            f = r.flow
+        else:
+            n = r.nbytes if r.nbytes is not None else _nbytes(tensor)
+            f = r.flow_for(n)
+            f.messages += 1
+            f.bytes += n
         f.open += 1
         handle.watch(f, 0)
         return handle
 
+    def _failed(self, r: Route, exc: BaseException) -> None:
+        """An untimed message of ``r`` failed: counted as an error, not as a message."""
+        if r.fixed:
+            r.due += 1  # (the countdown had counted it)
+        REGISTRY.error(self.peer, r.path, exc)
+
     def _timed(self, op: str, r: Route, fn: Callable[..., Any], name: str, t: Any, timeout: Any) -> Any:
         """``op`` (send, recv, isend) of ``name`` through ``fn``, counted and timed (the route's next timed
-        message is ``SWITCH.every`` on)."""
-        r.due = SWITCH.every
+        message is ``SWITCH.every`` on; a fixed route's untimed messages go into its flow first)."""
+        if r.fixed:
+            r.settle()
+        else:
+            r.due = SWITCH.every
         t0 = _clock()
         try:
             got = fn(name, t, timeout)

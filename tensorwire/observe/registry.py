@@ -25,7 +25,10 @@ clock readings and the bucket of every message, and following every backend
 work to its completion with a time, cost a 4 KiB message over TCP on a 2-core
 VM about the whole 1.02x budget of counting (issue 32,
 ``bench/bench_observe_cost.py``), so a timed message pays them and the others
-pay a countdown and a few integer additions. The histograms are then a sample: their
+pay a countdown and a few integer additions -- or, on a route of fixed size
+(a Link's static spec), the countdown alone: the route holds its untimed
+messages until its next timed one adds them here, and :meth:`Flow.read` adds
+what a route still holds (``tallies``). The histograms are then a sample: their
 ``_count`` is the timed messages, their ``_sum`` those messages' time, and a
 mean (``_sum / _count``) or quantile estimates all messages' as any sample
 does (while a profiler records, every message is timed).
@@ -119,6 +122,7 @@ class Flow:
         "posted",
         "done_ns",
         "done",
+        "tallies",
     )
 
     def __init__(self, peer: str, path: str, direction: str) -> None:
@@ -126,9 +130,29 @@ class Flow:
         self.path = path
         self.direction = direction
         self.open = 0
+        #: routes that count their untimed messages themselves (``tensorwire.observe.hooks.Route``: ``pending()``
+        #: -> (messages, bytes) not added here yet; ``forget()`` drops them at a reset)
+        self.tallies: list[Any] = []
         self.reset()
 
+    def tally(self, route: Any) -> None:
+        """``route`` counts messages of this flow on itself until it adds them here (its reads include them)."""
+        self.tallies.append(route)
+
+    def untally(self, route: Any) -> None:
+        """``route`` stops counting (its link closed): what it still held is added here."""
+        k, b = route.pending()
+        route.forget()
+        self.messages += k
+        self.bytes += b
+        try:
+            self.tallies.remove(route)
+        except ValueError:
+            pass
+
     def reset(self) -> None:
+        for r in list(self.tallies):
+            r.forget()
         self.messages = 0
         self.bytes = 0
         self.sync_ns = 0
@@ -172,10 +196,14 @@ class Flow:
         messages posted before a :meth:`reset` and still open then are not in ``messages``)."""
         sync, posted, done = list(self.sync), list(self.posted), list(self.done)
         sync_ns = self.sync_ns
-        messages = self.messages
+        messages, nbytes = self.messages, self.bytes
+        for r in list(self.tallies):
+            k, b = r.pending()
+            messages += k
+            nbytes += b
         return {
             "messages": messages,
-            "bytes": self.bytes,
+            "bytes": nbytes,
             "timed": sum(sync) + sum(posted),
             "call_seconds": (sync_ns + self.posted_ns) / 1e9,
             "call_buckets": [a + b for a, b in zip(sync, posted)],

@@ -275,3 +275,41 @@ def test_a_link_times_one_message_in_n_and_counts_every_one(links):
     text = observe.render().decode()
     assert 'tensorwire_p2p_messages_total{direction="send",path="tcp",peer="1"} 9.0' in text
     assert 'tensorwire_p2p_call_seconds_count{direction="send",path="tcp",peer="1"} 3.0' in text
+
+
+def test_untimed_messages_of_a_fixed_route_count_before_and_after_a_timed_one(links):
+    """A static spec's untimed messages are counted by the route's countdown: every read sees them, between
+    two timed messages too."""
+    a, b = links
+    observe.set_sample_every(16)
+    for n in (1, 2, 15, 16, 17, 40):
+        observe.reset()
+        _exchange(a, b, n)
+        sent = _flow("1", "send")
+        assert (sent["messages"], sent["bytes"], sent["completed"]) == (n, n * SIZE, n), n
+        assert _flow("1", "recv")["messages"] == n
+
+
+def test_a_refused_untimed_send_counts_no_message_and_a_reset_drops_what_was_counted(links):
+    a, b = links
+    observe.set_sample_every(16)
+    _exchange(a, b, 3)  # the first is timed, two are on the countdown
+    with pytest.raises(ShapeMismatchError):
+        a.send("x", torch.ones(SIZE + 1, dtype=torch.uint8))
+    assert _flow("1", "send")["messages"] == 3
+    assert observe.metrics()["errors"][0]["count"] == 1
+    observe.reset()
+    assert observe.metrics()["totals"]["send"]["messages"] == 0
+    _exchange(a, b, 2)
+    assert _flow("1", "send")["messages"] == 2
+
+
+def test_a_closed_links_counts_stay(links):
+    a, b = links
+    observe.set_sample_every(16)
+    _exchange(a, b, 5)
+    a.close()
+    b.close()
+    sent = _flow("1", "send")
+    assert (sent["messages"], sent["bytes"]) == (5, 5 * SIZE)
+    assert _flow("0", "send")["messages"] == 5
