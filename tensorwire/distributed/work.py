@@ -95,7 +95,7 @@ class Work(dist._Work):
             else:  # (not timed: Flow.completed inline, one subtraction)
                 flow.open -= 1
             if exc is not None:
-                self._on_error(exc)  # type: ignore[misc]
+                (self._on_error or flow.failed)(exc)
         if ev is not None:
             ev.set()
         if fut is not None:
@@ -104,9 +104,10 @@ class Work(dist._Work):
     def _finished(self, exc: BaseException | None, streamed: bool) -> None:
         """Hook: called once, right after the work completed (``streamed``: a stream waits for it)."""
 
-    def watch(self, flow: Any, t0: int, on_error: Callable[[BaseException], None]) -> None:
+    def watch(self, flow: Any, t0: int, on_error: Callable[[BaseException], None] | None = None) -> None:
         """Count this work's completion in ``flow`` (a :class:`tensorwire.observe.registry.Flow`; ``t0``: the
-        ``perf_counter_ns`` of its post, timed, or 0) and a failure with ``on_error``, when it completes.
+        ``perf_counter_ns`` of its post, timed, or 0) and a failure with ``on_error`` (None: the flow's
+        ``failed``, by the flow's peer and path), when it completes.
 
         For a work that was not done when the caller looked (a done one the caller counts itself); the backend's
         hooks do the same inline for a message they do not time. No lock: the stores, ``_flow`` last, then a
@@ -118,7 +119,8 @@ class Work(dist._Work):
         """
         if t0:  # (0 is the class's: one store less)
             self._t0 = t0
-        self._on_error = on_error
+        if on_error is not None:
+            self._on_error = on_error
         self._flow = flow
         if self._is_done:  # completed by another thread meanwhile
             self._watched_late(flow)
@@ -132,8 +134,8 @@ class Work(dist._Work):
                 self._flow = None
         if mine:
             flow.completed(self._t0)
-            if self._exc is not None and self._on_error is not None:
-                self._on_error(self._exc)
+            if self._exc is not None:
+                (self._on_error or flow.failed)(self._exc)
 
     def _settle(self, fut: torch.futures.Future) -> None:
         if fut.done():

@@ -119,7 +119,6 @@ class Route:
         "cma_min",
         "cma_flow",
         "fallback_due",
-        "on_error",
         "due",
         "batch",
         "fixed",
@@ -137,7 +136,6 @@ class Route:
         self.cma_min = int(self.cma.min_bytes) if self.cma is not None else 1 << 62
         self.cma_flow: Flow | None = None  # made by the first message that goes by cma
         self.fallback_due = path == "staged"  # a staged route of the backend: its fallback is still to be counted
-        self.on_error = self.failed  # (bound once: a work keeps it)
         self.due = self.batch = 1  # the first message is timed
         self.fixed = nbytes is not None and nbytes < self.cma_min
         if self.fixed:
@@ -452,8 +450,7 @@ class GroupWatch:
                 r.failed(work._exc)
         else:  # completes later: counted then (Work.watch inline, untimed: see its docstring)
             f.open += 1
-            work._on_error = r.on_error
-            work._flow = f
+            work._flow = f  # (a failure is counted by the flow: Work._finish)
             if work._is_done:
                 work._watched_late(f)
         return work
@@ -489,8 +486,7 @@ class GroupWatch:
                 r.failed(work._exc)
         else:  # completes later: counted then (Work.watch inline, untimed: see its docstring)
             f.open += 1
-            work._on_error = r.on_error
-            work._flow = f
+            work._flow = f  # (a failure is counted by the flow: Work._finish)
             if work._is_done:
                 work._watched_late(f)
         return work
@@ -524,7 +520,7 @@ class GroupWatch:
                 r.failed(work._exc)
         else:
             f.post(n, ns)
-            work.watch(f, t0, r.on_error)
+            work.watch(f, t0)
         return work
 
     def _traced(

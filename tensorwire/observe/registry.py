@@ -191,6 +191,10 @@ class Flow:
             self.done[i] += 1
         self.open -= 1
 
+    def failed(self, exc: BaseException) -> None:
+        """A message of this flow failed with ``exc`` (counted by its class, under the flow's peer and path)."""
+        REGISTRY.error(self.peer, self.path, exc)
+
     def read(self) -> dict[str, Any]:
         """A copy of the counts (``timed``: the messages in the histograms' sample; ``completed``: at least 0 --
         messages posted before a :meth:`reset` and still open then are not in ``messages``)."""
