@@ -202,6 +202,12 @@ def main() -> int:
         help="also capture tensorwire's step with its flags by kernels and by stream memory operations, whatever "
         "TENSORWIRE_CE_GRAPH_FLAGS chooses, replayed in turns with the rest (the host time per replay of each)",
     )
+    ap.add_argument(
+        "--teardown-s",
+        type=float,
+        default=60.0,
+        help="how long the groups' teardown may take at the end before the run leaves without it",
+    )
     ap.add_argument("--turns", type=int, default=1, help="measure the modes of a row in this many turns")
     ap.add_argument(
         "--floor",
@@ -312,7 +318,39 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
     if rank == 0 and args.out:  # (before the groups go: a hang tearing one down must not lose the figures)
         _report(args.out, results, ngpu, torch.cuda.get_device_name(device))
-    dist.destroy_process_group()
+    return _teardown(groups, rank, args.teardown_s)
+
+
+def _teardown(groups: dict, rank: int, limit_s: float) -> int:
+    """Destroy NCCL's group first, then the default one, within ``limit_s`` seconds; past it, say so and leave.
+
+    After a captured NCCL step NCCL's group has hung in ``destroy_process_group`` on two GPUs of one host
+    (``graph-gpu_h200x2_2026-11-29-3``), with every figure already written. The run then ends with status 0
+    and one line naming the hang, instead of the stall timer's traceback and status 1.
+    """
+    import threading
+
+    faulthandler.cancel_dump_traceback_later()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+    def destroy() -> None:
+        if "nccl" in groups:
+            dist.destroy_process_group(groups["nccl"])
+        dist.destroy_process_group()
+
+    th = threading.Thread(target=destroy, name="teardown", daemon=True)
+    th.start()
+    th.join(limit_s)
+    if th.is_alive():
+        print(
+            f"rank {rank}: destroy_process_group did not return within {limit_s:g} s (NCCL's group after a "
+            "captured step); the figures are written, leaving without it",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

@@ -1,6 +1,9 @@
-"""``bench/bench_graph_gpu.py``'s report without a GPU: the weights are compared only between runs of the same steps."""
+"""``bench/bench_graph_gpu.py`` without a GPU: the weights are compared only between runs of the same steps; the
+teardown at the end is bounded."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 from bench_scripts import bench_script
@@ -53,3 +56,25 @@ def test_the_floor_is_both_ranks_compute_and_is_set_against_each_step(tmp_path):
     text = out.read_text()
     # floor 0.3 ms; tensorwire captured 0.4 ms (1.33x the floor); NCCL captured 0.5 ms (the floor 0.60x it)
     assert "| 1 MiB | 2 | 0.30 ms (0.10 + 0.20) | 1.33 | 0.60 | 1.67 |" in text, text
+
+
+def test_teardown_destroys_nccls_group_first_then_the_default_one(monkeypatch):
+    mod = bench_script("bench_graph_gpu")
+    done: list = []
+    monkeypatch.setattr(mod.dist, "destroy_process_group", lambda group=None: done.append(group))
+    assert mod._teardown({"tensorwire": "world", "nccl": "nccl-group"}, 0, 5.0) == 0
+    assert done == ["nccl-group", None]
+
+
+def test_a_hung_teardown_is_left_after_the_limit_with_one_line_and_status_0(monkeypatch, capsys):
+    mod = bench_script("bench_graph_gpu")
+    release = threading.Event()
+    exits: list = []
+    monkeypatch.setattr(mod.dist, "destroy_process_group", lambda group=None: release.wait(30))
+    monkeypatch.setattr(mod.os, "_exit", exits.append)
+    try:
+        mod._teardown({"tensorwire": "world", "nccl": "nccl-group"}, 1, 0.2)
+    finally:
+        release.set()
+    assert exits == [0]
+    assert "rank 1: destroy_process_group did not return within 0.2 s" in capsys.readouterr().err
