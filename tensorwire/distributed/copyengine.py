@@ -189,6 +189,8 @@ def _mismatch_text(rank: int, other: int) -> Any:
 class CeWork(Work):
     """``isend``/``irecv`` of a CUDA tensor on the copy-engine path."""
 
+    __slots__ = ("_peer", "_op", "_sig", "_tag", "_sending", "_device")
+
     def __init__(self, peer: "Peer", op: CeOp | None, sig: Signature, tag: int, tensor: torch.Tensor, sending: bool):
         super().__init__(peer.timeout, [tensor])
         self._peer = peer

@@ -40,10 +40,19 @@ __all__ = ["RecvWork", "RecvChannel"]
 class RecvWork(Work):
     """``irecv``: done once the message is in the tensor (checked against the sender's signature)."""
 
-    _device_side = False  # CUDA tensor (stream semantics)
-    _ready: Any = None  # staged CUDA receive: the caller's stream reached irecv (copy into the tensor after it)
-    _flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` once the bytes are in the tensor
-    _seq: int | None = None
+    __slots__ = (
+        "_peer",
+        "_chan",
+        "_tensor",
+        "_sig",
+        "_hdr",
+        "_staging",
+        "_posted",
+        "_device_side",
+        "_ready",
+        "_flag",
+        "_seq",
+    )
 
     def __init__(
         self,
@@ -64,6 +73,10 @@ class RecvWork(Work):
         self._posted = False  # its buffer is posted to the transport
         self._source = peer.peer
         self._completer = peer.completer
+        self._device_side = False  # CUDA tensor (stream semantics)
+        self._ready: Any = None  # staged CUDA receive: the caller's stream reached irecv (copy into the tensor after)
+        self._flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` once the bytes are in
+        self._seq: int | None = None
 
     def _describe(self) -> str:
         return f"irecv of {self._sig.describe()} from rank {self._peer.peer} (tag {self._chan.tag - 1})"

@@ -46,13 +46,7 @@ log = logging.getLogger(__name__)
 class SendWork(Work):
     """``isend``: done once the bytes are out of the tensor."""
 
-    _op: Any = None  # UCX send posted in the caller's thread: complete it in wait()
-    _keep: Any = None  # what UCX reads until the send completes
-    _chan: "SendChannel | None" = None  # queued: the channel whose queue holds it
-    _staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
-    _flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` when done
-    _seq = 0
-    _precopied = False  # the slot was filled on the caller's stream (in order before the event of ``mark``)
+    __slots__ = ("_peer", "_sig", "_tag", "_op", "_keep", "_chan", "_staging", "_flag", "_seq", "_precopied")
 
     def __init__(self, peer: "Peer", sig: Signature, tag: int, tensors: list[torch.Tensor]) -> None:
         super().__init__(peer.timeout, tensors)
@@ -60,6 +54,13 @@ class SendWork(Work):
         self._sig = sig
         self._tag = tag
         self._completer = peer.completer
+        self._op: Any = None  # UCX send posted in the caller's thread: complete it in wait()
+        self._keep: Any = None  # what UCX reads until the send completes
+        self._chan: SendChannel | None = None  # queued: the channel whose queue holds it
+        self._staging: tuple[Signature, str, torch.Tensor] | None = None  # slot to give back when done
+        self._flag: Flag | None = None  # CUDA: the channel's flag, released with ``_seq`` when done
+        self._seq = 0
+        self._precopied = False  # the slot was filled on the caller's stream (in order before the event of ``mark``)
 
     def _describe(self) -> str:
         return f"isend of {self._sig.describe()} to rank {self._peer.peer} (tag {self._tag})"
