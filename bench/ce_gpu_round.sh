@@ -40,7 +40,7 @@ if [[ ,$STEPS, == *,graph,* ]]; then
   if [ "$NGPU" -ge 2 ] && [ -n "${NCCL_CAPTURE:-}" ]; then capture=(--nccl-capture); fi
   echo "=== bench/bench_graph_gpu.py ${capture[*]}"
   NCCL_DEBUG=WARN timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_graph_gpu.py \
-    --steps 10 "${capture[@]}" --stall-s "$stall" --out "$OUT/graph-gpu_$MACHINE.md" >"$OUT/graph-gpu_$MACHINE.log" 2>&1
+    --steps 10 "${capture[@]}" --stall-s "$stall" --teardown-s 20 --out "$OUT/graph-gpu_$MACHINE.md" >"$OUT/graph-gpu_$MACHINE.log" 2>&1
   echo "exit $?"
   grep -E "^\[graph bench\]|capture failed|^\||NCCL WARN|File |Thread|Stack" "$OUT/graph-gpu_$MACHINE.log" | tail -60
 fi
