@@ -69,12 +69,22 @@ def test_teardown_destroys_nccls_group_first_then_the_default_one(monkeypatch):
 def test_a_hung_teardown_is_left_after_the_limit_with_one_line_and_status_0(monkeypatch, capsys):
     mod = bench_script("bench_graph_gpu")
     release = threading.Event()
+    calls: list = []
     exits: list = []
-    monkeypatch.setattr(mod.dist, "destroy_process_group", lambda group=None: release.wait(30))
+
+    def hung_destroy(group=None):
+        calls.append(group)
+        release.wait(30)
+
+    monkeypatch.setattr(mod.dist, "destroy_process_group", hung_destroy)
     monkeypatch.setattr(mod.os, "_exit", exits.append)
     try:
         mod._teardown({"tensorwire": "world", "nccl": "nccl-group"}, 1, 0.2)
     finally:
-        release.set()
+        release.set()  # the teardown thread finishes both calls while the stand-in is still in place
+        for th in threading.enumerate():
+            if th.name == "teardown":
+                th.join(10)
     assert exits == [0]
+    assert calls == ["nccl-group", None]
     assert "rank 1: destroy_process_group did not return within 0.2 s" in capsys.readouterr().err
