@@ -273,6 +273,13 @@ class Settings:
         "of one GPU no send waits; there it bounds a large copy's host wait for its peer's flag instead.",
         300.0,
     )
+    ce_lock_spin_us: float = _var(
+        _microseconds,
+        "On the copy-engine path, microseconds a side retries the pair's shared lock, found taken by the peer "
+        "process, before it sleeps in the kernel for it (the peer holds it for a few microseconds as both sides of "
+        "a message arrive; the wake-up of a sleeping thread costs tens of microseconds); 0: sleep at once.",
+        50.0,
+    )
     ce_graph_flags: Literal["auto", "memop", "kernel"] = _var(
         _choice("auto", "memop", "kernel"),
         "How messages captured in a CUDA graph on the copy-engine path write and wait on their flags. `memop`: "

@@ -599,3 +599,67 @@ def test_the_captured_flags_calls_are_said_once_per_gpu_with_where_the_peer_is(p
     said = [r.getMessage() for r in caplog.records if "captured messages" in r.getMessage()]
     assert len(said) == 1, said
     assert "stream memory operations" in said[0] and "FLAGS=auto" in said[0] and "another GPU" in said[0], said
+
+
+def test_the_default_stream_is_never_asked_whether_it_is_captured():
+    """CUDA cannot capture the legacy default stream (torch's default): the driver answers False for it without a
+    call; any other stream is asked (and a driver error there is raised, not taken for "not capturing")."""
+    import ctypes
+    import threading as _threading
+
+    from tensorwire.transport.ce.driver import CeDriver
+
+    asked: list[int] = []
+
+    def is_capturing(stream, status):
+        asked.append(stream)
+        ctypes.cast(status, ctypes.POINTER(ctypes.c_int)).contents.value = 1 if stream == 7 else 0
+        return 0 if stream != 9 else 901  # (901: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
+
+    drv = CeDriver.__new__(CeDriver)  # (no libcuda here: only what capturing() uses)
+    drv._tls = _threading.local()
+    drv._is_capturing = is_capturing
+    drv._error_name = None
+    assert drv.capturing(0) is False
+    assert asked == []
+    assert drv.capturing(5) is False and drv.capturing(7) is True
+    assert asked == [5, 7]
+    with pytest.raises(DriverError, match="cuStreamIsCapturing"):
+        drv.capturing(9)
+
+
+def test_a_lock_held_by_the_peer_is_retried_before_sleeping_and_counted(tmp_path):
+    """The pair's shared lock, held by the other side for a moment: taken by retrying within the spin budget
+    (no sleep); held longer than the budget: this side sleeps for it. Each wait is counted."""
+    ra = Region.create(str(tmp_path))
+    rb = Region.attach(ra.path)
+    try:
+        # (the holder is another thread with its own mapping, as the peer process would be: a pthread mutex is
+        # held per thread, and the other mapping's _Mutex does not know that this process holds it)
+        held = threading.Event()
+        release = threading.Event()
+
+        def holder():
+            with ra.mutex:
+                held.set()
+                release.wait(10)
+
+        for hold_s, spin_us, slept in ((0.002, 200_000.0, 0), (0.05, 1_000.0, 1)):
+            rb.mutex.spin_ns = int(spin_us * 1000)
+            before = (rb.mutex.contended, rb.mutex.slept)
+            held.clear()
+            release.clear()
+            th = threading.Thread(target=holder)
+            th.start()
+            assert held.wait(10)
+            threading.Timer(hold_s, release.set).start()
+            t0 = time.monotonic()
+            with rb.mutex:
+                waited = time.monotonic() - t0
+            th.join(10)
+            assert (rb.mutex.contended - before[0], rb.mutex.slept - before[1]) == (1, slept)
+            assert waited >= hold_s * 0.5
+        assert rb.mutex.wait_ns > 0
+    finally:
+        rb.close()
+        ra.close()

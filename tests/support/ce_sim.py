@@ -186,6 +186,7 @@ class SimDriver:
 
     # graphs: capture records a stream's work; a replay queues the recorded work again
     def capture_begin(self, stream: int) -> None:
+        assert stream != 0, "CUDA cannot capture the legacy default stream"
         self.streams[stream].recording = []
 
     def capture_end(self, stream: int) -> list[Callable[[], None]]:

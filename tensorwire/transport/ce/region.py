@@ -46,6 +46,7 @@ import time
 from typing import Any
 
 from ...errors import ProtocolError, TensorWireError, TransferTimeout
+from ...settings import setting
 
 __all__ = [
     "Region",
@@ -129,7 +130,15 @@ class _Mutex:
 
     _libc: Any = None
 
-    def __init__(self, addr: int, *, create: bool) -> None:
+    def __init__(self, addr: int, *, create: bool, spin_us: float = 0.0) -> None:
+        #: a lock taken by the peer process is retried (GIL kept) for up to this long before sleeping in the kernel
+        self.spin_ns = int(spin_us * 1000)
+        #: times the lock was found taken; of those, times this side slept for it; nanoseconds spent waiting
+        self.contended = 0
+        self.slept = 0
+        self.wait_ns = 0
+        #: a thread of this process holds the lock (then only a sleep lets it go on: it needs the GIL)
+        self._held_here = False
         if _Mutex._libc is None:
             name = ctypes.util.find_library("c") or "libc.so.6"
             # PyDLL: these calls keep the GIL (the lock is held for microseconds; releasing the GIL around every
@@ -166,14 +175,38 @@ class _Mutex:
     def __enter__(self) -> None:
         code = self._trylock_fn(self._ptr)
         if code == errno.EBUSY:
-            code = self._lock_fn(self._ptr)
+            code = self._wait()
         if code == errno.EOWNERDEAD:  # the peer died holding it: the region's state is still consistent per entry
             self._consistent(self._ptr)
         elif code:
             raise TensorWireError(f"pthread_mutex_lock: {os.strerror(code)}")
+        self._held_here = True
 
     def __exit__(self, *exc: Any) -> None:
+        self._held_here = False
         self._unlock_fn(self._ptr)
+
+    def _wait(self) -> int:
+        """Take the lock that :meth:`__enter__` found taken; returns pthread's code.
+
+        Its holder is most often the peer process, inside a few microseconds of Python (both sides of a message
+        arrive at once in a ping-pong). Sleeping in the kernel for it costs the wake-up of a sleeping thread,
+        tens of microseconds and more on an idle core, so the lock is retried first, for up to ``spin_ns``. Not
+        when a thread of this process holds it: that one needs the GIL to go on, so this one sleeps at once.
+        """
+        clock = time.perf_counter_ns
+        t0 = clock()
+        self.contended += 1
+        code = errno.EBUSY
+        if not self._held_here:
+            deadline = t0 + self.spin_ns
+            while code == errno.EBUSY and clock() < deadline:
+                code = self._trylock_fn(self._ptr)
+        if code == errno.EBUSY:
+            self.slept += 1
+            code = self._lock_fn(self._ptr)
+        self.wait_ns += clock() - t0
+        return code
 
 
 class Region:
@@ -207,8 +240,10 @@ class Region:
             magic, version = struct.unpack_from("<QI", self.buf, 0)
             if magic != MAGIC or version != VERSION:
                 raise ProtocolError(f"{path} is not a copy-engine region of this version ({magic:#x}, {version})")
-        self.mutex = _Mutex(self.addr + _MUTEX, create=create)
+        self.mutex = _Mutex(self.addr + _MUTEX, create=create, spin_us=setting("ce_lock_spin_us"))
         self.device_addr = 0  # set once registered with CUDA (:meth:`register`)
+        #: host waits of a side that came to an entry still in use (ENTRIES messages ahead on a channel)
+        self.full_waits = 0
         self._channels: dict[int, int] = {}
         self._closed = False
         self._lock = threading.Lock()
@@ -324,6 +359,7 @@ class Region:
 
     def wait_free(self, entry: int, deadline: float) -> None:
         """Host wait (rare: a side ENTRIES messages ahead of the other on one channel) -- see Channel.arrive."""
+        self.full_waits += 1
         if time.monotonic() > deadline:
             raise TransferTimeout(
                 f"the peer is {ENTRIES} messages behind on one tag of the copy-engine path and did not catch up"
