@@ -71,7 +71,6 @@ class Work(dist._Work):
         "_flow",
         "_t0",
         "_on_error",
-        "_description",
     )
 
     def __init__(self, timeout: float, tensors: list[torch.Tensor]) -> None:
@@ -90,7 +89,6 @@ class Work(dist._Work):
         self._flow: Any = None  # where its completion is counted (tensorwire.observe: watch())
         self._t0 = 0
         self._on_error: Callable[[BaseException], None] | None = None
-        self._description = ""
 
     def _describe(self) -> str:
         return "operation"
@@ -282,7 +280,7 @@ class Work(dist._Work):
 class DoneWork(Work):
     """A work that completed when it was made (or failed then)."""
 
-    __slots__ = ()
+    __slots__ = ("_description",)
 
     def __init__(self, *, what: str, tensors: list[torch.Tensor], exc: BaseException | None = None) -> None:
         super().__init__(0.0, tensors)
