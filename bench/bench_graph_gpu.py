@@ -225,6 +225,8 @@ def main() -> int:
     acts = [int(a) for a in args.acts.split(",") if a]
     if not acts or min(acts) < 1 or args.steps < 3:
         ap.error("--acts >= 1 MiB each, --steps >= 3")
+    if not args.teardown_s > 0:
+        ap.error(f"--teardown-s must be > 0 seconds, got {args.teardown_s}")
     rank = int(os.environ["RANK"])
     ngpu = torch.cuda.device_count()
     device = torch.device("cuda", rank % ngpu)

@@ -88,3 +88,17 @@ def test_a_hung_teardown_is_left_after_the_limit_with_one_line_and_status_0(monk
     assert exits == [0]
     assert calls == ["nccl-group", None]
     assert "rank 1: destroy_process_group did not return within 0.2 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", ["0", "-5"])
+def test_a_teardown_limit_that_is_not_positive_is_refused(limit):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_graph_gpu.py"
+    got = subprocess.run(
+        [sys.executable, str(script), "--teardown-s", limit], capture_output=True, text=True, timeout=50
+    )
+    assert got.returncode == 2
+    assert f"--teardown-s must be > 0 seconds, got {float(limit)}" in got.stderr
