@@ -57,7 +57,7 @@ if [[ ,$STEPS, == *,profile,* ]]; then
       log="$OUT/profile_${MACHINE}_${size}_$call.log"
       timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_ce_host.py \
         --bytes "$size" --iters 1000 --copy-call "$call" --driver-times --levels >"$log" 2>&1
-      grep -E "^piece|host time per call|CPU clock|driver |level |one-way|part in its messages" "$log"
+      grep -E "^piece|host time per call|CPU clock|driver |level |one-way|part in its messages|pair.s lock|host.s calls" "$log"
     done
   done
 fi

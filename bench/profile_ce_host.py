@@ -10,6 +10,9 @@ the functions that took the most time under it. Before that (``--pieces``, defau
 of a message alone, in a loop on its own stream: torch's dispatch into a Python ProcessGroup that does nothing,
 the signature, a Work, the current stream, each driver call the path makes, the region's lock -- the budget
 a message's host time is made of.
+
+``--ab TURNS --no-pieces``: only the ping-pong's one-way time, the path as it was against the path as it is, in
+turns within the run (two changes made in the driver and the pair's lock since; see ``_ab``).
 """
 
 from __future__ import annotations
@@ -50,9 +53,18 @@ def main() -> None:
         default="generic",
         help="the driver call of the path's copies: cuMemcpyAsync (the path's) or cuMemcpyDtoDAsync",
     )
+    ap.add_argument(
+        "--ab",
+        type=int,
+        default=0,
+        metavar="TURNS",
+        help="only this: the dist.send/recv ping-pong in TURNS turns of each variant (ABBA order): the path as it "
+        "was (every call asks the driver whether the stream is captured; a lock found taken is slept for at once) "
+        "against the path as it is; prints one-way times and their ratio",
+    )
     args = ap.parse_args()
-    if args.bytes < 4 or args.iters < 1:
-        ap.error("--bytes >= 4 and --iters >= 1")
+    if args.bytes < 4 or args.iters < 1 or args.ab < 0:
+        ap.error("--bytes >= 4, --iters >= 1, --ab >= 0")
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
@@ -71,6 +83,12 @@ def main() -> None:
                 print(f"piece {name:<44s} {us:7.2f} us")
         dist.barrier()
 
+    if args.ab:
+        _ab(rank, t, args.ab, args.iters)
+        dist.destroy_process_group()
+        return
+    issued = [0.0]
+
     def loop(n: int) -> float:
         torch.cuda.synchronize()
         dist.barrier()
@@ -82,6 +100,7 @@ def main() -> None:
             else:
                 dist.recv(t, 0)
                 dist.send(t, 0)
+        issued[0] = (time.perf_counter() - t0) / (2 * n)  # (the host's part: its calls returned)
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / (2 * n)
 
@@ -115,8 +134,18 @@ def main() -> None:
                         "(median message)",
                         flush=True,
                     )
+    pair = _pair_of(1 - rank)
+    region = pair.region if pair is not None else None  # type: ignore[attr-defined]
+    full0 = getattr(region, "full_waits", None)  # (None: a tree before the region counted them)
     plain = loop(args.iters)
+    plain_issued = issued[0]
+    full = "?" if full0 is None else region.full_waits - full0
+    lock = pair.region.mutex if pair is not None else None  # type: ignore[attr-defined]
+    if not hasattr(lock, "contended"):  # (a tree before the lock counted its waits)
+        lock = None
+    lock0 = (lock.contended, lock.slept, lock.wait_ns) if lock is not None else None
     parts = split(args.iters)
+    lock_parts = [b - a for a, b in zip(lock0, (lock.contended, lock.slept, lock.wait_ns))] if lock and lock0 else None
     # the same calls by the thread's CPU clock: where it is well below the wall clock, the thread was not running
     # (waiting for the GIL, or asleep in the driver) for the difference
     cpu_parts = split(args.iters, time.thread_time)
@@ -128,8 +157,7 @@ def main() -> None:
             for k, v in calls.items()
             if v
         }
-    pair = _pair_of(1 - rank)
-    counts = list(pair.counts) if pair is not None else None
+    counts = list(pair.counts) if pair is not None else None  # type: ignore[attr-defined]
     prof = cProfile.Profile()
     prof.enable()
     profiled = loop(args.iters)
@@ -150,6 +178,13 @@ def main() -> None:
             f"rank {rank}: the same by the thread's CPU clock: isend {cpu_parts[0]:.1f} us, its wait "
             f"{cpu_parts[1]:.1f}; irecv {cpu_parts[2]:.1f}, its wait {cpu_parts[3]:.1f}"
         )
+        if lock_parts is not None:
+            found, slept, ns = lock_parts
+            print(
+                f"rank {rank}: the pair's lock in those calls: found taken {found} times in {2 * args.iters} "
+                f"isend/irecv, slept for {slept}; {ns / 1e3 / (2 * args.iters):.2f} us per call waiting for it "
+                f"(spin budget {lock.spin_ns / 1e3:.0f} us)"
+            )
         if calls is not None:
             for name, (per_call, med, mean, worst) in sorted(driver.items()):
                 print(
@@ -157,6 +192,10 @@ def main() -> None:
                     f"mean {mean:6.2f}, max {worst:8.1f}"
                 )
         print(f"rank {rank}: one-way {plain * 1e6:.1f} us per message ({profiled * 1e6:.1f} us under the profiler)")
+        print(
+            f"rank {rank}: of it the host's calls {plain_issued * 1e6:.1f} us per message (then the GPU's tail); "
+            f"{full} waits for a free entry in {2 * args.iters} messages"
+        )
         if counts is not None:
             first, inline, queued = counts[:3]
             print(
@@ -252,6 +291,61 @@ def _memcpy_dtod() -> object:
 
     c = ctypes
     return _fn(_lib(), ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p])
+
+
+def _ab(rank: int, t: object, turns: int, iters: int) -> None:
+    """``--ab``: one-way time of a ``dist.send``/``dist.recv`` ping-pong under the path as it was ("before") and as
+    it is ("after"), in turns (ABBA; both ranks switch at the same turn: no message needed to agree)."""
+    import ctypes
+
+    peer = 1 - rank
+
+    def one_way(n: int) -> float:
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if rank == 0:
+                dist.send(t, peer)
+                dist.recv(t, peer)
+            else:
+                dist.recv(t, peer)
+                dist.send(t, peer)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / (2 * n) * 1e6
+
+    one_way(50)  # (the pair is made by the first message)
+    pair = _pair_of(peer)
+    if pair is None:
+        raise SystemExit("--ab: no copy-engine pair with the peer (CUDA tensors do not take the copy-engine path)")
+    drv, lock = pair.driver, pair.region.mutex  # type: ignore[attr-defined]
+    spin = lock.spin_ns
+
+    def ask(stream: int) -> bool:  # (the call as it was: the driver is asked for every stream, 0 included)
+        status = ctypes.c_int()
+        drv._check(drv._is_capturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
+        return status.value != 0
+
+    def variant(before: bool) -> None:
+        if before:
+            drv.capturing = ask
+            lock.spin_ns = 0
+        else:
+            drv.__dict__.pop("capturing", None)
+            lock.spin_ns = spin
+
+    got: dict[str, list[float]] = {"before": [], "after": []}
+    for turn in range(2 * turns):
+        before = turn % 4 in (0, 3)  # ABBA
+        variant(before)
+        one_way(20)  # (settle into the variant)
+        got["before" if before else "after"].append(one_way(iters))
+    variant(False)
+    if rank == 0:
+        b, a = statistics.median(got["before"]), statistics.median(got["after"])
+        for name, xs in got.items():
+            print(f"ab {name:<7s} one-way us per message, {len(xs)} turns: " + " ".join(f"{x:.1f}" for x in xs))
+        print(f"ab median one-way: before {b:.1f} us, after {a:.1f} us: after / before {a / b:.3f}")
 
 
 def _pair_of(peer: int) -> object:
