@@ -23,6 +23,7 @@ import io
 import os
 import pstats
 import statistics
+import threading
 import time
 
 import torch
@@ -107,6 +108,7 @@ def main() -> None:
     def split(n: int, clock: object = time.perf_counter) -> list[float]:
         """Host time inside isend, its wait, irecv, its wait (rank 0's order), microseconds per call."""
         acc = [0.0] * 4
+        each: list[list[float]] = [[], [], [], []]
         torch.cuda.synchronize()
         dist.barrier()
         for _ in range(n):
@@ -117,10 +119,19 @@ def main() -> None:
                 w = call(t, peer)
                 t1 = clock()  # type: ignore[operator]
                 w.wait()
+                t2 = clock()  # type: ignore[operator]
                 acc[k] += t1 - t0
-                acc[k + 1] += clock() - t1  # type: ignore[operator]
+                acc[k + 1] += t2 - t1
+                each[k].append(t1 - t0)
+                each[k + 1].append(t2 - t1)
         torch.cuda.synchronize()
+        spread.clear()
+        for xs in each:  # (median, 99th percentile, max, and the calls over 1 ms: what makes a mean)
+            xs.sort()
+            spread.append((xs[len(xs) // 2], xs[len(xs) * 99 // 100], xs[-1], sum(x > 1e-3 for x in xs)))
         return [a / n * 1e6 for a in acc]
+
+    spread: list[tuple[float, float, float, int]] = []
 
     loop(50)
     if args.levels:
@@ -145,6 +156,7 @@ def main() -> None:
         lock = None
     lock0 = (lock.contended, lock.slept, lock.wait_ns) if lock is not None else None
     parts = split(args.iters)
+    parts_spread = list(spread)
     lock_parts = [b - a for a, b in zip(lock0, (lock.contended, lock.slept, lock.wait_ns))] if lock and lock0 else None
     # the same calls by the thread's CPU clock: where it is well below the wall clock, the thread was not running
     # (waiting for the GIL, or asleep in the driver) for the difference
@@ -174,6 +186,12 @@ def main() -> None:
             f"rank {rank} ({order}): host time per call: isend {parts[0]:.1f} us, its wait {parts[1]:.1f}; "
             f"irecv {parts[2]:.1f}, its wait {parts[3]:.1f}"
         )
+        for name, (med, p99, worst, slow) in zip(("isend", "its wait", "irecv", "its wait"), parts_spread):
+            print(
+                f"rank {rank}: {name:<9s} per call: median {med * 1e6:7.1f} us, p99 {p99 * 1e6:8.1f}, max "
+                f"{worst * 1e6:9.1f}; {slow} calls over 1 ms"
+            )
+        print(f"rank {rank}: threads: {', '.join(sorted(th.name for th in threading.enumerate()))}")
         print(
             f"rank {rank}: the same by the thread's CPU clock: isend {cpu_parts[0]:.1f} us, its wait "
             f"{cpu_parts[1]:.1f}; irecv {cpu_parts[2]:.1f}, its wait {cpu_parts[3]:.1f}"
