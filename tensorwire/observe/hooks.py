@@ -327,7 +327,7 @@ class LinkWatch:
         """An untimed message of ``r`` failed: counted as an error, not as a message."""
         if r.fixed:
             r.due += 1  # (the countdown had counted it)
-        REGISTRY.error(self.peer, r.path, exc)
+        r.failed(exc)
 
     def _timed(self, op: str, r: Route, fn: Callable[..., Any], name: str, t: Any, timeout: Any) -> Any:
         """``op`` (send, recv, isend) of ``name`` through ``fn``, counted and timed (the route's next timed
@@ -340,7 +340,7 @@ class LinkWatch:
         try:
             got = fn(name, t, timeout)
         except BaseException as exc:
-            REGISTRY.error(self.peer, r.path, exc)
+            r.failed(exc)
             raise
         ns = _clock() - t0
         n = r.nbytes
