@@ -388,7 +388,7 @@ class CeDriver:
         """Whether ``stream`` is being captured into a CUDA graph (its work is recorded, not run).
 
         The legacy default stream (``0``: torch's default stream) cannot be captured (CUDA refuses to begin a
-        capture on it), so for it there is no driver call: the common eager case saves 1.6-2.2 us per message.
+        capture on it), so for it there is no driver call: the common eager case saves ~2 us per isend/irecv.
         """
         if stream == 0:
             return False

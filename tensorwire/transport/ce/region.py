@@ -192,7 +192,9 @@ class _Mutex:
         Its holder is most often the peer process, inside a few microseconds of Python (both sides of a message
         arrive at once in a ping-pong). Sleeping in the kernel for it costs the wake-up of a sleeping thread,
         tens of microseconds and more on an idle core, so the lock is retried first, for up to ``spin_ns``. Not
-        when a thread of this process holds it: that one needs the GIL to go on, so this one sleeps at once.
+        when a thread of this process holds it: that one needs the GIL to go on, so this one sleeps at once. (A
+        thread of this process that has taken the lock but not yet set ``_held_here`` is spun for, at most
+        ``spin_ns``, before this one sleeps: the cost of that race is bounded, and the lock is taken either way.)
         """
         clock = time.perf_counter_ns
         t0 = clock()
