@@ -25,6 +25,7 @@ import pstats
 import statistics
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -84,10 +85,6 @@ def main() -> None:
                 print(f"piece {name:<44s} {us:7.2f} us")
         dist.barrier()
 
-    if args.ab:
-        _ab(rank, t, args.ab, args.iters)
-        dist.destroy_process_group()
-        return
     issued = [0.0]
 
     def loop(n: int) -> float:
@@ -104,6 +101,11 @@ def main() -> None:
         issued[0] = (time.perf_counter() - t0) / (2 * n)  # (the host's part: its calls returned)
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / (2 * n)
+
+    if args.ab:
+        _ab(rank, loop, args.ab, args.iters)
+        dist.destroy_process_group()
+        return
 
     def split(n: int, clock: object = time.perf_counter) -> list[float]:
         """Host time inside isend, its wait, irecv, its wait (rank 0's order), microseconds per call."""
@@ -311,29 +313,17 @@ def _memcpy_dtod() -> object:
     return _fn(_lib(), ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p])
 
 
-def _ab(rank: int, t: object, turns: int, iters: int) -> None:
-    """``--ab``: one-way time of a ``dist.send``/``dist.recv`` ping-pong under the path as it was ("before") and as
-    it is ("after"), in turns (ABBA; both ranks switch at the same turn: no message needed to agree)."""
+def _ab(rank: int, loop: Callable[[int], float], turns: int, iters: int) -> None:
+    """``--ab``: one-way time of the ``dist.send``/``dist.recv`` ping-pong (``loop``: seconds per message) under
+    the path as it was ("before") and as it is ("after"), in turns (ABBA; both ranks switch at the same turn: no
+    message needed to agree)."""
     import ctypes
 
-    peer = 1 - rank
-
     def one_way(n: int) -> float:
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            if rank == 0:
-                dist.send(t, peer)
-                dist.recv(t, peer)
-            else:
-                dist.recv(t, peer)
-                dist.send(t, peer)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / (2 * n) * 1e6
+        return loop(n) * 1e6
 
     one_way(50)  # (the pair is made by the first message)
-    pair = _pair_of(peer)
+    pair = _pair_of(1 - rank)
     if pair is None:
         raise SystemExit("--ab: no copy-engine pair with the peer (CUDA tensors do not take the copy-engine path)")
     drv, lock = pair.driver, pair.region.mutex  # type: ignore[attr-defined]
