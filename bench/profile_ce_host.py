@@ -64,8 +64,16 @@ def main() -> None:
         "was (every call asks the driver whether the stream is captured; a lock found taken is slept for at once) "
         "against the path as it is; prints one-way times and their ratio",
     )
+    ap.add_argument(
+        "--ab-inline-kib",
+        type=int,
+        default=0,
+        metavar="KIB",
+        help="with --ab: compare instead, between two processes of one GPU, the copies above 4 MiB waiting for "
+        "their peer on the host ('before': the rule until 2026-11-30) with those above KIB doing so ('after')",
+    )
     args = ap.parse_args()
-    if args.bytes < 4 or args.iters < 1 or args.ab < 0:
+    if args.bytes < 4 or args.iters < 1 or args.ab < 0 or args.ab_inline_kib < 0:
         ap.error("--bytes >= 4, --iters >= 1, --ab >= 0")
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -103,7 +111,7 @@ def main() -> None:
         return (time.perf_counter() - t0) / (2 * n)
 
     if args.ab:
-        _ab(rank, loop, args.ab, args.iters)
+        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib)
         dist.destroy_process_group()
         return
 
@@ -313,10 +321,11 @@ def _memcpy_dtod() -> object:
     return _fn(_lib(), ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p])
 
 
-def _ab(rank: int, loop: Callable[[int], float], turns: int, iters: int) -> None:
+def _ab(rank: int, loop: Callable[[int], float], turns: int, iters: int, inline_kib: int = 0) -> None:
     """``--ab``: one-way time of the ``dist.send``/``dist.recv`` ping-pong (``loop``: seconds per message) under
     the path as it was ("before") and as it is ("after"), in turns (ABBA; both ranks switch at the same turn: no
-    message needed to agree)."""
+    message needed to agree). With ``inline_kib``: between two processes of one GPU, copies above 4 MiB waiting
+    for their peer on the host against copies above that many KiB doing so."""
     import ctypes
 
     def one_way(n: int) -> float:
@@ -335,7 +344,9 @@ def _ab(rank: int, loop: Callable[[int], float], turns: int, iters: int) -> None
         return status.value != 0
 
     def variant(before: bool) -> None:
-        if before:
+        if inline_kib:
+            pair.one_gpu_wait_min = (4 << 20) if before else inline_kib << 10  # type: ignore[attr-defined]
+        elif before:
             drv.capturing = ask
             lock.spin_ns = 0
         else:

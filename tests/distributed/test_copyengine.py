@@ -663,3 +663,39 @@ def test_a_lock_held_by_the_peer_is_retried_before_sleeping_and_counted(tmp_path
     finally:
         rb.close()
         ra.close()
+
+
+@pytest.mark.parametrize("large", [True, False], ids=["above-threshold", "below-threshold"])
+def test_one_gpu_a_copy_above_the_threshold_waits_for_its_peer_on_the_host(pair, large):
+    """Between two processes of one GPU, a copy above ``one_gpu_wait_min`` whose peer's stream has not reached its
+    call waits for the peer's flag on the host (then copies on the caller's stream); a smaller one waits on the GPU
+    (an internal stream ordered after the flag). Either way the bytes arrive."""
+    warm = [pair.send(pair.tensor((4,), fill=0)), pair.recv(pair.tensor((4,)))]
+    pair.settle(*warm)
+    for side in (pair.a, pair.b):
+        side._one_gpu.update(dict.fromkeys(side._streams, True))
+        side.one_gpu_wait_min = 512  # (bytes)
+        side.push_wait_s = 5.0
+    gate = threading.Event()
+    pair.sim.streams[pair.sb].put(lambda: gate.wait(5))  # the receiver's stream has not reached its call yet
+    n = 256 if large else 64  # floats: 1 KiB or 256 bytes
+    dst = pair.tensor((n,), fill=-1)
+    r = pair.recv(dst)  # side b comes first: its ready flag is queued behind the gate
+    timer = threading.Timer(0.1, gate.set)
+    timer.start()
+    try:
+        before = list(pair.a.counts)
+        t0 = time.monotonic()
+        src = pair.tensor((n,), fill=3)
+        s = pair.send(src)  # side a comes second
+        waited = time.monotonic() - t0
+    finally:
+        gate.set()
+        timer.cancel()
+    pair.settle(s, r)
+    assert torch.equal(dst, src)
+    inline, queued = pair.a.counts[1] - before[1], pair.a.counts[2] - before[2]
+    if large:
+        assert waited >= 0.05 and (inline, queued) == (1, 0)  # waited for the flag, then copied on its own stream
+    else:
+        assert waited < 0.05 and (inline, queued) == (0, 1)  # no host wait: a GPU-side wait on an internal stream

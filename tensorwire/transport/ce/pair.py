@@ -70,6 +70,14 @@ _NO_HANDLE = bytes(64)
 #: up to this many bytes, a copy whose peer is ready already goes on the caller's stream (a copy of 4 MiB over
 #: NVLink takes ~12 us; a larger one would hold back the caller's next kernels, so it goes on an internal stream)
 INLINE_MAX = 4 << 20
+#: between two processes of one GPU, a copy of more than this many bytes whose peer's stream has not reached its
+#: call yet waits for the peer's flag on the host (bounded) rather than on the GPU: a stream of one context waiting
+#: on a flag of the other's can hold the GPU for a time slice of its scheduler. Measured in turns on one H200 (two
+#: processes, ping-pong): with GPU-side waits up to 4 MiB, 9 of 24 turns of 500 messages at 1-4 MiB ran at ~3 ms a
+#: message instead of 30-55 us; with host waits from 512 KiB none did, and the other turns were as fast
+#: (bench/results/ce-host-ab-one-gpu_h200_2026-11-30.log). Below it the GPU-side wait stays: a host wait there tied a
+#: 64 KiB ping-pong to the GPU's switches between the two contexts (172 us one-way against 56).
+ONE_GPU_HOST_WAIT_MIN = 512 << 10
 
 
 class CeOp:
@@ -218,6 +226,8 @@ class CePair(Capture, Watched, Closing):
         self._side = region.side
         #: a copy whose peer's stream is already past its call goes on the caller's stream up to this size
         self.inline_max = INLINE_MAX
+        #: between two processes of one GPU, a copy above this many bytes waits for its peer on the host
+        self.one_gpu_wait_min = ONE_GPU_HOST_WAIT_MIN
         #: a large send waits up to this long for its receiver (see the comment at the top)
         self.push_wait_s = setting("ce_push_wait_us") * 1e-6
         #: device -> whether the peer's memory is on that very GPU (:meth:`peer_gpu`, else the first export opened):
@@ -361,12 +371,11 @@ class CePair(Capture, Watched, Closing):
             ready = DST_READY if sending else SRC_READY
             # the peer's stream is past its call already (its flag is in host memory): nothing to wait for on the GPU
             peer_past = reached(r.flag(entry, ready), seq)
-            if not peer_past and nbytes > self.inline_max and self.push_wait_s > 0 and self._one_gpu.get(device):
+            if not peer_past and nbytes > self.one_gpu_wait_min and self.push_wait_s > 0 and self._one_gpu.get(device):
                 # one GPU, a large copy: a stream of this process waiting for a flag of the peer's behind a copy this
-                # long held the GPU from the peer's context for a time slice of its scheduler (~2 ms a message); wait
-                # (bounded) on the host for the flag instead. (Not for small ones: there the GPU-side wait is cheap,
-                # and a host wait tied the ping-pong to the GPU's switches between the two contexts: 172 us one-way
-                # at 64 KiB against 56.)
+                # long held the GPU from the peer's context for a time slice of its scheduler (~2-3 ms a message);
+                # wait (bounded) on the host for the flag instead (ONE_GPU_HOST_WAIT_MIN says where from, and why
+                # not for small copies).
                 peer_past = self._await_flag(entry, ready, seq)
             if peer_past and (nbytes <= self.inline_max or self._one_gpu.get(device)):
                 # so a small copy goes on the caller's stream itself -- no event, no internal stream (any copy between
