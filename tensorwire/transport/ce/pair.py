@@ -73,7 +73,7 @@ INLINE_MAX = 4 << 20
 #: between two processes of one GPU, a copy of more than this many bytes whose peer's stream has not reached its
 #: call yet waits for the peer's flag on the host (bounded) rather than on the GPU: a stream of one context waiting
 #: on a flag of the other's can hold the GPU for a time slice of its scheduler. Measured in turns on one H200 (two
-#: processes, ping-pong): with GPU-side waits up to 4 MiB, 9 of 24 turns of 500 messages at 1-4 MiB ran at ~3 ms a
+#: processes, ping-pong): with GPU-side waits up to 4 MiB, 18 of 56 turns of 500 messages at 1-4 MiB ran at ~3 ms a
 #: message instead of 30-55 us; with host waits from 512 KiB none did, and the other turns were as fast
 #: (bench/results/ce-host-ab-one-gpu_h200_2026-11-30.log). Below it the GPU-side wait stays: a host wait there tied a
 #: 64 KiB ping-pong to the GPU's switches between the two contexts (172 us one-way against 56).
