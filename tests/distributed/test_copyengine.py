@@ -605,7 +605,6 @@ def test_the_default_stream_is_never_asked_whether_it_is_captured():
     """CUDA cannot capture the legacy default stream (torch's default): the driver answers False for it without a
     call; any other stream is asked (and a driver error there is raised, not taken for "not capturing")."""
     import ctypes
-    import threading as _threading
 
     from tensorwire.transport.ce.driver import CeDriver
 
@@ -617,7 +616,7 @@ def test_the_default_stream_is_never_asked_whether_it_is_captured():
         return 0 if stream != 9 else 901  # (901: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
 
     drv = CeDriver.__new__(CeDriver)  # (no libcuda here: only what capturing() uses)
-    drv._tls = _threading.local()
+    drv._tls = threading.local()
     drv._is_capturing = is_capturing
     drv._error_name = None
     assert drv.capturing(0) is False
