@@ -226,8 +226,7 @@ class CePair(Capture, Watched, Closing):
         self._side = region.side
         #: a copy whose peer's stream is already past its call goes on the caller's stream up to this size
         self.inline_max = INLINE_MAX
-        #: between two processes of one GPU, a copy above this many bytes waits for its peer on the host
-        self.one_gpu_wait_min = ONE_GPU_HOST_WAIT_MIN
+        self.one_gpu_wait_min = ONE_GPU_HOST_WAIT_MIN  # (one GPU: a copy above it waits for its peer on the host)
         #: a large send waits up to this long for its receiver (see the comment at the top)
         self.push_wait_s = setting("ce_push_wait_us") * 1e-6
         #: device -> whether the peer's memory is on that very GPU (:meth:`peer_gpu`, else the first export opened):
