@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from bench_scripts import bench_script
+from bench_scripts import bench_script, run_bench
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(60)
@@ -92,13 +92,6 @@ def test_a_hung_teardown_is_left_after_the_limit_with_one_line_and_status_0(monk
 
 @pytest.mark.parametrize("limit", ["0", "-5"])
 def test_a_teardown_limit_that_is_not_positive_is_refused(limit):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_graph_gpu.py"
-    got = subprocess.run(
-        [sys.executable, str(script), "--teardown-s", limit], capture_output=True, text=True, timeout=50
-    )
+    got = run_bench("bench_graph_gpu.py", "--teardown-s", limit, timeout=50)
     assert got.returncode == 2
     assert f"--teardown-s must be > 0 seconds, got {float(limit)}" in got.stderr
