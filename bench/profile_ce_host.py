@@ -74,7 +74,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.bytes < 4 or args.iters < 1 or args.ab < 0 or args.ab_inline_kib < 0:
-        ap.error("--bytes >= 4, --iters >= 1, --ab >= 0")
+        ap.error("--bytes >= 4, --iters >= 1, --ab >= 0, --ab-inline-kib >= 0")
+    if args.ab_inline_kib and not args.ab:
+        ap.error("--ab-inline-kib chooses what --ab compares: give --ab TURNS too")
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
@@ -157,17 +159,19 @@ def main() -> None:
                     )
     pair = _pair_of(1 - rank)
     region = pair.region if pair is not None else None  # type: ignore[attr-defined]
-    full0 = getattr(region, "full_waits", None)  # (None: a tree before the region counted them)
+    full0 = region.full_waits if region is not None else 0
     plain = loop(args.iters)
     plain_issued = issued[0]
-    full = "?" if full0 is None else region.full_waits - full0
-    lock = pair.region.mutex if pair is not None else None  # type: ignore[attr-defined]
-    if not hasattr(lock, "contended"):  # (a tree before the lock counted its waits)
-        lock = None
-    lock0 = (lock.contended, lock.slept, lock.wait_ns) if lock is not None else None
+    full = region.full_waits - full0 if region is not None else "?"
+    lock = region.mutex if region is not None else None
+
+    def lock_counts() -> tuple[int, int, int]:
+        return (lock.contended, lock.slept, lock.wait_ns) if lock is not None else (0, 0, 0)
+
+    lock0 = lock_counts()
     parts = split(args.iters)
     parts_spread = list(spread)
-    lock_parts = [b - a for a, b in zip(lock0, (lock.contended, lock.slept, lock.wait_ns))] if lock and lock0 else None
+    lock_parts = [b - a for a, b in zip(lock0, lock_counts())] if lock is not None else None
     # the same calls by the thread's CPU clock: where it is well below the wall clock, the thread was not running
     # (waiting for the GIL, or asleep in the driver) for the difference
     cpu_parts = split(args.iters, time.thread_time)
