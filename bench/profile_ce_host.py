@@ -11,8 +11,8 @@ of a message alone, in a loop on its own stream: torch's dispatch into a Python 
 the signature, a Work, the current stream, each driver call the path makes, the region's lock -- the budget
 a message's host time is made of.
 
-``--ab TURNS --no-pieces``: only the ping-pong's one-way time, the path with one change switched off against the
-path as it is, in turns within the run (``--ab-change`` says which change; see ``_ab``).
+``--ab TURNS --no-pieces``: only the ping-pong's one-way time, the path as it was against the path as it is, in
+turns within the run (two changes made in the driver and the pair's lock since; see ``_ab``).
 """
 
 from __future__ import annotations
@@ -60,18 +60,9 @@ def main() -> None:
         type=int,
         default=0,
         metavar="TURNS",
-        help="only this: the dist.send/recv ping-pong in TURNS turns of each variant (ABBA order): the path with "
-        "the change --ab-change names switched off ('before') against the path as it is ('after'); prints one-way "
-        "times and their ratio",
-    )
-    ap.add_argument(
-        "--ab-change",
-        choices=("host-ready", "capture-lock"),
-        default="host-ready",
-        help="what --ab switches off: 'host-ready', the ready flag of a side that comes first on an idle stream "
-        "stored from the host (before: always a stream memory operation); 'capture-lock', the two cuts of "
-        "f7b3f2a (before: every call asks the driver whether the stream is captured; a lock found taken is "
-        "slept for at once)",
+        help="only this: the dist.send/recv ping-pong in TURNS turns of each variant (ABBA order): the path as it "
+        "was (every call asks the driver whether the stream is captured; a lock found taken is slept for at once) "
+        "against the path as it is; prints one-way times and their ratio",
     )
     ap.add_argument(
         "--ab-inline-kib",
@@ -122,7 +113,7 @@ def main() -> None:
         return (time.perf_counter() - t0) / (2 * n)
 
     if args.ab:
-        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib, args.ab_change)
+        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib)
         dist.destroy_process_group()
         return
 
@@ -240,9 +231,8 @@ def main() -> None:
         if counts is not None:
             first, inline, queued = counts[:3]
             print(
-                f"rank {rank}'s part in its messages: first {first} ({counts[5]} of them on an idle stream: the "
-                f"flag stored from the host), second with the copy on the caller's stream {inline}, second with "
-                f"the copy on an internal stream {queued} (copy call: {args.copy_call})"
+                f"rank {rank}'s part in its messages: first {first}, second with the copy on the caller's stream "
+                f"{inline}, second with the copy on an internal stream {queued} (copy call: {args.copy_call})"
             )
         print(out.getvalue(), flush=True)
     dist.destroy_process_group()
@@ -335,13 +325,11 @@ def _memcpy_dtod() -> object:
     return _fn(_lib(), ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p])
 
 
-def _ab(
-    rank: int, loop: Callable[[int], float], turns: int, iters: int, inline_kib: int = 0, change: str = "host-ready"
-) -> None:
-    """``--ab``: one-way time of the ``dist.send``/``dist.recv`` ping-pong (``loop``: seconds per message) with
-    ``change`` switched off ("before") and as it is ("after"), in turns (ABBA; both ranks switch at the same turn:
-    no message needed to agree). With ``inline_kib``: between two processes of one GPU, copies above 4 MiB
-    waiting for their peer on the host against copies above that many KiB doing so."""
+def _ab(rank: int, loop: Callable[[int], float], turns: int, iters: int, inline_kib: int = 0) -> None:
+    """``--ab``: one-way time of the ``dist.send``/``dist.recv`` ping-pong (``loop``: seconds per message) under
+    the path as it was ("before") and as it is ("after"), in turns (ABBA; both ranks switch at the same turn: no
+    message needed to agree). With ``inline_kib``: between two processes of one GPU, copies above 4 MiB waiting
+    for their peer on the host against copies above that many KiB doing so."""
     import ctypes
 
     def one_way(n: int) -> float:
@@ -362,8 +350,6 @@ def _ab(
     def variant(before: bool) -> None:
         if inline_kib:
             pair.one_gpu_wait_min = (4 << 20) if before else inline_kib << 10  # type: ignore[attr-defined]
-        elif change == "host-ready":
-            pair.host_ready = not before  # type: ignore[attr-defined]
         elif before:
             drv.capturing = ask
             lock.spin_ns = 0
@@ -472,7 +458,6 @@ def _pieces(torch: object, dist: object, nothing: object, t: object, device: obj
     timed("tensor.data_ptr() + is_contiguous()", lambda: (t.data_ptr(), t.is_contiguous()))
     timed("driver.context (cached)", lambda: d.context(idx))
     timed("cuStreamIsCapturing", lambda: d.capturing(s))
-    timed("cuStreamQuery (an idle stream)", lambda: d.idle(s))
     timed("cuPointerGetAttributes (allocation)", lambda: d.allocation(a.data_ptr()))
     timed("region mutex lock + unlock", lambda: region.mutex.__enter__() or region.mutex.__exit__())
     timed("cuStreamWriteValue32", lambda: d.write(s, dev, 1), True)

@@ -80,7 +80,7 @@ def metrics() -> dict[str, Any]:
     (``kind``: the error's class), ``held`` (``slots``, ``slot_bytes``, ``mapped_bytes``),
     ``ce`` (per peer on the copy-engine path, how many of this side's messages played each part of
     :data:`CE_PARTS`: came first, came second and copied on the caller's stream or on an internal stream, a
-    large send whose receiver came while it waited or did not, came first with its stream idle), ``totals``
+    large send whose receiver came while it waited or did not), ``totals``
     (``{"send"|"recv": {"messages", "bytes"}}``) and ``enabled``.
     """
     snap = REGISTRY.snapshot()

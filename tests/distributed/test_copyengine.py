@@ -107,51 +107,6 @@ def test_bytes_arrive_whichever_side_comes_first(pair, first, shape, inline):
     assert s.error is None and r.error is None
 
 
-@pytest.mark.parametrize("first", ["sender", "receiver"])
-def test_a_first_side_on_an_idle_stream_sets_its_flag_from_the_host(pair, first):
-    """Its stream has run everything queued before the call: the ready flag is a store, no stream operation."""
-    src, dst = pair.tensor((64,), fill=2), pair.tensor((64,), fill=-1)
-    pair.settle()
-    side, stream = (pair.a, pair.sa) if first == "sender" else (pair.b, pair.sb)
-    queued = pair.sim.streams[stream].queued
-    ops = [pair.send(src)] if first == "sender" else [pair.recv(dst)]
-    assert side.counts[0] == 1 and side.counts[5] == 1
-    assert pair.sim.streams[stream].queued == queued  # nothing was queued on the first side's stream
-    ops.append(pair.recv(dst) if first == "sender" else pair.send(src))
-    second = ops[1]
-    assert second.stream != -1  # the second side found the flag reached: its copy went on its own stream
-    pair.settle(*ops)
-    assert torch.equal(dst, src)
-
-
-@pytest.mark.parametrize("first", ["sender", "receiver"])
-@pytest.mark.parametrize("host_ready", [True, False], ids=["host-flags-on", "host-flags-off"])
-def test_a_first_side_on_a_busy_stream_flags_after_the_work_queued_before_it(pair, first, host_ready):
-    """Work queued before the call and still running (a kernel writing the bytes to send, or one still reading
-    the tensor to receive into) comes first: the flag goes on the stream, and the peer's copy waits for it."""
-    pair.a.host_ready = pair.b.host_ready = host_ready
-    src, dst = pair.tensor((64,), fill=2), pair.tensor((64,), fill=-1)
-    untouched = float(dst.sum())
-    gate = threading.Event()
-    seen: list[float] = []
-    if first == "sender":  # a "kernel" still writing the bytes about to be sent
-        pair.sim.streams[pair.sa].put(lambda: (gate.wait(10), src.fill_(9.0)))
-        ops = [pair.send(src), pair.recv(dst)]
-    else:  # a "kernel" still reading the tensor about to be received into
-        pair.sim.streams[pair.sb].put(lambda: (gate.wait(10), seen.append(float(dst.sum()))))
-        ops = [pair.recv(dst), pair.send(src)]
-    side = pair.a if first == "sender" else pair.b
-    assert side.counts[0] == 1 and side.counts[5] == 0  # the flag went on the stream
-    time.sleep(0.05)
-    assert float(dst.sum()) == untouched  # nothing was copied while the earlier work ran
-    gate.set()
-    pair.settle(*ops)
-    if first == "sender":
-        assert torch.equal(dst, torch.full_like(src, 9.0))  # the bytes as that work left them
-    else:
-        assert seen == [untouched] and torch.equal(dst, src)  # read before it was overwritten
-
-
 def test_a_large_send_waits_for_its_receiver_and_pushes_the_bytes_itself(pair):
     """Above inline_max, a sender that comes first waits (a bounded host wait) for the receiver, so that the copy is
     the sender's -- a push, on the sender's GPU -- not the receiver's pull."""

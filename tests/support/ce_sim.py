@@ -181,11 +181,6 @@ class SimDriver:
     def copy_tensor(self, stream: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.streams[stream].put(lambda: dst.copy_(src))
 
-    def idle(self, stream: int) -> bool:
-        """Whether the stream ran everything queued on it (``cuStreamQuery``); a capturing one is not asked."""
-        s = self.streams[stream]
-        return s.ran >= s.queued
-
     def capturing(self, stream: int) -> bool:
         return self.streams[stream].recording is not None
 

@@ -6,8 +6,7 @@ A message of a channel (one tag, one direction) meets in an entry of the pair's
 where its bytes are (an IPC handle of the allocation and an offset) and its
 signature. Whoever arrives **first** only queues, on its caller's stream, the
 write of its "ready" flag (the sender: ``src_ready``, its bytes are final; the
-receiver: ``dst_ready``, its tensor may be written) -- or, where that stream has
-run all its work already, stores the flag from the host. Whoever arrives
+receiver: ``dst_ready``, its tensor may be written). Whoever arrives
 **second** knows both addresses, so it queues the copy, on an internal stream
 ordered after its caller's stream: a wait for the first side's ready flag, one
 ``cuMemcpyAsync`` between the two allocations (a push by the sender, a pull by
@@ -38,7 +37,7 @@ import time
 from typing import Any, Callable
 
 from ...cuda import alloc_cuda
-from ...errors import ProtocolError, TensorWireError
+from ...errors import PeerLostError, ProtocolError, TensorWireError
 from ...settings import setting
 from .driver import CeDriver
 from .exports import Exports
@@ -236,12 +235,8 @@ class CePair(Capture, Watched, Closing):
         self._one_gpu: dict[int, bool] = {}
         #: messages by this side's part: [came first, came second and copied on the caller's stream, came second
         #: and copied on an internal stream, large sends whose receiver came while they waited, large sends whose
-        #: receiver did not, came first with an idle stream] (bench/profile_ce_host.py prints them)
-        self.counts = [0, 0, 0, 0, 0, 0]
-        #: a side that comes first while its stream is idle writes its ready flag from the host (one
-        #: ``cuStreamQuery`` instead of a ``cuStreamWriteValue32``; and its peer, coming second, finds the flag
-        #: reached, so copies without a GPU-side wait); False: always the stream memory operation
-        self.host_ready = True
+        #: receiver did not] (where the host time goes: bench/profile_ce_host.py prints them)
+        self.counts = [0, 0, 0, 0, 0]
         #: how captured messages write and wait on their flags (TENSORWIRE_CE_GRAPH_FLAGS; graphs.py)
         self.graph_flags = setting("ce_graph_flags")
         self._flags_said: set[int] = set()  # (devices whose captured flags' calls were said in the log)
@@ -364,13 +359,7 @@ class CePair(Capture, Watched, Closing):
                 if handle is _NO_HANDLE and nbytes:
                     raise TensorWireError(f"{what()}: came first to a message it saw the peer take (internal)")
                 self.counts[0] += 1
-                if self.host_ready and d.idle(stream):
-                    # the caller's stream has run everything queued before the call (the bytes are final, or the
-                    # tensor no longer read): the flag is a store into the region, not a stream memory operation
-                    r.set(entry, SRC_READY if sending else DST_READY, seq)
-                    self.counts[5] += 1
-                else:
-                    d.write(stream, dev + (SRC_READY if sending else DST_READY), seq)
+                d.write(stream, dev + (SRC_READY if sending else DST_READY), seq)
                 if unstage:
                     d.order(st[1], stream, st[3])
                     d.wait(st[1], dev + LANDED, seq)
@@ -546,6 +535,22 @@ class CePair(Capture, Watched, Closing):
         if not reached(r.flag(entry, LANDED), eseq):
             return False
         return not state & STAGED or reached(r.flag(entry, RECV_DONE), eseq)
+
+    def _release(self, entry: int, seq: int) -> None:
+        """Let every stream waiting on this entry go on (host writes of its flags): failure paths only."""
+        for which in (SRC_READY, DST_READY, LANDED, RECV_DONE):
+            self.region.release(entry, which, seq)
+
+    def failure(self, entry: int, sending: bool, what: Callable[[], str]) -> BaseException:
+        """The error of a message whose entry says FAILED (the peer refused it, or the pair was lost)."""
+        _seq, _state, code = self.region.head(entry)
+        if code == ERR_MISMATCH:
+            mine = self.region.read_block(entry, sending)
+            theirs = self.region.read_block(entry, not sending)
+            return ProtocolError(self._mismatch(mine.words, theirs.words, sending) or f"{what()}: refused by the peer")
+        if self.error is not None:
+            return self.error
+        return PeerLostError(f"{what()}: failed on the copy-engine path (code {code})")
 
     def _channel(self, tag: int, sending: bool) -> Channel:
         side = self.region.side if sending else 1 - self.region.side

@@ -1,4 +1,4 @@
-"""The watchdog's look at a copy-engine pair, and its failed messages (:class:`Watched`, part of :class:`~.pair.CePair`).
+"""The watchdog's look at a copy-engine pair (:class:`Watched`, a part of :class:`~.pair.CePair`).
 
 A pair's watchdog thread (:class:`~.setup.Watchdog`) calls :meth:`Watched.check` a few times a second: it beats
 this side's heartbeat, reads the peer's state (closed, dead, silent), completes the messages whose flags came,
@@ -11,18 +11,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Callable
 
-from ...errors import PeerLostError, ProtocolError, TransferTimeout
-from .region import (
-    DST_READY,
-    ERR_LOST,
-    ERR_MISMATCH,
-    FAILED,
-    LANDED,
-    RECV_DONE,
-    SRC_READY,
-    pid_namespace,
-    process_alive,
-)
+from ...errors import PeerLostError, TransferTimeout
+from .region import DST_READY, ERR_LOST, FAILED, LANDED, SRC_READY, pid_namespace, process_alive
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pair import CeOp
@@ -47,24 +37,7 @@ class Watched:
     _graph_entries: list[int]
     _releasers: list[Callable[[], None]]
 
-    _mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None]
-
-    # -- a failed message ----------------------------------------------------------------------------------
-    def _release(self, entry: int, seq: int) -> None:
-        """Let every stream waiting on this entry go on (host writes of its flags): failure paths only."""
-        for which in (SRC_READY, DST_READY, LANDED, RECV_DONE):
-            self.region.release(entry, which, seq)
-
-    def failure(self, entry: int, sending: bool, what: Callable[[], str]) -> BaseException:
-        """The error of a message whose entry says FAILED (the peer refused it, or the pair was lost)."""
-        _seq, _state, code = self.region.head(entry)
-        if code == ERR_MISMATCH:
-            mine = self.region.read_block(entry, sending)
-            theirs = self.region.read_block(entry, not sending)
-            return ProtocolError(self._mismatch(mine.words, theirs.words, sending) or f"{what()}: refused by the peer")
-        if self.error is not None:
-            return self.error
-        return PeerLostError(f"{what()}: failed on the copy-engine path (code {code})")
+    _release: Callable[[int, int], None]  # (CePair's: lets every stream waiting on one entry go on)
 
     # -- the watchdog's look ----------------------------------------------------------------------------------
     def pending(self) -> int:
