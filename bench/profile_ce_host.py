@@ -11,14 +11,16 @@ of a message alone, in a loop on its own stream: torch's dispatch into a Python 
 the signature, a Work, the current stream, each driver call the path makes, the region's lock -- the budget
 a message's host time is made of.
 
-``--ab TURNS --no-pieces``: only the ping-pong's one-way time, the path as it was against the path as it is, in
-turns within the run (two changes made in the driver and the pair's lock since; see ``_ab``).
+``--ab TURNS --no-pieces``: only the ping-pong's one-way time, the path with one change switched off against the
+path as it is, in turns within the run (``--ab-change`` says which; see ``_ab``), with the time Python's cycle
+collector took in each.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import tensorwire  # noqa: F401  (registers the backend)
+from tensorwire.transport.ce.watched import PRUNE_AT
 
 
 def main() -> None:
@@ -60,9 +63,17 @@ def main() -> None:
         type=int,
         default=0,
         metavar="TURNS",
-        help="only this: the dist.send/recv ping-pong in TURNS turns of each variant (ABBA order): the path as it "
-        "was (every call asks the driver whether the stream is captured; a lock found taken is slept for at once) "
-        "against the path as it is; prints one-way times and their ratio",
+        help="only this: the dist.send/recv ping-pong in TURNS turns of each variant (ABBA order): the path with "
+        "the change --ab-change names switched off ('before') against the path as it is ('after'); prints one-way "
+        "times, their ratio and the cycle collector's share",
+    )
+    ap.add_argument(
+        "--ab-change",
+        choices=("prune", "capture-lock"),
+        default="prune",
+        help="what --ab switches off: 'prune', the callers completing and dropping completed messages themselves "
+        "(before: only the watchdog's look every 50 ms does); 'capture-lock', the two cuts of f7b3f2a (before: "
+        "every call asks the driver whether the stream is captured; a lock found taken is slept for at once)",
     )
     ap.add_argument(
         "--ab-inline-kib",
@@ -113,7 +124,7 @@ def main() -> None:
         return (time.perf_counter() - t0) / (2 * n)
 
     if args.ab:
-        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib)
+        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib, args.ab_change)
         dist.destroy_process_group()
         return
 
@@ -325,11 +336,14 @@ def _memcpy_dtod() -> object:
     return _fn(_lib(), ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [c.c_uint64, c.c_uint64, c.c_size_t, c.c_void_p])
 
 
-def _ab(rank: int, loop: Callable[[int], float], turns: int, iters: int, inline_kib: int = 0) -> None:
-    """``--ab``: one-way time of the ``dist.send``/``dist.recv`` ping-pong (``loop``: seconds per message) under
-    the path as it was ("before") and as it is ("after"), in turns (ABBA; both ranks switch at the same turn: no
-    message needed to agree). With ``inline_kib``: between two processes of one GPU, copies above 4 MiB waiting
-    for their peer on the host against copies above that many KiB doing so."""
+def _ab(
+    rank: int, loop: Callable[[int], float], turns: int, iters: int, inline_kib: int = 0, change: str = "prune"
+) -> None:
+    """``--ab``: one-way time of the ``dist.send``/``dist.recv`` ping-pong (``loop``: seconds per message) with
+    ``change`` switched off ("before") and as it is ("after"), in turns (ABBA; both ranks switch at the same turn:
+    no message needed to agree), and the cycle collector's runs and time in each. With ``inline_kib``: between
+    two processes of one GPU, copies above 4 MiB waiting for their peer on the host against copies above that
+    many KiB doing so."""
     import ctypes
 
     def one_way(n: int) -> float:
@@ -350,6 +364,8 @@ def _ab(rank: int, loop: Callable[[int], float], turns: int, iters: int, inline_
     def variant(before: bool) -> None:
         if inline_kib:
             pair.one_gpu_wait_min = (4 << 20) if before else inline_kib << 10  # type: ignore[attr-defined]
+        elif change == "prune":
+            pair._prune_at = (1 << 40) if before else PRUNE_AT  # type: ignore[attr-defined]
         elif before:
             drv.capturing = ask
             lock.spin_ns = 0
@@ -358,17 +374,56 @@ def _ab(rank: int, loop: Callable[[int], float], turns: int, iters: int, inline_
             lock.spin_ns = spin
 
     got: dict[str, list[float]] = {"before": [], "after": []}
+    gcs = {"before": _GcClock(), "after": _GcClock()}
     for turn in range(2 * turns):
         before = turn % 4 in (0, 3)  # ABBA
+        name = "before" if before else "after"
         variant(before)
         one_way(20)  # (settle into the variant)
-        got["before" if before else "after"].append(one_way(iters))
+        with gcs[name]:
+            got[name].append(one_way(iters))
     variant(False)
     if rank == 0:
         b, a = statistics.median(got["before"]), statistics.median(got["after"])
         for name, xs in got.items():
             print(f"ab {name:<7s} one-way us per message, {len(xs)} turns: " + " ".join(f"{x:.1f}" for x in xs))
         print(f"ab median one-way: before {b:.1f} us, after {a:.1f} us: after / before {a / b:.3f}")
+    for name, clock in gcs.items():
+        print(f"ab {name:<7s} rank {rank}: cycle collector {clock.describe()}")
+
+
+class _GcClock:
+    """Runs of Python's cycle collector by generation, and their time, while inside ``with`` (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.runs = [0, 0, 0]
+        self.ns = [0, 0, 0]
+        self.longest_ns = 0
+        self._t0 = 0
+        self._on = False
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if not self._on:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        else:
+            g, dt = info["generation"], time.perf_counter_ns() - self._t0
+            self.runs[g] += 1
+            self.ns[g] += dt
+            self.longest_ns = max(self.longest_ns, dt)
+
+    def __enter__(self) -> None:
+        if self._cb not in gc.callbacks:
+            gc.callbacks.append(self._cb)
+        self._on = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._on = False
+
+    def describe(self) -> str:
+        gens = ", ".join(f"gen{g} {n} runs {ns / 1e6:.1f} ms" for g, (n, ns) in enumerate(zip(self.runs, self.ns)))
+        return f"{gens}; the longest run {self.longest_ns / 1e6:.2f} ms"
 
 
 def _pair_of(peer: int) -> object:

@@ -7,17 +7,22 @@ that no simulated stream was left waiting on a flag.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
 import threading
 import time
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tensorwire.errors import PeerLostError, ProtocolError, TransferTimeout
 from tensorwire.transport.ce import CePair, DriverError, Region
+from tensorwire.transport.ce.pair import CeOp
+from tensorwire.transport.ce.watched import PRUNE_AT
 from tensorwire.transport.ce.region import ENTRIES
 
 from ce_sim import SimDriver
@@ -187,6 +192,65 @@ def test_a_hundred_messages_reuse_the_entries_in_order(pair):
     pair.settle(*ops)
     for s, d in zip(srcs, dsts):
         assert torch.equal(s, d)
+
+
+def test_completed_messages_leave_the_pending_list_without_the_watchdog(pair):
+    """The callers themselves complete and drop what completed (here no watchdog runs at all): the list stays
+    short, so neither a watchdog's look nor Python's oldest generation ever holds thousands of messages."""
+    src, dst = pair.tensor((16,), fill=1), pair.tensor((16,), fill=0)
+    for i in range(300):
+        ops = [pair.send(src), pair.recv(dst)]
+        if i % 8 == 7:
+            pair.settle(*ops)
+    assert len(pair.a._pending) <= 2 * PRUNE_AT and len(pair.b._pending) <= 2 * PRUNE_AT
+    pair.settle()
+    assert torch.equal(dst, src)
+
+
+def test_a_completed_message_holds_no_reference_to_its_caller():
+    """Once complete, a message lets go of its callback and its description (both bound to the caller's Work):
+    the two are freed when their last holder drops them, not by the cycle collector."""
+
+    class Caller:
+        def __init__(self) -> None:
+            self.got: list = []
+
+        def done(self, exc) -> None:
+            self.got.append(exc)
+
+        def what(self) -> str:
+            return "isend"
+
+    pair = SimpleNamespace(clock=0.0, timeout=10.0)
+    caller = Caller()
+    op = CeOp(pair, 0, 1, True, 0, None, caller.what)  # type: ignore[arg-type]
+    op.on_done = caller.done
+    ref = weakref.ref(caller)
+    gc.disable()
+    try:
+        op.fail(None)  # type: ignore[arg-type]  (completes it, no error: as poll() does)
+        assert caller.got == [None]
+        del caller
+        assert ref() is None  # freed at once: the message kept nothing of it
+        assert op.on_done is None and op.what() == "a completed message"
+    finally:
+        gc.enable()
+
+
+def test_a_callback_that_sends_while_the_list_is_looked_at_does_not_deadlock(pair):
+    src, dst = pair.tensor((16,), fill=3), pair.tensor((16,), fill=0)
+    later: list = []
+    first = pair.send(src)
+    first.on_done = lambda exc: later.append(pair.send(src))  # (a Work's future callback that sends again)
+    r = pair.recv(dst)
+    for s in pair.sim.streams.values():
+        assert s.drain()  # (its flag came; nobody has looked yet)
+    pair.a._prune_at = 1  # the next send looks at the list: completing `first` sends from inside the look
+    outer = pair.send(src)
+    assert len(later) == 1 and first.poll()
+    ops = [first, r, outer, later[0], pair.recv(dst), pair.recv(dst)]
+    pair.settle(*ops)
+    assert torch.equal(dst, src)
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "internal-stream"])

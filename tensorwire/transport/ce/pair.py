@@ -37,12 +37,12 @@ import time
 from typing import Any, Callable
 
 from ...cuda import alloc_cuda
-from ...errors import PeerLostError, ProtocolError, TensorWireError
+from ...errors import ProtocolError, TensorWireError
 from ...settings import setting
 from .driver import CeDriver
 from .exports import Exports
 from .closing import Closing
-from .watched import Watched
+from .watched import PRUNE_AT, Watched
 from .graphs import CaptureError, Capture
 from .region import (
     DST_READY,
@@ -155,8 +155,15 @@ class CeOp:
         if exc is None and keep is not None and keep[1] is not None:
             self.pair._give_stage(keep[1])  # the copy out of (or into) it is over: reuse it
         cb = self.on_done
+        # no reference back to the caller's Work from here on: the two are freed as soon as nobody holds them,
+        # without waiting for Python's cycle collector
+        self.on_done, self.what = None, _over
         if cb is not None:
             cb(exc)
+
+
+def _over() -> str:
+    return "a completed message"
 
 
 class Channel:
@@ -214,6 +221,8 @@ class CePair(Capture, Watched, Closing):
         self._streams: dict[int, tuple[int, int, int, int]] = {}
         self._pending: list[CeOp] = []
         self._pending_lock = threading.Lock()
+        self._prune_at = PRUNE_AT  # (the caller completes and drops what completed at this many: Watched._prune)
+        self._pruning = False
         self._registered: set[int] = set()
         self._lock = threading.Lock()
         self.error: BaseException | None = None
@@ -300,6 +309,8 @@ class CePair(Capture, Watched, Closing):
     ) -> CeOp:
         if self.error is not None:
             raise self.error
+        if len(self._pending) >= self._prune_at:
+            self._prune()
         d = self.driver
         d.context(device)
         st = self._streams.get(device)
@@ -535,22 +546,6 @@ class CePair(Capture, Watched, Closing):
         if not reached(r.flag(entry, LANDED), eseq):
             return False
         return not state & STAGED or reached(r.flag(entry, RECV_DONE), eseq)
-
-    def _release(self, entry: int, seq: int) -> None:
-        """Let every stream waiting on this entry go on (host writes of its flags): failure paths only."""
-        for which in (SRC_READY, DST_READY, LANDED, RECV_DONE):
-            self.region.release(entry, which, seq)
-
-    def failure(self, entry: int, sending: bool, what: Callable[[], str]) -> BaseException:
-        """The error of a message whose entry says FAILED (the peer refused it, or the pair was lost)."""
-        _seq, _state, code = self.region.head(entry)
-        if code == ERR_MISMATCH:
-            mine = self.region.read_block(entry, sending)
-            theirs = self.region.read_block(entry, not sending)
-            return ProtocolError(self._mismatch(mine.words, theirs.words, sending) or f"{what()}: refused by the peer")
-        if self.error is not None:
-            return self.error
-        return PeerLostError(f"{what()}: failed on the copy-engine path (code {code})")
 
     def _channel(self, tag: int, sending: bool) -> Channel:
         side = self.region.side if sending else 1 - self.region.side

@@ -1,4 +1,4 @@
-"""The watchdog's look at a copy-engine pair (:class:`Watched`, a part of :class:`~.pair.CePair`).
+"""The watchdog's look at a copy-engine pair, its pending and failed messages (:class:`Watched`, of ``CePair``).
 
 A pair's watchdog thread (:class:`~.setup.Watchdog`) calls :meth:`Watched.check` a few times a second: it beats
 this side's heartbeat, reads the peer's state (closed, dead, silent), completes the messages whose flags came,
@@ -11,14 +11,28 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Callable
 
-from ...errors import PeerLostError, TransferTimeout
-from .region import DST_READY, ERR_LOST, FAILED, LANDED, SRC_READY, pid_namespace, process_alive
+from ...errors import PeerLostError, ProtocolError, TransferTimeout
+from .region import (
+    DST_READY,
+    ERR_LOST,
+    ERR_MISMATCH,
+    FAILED,
+    LANDED,
+    RECV_DONE,
+    SRC_READY,
+    pid_namespace,
+    process_alive,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pair import CeOp
     from .region import Region
 
-__all__ = ["Watched"]
+__all__ = ["Watched", "PRUNE_AT"]
+
+#: a side completes and drops the completed ones among its pending messages when it has this many (or twice
+#: as many as were left at the last look)
+PRUNE_AT = 32
 
 
 class Watched:
@@ -37,7 +51,51 @@ class Watched:
     _graph_entries: list[int]
     _releasers: list[Callable[[], None]]
 
-    _release: Callable[[int, int], None]  # (CePair's: lets every stream waiting on one entry go on)
+    _mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None]
+    _prune_at: int
+    _pruning: bool
+
+    # -- a failed message -------------------------------------------------------------------------------------
+    def _release(self, entry: int, seq: int) -> None:
+        """Let every stream waiting on this entry go on (host writes of its flags): failure paths only."""
+        for which in (SRC_READY, DST_READY, LANDED, RECV_DONE):
+            self.region.release(entry, which, seq)
+
+    def failure(self, entry: int, sending: bool, what: Callable[[], str]) -> BaseException:
+        """The error of a message whose entry says FAILED (the peer refused it, or the pair was lost)."""
+        _seq, _state, code = self.region.head(entry)
+        if code == ERR_MISMATCH:
+            mine = self.region.read_block(entry, sending)
+            theirs = self.region.read_block(entry, not sending)
+            return ProtocolError(self._mismatch(mine.words, theirs.words, sending) or f"{what()}: refused by the peer")
+        if self.error is not None:
+            return self.error
+        return PeerLostError(f"{what()}: failed on the copy-engine path (code {code})")
+
+    # -- completed messages leave at once -----------------------------------------------------------------------
+    def _prune(self) -> None:
+        """Complete the pending messages whose flags came and drop them (the caller's thread, at the start of
+        a message, with no lock of the pair held: completing runs the Works' callbacks).
+
+        Left to the watchdog, which looks every ``WATCH_S``, thousands of completed messages sat in the list
+        between two looks: each look then held the GIL for milliseconds while the caller waited for it, and
+        every message's objects lived long enough to reach Python's oldest generation, whose collections
+        (tens of milliseconds with torch loaded) they then set off. Here the list is looked at each time it
+        has doubled since the last look (at least ``PRUNE_AT``): a constant cost per message.
+        """
+        if self._pruning:  # (a Work's callback that sends again: the outer call finishes the look)
+            return
+        self._pruning = True
+        try:
+            with self._pending_lock:
+                ops = self._pending
+            for op in ops:
+                op.poll()
+            with self._pending_lock:
+                self._pending = left = [op for op in self._pending if not op._done]
+                self._prune_at = max(PRUNE_AT, 2 * len(left))
+        finally:
+            self._pruning = False
 
     # -- the watchdog's look ----------------------------------------------------------------------------------
     def pending(self) -> int:
