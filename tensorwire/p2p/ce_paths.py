@@ -9,14 +9,15 @@ mapped once by the sender, so a message needs no rendezvous: message ``m``
 goes into slot ``m % depth``.
 
 - ``send``: on the caller's stream, a wait until the receiver freed that slot
-  (its ``free`` flag reached ``m - depth``), one copy-engine copy into it, and a
+  (its ``free`` flag reached ``m - depth``; no wait where the host sees the flag
+  there already), one copy-engine copy into it, and a
   write of ``m`` into its ``full`` flag -- queued, the host never waits; the
   caller's later work on that stream runs after the copy (the tensor may be
   modified after ``send`` returns, as the API promises).
 - ``recv``: on the caller's stream, a write of ``free = m - depth + 1`` (the
   slot of message ``m - depth + 1`` may be overwritten from now on: the API
   promises a slot only until ``depth - 1`` more receives) and a wait until
-  ``full`` reached ``m``; returns slot ``m % depth``.
+  ``full`` reached ``m`` (none where the host sees it there); returns slot ``m % depth``.
 
 Both sides may be up to ``depth`` messages ahead of each other (a send goes
 before its receive is called, as over UCX). The shapes were agreed when the
@@ -182,7 +183,10 @@ class CeSend:
         m = chan.count = chan.count + 1
         d = chan.pair.driver
         flags = chan.region.device_addr + chan.flags
-        d.wait(raw, flags + _FREE, m - self.depth)  # the slot of message m - depth was freed
+        if not reached(chan.region.flag(chan.flags, _FREE), m - self.depth):
+            d.wait(raw, flags + _FREE, m - self.depth)  # the slot of message m - depth was freed
+        # (else the receiver's stream is past that write already, as the host sees: a GPU wait would be met at
+        # once, and costs a driver call)
         nbytes = self.spec.nbytes
         if nbytes:
             d.copy(raw, self._slots[(m - 1) % self.depth], tensor.data_ptr(), nbytes)
@@ -240,7 +244,8 @@ class CeRecv:
         d = chan.pair.driver
         flags = chan.region.device_addr + chan.flags
         d.write(raw, flags + _FREE, m - self.depth + 1)  # work queued before reads of that slot no more
-        d.wait(raw, flags + _FULL, m)
+        if not reached(chan.region.flag(chan.flags, _FULL), m):  # (else the copy has run: nothing to wait for)
+            d.wait(raw, flags + _FULL, m)
         self.received += self.spec.nbytes
         if out is None:
             return slot
