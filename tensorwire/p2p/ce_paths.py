@@ -17,7 +17,8 @@ goes into slot ``m % depth``.
 - ``recv``: on the caller's stream, a write of ``free = m - depth + 1`` (the
   slot of message ``m - depth + 1`` may be overwritten from now on: the API
   promises a slot only until ``depth - 1`` more receives) and a wait until
-  ``full`` reached ``m`` (none where the host sees it there); returns slot ``m % depth``.
+  ``full`` reached ``m`` (one driver call for both; no wait where the host sees
+  ``full`` there already); returns slot ``m % depth``.
 
 Both sides may be up to ``depth`` messages ahead of each other (a send goes
 before its receive is called, as over UCX). The shapes were agreed when the
@@ -243,9 +244,12 @@ class CeRecv:
         chan.count = m
         d = chan.pair.driver
         flags = chan.region.device_addr + chan.flags
-        d.write(raw, flags + _FREE, m - self.depth + 1)  # work queued before reads of that slot no more
-        if not reached(chan.region.flag(chan.flags, _FULL), m):  # (else the copy has run: nothing to wait for)
-            d.wait(raw, flags + _FULL, m)
+        # free the slot of message m - depth + 1 (work queued before reads it no more); then wait for message m,
+        # in the same driver call -- unless the host sees it in place already (the copy ran: nothing to wait for)
+        if reached(chan.region.flag(chan.flags, _FULL), m):
+            d.write(raw, flags + _FREE, m - self.depth + 1)
+        else:
+            d.write_wait(raw, flags + _FREE, m - self.depth + 1, flags + _FULL, m)
         self.received += self.spec.nbytes
         if out is None:
             return slot

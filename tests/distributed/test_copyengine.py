@@ -691,6 +691,43 @@ def test_the_default_stream_is_never_asked_whether_it_is_captured():
         drv.capturing(9)
 
 
+@pytest.mark.parametrize("refused", [False, True], ids=["batched", "batch-refused"])
+def test_write_then_wait_is_one_batch_in_that_order_or_two_calls_where_refused(refused):
+    """A Link's receive frees a slot and waits for its message in one cuStreamBatchMemOp: the write first, then
+    the wait (>=); a driver that refuses the batch gets the two calls, and is not asked for a batch again."""
+    import ctypes
+
+    from tensorwire.transport.ce import driver as drv_mod
+    from tensorwire.transport.ce.driver import CeDriver
+
+    batches: list[list[tuple[int, int, int, int]]] = []
+    single: list[tuple[str, int, int, int]] = []
+
+    def batch(stream, count, ops, flags):
+        arr = ctypes.cast(ops, ctypes.POINTER(drv_mod._MemOp))
+        batches.append([(arr[i].operation, arr[i].address, arr[i].value, arr[i].flags) for i in range(count)])
+        return 1 if refused else 0  # (1: CUDA_ERROR_INVALID_VALUE)
+
+    drv = CeDriver.__new__(CeDriver)  # (no libcuda here: only what write_wait() uses)
+    drv._batch = batch
+    drv._error_name = None
+    drv._write = lambda stream, addr, value, flags: single.append(("write", stream, addr, value)) or 0
+    drv._wait = lambda stream, addr, value, flags: single.append(("wait", stream, addr, value)) or 0
+    drv.write_wait(5, 0x1000, 7, 0x2000, (1 << 32) + 9)
+    assert batches == [
+        [
+            (drv_mod._CU_STREAM_MEM_OP_WRITE_VALUE_32, 0x1000, 7, drv_mod._CU_STREAM_WRITE_VALUE_DEFAULT),
+            (drv_mod._CU_STREAM_MEM_OP_WAIT_VALUE_32, 0x2000, 9, drv_mod._CU_STREAM_WAIT_VALUE_GEQ),
+        ]
+    ]
+    if refused:
+        assert single == [("write", 5, 0x1000, 7), ("wait", 5, 0x2000, 9)]
+        drv.write_wait(5, 0x1000, 8, 0x2000, 10)
+        assert len(batches) == 1 and single[2:] == [("write", 5, 0x1000, 8), ("wait", 5, 0x2000, 10)]
+    else:
+        assert single == []
+
+
 def test_a_lock_held_by_the_peer_is_retried_before_sleeping_and_counted(tmp_path):
     """The pair's shared lock, held by the other side for a moment: taken by retrying within the spin budget
     (no sleep); held longer than the budget: this side sleeps for it. Each wait is counted."""

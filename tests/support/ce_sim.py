@@ -162,6 +162,10 @@ class SimDriver:
 
         self.streams[stream].put(run)
 
+    def write_wait(self, stream: int, waddr: int, wvalue: int, addr: int, value: int) -> None:
+        self.write(stream, waddr, wvalue)
+        self.wait(stream, addr, value)
+
     def wait_reset(self, stream: int, addr: int, value: int) -> None:
         self.wait(stream, addr, value)
         self.write(stream, addr, 0)

@@ -350,6 +350,27 @@ class CeDriver:
         self.wait(stream, addr, value)
         self.write(stream, addr, 0)
 
+    def write_wait(self, stream: int, waddr: int, wvalue: int, addr: int, value: int) -> None:
+        """``write(stream, waddr, wvalue)``, then ``wait(stream, addr, value)``: one batch of two stream memory
+        operations, one driver call instead of two (a Link's receive). Where the driver refuses the batch, the
+        two one by one."""
+        batch = self._batch
+        if batch is not None:
+            ops = (_MemOp * 2)()
+            ops[0].operation, ops[0].address, ops[0].value = (
+                _CU_STREAM_MEM_OP_WRITE_VALUE_32,
+                waddr,
+                wvalue & 0xFFFFFFFF,
+            )
+            ops[0].flags = _CU_STREAM_WRITE_VALUE_DEFAULT
+            ops[1].operation, ops[1].address, ops[1].value = _CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, value & 0xFFFFFFFF
+            ops[1].flags = _CU_STREAM_WAIT_VALUE_GEQ
+            if batch(stream, 2, ops, 0) == 0:
+                return
+            self._batch = None  # (refused: not tried again)
+        self.write(stream, waddr, wvalue)
+        self.wait(stream, addr, value)
+
     # -- flag kernels (captured messages: a replay's host time does not grow with them) -----------------
     def flag_kernels(self, device: int) -> bool:
         """Load the two flag kernels (:data:`FLAG_PTX`) into ``device``'s context, once; False where the driver
