@@ -70,8 +70,8 @@ def main() -> None:
     ap.add_argument(
         "--ab-change",
         choices=("prune", "capture-lock"),
-        default="prune",
-        help="what --ab switches off: 'prune', the callers completing and dropping completed messages themselves "
+        default=None,
+        help="what --ab switches off (default prune): 'prune', the callers completing and dropping completed messages themselves "
         "(before: only the watchdog's look every 50 ms does); 'capture-lock', the two cuts of f7b3f2a (before: "
         "every call asks the driver whether the stream is captured; a lock found taken is slept for at once)",
     )
@@ -86,8 +86,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.bytes < 4 or args.iters < 1 or args.ab < 0 or args.ab_inline_kib < 0:
         ap.error("--bytes >= 4, --iters >= 1, --ab >= 0, --ab-inline-kib >= 0")
-    if args.ab_inline_kib and not args.ab:
-        ap.error("--ab-inline-kib chooses what --ab compares: give --ab TURNS too")
+    if (args.ab_inline_kib or args.ab_change) and not args.ab:
+        ap.error("--ab-inline-kib and --ab-change choose what --ab compares: give --ab TURNS too")
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
@@ -124,7 +124,7 @@ def main() -> None:
         return (time.perf_counter() - t0) / (2 * n)
 
     if args.ab:
-        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib, args.ab_change)
+        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib, args.ab_change or "prune")
         dist.destroy_process_group()
         return
 
