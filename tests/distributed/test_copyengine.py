@@ -237,6 +237,25 @@ def test_a_completed_message_holds_no_reference_to_its_caller():
         gc.enable()
 
 
+def test_a_callback_that_sends_from_the_watchdogs_look_does_not_deadlock(pair):
+    """The watchdog's look completes messages too: a Work's callback that sends again from there must not wait
+    for the pending list's lock that the look holds."""
+    src, dst = pair.tensor((16,), fill=4), pair.tensor((16,), fill=0)
+    later: list = []
+    first = pair.send(src)
+    first.on_done = lambda exc: later.append(pair.send(src))
+    r = pair.recv(dst)
+    for s in pair.sim.streams.values():
+        assert s.drain()  # (its flag came; nobody has looked yet)
+    look = threading.Thread(target=pair.a.check, args=(time.monotonic(),), daemon=True)
+    look.start()
+    look.join(10)
+    assert not look.is_alive(), "the watchdog's look deadlocked in a Work's callback"
+    assert len(later) == 1 and first.poll()
+    pair.settle(first, r, later[0], pair.recv(dst))
+    assert torch.equal(dst, src)
+
+
 def test_a_callback_that_sends_while_the_list_is_looked_at_does_not_deadlock(pair):
     src, dst = pair.tensor((16,), fill=3), pair.tensor((16,), fill=0)
     later: list = []

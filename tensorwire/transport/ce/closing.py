@@ -31,8 +31,6 @@ class Closing:
     driver: Any
     exports: "Exports"
     error: BaseException | None
-    _pending: "list[CeOp]"
-    _pending_lock: threading.Lock
     _lock: threading.Lock
     _drainers: list[Callable[[], bool]]
     _graph_entries: list[int]
@@ -40,6 +38,7 @@ class Closing:
     _own_exports: bool
     _closed: bool
     _peer_lost: Callable[[float], BaseException | None]
+    _drop_completed: "Callable[[], list[CeOp]]"
     fail: Callable[[BaseException], None]
 
     def on_drain(self, idle: Callable[[], bool]) -> None:
@@ -57,9 +56,7 @@ class Closing:
         while True:
             now = time.monotonic()
             gone = self._peer_lost(now) is not None  # (read before the flags: see check)
-            with self._pending_lock:
-                self._pending = [op for op in self._pending if not op.poll()]
-                busy = any(not op.graph for op in self._pending)
+            busy = any(not op.graph for op in self._drop_completed())
             if not busy and all(idle() for idle in self._drainers):
                 return True
             if gone or self.error is not None or now >= deadline:

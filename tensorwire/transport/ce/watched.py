@@ -87,15 +87,20 @@ class Watched:
             return
         self._pruning = True
         try:
-            with self._pending_lock:
-                ops = self._pending
-            for op in ops:
-                op.poll()
-            with self._pending_lock:
-                self._pending = left = [op for op in self._pending if not op._done]
-                self._prune_at = max(PRUNE_AT, 2 * len(left))
+            self._prune_at = max(PRUNE_AT, 2 * len(self._drop_completed()))
         finally:
             self._pruning = False
+
+    def _drop_completed(self) -> "list[CeOp]":
+        """Complete the pending messages whose flags came, drop them, and return the rest. The looks run with
+        the list's lock released: completing a message runs its Work's callbacks, which may send again."""
+        with self._pending_lock:
+            ops = self._pending
+        for op in ops:
+            op.poll()
+        with self._pending_lock:
+            self._pending = left = [op for op in self._pending if not op._done]
+        return left
 
     # -- the watchdog's look ----------------------------------------------------------------------------------
     def pending(self) -> int:
@@ -109,10 +114,7 @@ class Watched:
         # the peer's state first, then the messages: a peer closes only once its copies ran (drain), so a message
         # still pending after a "closed" was read can no longer complete
         lost = self._peer_lost(now)
-        with self._pending_lock:
-            ops = self._pending
-            self._pending = [op for op in ops if not op.poll()]
-            late = [op for op in self._pending if now > op.deadline]
+        late = [op for op in self._drop_completed() if now > op.deadline]
         if lost is None and late:
             lost = TransferTimeout(
                 f"{late[0].what()}: the peer (rank {self.peer}) did not take part within {self.timeout:.3g} s "
