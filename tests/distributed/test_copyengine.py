@@ -747,6 +747,38 @@ def test_write_then_wait_is_one_batch_in_that_order_or_two_calls_where_refused(r
         assert single == []
 
 
+@pytest.mark.parametrize("refused", [False, True], ids=["batched", "batch-refused"])
+def test_wait_then_reset_is_one_batch_in_that_order_or_two_calls_where_refused(refused):
+    """A captured message's wait for its flag and the flag's reset: one batch, the wait (>=) first, then the write
+    of 0; two calls where the driver refuses the batch."""
+    import ctypes
+
+    from tensorwire.transport.ce import driver as drv_mod
+    from tensorwire.transport.ce.driver import CeDriver
+
+    batches: list[list[tuple[int, int, int, int]]] = []
+    single: list[tuple[str, int, int, int]] = []
+
+    def batch(stream, count, ops, flags):
+        arr = ctypes.cast(ops, ctypes.POINTER(drv_mod._MemOp))
+        batches.append([(arr[i].operation, arr[i].address, arr[i].value, arr[i].flags) for i in range(count)])
+        return 1 if refused else 0
+
+    drv = CeDriver.__new__(CeDriver)  # (no libcuda here: only what wait_reset() uses)
+    drv._batch = batch
+    drv._error_name = None
+    drv._write = lambda stream, addr, value, flags: single.append(("write", stream, addr, value)) or 0
+    drv._wait = lambda stream, addr, value, flags: single.append(("wait", stream, addr, value)) or 0
+    drv.wait_reset(3, 0x3000, 1)
+    assert batches == [
+        [
+            (drv_mod._CU_STREAM_MEM_OP_WAIT_VALUE_32, 0x3000, 1, drv_mod._CU_STREAM_WAIT_VALUE_GEQ),
+            (drv_mod._CU_STREAM_MEM_OP_WRITE_VALUE_32, 0x3000, 0, drv_mod._CU_STREAM_WRITE_VALUE_DEFAULT),
+        ]
+    ]
+    assert single == ([("wait", 3, 0x3000, 1), ("write", 3, 0x3000, 0)] if refused else [])
+
+
 def test_a_lock_held_by_the_peer_is_retried_before_sleeping_and_counted(tmp_path):
     """The pair's shared lock, held by the other side for a moment: taken by retrying within the spin budget
     (no sleep); held longer than the budget: this side sleeps for it. Each wait is counted."""

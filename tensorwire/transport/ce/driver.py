@@ -337,39 +337,33 @@ class CeDriver:
         """``stream`` waits until the word at ``addr`` reaches ``value``, then writes 0 there: one batch of two
         stream memory operations (one call; captured, one graph node instead of two -- a replay's host time grows
         with its nodes). Where the driver refuses the batch, the two operations one by one."""
-        batch = self._batch
-        if batch is not None:
-            ops = (_MemOp * 2)()
-            ops[0].operation, ops[0].address, ops[0].value = _CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, value & 0xFFFFFFFF
-            ops[0].flags = _CU_STREAM_WAIT_VALUE_GEQ
-            ops[1].operation, ops[1].address, ops[1].value = _CU_STREAM_MEM_OP_WRITE_VALUE_32, addr, 0
-            ops[1].flags = _CU_STREAM_WRITE_VALUE_DEFAULT
-            if batch(stream, 2, ops, 0) == 0:
-                return
-            self._batch = None  # (refused: not tried again)
-        self.wait(stream, addr, value)
-        self.write(stream, addr, 0)
+        wait = (_CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, value, _CU_STREAM_WAIT_VALUE_GEQ)
+        if not self._batch2(stream, wait, (_CU_STREAM_MEM_OP_WRITE_VALUE_32, addr, 0, _CU_STREAM_WRITE_VALUE_DEFAULT)):
+            self.wait(stream, addr, value)
+            self.write(stream, addr, 0)
 
     def write_wait(self, stream: int, waddr: int, wvalue: int, addr: int, value: int) -> None:
         """``write(stream, waddr, wvalue)``, then ``wait(stream, addr, value)``: one batch of two stream memory
         operations, one driver call instead of two (a Link's receive). Where the driver refuses the batch, the
         two one by one."""
+        write = (_CU_STREAM_MEM_OP_WRITE_VALUE_32, waddr, wvalue, _CU_STREAM_WRITE_VALUE_DEFAULT)
+        if not self._batch2(stream, write, (_CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, value, _CU_STREAM_WAIT_VALUE_GEQ)):
+            self.write(stream, waddr, wvalue)
+            self.wait(stream, addr, value)
+
+    def _batch2(self, stream: int, *ops: tuple[int, int, int, int]) -> bool:
+        """Queue ``ops`` (``(operation, address, 32-bit value, flags)``, in that order) as one
+        ``cuStreamBatchMemOp``; False where the driver has none or refuses it (then it is not asked again)."""
         batch = self._batch
-        if batch is not None:
-            ops = (_MemOp * 2)()
-            ops[0].operation, ops[0].address, ops[0].value = (
-                _CU_STREAM_MEM_OP_WRITE_VALUE_32,
-                waddr,
-                wvalue & 0xFFFFFFFF,
-            )
-            ops[0].flags = _CU_STREAM_WRITE_VALUE_DEFAULT
-            ops[1].operation, ops[1].address, ops[1].value = _CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, value & 0xFFFFFFFF
-            ops[1].flags = _CU_STREAM_WAIT_VALUE_GEQ
-            if batch(stream, 2, ops, 0) == 0:
-                return
-            self._batch = None  # (refused: not tried again)
-        self.write(stream, waddr, wvalue)
-        self.wait(stream, addr, value)
+        if batch is None:
+            return False
+        arr = (_MemOp * len(ops))()
+        for op, (operation, address, value, flags) in zip(arr, ops):
+            op.operation, op.address, op.value, op.flags = operation, address, value & 0xFFFFFFFF, flags
+        if batch(stream, len(ops), arr, 0) == 0:
+            return True
+        self._batch = None  # (refused: not tried again)
+        return False
 
     # -- flag kernels (captured messages: a replay's host time does not grow with them) -----------------
     def flag_kernels(self, device: int) -> bool:
