@@ -71,9 +71,10 @@ def main() -> None:
         "--ab-change",
         choices=("prune", "capture-lock"),
         default=None,
-        help="what --ab switches off (default prune): 'prune', the callers completing and dropping completed messages themselves "
-        "(before: only the watchdog's look every 50 ms does); 'capture-lock', the two cuts of f7b3f2a (before: "
-        "every call asks the driver whether the stream is captured; a lock found taken is slept for at once)",
+        help="what --ab switches off (default prune): 'prune', the callers completing and dropping completed "
+        "messages themselves (before: only the watchdog's look every 50 ms does); 'capture-lock', the two cuts of "
+        "f7b3f2a (before: every call asks the driver whether the stream is captured; a lock found taken is slept "
+        "for at once)",
     )
     ap.add_argument(
         "--ab-inline-kib",
@@ -400,11 +401,8 @@ class _GcClock:
         self.ns = [0, 0, 0]
         self.longest_ns = 0
         self._t0 = 0
-        self._on = False
 
     def _cb(self, phase: str, info: dict) -> None:
-        if not self._on:
-            return
         if phase == "start":
             self._t0 = time.perf_counter_ns()
         else:
@@ -414,12 +412,10 @@ class _GcClock:
             self.longest_ns = max(self.longest_ns, dt)
 
     def __enter__(self) -> None:
-        if self._cb not in gc.callbacks:
-            gc.callbacks.append(self._cb)
-        self._on = True
+        gc.callbacks.append(self._cb)
 
     def __exit__(self, *exc: object) -> None:
-        self._on = False
+        gc.callbacks.remove(self._cb)
 
     def describe(self) -> str:
         gens = ", ".join(f"gen{g} {n} runs {ns / 1e6:.1f} ms" for g, (n, ns) in enumerate(zip(self.runs, self.ns)))
