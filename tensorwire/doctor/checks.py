@@ -495,7 +495,9 @@ def check_native(p: Probe) -> list[Finding]:
         return [Finding("hot path", "OK", f"compiled by mypyc ({len(compiled)}/{len(kinds)} modules)")]
     fix = (
         "reinstall where a C compiler and Python's headers are (e.g. apt install gcc python3-dev): "
-        "TENSORWIRE_NATIVE=1 pip install --force-reinstall --no-deps tensorwire (from its source)"
+        "TENSORWIRE_NATIVE=1 pip install --force-reinstall --no-deps tensorwire (from its source); "
+        "no compiler on this host: build a wheel on a Linux machine with the same Python version and one "
+        "(TENSORWIRE_NATIVE=1 pip wheel --no-deps -w dist <source>) and pip install that wheel here"
     )
     if not compiled:
         detail = "pure Python: the same behaviour, with more CPU per message (docs/benchmarks.md: compiled hot path)"

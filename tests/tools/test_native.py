@@ -110,7 +110,8 @@ def test_doctor_says_which_hot_path_is_installed(monkeypatch, kinds, verdict, wo
     assert f.check == "hot path" and f.verdict == verdict and words in f.detail
     assert (f.fix == "") == (verdict == "OK")
     if f.fix:
-        assert "TENSORWIRE_NATIVE=1" in f.fix
+        assert "TENSORWIRE_NATIVE=1 pip install" in f.fix
+        assert "TENSORWIRE_NATIVE=1 pip wheel --no-deps" in f.fix  # a host without a compiler: a wheel from elsewhere
     assert check_native in doctor.CHECKS
 
 
