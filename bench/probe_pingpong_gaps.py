@@ -53,7 +53,8 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    groups = {"gloo": None, "tensorwire": dist.new_group([0, 1], backend="tensorwire")}
+    tw = dist.new_group([0, 1], backend="tensorwire")
+    groups = {name: g for name, g in (("gloo", None), ("tensorwire", tw)) if name in args.backends}
     lines = []
     for size in args.sizes:
         x, y = torch.zeros(size // 4), torch.zeros(size // 4)
@@ -121,6 +122,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200, help="timed round trips per variant and round (>= 1)")
     ap.add_argument("--rounds", type=int, default=4, help="turns of every variant (>= 1)")
     ap.add_argument("--gaps", default="0,1,5", help="comma-separated ms of busy host before each round trip")
+    ap.add_argument(
+        "--backends",
+        default="gloo,tensorwire",
+        help="the groups timed, in this order (gloo is the default group either way; tensorwire alone: no gloo "
+        "messages between its turns)",
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the job")
     ap.add_argument("--out", default="", help="also write the markdown here")
     args = ap.parse_args()
@@ -142,6 +149,9 @@ def main() -> None:
         ap.error(f"--gaps: not a list of numbers: {args.gaps!r}")
     if any(not 0 <= g <= 1000 for g in args.gaps):
         ap.error("--gaps: each between 0 and 1000 ms")
+    args.backends = [b for b in args.backends.split(",") if b]
+    if not args.backends or any(b not in ("gloo", "tensorwire") for b in args.backends):
+        ap.error(f"--backends: a comma-separated choice of gloo and tensorwire, got {','.join(args.backends)!r}")
     if args.worker:
         worker(args)
         return
@@ -157,7 +167,7 @@ def main() -> None:
         "--worker",
     ]
     cmd += ["--sizes", ",".join(map(str, args.sizes)), "--iters", str(args.iters), "--rounds", str(args.rounds)]
-    cmd += ["--gaps", ",".join(f"{g:g}" for g in args.gaps)]
+    cmd += ["--gaps", ",".join(f"{g:g}" for g in args.gaps), "--backends", ",".join(args.backends)]
     print(f"one two-rank job: {len(args.sizes)} size(s), {args.rounds} round(s) ...", file=sys.stderr, flush=True)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))

@@ -40,7 +40,7 @@ def test_one_job_gives_a_row_per_backend_buffer_and_gap(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_refuses_no_iterations_a_bad_size_and_bad_gaps():
+def test_refuses_no_iterations_a_bad_size_bad_gaps_and_an_unknown_backend():
     res = run_bench("probe_pingpong_gaps.py", "--iters", "0", timeout=50)
     assert res.returncode == 2 and "--iters and --rounds must be >= 1" in res.stderr
     res = run_bench("probe_pingpong_gaps.py", "--sizes", "4K,6", timeout=50)
@@ -51,3 +51,14 @@ def test_refuses_no_iterations_a_bad_size_and_bad_gaps():
     assert res.returncode == 2 and "not a list of numbers" in res.stderr
     res = run_bench("probe_pingpong_gaps.py", "--gaps", "-1", timeout=50)
     assert res.returncode == 2 and "between 0 and 1000 ms" in res.stderr
+    res = run_bench("probe_pingpong_gaps.py", "--backends", "gloo,nccl", timeout=50)
+    assert res.returncode == 2 and "--backends: a comma-separated choice of gloo and tensorwire" in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_tensorwire_alone_times_no_gloo_messages():
+    args = ["--sizes", "4K", "--iters", "3", "--rounds", "1", "--gaps", "0", "--backends", "tensorwire"]
+    res = run_bench("probe_pingpong_gaps.py", *args, timeout=110)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| 4 KiB |")]
+    assert len(rows) == 3 and all("| tensorwire |" in r for r in rows), rows
