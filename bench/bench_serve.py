@@ -643,9 +643,11 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         nb = B * D * 4
         op_rows = f"get_rows {B}x{D} f32 of {R:,}"
         if "shm" in clients:
+            choice = clients["shm"]._mem.copier.choice  # (which gather the lease reads settled on, and why)
             print(
                 f"get_rows over shm: {clients['shm'].lease_reads} reads served from read leases, "
-                f"{clients['shm'].lease_misses} leases found stale",
+                f"{clients['shm'].lease_misses} leases found stale; gathers by {'torch' if choice.torch else 'numpy'} "
+                f"(last times per byte: numpy {choice.cost[0] * 1e9:.3f} ns, torch {choice.cost[1] * 1e9:.3f} ns)",
                 file=sys.stderr,
             )
         for c in extra.values():

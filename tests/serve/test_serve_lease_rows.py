@@ -13,6 +13,7 @@ import torch
 import tensorwire as tw
 from tensorwire.serve.client import shm_maps, shm_rows
 from tensorwire.serve.client.client import Client
+from tensorwire.serve.client.gather_choice import GatherChoice
 from tensorwire.serve.client.shm_path import leases_wanted as _leases_wanted
 
 from serve_common import Daemon, in_process, shm_room
@@ -31,8 +32,8 @@ def srv():
 
 @pytest.fixture(params=["torch", "numpy"])
 def gather(request, monkeypatch):
-    """Either way a lease gather goes: torch's index_select, or numpy's take on a machine oversubscribed."""
-    monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: 1 if request.param == "torch" else 2 * self._cpus + 5)
+    """Either way a lease gather goes: torch's index_select, or numpy's take where that was measured faster."""
+    monkeypatch.setattr(shm_maps.Copier, "torch_gather", lambda self, nbytes: request.param == "torch")
     return request.param
 
 
@@ -106,25 +107,49 @@ def test_an_out_the_lease_path_cannot_fill_goes_the_general_way(srv):
 
 
 @pytest.mark.timeout(60)
-def test_liveness_and_load_are_looked_at_once_per_interval(srv, monkeypatch):
+def test_liveness_is_looked_at_once_per_interval(srv, monkeypatch):
     looks: list[int] = []
     real = shm_maps.LeaseTable.alive
     monkeypatch.setattr(shm_maps.LeaseTable, "alive", lambda self: looks.append(1) or real(self))
-    loads: list[int] = []
-    monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: loads.append(1) or 1)
     x = torch.randn(100, 4)
     with Client(srv.address, transport="shm") as c:
         c.put("lrows/amortised", x)
         c.get_rows("lrows/amortised", [1])
         looks.clear()
-        loads.clear()
         t0 = time.monotonic()
         for _ in range(200):
             assert torch.equal(c.get_rows("lrows/amortised", [3, 1]), x[[3, 1]])
         took = time.monotonic() - t0
         assert 1 <= len(looks) <= took / shm_maps.LeaseTable.ALIVE_FOR + 2
-        assert 1 <= len(loads) <= took / shm_maps.Copier.LOAD_FOR + 2
         c.delete("lrows/amortised")
+
+
+@pytest.mark.timeout(60)
+def test_lease_gathers_time_both_ways_and_keep_the_faster(srv):
+    """The first timed lease gathers are a try of numpy's, then torch's (gather_choice.GatherChoice); from then
+    on the client uses the one that moved a byte faster, and both give the same rows."""
+    rows, width = 20_000, 32
+    x = torch.randn(rows, width)
+    idx = torch.randint(0, rows, (1_000,), generator=torch.Generator().manual_seed(5))
+    assert idx.numel() * width * 4 >= GatherChoice.MIN_BYTES  # timed
+    with Client(srv.address, transport="shm") as c:
+        c.put("lrows/choice", x)
+        assert torch.equal(c.get_rows("lrows/choice", idx), x[idx])  # a request: hands out the lease
+        choice = c._mem.copier.choice
+        assert choice.cost == [0.0, 0.0]
+        reads = c.lease_reads
+        out = torch.empty(1_000, width)
+        calls = 2 * GatherChoice.TRY_CALLS + 2
+        for _ in range(calls):
+            assert c.get_rows("lrows/choice", idx, out=out) is out and torch.equal(out, x[idx])
+        assert c.lease_reads == reads + calls
+        numpy_cost, torch_cost = choice.cost
+        assert numpy_cost > 0 and torch_cost > 0
+        assert choice.torch == (torch_cost <= numpy_cost)
+        small = idx[:10]  # 1,280 bytes: torch's, untimed
+        before = list(choice.cost)
+        assert torch.equal(c.get_rows("lrows/choice", small), x[small]) and choice.cost == before
+        c.delete("lrows/choice")
 
 
 @pytest.mark.timeout(120)
@@ -163,23 +188,3 @@ def test_the_index_check_names_the_row_the_general_path_names():
             continue
         with pytest.raises(tw.SpecError, match=rf"row {named} out of range for a tensor of {rows} rows"):
             shm_rows.check_rows(t, rows)
-
-
-@pytest.mark.timeout(30)
-def test_the_clients_own_torch_threads_spinning_after_a_gather_are_not_load(monkeypatch):
-    """Right after a torch gather its intra-op team spins a while, runnable: /proc/loadavg then counts it. That is
-    this client's own team, not other work, so the next lease gather stays torch's; one runnable more is load."""
-    copier = shm_maps.Copier()
-    try:
-        copier._team = 7  # (a torch of eight threads: seven besides the caller)
-        monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: self._cpus + 7)
-        copier._torch_ok, copier._load_until = True, 0.0  # the last gather was torch's
-        assert copier.torch_gather()
-        monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: self._cpus + 8)
-        copier._load_until = 0.0
-        assert not copier.torch_gather()  # one more than the team: others want the cores
-        monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: self._cpus + 7)
-        copier._load_until = 0.0
-        assert not copier.torch_gather()  # numpy's last: no team of ours spins, all of it is others'
-    finally:
-        copier.close()

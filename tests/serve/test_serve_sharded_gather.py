@@ -368,8 +368,8 @@ def _wait_stopped(pid: int) -> None:
 def test_a_lease_gather_through_torchs_thread_pool_reads_the_same_rows_without_a_warning(
     daemons, monkeypatch, no_per_daemon_get_rows
 ):
-    # a lease read on a machine not oversubscribed (shm_maps.Copier.torch_gather) is torch's index_select over the window
-    monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: 1)
+    # a lease read that torch gathers (shm_maps.Copier.torch_gather) is torch's index_select over the window
+    monkeypatch.setattr(shm_maps.Copier, "torch_gather", lambda self, nbytes: True)
     rows = 20_000
     table = torch.randn(rows, 16)
     idx = torch.randint(0, rows, (3_000,))

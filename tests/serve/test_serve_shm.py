@@ -602,8 +602,8 @@ def test_client_side_copies_and_gathers_split_or_not(srv, monkeypatch, parallel_
 @pytest.mark.parametrize("oversubscribed", [False, True])
 def test_a_lease_get_rows_is_torchs_index_select_over_a_view_of_the_mapped_slot(srv, monkeypatch, oversubscribed):
     # the kernel (and threads) of a local torch.index_select(table, 0, idx, out=...), reading the daemon's memory;
-    # numpy's single thread when more tasks are runnable than there are CPUs (an OpenMP team would spin)
-    monkeypatch.setattr(shm_maps.Copier, "_running", lambda self: 2 * self._cpus + 5 if oversubscribed else 1)
+    # numpy's single thread where that gathered faster (cores busy with other work: an OpenMP team would spin)
+    monkeypatch.setattr(shm_maps.Copier, "torch_gather", lambda self, nbytes: not oversubscribed)
     table = torch.randn(3_000, 24)
     idx = torch.randint(0, 3_000, (1_000,), generator=torch.Generator().manual_seed(3))
     with Client(srv.address, transport="shm") as c:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tensorwire import lifecycle
 from tensorwire.buffers import cuda_available
 from tensorwire.hostmap import map_host
+from tensorwire.serve.client.gather_choice import GatherChoice
 from tensorwire.serve.protocol.shm import (
     CLIENT_MAPS,
     HELLO_BYTES,
@@ -429,11 +430,9 @@ class Copier:
     #: 0.105 ms with torch; on the 2-core VM, measured in turns on a quiet moment, torch's two threads
     #: 216 us against numpy's 365 us. Not after a request (an OpenMP team spins a while after its work, on
     #: the cores the daemon needs to answer the client's next request: there a get_rows without leases went
-    #: 1.04 -> 1.47 ms on the 16-core host).
+    #: 1.04 -> 1.47 ms on the 16-core host). Whether torch's or numpy's wins on a machine busy with other
+    #: work is measured as the reads go (:meth:`torch_gather`); False: numpy's always.
     TORCH_GATHER = True
-    #: Seconds one look at the load stands for :meth:`torch_gather` (what ``/proc/loadavg`` says is runnable
-    #: is a snapshot either way: looking before every lease read cost ~3 us of it).
-    LOAD_FOR = 0.005
 
     def __init__(self) -> None:
         self._tasks: "queue.SimpleQueue[_Pieces | None]" = queue.SimpleQueue()
@@ -441,15 +440,8 @@ class Copier:
         cpus = self._cpus = usable_cpus()
         self.parallel = cpus > 1
         self._loadavg = -1
-        self._torch_ok = True
-        self._load_until = 0.0
-        self._team = 0  # torch's intra-op threads besides the caller (they spin a while after a gather)
-        try:
-            import torch
-
-            self._team = max(0, torch.get_num_threads() - 1)
-        except ImportError:  # pragma: no cover - torch is a dependency
-            pass
+        #: torch's gather or numpy's for a lease read, measured (:meth:`torch_gather`)
+        self.choice = GatherChoice()
         if self.parallel:
             try:
                 self._loadavg = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
@@ -465,22 +457,15 @@ class Copier:
         except (OSError, ValueError, IndexError):  # pragma: no cover
             return 0
 
-    def torch_gather(self) -> bool:
-        """Whether a lease gather is torch's index_select now (:data:`TORCH_GATHER`, and the machine is not
-        oversubscribed: an OpenMP team on busy cores spins at its barriers, and numpy's single thread wins by
-        far -- measured on the 2-core VM at a load average of 15-23, 4,096 rows in 21.6 ms through torch's
-        two threads (a local index_select took 23.9 ms), 1.06 ms through numpy's take after a request)."""
-        if not self.TORCH_GATHER:
-            return False
-        now = time.monotonic()
-        if now >= self._load_until:  # a look at /proc/loadavg (~3 us) stands for LOAD_FOR
-            # after a torch gather its own team may still spin (runnable) for a while: not load of others (on
-            # the 16-core H200 host /proc/loadavg said 16-20 runnable right after this client's gathers, and
-            # the next read went to numpy: 0.34 instead of 0.08 ms)
-            others = self._running() - (self._team if self._torch_ok else 0)
-            self._torch_ok = others <= self._cpus
-            self._load_until = now + self.LOAD_FOR
-        return self._torch_ok
+    def torch_gather(self, nbytes: int) -> bool:
+        """Whether a lease gather of ``nbytes`` is torch's index_select (else numpy's take): :data:`TORCH_GATHER`
+        and the faster of the two in their latest times (:class:`~.gather_choice.GatherChoice`; the caller
+        times the gather and tells :meth:`gathered`)."""
+        return self.TORCH_GATHER and self.choice.pick(nbytes)
+
+    def gathered(self, torch: bool, nbytes: int, seconds: float) -> None:
+        """A lease gather of ``nbytes`` (torch's or numpy's, as :meth:`torch_gather` said) took ``seconds``."""
+        self.choice.took(torch, nbytes, seconds)
 
     def _split(self, nbytes: int, least: int) -> int:
         """Helpers to split a copy of ``nbytes`` over now (0: do it in the calling thread)."""
@@ -541,16 +526,27 @@ class Copier:
         """Rows ``index`` of ``table`` (a 2-D uint8 numpy array: rows x row bytes) into ``out`` (indices checked).
 
         ``pool``: torch's thread pool may do it (see :data:`TORCH_GATHER`)."""
+        rows, width = len(index), table.shape[1]
+        if pool and rows:
+            use = self.torch_gather(rows * width)
+            t0 = time.perf_counter()
+            if use:
+                import torch
+
+                if not table.flags.writeable and not _READONLY_WARNING_SILENCED:
+                    _silence_readonly_warning()
+                torch.index_select(torch.from_numpy(table), 0, torch.from_numpy(index), out=torch.from_numpy(out))
+            else:
+                self._take(table, index, out)
+            self.gathered(use, rows * width, time.perf_counter() - t0)
+            return
+        self._take(table, index, out)
+
+    def _take(self, table: Any, index: Any, out: Any) -> None:
+        """numpy's take of rows ``index`` of ``table`` into ``out``, split over helper threads where that pays."""
         import numpy as np
 
         rows, width = len(index), table.shape[1]
-        if pool and rows and self.torch_gather():
-            import torch
-
-            if not table.flags.writeable and not _READONLY_WARNING_SILENCED:
-                _silence_readonly_warning()
-            torch.index_select(torch.from_numpy(table), 0, torch.from_numpy(index), out=torch.from_numpy(out))
-            return
         helpers = self._split(rows * width, self.TAKE_SPLIT_BYTES) if rows >= self.PIECES else 0
         if not helpers:
             np.take(table, index, axis=0, out=out, mode="clip")  # "clip": unbuffered (indices are in range)

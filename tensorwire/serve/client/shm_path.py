@@ -391,13 +391,18 @@ class ShmPath(RequestPath):
                     mem.rows_views.clear()
                 cached = mem.rows_views[name] = (key, src.numpy().reshape(rows, row_bytes), src.view(rows, row_bytes))
             # rows as bytes: any dtype. A lease read is torch's own index_select over a tensor view of the
-            # mapped slot (the kernel and threads of a local gather; see shm_maps.Copier.torch_gather), unless
-            # the machine is oversubscribed; after a request, numpy's take (no OpenMP team left spinning on
-            # the daemon's cores)
-            if pool and mem.copier.torch_gather():
+            # mapped slot (the kernel and threads of a local gather) or numpy's take, whichever is faster here
+            # now (shm_maps.Copier.torch_gather); after a request, numpy's take (no OpenMP team left spinning
+            # on the daemon's cores)
+            copier, nbytes = mem.copier, n * row_bytes
+            use = pool and copier.torch_gather(nbytes)
+            t0 = time.perf_counter()
+            if use:
                 torch.index_select(cached[2], 0, idx, out=dest_raw.view(n, row_bytes))
             else:
-                mem.copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=False)
+                copier.take(cached[1], inp, dest_raw.numpy().reshape(n, row_bytes), pool=False)
+            if pool:
+                copier.gathered(use, nbytes, time.perf_counter() - t0)
         mem.shm_bytes += n * row_bytes
         return self.ctx.result(dest, out)
 

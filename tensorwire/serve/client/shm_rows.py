@@ -21,13 +21,13 @@ numpy min and max of the index, an ``flock`` for the daemon's liveness and a
   OpenMP team go idle on a loaded machine);
 - the generation checked before and after the gather (a writer meanwhile:
   the read is not used), every call;
-- the daemon's liveness and the machine's load, amortised
-  (:meth:`LeaseTable.alive_lately <tensorwire.serve.client.shm_maps.LeaseTable.alive_lately>`,
-  :meth:`Copier.torch_gather <tensorwire.serve.client.shm_maps.Copier.torch_gather>`).
+- the daemon's liveness, amortised
+  (:meth:`LeaseTable.alive_lately <tensorwire.serve.client.shm_maps.LeaseTable.alive_lately>`).
 
-On a machine oversubscribed at the moment the gather is numpy's ``take``
-over the slot's bytes (:meth:`Copier.torch_gather
-<tensorwire.serve.client.shm_maps.Copier.torch_gather>` says why). Into a CUDA
+Where numpy's ``take`` over the slot's bytes moves the rows faster than torch's
+gather (cores busy with other work, where an OpenMP team spins at its barriers),
+the gather is numpy's: the two are timed as the reads go
+(:class:`~tensorwire.serve.client.gather_choice.GatherChoice`). Into a CUDA
 ``out`` the GPU gathers the rows from the slot in place (its registered mapping, a view made once per lease and
 device: :meth:`GpuGather.leased <tensorwire.serve.client.shm_gpu.GpuGather.leased>`), the host waiting for the
 kernel before the lease is checked again. Anything
@@ -39,6 +39,7 @@ errors it raises.
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import SpecError
@@ -85,7 +86,7 @@ class LeasedTable:
         self.tail = tuple(table.shape[1:])
         self.dtype = table.dtype
         self.row_bytes = lease[4] // self.rows if self.rows else 0
-        #: The slot as a numpy uint8 array, rows x row bytes (numpy's take, when the machine is oversubscribed).
+        #: The slot as a numpy uint8 array, rows x row bytes (for numpy's take, where that is the faster gather).
         self.as_bytes = table.view(-1).view(torch.uint8).numpy().reshape(self.rows, self.row_bytes)
         #: device -> the slot's reader on that GPU (:class:`~tensorwire.serve.client.shm_gpu.LeaseRows`)
         self.cuda: dict[int, Any] = {}
@@ -170,15 +171,20 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
     if cuda:  # the GPU gathers from the slot in place (a slot not registered for out's device: the general path)
         if not path.gpu.leased(t, lease[2], idx, dest):  # (checks the rows first: a device-side assert else)
             return MISS
-    elif mem.copier.torch_gather():
-        try:
-            torch.index_select(t.table, 0, idx, out=dest)  # checks every row before it reads it
-        except IndexError:
-            check_rows(idx, t.rows)  # the general path's error, naming the row
-            raise
-    else:  # oversubscribed: numpy's single thread (an OpenMP team on busy cores spins at its barriers)
-        check_rows(idx, t.rows)  # (numpy's take with mode="clip" would clamp a row out of range)
-        mem.copier.take(t.as_bytes, idx.numpy(), dest.view(-1).view(torch.uint8).numpy().reshape(n, t.row_bytes))
+    else:
+        copier, nbytes = mem.copier, n * t.row_bytes
+        use = copier.torch_gather(nbytes)
+        t0 = perf_counter()
+        if use:
+            try:
+                torch.index_select(t.table, 0, idx, out=dest)  # checks every row before it reads it
+            except IndexError:
+                check_rows(idx, t.rows)  # the general path's error, naming the row
+                raise
+        else:  # numpy's single thread: faster where torch's OpenMP team spins at its barriers on busy cores
+            check_rows(idx, t.rows)  # (numpy's take with mode="clip" would clamp a row out of range)
+            copier.take(t.as_bytes, idx.numpy(), dest.view(-1).view(torch.uint8).numpy().reshape(n, t.row_bytes))
+        copier.gathered(use, nbytes, perf_counter() - t0)
     if cells[cell] != gen:  # a writer came meanwhile: what was copied may be mixed
         path.drop_lease(name)
         return MISS
