@@ -40,6 +40,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -277,7 +278,13 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     dist.destroy_process_group(tw)
     dist.destroy_process_group()
-    print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
+    text = json.dumps({"rank": rank, **out})
+    if args.result_dir is None:
+        print("RESULT " + text, flush=True)
+    else:  # a file per rank: two ranks' lines on one shared stdout can run into each other
+        tmp = Path(args.result_dir) / f".rank{rank}.json"
+        tmp.write_text(text)
+        os.replace(tmp, tmp.with_name(f"rank{rank}.json"))
 
 
 def _fmt(n: int) -> str:
@@ -429,6 +436,7 @@ def _gpus() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)  # (the workers' results, one file each)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
@@ -470,16 +478,18 @@ def main() -> None:
     cmd += ["--parts", args.parts, "--dump-after", str(args.dump_after)]
     env = with_tree(ap, args.tree, dict(os.environ))
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise SystemExit(f"benchmark job did not finish in {args.timeout:.0f} s") from exc
-    wall = time.monotonic() - t0
-    results = {}
-    for line in proc.stdout.splitlines():
-        if "RESULT {" in line:
-            data = json.loads(line[line.index("{") :])
+    with tempfile.TemporaryDirectory(prefix="tw-bench-") as rd:
+        try:
+            proc = subprocess.run(
+                [*cmd, "--result-dir", rd], env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise SystemExit(f"benchmark job did not finish in {args.timeout:.0f} s") from exc
+        results = {}
+        for f in sorted(Path(rd).glob("rank*.json")):
+            data = json.loads(f.read_text())
             results[data["rank"]] = data
+    wall = time.monotonic() - t0
     if proc.returncode != 0 or len(results) != 2:
         sys.stderr.write(proc.stdout[-6000:])
         raise SystemExit(f"benchmark job failed (exit {proc.returncode})")
