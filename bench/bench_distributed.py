@@ -57,8 +57,10 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import floor_pg  # (this script's folder is on sys.path)
 import perf_split
@@ -195,6 +197,39 @@ def with_tree(ap: argparse.ArgumentParser, tree: Path | None, env: dict[str, str
     return dict(env, PYTHONPATH=os.pathsep.join([str(tree.resolve()), env.get("PYTHONPATH", "")]))
 
 
+def write_result(result_dir: str | None, rank: int, out: dict) -> None:
+    """Hand a worker's result to the launcher: ``rank<N>.json`` in ``result_dir`` (written, then renamed), or a
+    ``RESULT {json}`` line on stdout where no folder was given. Files, because the ranks share one stdout and
+    two ranks' lines can run into each other there."""
+    text = json.dumps({"rank": rank, **out})
+    if result_dir is None:
+        print("RESULT " + text, flush=True)
+        return
+    tmp = Path(result_dir) / f".rank{rank}.json"
+    tmp.write_text(text)
+    os.replace(tmp, tmp.with_name(f"rank{rank}.json"))
+
+
+def run_ranks(cmd: list[str], env: dict[str, str], timeout: float, **popen: Any) -> tuple[Any, dict[int, dict]]:
+    """Run a torchrun job whose workers call :func:`write_result`; ``(completed process, {rank: result})``.
+
+    ``cmd`` gets ``--result-dir <a temporary folder>``; ``popen``: more arguments of ``subprocess.run``
+    (stdout is captured as text). Raises ``SystemExit`` if the job runs past ``timeout`` seconds.
+    """
+    with tempfile.TemporaryDirectory(prefix="tw-bench-") as rd:
+        try:
+            proc = subprocess.run(
+                [*cmd, "--result-dir", rd], env=env, stdout=subprocess.PIPE, text=True, timeout=timeout, **popen
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise SystemExit(f"benchmark job did not finish in {timeout:.0f} s") from exc
+        results = {}
+        for f in sorted(Path(rd).glob("rank*.json")):
+            data = json.loads(f.read_text())
+            results[data["rank"]] = data
+    return proc, results
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -267,7 +302,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group(tw)
     dist.destroy_process_group(floor)
     dist.destroy_process_group()
-    print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
+    write_result(args.result_dir, rank, out)
 
 
 def _fmt_size(n: int) -> str:
@@ -371,6 +406,7 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float, fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)  # (the workers' results, one file each)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-mib", type=int, default=256)
     ap.add_argument("--act-mib", type=int, default=16)
@@ -421,13 +457,8 @@ def main() -> None:
         cmd += ["--perf", "--perf-iters", str(args.perf_iters)]
     env = with_tree(ap, args.tree, dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    proc, results = run_ranks(cmd, env, 3600, stderr=subprocess.PIPE)
     wall = time.monotonic() - t0
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT ") or "RESULT {" in line:
-            data = json.loads(line[line.index("{") :])
-            results[data["rank"]] = data
     if proc.returncode != 0 or len(results) != 2:
         sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-12000:])
         raise SystemExit(f"benchmark job failed (exit {proc.returncode})")

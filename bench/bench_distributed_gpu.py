@@ -40,12 +40,11 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench_distributed import _pingpong as _host_pingpong  # (this script's folder is on sys.path)
-from bench_distributed import add_tree_option, hot_path, with_tree
+from bench_distributed import add_tree_option, hot_path, run_ranks, with_tree, write_result
 
 MIB = 1 << 20
 #: the measurements, in the order they run
@@ -278,13 +277,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     dist.destroy_process_group(tw)
     dist.destroy_process_group()
-    text = json.dumps({"rank": rank, **out})
-    if args.result_dir is None:
-        print("RESULT " + text, flush=True)
-    else:  # a file per rank: two ranks' lines on one shared stdout can run into each other
-        tmp = Path(args.result_dir) / f".rank{rank}.json"
-        tmp.write_text(text)
-        os.replace(tmp, tmp.with_name(f"rank{rank}.json"))
+    write_result(args.result_dir, rank, out)
 
 
 def _fmt(n: int) -> str:
@@ -478,17 +471,7 @@ def main() -> None:
     cmd += ["--parts", args.parts, "--dump-after", str(args.dump_after)]
     env = with_tree(ap, args.tree, dict(os.environ))
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tw-bench-") as rd:
-        try:
-            proc = subprocess.run(
-                [*cmd, "--result-dir", rd], env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise SystemExit(f"benchmark job did not finish in {args.timeout:.0f} s") from exc
-        results = {}
-        for f in sorted(Path(rd).glob("rank*.json")):
-            data = json.loads(f.read_text())
-            results[data["rank"]] = data
+    proc, results = run_ranks(cmd, env, args.timeout)
     wall = time.monotonic() - t0
     if proc.returncode != 0 or len(results) != 2:
         sys.stderr.write(proc.stdout[-6000:])

@@ -37,12 +37,12 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_distributed import add_tree_option, hot_path, with_tree  # (this script's folder is on sys.path)
+# (this script's folder is on sys.path)
+from bench_distributed import add_tree_option, hot_path, run_ranks, with_tree, write_result
 from bench_distributed_gpu import _gpus, _mib_list, _sync, start_worker
 
 MIB = 1 << 20
@@ -264,7 +264,7 @@ def worker(args: argparse.Namespace) -> None:
     barrier()
     dist.destroy_process_group(tw)
     dist.destroy_process_group()
-    print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
+    write_result(args.result_dir, rank, out)
 
 
 # -- the parent: figures from every rank's result
@@ -460,6 +460,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result-dir", default=None, help=argparse.SUPPRESS)  # (the workers' results, one file each)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; 4 with --device cpu)")
     ap.add_argument("--parts", default=",".join(PARTS), help="which measurements (comma-separated)")
@@ -526,16 +527,8 @@ def main() -> None:
     env = dict(with_tree(ap, args.tree, dict(os.environ)), **JOB_ENV)
     print(f"[multi bench] {args.nproc} ranks on {args.device}: {', '.join(args.parts)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise SystemExit(f"benchmark job did not finish in {args.timeout:.0f} s") from exc
+    proc, results = run_ranks(cmd, env, args.timeout)
     wall = time.monotonic() - t0
-    results = {}
-    for line in proc.stdout.splitlines():
-        if "RESULT {" in line:
-            data = json.loads(line[line.index("{") :])
-            results[data["rank"]] = data
     if proc.returncode != 0 or len(results) != args.nproc:
         sys.stderr.write(proc.stdout[-6000:])
         raise SystemExit(f"benchmark job failed (exit {proc.returncode}, {len(results)} of {args.nproc} results)")
