@@ -33,7 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import tensorwire  # noqa: F401  (registers the backend)
+import tensorwire  # (registers the backend)
+import tensorwire.native
 
 MIB = 1 << 20
 WIDTH = 4096
@@ -227,6 +228,11 @@ def main() -> int:
         ap.error("--acts >= 1 MiB each, --steps >= 3")
     if not args.teardown_s > 0:
         ap.error(f"--teardown-s must be > 0 seconds, got {args.teardown_s}")
+    if args.ab_kernels and tensorwire.native.status().get("tensorwire.transport.ce.graphs") == "compiled":
+        # (_capture_flags swaps a method of Capture, which a compiled class does not allow)
+        ap.error(
+            "--ab-kernels needs the pure-Python copy-engine modules; this tensorwire is compiled (tensorwire.native)"
+        )
     rank = int(os.environ["RANK"])
     ngpu = torch.cuda.device_count()
     device = torch.device("cuda", rank % ngpu)

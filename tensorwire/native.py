@@ -47,6 +47,15 @@ MODULES = (
     "tensorwire.transport.tcp.frames",
     "tensorwire.transport.tcp.reader",
     "tensorwire.transport.tcp.transport",
+    # the copy-engine pair (CUDA within a host): its protocol's Python was most of a CUDA message's host time
+    # (bench/results/ce-native-ab_h200x2_2026-11-30.md); the backend's CeWork (a torch Work) stays Python
+    "tensorwire.transport.ce.driver",
+    "tensorwire.transport.ce.region",
+    "tensorwire.transport.ce.exports",
+    "tensorwire.transport.ce.watched",
+    "tensorwire.transport.ce.closing",
+    "tensorwire.transport.ce.graphs",
+    "tensorwire.transport.ce.pair",
 )
 
 

@@ -173,7 +173,7 @@ class CeSend:
                 f"send of {self.spec.name!r}: {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} does not match "
                 f"the negotiated spec {tuple(self._shape)} {self._dtype} on cuda (nothing sent)"
             )
-        device = tensor.device.index
+        device = _index(tensor)
         raw = current_raw_stream(device)
         chan = self._chan
         chan.prepare(device, raw, self._what())
@@ -238,7 +238,7 @@ class CeRecv:
         chan = self._chan
         m = chan.count + 1
         slot = self.slots[(m - 1) % self.depth].tensor
-        device = slot.device.index
+        device = _index(slot)
         raw = current_raw_stream(device)
         chan.prepare(device, raw, self._what())
         chan.count = m
@@ -260,3 +260,9 @@ class CeRecv:
             )
         out.copy_(slot)
         return out
+
+
+def _index(tensor: torch.Tensor) -> int:
+    """The index of ``tensor``'s device (a CUDA tensor always has one; the CPU tests' simulated memory: 0)."""
+    index = tensor.device.index
+    return 0 if index is None else index

@@ -62,11 +62,11 @@ class Pair:
 
     def send(self, t: torch.Tensor, tag: int = 1, *, side: str = "a"):
         pair, stream = (self.a, self.sa) if side == "a" else (self.b, self.sb)
-        return pair.send(t, tag, _words(t), t.numel() * t.element_size(), stream, None, lambda: "isend")
+        return pair.send(t, tag, _words(t), t.numel() * t.element_size(), stream, 0, lambda: "isend")
 
     def recv(self, t: torch.Tensor, tag: int = 1, *, side: str = "b"):
         pair, stream = (self.b, self.sb) if side == "b" else (self.a, self.sa)
-        return pair.recv(t, tag, _words(t), t.numel() * t.element_size(), stream, None, lambda: "irecv")
+        return pair.recv(t, tag, _words(t), t.numel() * t.element_size(), stream, 0, lambda: "irecv")
 
     def settle(self, *ops) -> None:
         for s in self.sim.streams.values():
@@ -139,12 +139,12 @@ def test_a_large_send_to_a_peer_on_the_same_gpu_does_not_wait_for_its_receiver(p
     GPU, its large sends go on at once (a GPU-side wait between two contexts of one GPU can cost a time slice)."""
     pair.a.inline_max = pair.b.inline_max = 64
     pair.a.push_wait_s = 5.0
-    pair.sim.peer_device = None  # (the simulator's device is None: the peer's memory is "on this GPU")
+    pair.sim.peer_device = 0  # (the callers' device is 0: the peer's memory is "on this GPU")
     src = pair.tensor((256,), fill=2)
     s0 = pair.send(src, side="b")
     r0 = pair.recv(pair.tensor((256,), fill=-1), side="a")  # side a comes second: it opens an export of b's
     pair.settle(s0, r0)
-    assert pair.a._one_gpu == {None: True}
+    assert pair.a._one_gpu == {0: True}
     t0 = time.monotonic()
     s = pair.send(src)  # no receiver yet, and no wait: it comes first
     assert time.monotonic() - t0 < 1.0
@@ -207,6 +207,7 @@ def test_completed_messages_leave_the_pending_list_without_the_watchdog(pair):
     assert torch.equal(dst, src)
 
 
+@pytest.mark.pure_python  # (a stand-in for a class that tensorwire.native compiles)
 def test_a_completed_message_holds_no_reference_to_its_caller():
     """Once complete, a message lets go of its callback and its description (both bound to the caller's Work):
     the two are freed when their last holder drops them, not by the cycle collector."""
@@ -535,12 +536,12 @@ def _captured_step(pair: Pair, act, grad_in, grad_out, act_in):
     sim.capture_begin(pair.sb)
     s1 = pair.send(act, side="a")
     r1 = pair.recv(act_in, side="b")
-    pair.b.order_after(r1, pair.sb, None)
+    pair.b.order_after(r1, pair.sb, 0)
     s2 = pair.send(grad_out, 2, side="b")
     r2 = pair.recv(grad_in, 2, side="a")
-    pair.a.order_after(r2, pair.sa, None)
-    pair.a.order_after(s1, pair.sa, None)
-    pair.b.order_after(s2, pair.sb, None)
+    pair.a.order_after(r2, pair.sa, 0)
+    pair.a.order_after(s1, pair.sa, 0)
+    pair.b.order_after(s2, pair.sb, 0)
     return sim.capture_end(pair.sa), sim.capture_end(pair.sb)
 
 
@@ -611,7 +612,7 @@ def test_a_lost_peer_releases_a_replay_waiting_on_it(pair, flags):
     pair.b.graph_flags = flags  # (a waiting flag kernel reads the same host word the watchdog writes)
     pair.sim.capture_begin(pair.sb)
     r = pair.recv(act_in, side="b")
-    pair.b.order_after(r, pair.sb, None)
+    pair.b.order_after(r, pair.sb, 0)
     gb = pair.sim.capture_end(pair.sb)
     pair.sim.replay(pair.sb, gb)  # the peer never replays its half
     pair.b.fail(PeerLostError("rank 0 died"))
@@ -684,6 +685,7 @@ def test_the_captured_flags_calls_are_said_once_per_gpu_with_where_the_peer_is(p
     assert "stream memory operations" in said[0] and "FLAGS=auto" in said[0] and "another GPU" in said[0], said
 
 
+@pytest.mark.pure_python  # (a stand-in for a class that tensorwire.native compiles)
 def test_the_default_stream_is_never_asked_whether_it_is_captured():
     """CUDA cannot capture the legacy default stream (torch's default): the driver answers False for it without a
     call; any other stream is asked (and a driver error there is raised, not taken for "not capturing")."""
@@ -710,6 +712,7 @@ def test_the_default_stream_is_never_asked_whether_it_is_captured():
         drv.capturing(9)
 
 
+@pytest.mark.pure_python  # (a stand-in for a class that tensorwire.native compiles)
 @pytest.mark.parametrize("refused", [False, True], ids=["batched", "batch-refused"])
 def test_write_then_wait_is_one_batch_in_that_order_or_two_calls_where_refused(refused):
     """A Link's receive frees a slot and waits for its message in one cuStreamBatchMemOp: the write first, then
@@ -723,7 +726,7 @@ def test_write_then_wait_is_one_batch_in_that_order_or_two_calls_where_refused(r
     single: list[tuple[str, int, int, int]] = []
 
     def batch(stream, count, ops, flags):
-        arr = ctypes.cast(ops, ctypes.POINTER(drv_mod._MemOp))
+        arr = ctypes.cast(ops, ctypes.POINTER(drv_mod.MemOp))
         batches.append([(arr[i].operation, arr[i].address, arr[i].value, arr[i].flags) for i in range(count)])
         return 1 if refused else 0  # (1: CUDA_ERROR_INVALID_VALUE)
 
@@ -747,6 +750,7 @@ def test_write_then_wait_is_one_batch_in_that_order_or_two_calls_where_refused(r
         assert single == []
 
 
+@pytest.mark.pure_python  # (a stand-in for a class that tensorwire.native compiles)
 @pytest.mark.parametrize("refused", [False, True], ids=["batched", "batch-refused"])
 def test_wait_then_reset_is_one_batch_in_that_order_or_two_calls_where_refused(refused):
     """A captured message's wait for its flag and the flag's reset: one batch, the wait (>=) first, then the write
@@ -760,7 +764,7 @@ def test_wait_then_reset_is_one_batch_in_that_order_or_two_calls_where_refused(r
     single: list[tuple[str, int, int, int]] = []
 
     def batch(stream, count, ops, flags):
-        arr = ctypes.cast(ops, ctypes.POINTER(drv_mod._MemOp))
+        arr = ctypes.cast(ops, ctypes.POINTER(drv_mod.MemOp))
         batches.append([(arr[i].operation, arr[i].address, arr[i].value, arr[i].flags) for i in range(count)])
         return 1 if refused else 0
 

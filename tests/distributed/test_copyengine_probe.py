@@ -73,7 +73,7 @@ def _run_both(tmp: str, sim: SimDriver, *, timeout: float = 5.0, fail_alloc: int
             pairs[i],
             store,
             "probe/0-1",
-            device=None,
+            device=0,
             stream=stream,
             alloc=alloc,
             idle=lambda: sim.streams[stream].ran >= sim.streams[stream].queued,

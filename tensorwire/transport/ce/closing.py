@@ -37,9 +37,16 @@ class Closing:
     _registered: set[int]
     _own_exports: bool
     _closed: bool
-    _peer_lost: Callable[[float], BaseException | None]
-    _drop_completed: "Callable[[], list[CeOp]]"
-    fail: Callable[[BaseException], None]
+
+    # (defined by the parts above this one: Watched, CePair)
+    def _peer_lost(self, now: float) -> BaseException | None:
+        raise NotImplementedError
+
+    def _drop_completed(self) -> "list[CeOp]":
+        raise NotImplementedError
+
+    def fail(self, exc: BaseException) -> None:
+        raise NotImplementedError
 
     def on_drain(self, idle: Callable[[], bool]) -> None:
         """``idle()`` says whether the caller's own messages on this pair are over (asked by :meth:`drain`)."""

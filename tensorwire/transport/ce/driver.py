@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 from ...errors import TensorWireError
+from .cstructs import HANDLE_BYTES, IpcHandle, MemOp
 
 __all__ = ["CeDriver", "DriverError", "NotExportable", "HANDLE_BYTES", "FLAG_PTX"]
-
-#: bytes of a legacy IPC memory handle (CUipcMemHandle)
-HANDLE_BYTES = 64
 
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 _CU_MEMHOSTREGISTER_PORTABLE = 0x1
@@ -52,27 +50,6 @@ class DriverError(TensorWireError):
 
 class NotExportable(DriverError):
     """This allocation cannot be exported with legacy CUDA IPC (``cuMem*`` / expandable-segment memory)."""
-
-
-class _Handle(ctypes.Structure):
-    """``CUipcMemHandle``: 64 opaque bytes, passed by value (a bare ctypes array would be passed as a pointer)."""
-
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
-
-
-class _MemOp(ctypes.Structure):
-    """``CUstreamBatchMemOpParams`` as a wait or a write of a 32-bit value (the union's 48 bytes, that member)."""
-
-    _fields_ = [
-        ("operation", ctypes.c_uint32),
-        ("_pad0", ctypes.c_uint32),
-        ("address", ctypes.c_uint64),
-        ("value", ctypes.c_uint64),
-        ("flags", ctypes.c_uint32),
-        ("_pad1", ctypes.c_uint32),
-        ("alias", ctypes.c_uint64),  # (for the driver's use)
-        ("_pad2", ctypes.c_uint64),
-    ]
 
 
 def _lib() -> Any:
@@ -146,8 +123,8 @@ class CeDriver:
         DriverError: no driver library, or one without the entry points (CUDA < 11.7).
     """
 
-    _instance: "CeDriver | None" = None
-    _instance_lock = threading.Lock()
+    _instance: ClassVar["CeDriver | None"] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
     def get(cls) -> "CeDriver":
@@ -166,7 +143,9 @@ class CeDriver:
         self._get_current = _fn(lib, ("cuCtxGetCurrent",), [c.POINTER(p)])
         self._set_current = _fn(lib, ("cuCtxSetCurrent",), [p])
         self._ipc_get = _fn(lib, ("cuIpcGetMemHandle",), [c.c_char_p, u64])
-        self._ipc_open = _fn(lib, ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"), [c.POINTER(u64), _Handle, c.c_uint])
+        self._ipc_open = _fn(
+            lib, ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"), [c.POINTER(u64), IpcHandle, c.c_uint]
+        )
         self._ipc_close = _fn(lib, ("cuIpcCloseMemHandle",), [u64])
         self._attrs = _fn(lib, ("cuPointerGetAttributes",), [c.c_uint, c.POINTER(c.c_int), c.POINTER(p), u64])
         self._host_register = _fn(lib, ("cuMemHostRegister_v2", "cuMemHostRegister"), [p, c.c_size_t, c.c_uint])
@@ -179,7 +158,7 @@ class CeDriver:
         self._wait = _fn(lib, ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), [p, u64, u32, c.c_uint])
         try:  # (one call, one graph node, for a wait and a write: wait_reset)
             self._batch: Any = _fn(
-                lib, ("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"), [p, c.c_uint, c.POINTER(_MemOp), c.c_uint]
+                lib, ("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"), [p, c.c_uint, c.POINTER(MemOp), c.c_uint]
             )
         except DriverError:
             self._batch = None
@@ -284,7 +263,7 @@ class CeDriver:
         """Map a peer's export in the current context (lazy peer access); returns the device address of its base."""
         if len(handle) != HANDLE_BYTES:
             raise DriverError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(handle)}")
-        raw = _Handle.from_buffer_copy(handle)  # (a struct, passed by value as the C API takes it)
+        raw = IpcHandle.from_buffer_copy(handle)  # (a struct, passed by value as the C API takes it)
         out = ctypes.c_uint64()
         self._check(self._ipc_open(ctypes.byref(out), raw, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         return int(out.value)
@@ -357,7 +336,7 @@ class CeDriver:
         batch = self._batch
         if batch is None:
             return False
-        arr = (_MemOp * len(ops))()
+        arr = (MemOp * len(ops))()
         for op, (operation, address, value, flags) in zip(arr, ops):
             op.operation, op.address, op.value, op.flags = operation, address, value & 0xFFFFFFFF, flags
         if batch(stream, len(ops), arr, 0) == 0:

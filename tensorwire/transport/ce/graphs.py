@@ -27,11 +27,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import ProtocolError, TensorWireError
 from .region import DST_READY, LANDED, RECEIVED, SENT, SRC_READY, Block
+from .watched import Watched
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .exports import Exports
     from .pair import CeOp, Channel
-    from .region import Region
 
 __all__ = ["Capture", "CaptureError", "FIRST", "SECOND"]
 
@@ -45,21 +44,15 @@ class CaptureError(TensorWireError):
     """A message cannot be captured into a CUDA graph as it is (the message says what to do: warm up first...)."""
 
 
-class Capture:
+class Capture(Watched):
     """The capture half of :class:`~.pair.CePair` (see the module docstring)."""
 
-    region: "Region"
-    driver: Any
-    exports: "Exports"
     _side: int
     _channels: "dict[int, Channel]"
-    _graph_entries: list[int]
     _one_gpu: dict[int, bool]
     _flags_said: set[int]
     graph_flags: str
     rank: int
-    peer: int
-    _mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None]
 
     def _channel(self, tag: int, sending: bool) -> "Channel":
         raise NotImplementedError

@@ -41,8 +41,7 @@ from ...errors import ProtocolError, TensorWireError
 from ...settings import setting
 from .driver import CeDriver
 from .exports import Exports
-from .closing import Closing
-from .watched import PRUNE_AT, Watched
+from .watched import PRUNE_AT
 from .graphs import CaptureError, Capture
 from .region import (
     DST_READY,
@@ -54,7 +53,9 @@ from .region import (
     SENT,
     SRC_READY,
     STAGED,
+    SPIN_YIELD_NS,
     Region,
+    let_threads_run,
     pack_block,
     reached,
 )
@@ -181,7 +182,7 @@ class Channel:
         self.lock = threading.Lock()
 
 
-class CePair(Capture, Watched, Closing):
+class CePair(Capture):
     """The copy-engine path between this process and one peer process on the same host.
 
     Args:
@@ -201,9 +202,9 @@ class CePair(Capture, Watched, Closing):
         rank: int,
         peer: int,
         timeout: float,
+        mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None],
         driver: Any = None,
         exports: Exports | None = None,
-        mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None],
         stage: Callable[[int, Any], Any] | None = None,
         peer_timeout: float = 10.0,
     ) -> None:
@@ -510,11 +511,17 @@ class CePair(Capture, Watched, Closing):
     def _await_flag(self, entry: int, which: int, seq: int) -> bool:
         """Whether flag ``which`` of ``entry`` reached ``seq`` within ``push_wait_s`` (a host wait, GIL kept)."""
         r = self.region
-        clock = time.perf_counter
-        deadline = clock() + self.push_wait_s
+        clock = time.perf_counter_ns
+        now = clock()
+        deadline = now + int(self.push_wait_s * 1e9)
+        hand_over = now + SPIN_YIELD_NS
         while not reached(r.flag(entry, which), seq):
-            if clock() > deadline or self.error is not None:
+            now = clock()
+            if now > deadline or self.error is not None:
                 return False
+            if now >= hand_over:  # (see SPIN_YIELD_NS)
+                let_threads_run()
+                hand_over = now + SPIN_YIELD_NS
         return True
 
     def _await_receiver(self, chan: Channel, seq: int) -> None:
@@ -525,16 +532,22 @@ class CePair(Capture, Watched, Closing):
         r = self.region
         entry = r.entry(chan.offset, seq)
         s32 = seq & 0xFFFFFFFF
-        clock = time.perf_counter
-        deadline = clock() + self.push_wait_s
+        clock = time.perf_counter_ns
+        now = clock()
+        deadline = now + int(self.push_wait_s * 1e9)
+        hand_over = now + SPIN_YIELD_NS
         while True:
             eseq, state, _err = r.head(entry)
             if eseq == s32 and state & RECEIVED:
                 self.counts[3] += 1
                 return
-            if clock() > deadline or self.error is not None:
+            now = clock()
+            if now > deadline or self.error is not None:
                 self.counts[4] += 1
                 return
+            if now >= hand_over:  # (see SPIN_YIELD_NS)
+                let_threads_run()
+                hand_over = now + SPIN_YIELD_NS
 
     def _done(self, entry: int, eseq: int, state: int) -> bool:
         """Whether the entry's message ``eseq`` is over on both sides (its entry may be reused)."""

@@ -43,7 +43,7 @@ import secrets
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from ...errors import ProtocolError, TensorWireError, TransferTimeout
 from ...settings import setting
@@ -81,6 +81,10 @@ ENTRY = 384
 HEADER = 4096
 SIZE = HEADER + CHANNELS * (ENTRIES + GRAPH_ENTRIES) * ENTRY
 _MUTEX = 64
+#: a host spin of this path (the lock's retries, a wait for the peer's flag) hands the GIL over this often
+#: (nanoseconds): compiled (mypyc), a loop never lets another thread of the process run, as the interpreter does
+#: every switch interval, so it calls :func:`let_threads_run` (see there)
+SPIN_YIELD_NS = 200_000
 _SIDES = 128
 _TABLE = 256
 
@@ -128,7 +132,7 @@ class Block:
 class _Mutex:
     """A robust, process-shared pthread mutex living at ``addr`` (inside the region)."""
 
-    _libc: Any = None
+    _libc: ClassVar[Any] = None
 
     def __init__(self, addr: int, *, create: bool, spin_us: float = 0.0) -> None:
         #: a lock taken by the peer process is retried (GIL kept) for up to this long before sleeping in the kernel
@@ -202,13 +206,27 @@ class _Mutex:
         code = errno.EBUSY
         if not self._held_here:
             deadline = t0 + self.spin_ns
-            while code == errno.EBUSY and clock() < deadline:
+            hand_over = t0 + SPIN_YIELD_NS
+            while code == errno.EBUSY:
+                now = clock()
+                if now >= deadline:
+                    break
+                if now >= hand_over:
+                    let_threads_run()
+                    hand_over = now + SPIN_YIELD_NS
                 code = self._trylock_fn(self._ptr)
         if code == errno.EBUSY:
             self.slept += 1
             code = self._lock_fn(self._ptr)
         self.wait_ns += clock() - t0
         return code
+
+
+def let_threads_run() -> None:
+    """Release the GIL and take it again (``time.sleep(0)``): a thread of this process that has waited for it
+    past the switch interval gets it now (the interpreter's own hand-over: a thread asking for the GIL that long
+    makes the holder's next release wait until the asker took it). For spins: see :data:`SPIN_YIELD_NS`."""
+    time.sleep(0)
 
 
 class Region:

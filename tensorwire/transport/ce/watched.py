@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Callable
 
 from ...errors import PeerLostError, ProtocolError, TransferTimeout
+from .closing import Closing
 from .region import (
     DST_READY,
     ERR_LOST,
@@ -26,7 +27,6 @@ from .region import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pair import CeOp
-    from .region import Region
 
 __all__ = ["Watched", "PRUNE_AT"]
 
@@ -35,20 +35,16 @@ __all__ = ["Watched", "PRUNE_AT"]
 PRUNE_AT = 32
 
 
-class Watched:
+class Watched(Closing):
     """The watchdog's half of :class:`~.pair.CePair` (see the module docstring)."""
 
-    region: "Region"
     peer: int
     timeout: float
     peer_timeout: float
-    error: BaseException | None
     clock: float
     _pending: "list[CeOp]"
     _pending_lock: threading.Lock
-    _lock: threading.Lock
     _last_beat: tuple[int, float]
-    _graph_entries: list[int]
     _releasers: list[Callable[[], None]]
 
     _mismatch: Callable[[tuple[int, ...], tuple[int, ...], bool], str | None]
