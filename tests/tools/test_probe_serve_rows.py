@@ -1,0 +1,45 @@
+"""``bench/probe_serve_rows.py``: a lease get_rows split against local gathers, in one process; and its refusals."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from bench_scripts import run_bench
+
+pytest.importorskip("torch")
+pytest.importorskip("grpc")
+
+
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("tw-probe-rows-")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.timeout(200)
+def test_every_path_gets_a_row_and_the_split_adds_up(tmp_path):
+    before = _shm_files()
+    out = tmp_path / "probe.md"
+    args = ["--rows", "2000", "--batch", "512", "--reps", "6", "--per-turn", "3", "--profile-calls", "5"]
+    res = run_bench("probe_serve_rows.py", *args, "--tcp-client", "--out", str(out), timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    assert "[probe] 5 paths in turns, 6 calls each" in res.stderr  # progress
+    text = out.read_text()
+    assert text == res.stdout
+    rows = dict(re.findall(r"^\| (client|tcp client|leased view|own shm|local) \| ([\d.]+) µs \|", text, re.M))
+    assert sorted(rows) == ["client", "leased view", "local", "own shm", "tcp client"]
+    assert all(float(v) > 0 for v in rows.values())
+    assert re.search(r"^\| local \| [\d.]+ µs \| [\d.]+ \| 1\.00x \|$", text, re.M)  # local against itself
+    outside = float(re.search(r"The call outside its gather: (-?[\d.]+) µs", text).group(1))
+    assert outside == pytest.approx(float(rows["client"]) - float(rows["leased view"]), abs=0.11)
+    assert re.search(r"\d+ reads from the lease", text) and "lease_rows" in text  # the lease served; profiled
+    assert "--tcp-client`." in text
+    assert _shm_files() == before  # the probe's own shared-memory file is gone
+
+
+@pytest.mark.timeout(60)
+def test_refuses_sizes_below_one():
+    res = run_bench("probe_serve_rows.py", "--reps", "0", timeout=50)
+    assert res.returncode == 2 and "--reps and --per-turn must be >= 1" in res.stderr
+    res = run_bench("probe_serve_rows.py", "--profile-calls", "-1", timeout=50)
+    assert res.returncode == 2 and "--profile-calls >= 0" in res.stderr
