@@ -614,6 +614,21 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
         def rows_of(c: Any) -> Callable[[], Any]:
             return lambda: c.get_rows("table", idxs[next(it) % 64], out=out)
 
+        # First the shared-memory read alone against the local gather, in turns (no other path's requests between
+        # them: on a 16-core host the daemon serving the other paths between turns slowed the gathers themselves,
+        # bench/results/probe-serve-rows_h200_2026-11-30.md); then every path together.
+        alone = (
+            _interleaved(
+                {
+                    "shm": rows_of(clients["shm"]),
+                    "local out": lambda: torch.index_select(table, 0, idxs[next(it) % 64], out=out),
+                },
+                nrep,
+                warmup=3,
+            )
+            if "shm" in clients
+            else {}
+        )
         # Interleaved (twenty back-to-back calls of each path in turn, repeatedly): a shared machine's
         # load drifts over seconds, and this way it weighs on every path alike.
         # Shared memory also without read leases (each call a request to the daemon, as before leases existed).
@@ -652,6 +667,22 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
             )
         for c in extra.values():
             c.close()
+        if alone:
+            rows.append(
+                (
+                    op_rows,
+                    "tensorwire/shm, alone in its turns with the local index_select(out=)",
+                    f"{alone['shm'] * 1e3:.2f} ms",
+                    f"{_gbps(nb, alone['shm'])} GB/s",
+                    f"{alone['local out'] / alone['shm']:.2f}x vs local index_select (its {alone['local out'] * 1e3:.3f} ms "
+                    "in the same turns)",
+                )
+            )
+            verdicts.append(
+                f"get_rows tensorwire/shm, alone in its turns: {alone['local out'] / alone['shm']:.2f}x local "
+                "index_select(out=) (target >= 0.9x): "
+                + ("met" if alone["local out"] / alone["shm"] >= 0.9 else "MISSED")
+            )
         for k in [*paths, *extra]:
             rows.append(
                 (
