@@ -155,12 +155,13 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
             mem.leased.clear()
         mem.leased[name] = t
     cuda = out is not None and out.is_cuda
+    nbytes = n * t.row_bytes
     if out is not None:
         if not ((cuda or out.is_cpu) and out.dtype == t.dtype and out.shape == (n, *t.tail) and out.is_contiguous()):
             return MISS
         dest = out
     else:
-        dest = path.ctx.pool(name, "rows").acquire(n * t.row_bytes).view(t.dtype).view((n, *t.tail))
+        dest = path.ctx.pool(name, "rows").acquire(nbytes).view(t.dtype).view((n, *t.tail))
     cell, gen = lease[0], lease[1]
     cells = tab.cells
     if cells[cell] != gen or not tab.alive_lately():
@@ -172,7 +173,7 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
         if not path.gpu.leased(t, lease[2], idx, dest):  # (checks the rows first: a device-side assert else)
             return MISS
     else:
-        copier, nbytes = mem.copier, n * t.row_bytes
+        copier = mem.copier
         use = copier.torch_gather(nbytes)
         t0 = perf_counter()
         if use:
@@ -188,7 +189,6 @@ def lease_rows(path: "ShmPath", name: str, idx: "torch.Tensor", out: "torch.Tens
     if cells[cell] != gen:  # a writer came meanwhile: what was copied may be mixed
         path.drop_lease(name)
         return MISS
-    nbytes = n * t.row_bytes
     mem.shm_bytes += nbytes
     mem.lease_reads += 1
     path.page.add("get_rows", nbytes)
