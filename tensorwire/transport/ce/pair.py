@@ -53,9 +53,8 @@ from .region import (
     SENT,
     SRC_READY,
     STAGED,
-    SPIN_YIELD_NS,
     Region,
-    let_threads_run,
+    Spin,
     pack_block,
     reached,
 )
@@ -511,17 +510,10 @@ class CePair(Capture):
     def _await_flag(self, entry: int, which: int, seq: int) -> bool:
         """Whether flag ``which`` of ``entry`` reached ``seq`` within ``push_wait_s`` (a host wait, GIL kept)."""
         r = self.region
-        clock = time.perf_counter_ns
-        now = clock()
-        deadline = now + int(self.push_wait_s * 1e9)
-        hand_over = now + SPIN_YIELD_NS
+        spin = Spin(int(self.push_wait_s * 1e9))
         while not reached(r.flag(entry, which), seq):
-            now = clock()
-            if now > deadline or self.error is not None:
+            if spin.over() or self.error is not None:
                 return False
-            if now >= hand_over:  # (see SPIN_YIELD_NS)
-                let_threads_run()
-                hand_over = now + SPIN_YIELD_NS
         return True
 
     def _await_receiver(self, chan: Channel, seq: int) -> None:
@@ -532,22 +524,15 @@ class CePair(Capture):
         r = self.region
         entry = r.entry(chan.offset, seq)
         s32 = seq & 0xFFFFFFFF
-        clock = time.perf_counter_ns
-        now = clock()
-        deadline = now + int(self.push_wait_s * 1e9)
-        hand_over = now + SPIN_YIELD_NS
+        spin = Spin(int(self.push_wait_s * 1e9))
         while True:
             eseq, state, _err = r.head(entry)
             if eseq == s32 and state & RECEIVED:
                 self.counts[3] += 1
                 return
-            now = clock()
-            if now > deadline or self.error is not None:
+            if spin.over() or self.error is not None:
                 self.counts[4] += 1
                 return
-            if now >= hand_over:  # (see SPIN_YIELD_NS)
-                let_threads_run()
-                hand_over = now + SPIN_YIELD_NS
 
     def _done(self, entry: int, eseq: int, state: int) -> bool:
         """Whether the entry's message ``eseq`` is over on both sides (its entry may be reused)."""

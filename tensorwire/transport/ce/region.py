@@ -83,7 +83,7 @@ SIZE = HEADER + CHANNELS * (ENTRIES + GRAPH_ENTRIES) * ENTRY
 _MUTEX = 64
 #: a host spin of this path (the lock's retries, a wait for the peer's flag) hands the GIL over this often
 #: (nanoseconds): compiled (mypyc), a loop never lets another thread of the process run, as the interpreter does
-#: every switch interval, so it calls :func:`let_threads_run` (see there)
+#: every switch interval, so a :class:`Spin` releases it (see there)
 SPIN_YIELD_NS = 200_000
 _SIDES = 128
 _TABLE = 256
@@ -205,15 +205,8 @@ class _Mutex:
         self.contended += 1
         code = errno.EBUSY
         if not self._held_here:
-            deadline = t0 + self.spin_ns
-            hand_over = t0 + SPIN_YIELD_NS
-            while code == errno.EBUSY:
-                now = clock()
-                if now >= deadline:
-                    break
-                if now >= hand_over:
-                    let_threads_run()
-                    hand_over = now + SPIN_YIELD_NS
+            spin = Spin(self.spin_ns)
+            while code == errno.EBUSY and not spin.over():
                 code = self._trylock_fn(self._ptr)
         if code == errno.EBUSY:
             self.slept += 1
@@ -222,11 +215,27 @@ class _Mutex:
         return code
 
 
-def let_threads_run() -> None:
-    """Release the GIL and take it again (``time.sleep(0)``): a thread of this process that has waited for it
-    past the switch interval gets it now (the interpreter's own hand-over: a thread asking for the GIL that long
-    makes the holder's next release wait until the asker took it). For spins: see :data:`SPIN_YIELD_NS`."""
-    time.sleep(0)
+class Spin:
+    """The clock of one bounded host spin of ``budget_ns`` nanoseconds: :meth:`over` says when it is up, and
+    meanwhile hands the GIL over every :data:`SPIN_YIELD_NS`."""
+
+    def __init__(self, budget_ns: int) -> None:
+        now = time.perf_counter_ns()
+        self.deadline = now + budget_ns
+        self._hand_over = now + SPIN_YIELD_NS
+
+    def over(self) -> bool:
+        """Whether the spin's time is up. When a hand-over is due, releases the GIL and takes it again
+        (``time.sleep(0)``): a thread of this process that has waited for it past the switch interval gets it then
+        (the interpreter's own hand-over: a thread asking for the GIL that long makes the holder's next release
+        wait until the asker took it)."""
+        now = time.perf_counter_ns()
+        if now >= self.deadline:
+            return True
+        if now >= self._hand_over:
+            time.sleep(0)
+            self._hand_over = now + SPIN_YIELD_NS
+        return False
 
 
 class Region:
