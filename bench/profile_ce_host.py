@@ -519,6 +519,20 @@ def _pieces(torch: object, dist: object, nothing: object, t: object, device: obj
     dtod = _memcpy_dtod()
     timed("cuMemcpyDtoDAsync 64 KiB (device-local)", lambda: dtod(a.data_ptr(), b.data_ptr(), 65536, s), True)
     timed("cuMemcpyDtoDAsync 1 MiB (device-local)", lambda: dtod(a.data_ptr(), b.data_ptr(), 1 << 20, s), True)
+    # the same copy through other bindings, and torch's own calls: is a driver call's cost ctypes or the driver?
+    with torch.cuda.stream(torch.cuda.ExternalStream(s, device=device)):
+        timed("torch b.copy_(a) 1 MiB (device-local)", lambda: b.copy_(a), True)
+        timed("torch a.fill_(1) (one kernel launch)", lambda: a.fill_(1), True)
+    try:
+        from cuda.bindings import driver as cb  # (cuda-python's Cython bindings, where installed)
+    except ImportError:
+        out.append(("cuda.bindings cuMemcpyAsync (not installed)", float("nan")))
+    else:
+        cs = cb.CUstream(s)
+        timed(
+            "cuda.bindings cuMemcpyAsync 1 MiB", lambda: cb.cuMemcpyAsync(a.data_ptr(), b.data_ptr(), 1 << 20, cs), True
+        )
+        timed("cuda.bindings cuStreamWriteValue32", lambda: cb.cuStreamWriteValue32(cs, dev, 1, 0), True)
     timed(
         "write + wait + copy 64 KiB + write",
         lambda: (
