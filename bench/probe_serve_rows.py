@@ -10,7 +10,14 @@ daemon of its own (``tensorwire serve``, shared memory):
   the call makes, without the call);
 - ``own shm``: the same from a tensor over a shared-memory file this process made and filled (``/dev/shm``:
   the page size and mapping of the slot, no daemon);
-- ``local``: the same from an ordinary tensor (torch's allocator: what bench_serve compares with).
+- ``local``: the same from an ordinary tensor (torch's allocator: what bench_serve compares with);
+- ``tcp client`` (``--tcp-client``): a second client's get_rows over the daemon's TCP data connection;
+- ``client -> cuda`` (``--gpu-client``, a CUDA host): the first client's get_rows into a CUDA tensor (the GPU
+  gathers from the daemon's pages, which the client registers with CUDA), synchronised -- as in bench_serve,
+  where the GPU paths read the same table between the CPU ones.
+
+After the timed turns, each path's page faults per call (minor and major, ``getrusage``), in an untimed pass:
+a gather that faults reads memory the process has not mapped yet, or no longer.
 
 Then the whole call under ``cProfile`` (the functions with the most time of their own). Every path gets the
 same indexes and the same destination; medians of ``--reps`` calls per path, ``--per-turn`` at a time.
@@ -56,6 +63,17 @@ def own_shm_table(table: Any) -> tuple[Any, Any, str]:
     return view, mm, path
 
 
+def faults_per_call(fn: Any, calls: int) -> tuple[float, float]:
+    """``(minor, major)`` page faults of this process per call of ``fn`` over ``calls`` calls."""
+    import resource
+
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(calls):
+        fn()
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return (r1.ru_minflt - r0.ru_minflt) / calls, (r1.ru_majflt - r0.ru_majflt) / calls
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=200_000, help="rows of the table (128 float32 each)")
@@ -69,11 +87,19 @@ def main() -> int:
         help="also a client over the daemon's TCP data connection in this process, its get_rows a path of the turns "
         "(as in bench/bench_serve.py, where every client shares one process)",
     )
+    ap.add_argument(
+        "--gpu-client",
+        action="store_true",
+        help="also the client's get_rows into a CUDA tensor as a path of the turns (needs CUDA)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="markdown report")
     args = ap.parse_args()
     if args.rows < 1 or args.batch < 1 or args.reps < 1 or args.per_turn < 1 or args.profile_calls < 0:
         ap.error("--rows, --batch, --reps and --per-turn must be >= 1, --profile-calls >= 0")
     import torch
+
+    if args.gpu_client and not torch.cuda.is_available():
+        ap.error("--gpu-client needs CUDA (torch.cuda.is_available() is False here)")
 
     import tensorwire as tw
 
@@ -107,6 +133,15 @@ def main() -> int:
             tcp = tw.Client(f"127.0.0.1:{info['port']}", transport="tcp", timeout=120)
             assert torch.equal(tcp.get_rows("table", idxs[0], out=out), table[idxs[0]])
             paths["tcp client"] = lambda: tcp.get_rows("table", nxt(), out=out)
+        if args.gpu_client:
+            out_gpu = torch.empty(args.batch, D, device="cuda")
+            assert torch.equal(client.get_rows("table", idxs[0], out=out_gpu).cpu(), table[idxs[0]])
+
+            def to_gpu() -> None:
+                client.get_rows("table", nxt(), out=out_gpu)
+                torch.cuda.synchronize()
+
+            paths["client -> cuda"] = to_gpu
         paths |= {
             "leased view": lambda: torch.index_select(leased.table, 0, nxt(), out=out),
             "own shm": lambda: torch.index_select(own, 0, nxt(), out=out),
@@ -114,6 +149,7 @@ def main() -> int:
         }
         print(f"[probe] {len(paths)} paths in turns, {args.reps} calls each", file=sys.stderr, flush=True)
         res = _interleaved(paths, args.reps, warmup=5, per_turn=args.per_turn)
+        faults = {k: faults_per_call(fn, min(args.reps, 50)) for k, fn in paths.items()}
         choice = client._mem.copier.choice
         prof_text = ""
         if args.profile_calls:
@@ -145,13 +181,18 @@ def main() -> int:
         f"({torch.get_num_threads()} threads); table {args.rows:,} x {D} float32, {args.batch:,} random rows a call "
         f"({nbytes / 2**20:.1f} MiB); medians of {args.reps} calls per path, {args.per_turn} at a time, in turns.",
         f"Command: `python bench/probe_serve_rows.py --rows {args.rows} --batch {args.batch} --reps {args.reps}"
-        + (" --tcp-client`." if args.tcp_client else "`."),
+        + (" --tcp-client" if args.tcp_client else "")
+        + (" --gpu-client" if args.gpu_client else "")
+        + "`.",
         "",
-        "| path | median | GB/s | x local |",
-        "| --- | ---: | ---: | ---: |",
+        "| path | median | GB/s | x local | page faults per call (minor / major) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for k, t in res.items():
-        lines.append(f"| {k} | {t * 1e6:.1f} µs | {nbytes / t / 1e9:.2f} | {res['local'] / t:.2f}x |")
+        minor, major = faults[k]
+        lines.append(
+            f"| {k} | {t * 1e6:.1f} µs | {nbytes / t / 1e9:.2f} | {res['local'] / t:.2f}x | {minor:.1f} / {major:.1f} |"
+        )
     lines += [
         "",
         f"The client's gather: {'torch' if choice.torch else 'numpy'} (last times per byte: numpy "

@@ -29,12 +29,53 @@ def test_every_path_gets_a_row_and_the_split_adds_up(tmp_path):
     rows = dict(re.findall(r"^\| (client|tcp client|leased view|own shm|local) \| ([\d.]+) µs \|", text, re.M))
     assert sorted(rows) == ["client", "leased view", "local", "own shm", "tcp client"]
     assert all(float(v) > 0 for v in rows.values())
-    assert re.search(r"^\| local \| [\d.]+ µs \| [\d.]+ \| 1\.00x \|$", text, re.M)  # local against itself
+    assert re.search(
+        r"^\| local \| [\d.]+ µs \| [\d.]+ \| 1\.00x \| [\d.]+ / [\d.]+ \|$", text, re.M
+    )  # local vs itself
+    faults = re.findall(
+        r"^\| (?:client|tcp client|leased view|own shm|local) \|.*\| ([\d.]+) / ([\d.]+) \|$", text, re.M
+    )
+    assert len(faults) == 5  # every path's page faults per call, counted in their own pass
     outside = float(re.search(r"The call outside its gather: (-?[\d.]+) µs", text).group(1))
     assert outside == pytest.approx(float(rows["client"]) - float(rows["leased view"]), abs=0.11)
     assert re.search(r"\d+ reads from the lease", text) and "lease_rows" in text  # the lease served; profiled
     assert "--tcp-client`." in text
     assert _shm_files() == before  # the probe's own shared-memory file is gone
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.gpu
+def test_the_gpu_client_is_a_path_of_the_turns(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = run_bench(
+        "probe_serve_rows.py",
+        "--rows",
+        "2000",
+        "--batch",
+        "256",
+        "--reps",
+        "6",
+        "--per-turn",
+        "3",
+        "--profile-calls",
+        "0",
+        "--gpu-client",
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    assert re.search(r"^\| client -> cuda \| [\d.]+ µs \|.*\| [\d.]+ / [\d.]+ \|$", res.stdout, re.M)
+    assert "--gpu-client`." in res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_gpu_client_is_refused_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: nothing to refuse")
+    res = run_bench("probe_serve_rows.py", "--gpu-client", timeout=50)
+    assert res.returncode == 2 and "--gpu-client needs CUDA" in res.stderr
 
 
 @pytest.mark.timeout(60)
