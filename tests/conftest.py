@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +27,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("pure_python"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_of_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every temporary file of the run -- this process's and its children's (``TMPDIR``): torchrun's agents
+    leave a ``torchelastic_*`` folder per job behind, daemons and benchmarks their scratch -- goes into one
+    folder, removed when the run ends."""
+    folder = tmp_path_factory.mktemp("tmp")
+    saved_env, saved_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved_dir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 #: Seconds past a test's own timeout (pytest-timeout) after which the watchdog ends the run.
