@@ -8,7 +8,7 @@ import re
 import pytest
 from bench_scripts import run_bench
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("grpc")
 
 
@@ -45,10 +45,8 @@ def test_every_path_gets_a_row_and_the_split_adds_up(tmp_path):
 
 @pytest.mark.timeout(200)
 @pytest.mark.gpu
-def test_the_gpu_client_is_a_path_of_the_turns(tmp_path):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gpu_client_is_a_path_of_the_turns():
     res = run_bench(
         "probe_serve_rows.py",
         "--rows",
@@ -70,10 +68,8 @@ def test_the_gpu_client_is_a_path_of_the_turns(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
 def test_the_gpu_client_is_refused_without_cuda():
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is here: nothing to refuse")
     res = run_bench("probe_serve_rows.py", "--gpu-client", timeout=50)
     assert res.returncode == 2 and "--gpu-client needs CUDA" in res.stderr
 
