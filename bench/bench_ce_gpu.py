@@ -358,7 +358,12 @@ def main() -> int:
             if peer.ce is not None:
                 peer.ce.inline_max = args.inline_max
     if rank == 0:
-        print(f"GPUs: {ngpu} ({torch.cuda.get_device_name(device)}); transports: {kinds}", flush=True)
+        ce = [p.ce for p in getattr(pg._get_backend(device), "_peers", {}).values() if p.ce is not None]
+        calls = getattr(ce[0].driver, "bindings", "?") if ce else "no copy-engine pair"
+        print(
+            f"GPUs: {ngpu} ({torch.cuda.get_device_name(device)}); transports: {kinds}; driver calls: {calls}",
+            flush=True,
+        )
     if args.check:
         failures = check(rank, device, tw)
         gathered: list = [None, None]

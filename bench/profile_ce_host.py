@@ -69,12 +69,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--ab-change",
-        choices=("prune", "capture-lock"),
+        choices=("prune", "capture-lock", "bindings"),
         default=None,
         help="what --ab switches off (default prune): 'prune', the callers completing and dropping completed "
         "messages themselves (before: only the watchdog's look every 50 ms does); 'capture-lock', the two cuts of "
         "f7b3f2a (before: every call asks the driver whether the stream is captured; a lock found taken is slept "
-        "for at once)",
+        "for at once); 'bindings', the per-message driver calls through cuda-python's bindings (before: through "
+        "ctypes; needs cuda-bindings installed for the driver's CUDA major)",
     )
     ap.add_argument(
         "--ab-inline-kib",
@@ -362,11 +363,18 @@ def _ab(
         drv._check(drv._is_capturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
         return status.value != 0
 
+    if change == "bindings" and not inline_kib:
+        if not drv.use_bindings(True):
+            raise SystemExit(f"--ab-change bindings: cuda-python's bindings are not usable here ({drv.bindings})")
+        print(f"ab rank {rank}: before = ctypes, after = {drv.bindings}")
+
     def variant(before: bool) -> None:
         if inline_kib:
             pair.one_gpu_wait_min = (4 << 20) if before else inline_kib << 10  # type: ignore[attr-defined]
         elif change == "prune":
             pair._prune_at = (1 << 40) if before else PRUNE_AT  # type: ignore[attr-defined]
+        elif change == "bindings":
+            drv.use_bindings(not before)
         elif before:
             drv.capturing = ask
             lock.spin_ns = 0

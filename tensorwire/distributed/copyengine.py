@@ -106,9 +106,11 @@ def setup(store: Any, prefix: str, rank: int, peers: dict[int, "Peer"], timeout:
         watchdog.add(pair)
     if watchdog is not None:
         log.info(
-            "tensorwire.distributed: rank %d: CUDA tensors to %d rank(s) of this host over the copy-engine path",
+            "tensorwire.distributed: rank %d: CUDA tensors to %d rank(s) of this host over the copy-engine path "
+            "(per-message driver calls through %s)",
             rank,
             len(watchdog.pairs),
+            getattr(watchdog.pairs[0].driver, "bindings", "a stand-in driver"),
         )
     return watchdog
 

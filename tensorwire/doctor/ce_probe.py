@@ -187,7 +187,8 @@ def _round_trip(d: Any, src: int, dst: int, nbytes: int, timeout: float) -> tupl
         where = "two processes on one GPU" if src == dst else f"GPU {src} into GPU {dst}'s memory"
         return True, (
             f"mapped copy of {nbytes >> 10} KiB ({where}, handle opened in the copier's own context) and flag "
-            f"round trip: bytes equal, {waited:.1f} s with the child's start-up"
+            f"round trip: bytes equal, {waited:.1f} s with the child's start-up; per-message driver calls "
+            f"through {d.bindings}"
         )
     finally:
         if proc is not None and proc.poll() is None:

@@ -20,19 +20,33 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, timeout: float = 240, **extra: str) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support"), os.environ.get("PYTHONPATH", "")]),
+        **extra,
     )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def test_every_kind_of_tensor_arrives_bit_exact_in_stream_order():
-    p = _torchrun("bench/bench_ce_gpu.py", "--check")
+def _have_bindings() -> bool:
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("bindings", ["ctypes", "cuda-python"])  # (auto is one of the two)
+def test_every_kind_of_tensor_arrives_bit_exact_in_stream_order(bindings):
+    if bindings == "cuda-python" and not _have_bindings():
+        pytest.skip("cuda-python's bindings (cuda-bindings) are not installed")
+    p = _torchrun("bench/bench_ce_gpu.py", "--check", TENSORWIRE_CE_BINDINGS=bindings)
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "CHECKS PASSED" in out, out[-6000:]
+    said = {"ctypes": "driver calls: ctypes (", "cuda-python": "driver calls: cuda-python's bindings"}
+    assert said[bindings] in out, out[-3000:]
 
 
 def test_a_killed_peer_fails_the_waiting_rank_within_the_timeout():
