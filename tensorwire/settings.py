@@ -267,11 +267,20 @@ class Settings:
     )
     ce_push_wait_us: float = _var(
         _microseconds,
-        "On the copy-engine path, microseconds a send of more than 4 MiB that comes before its receive waits on "
+        "On the copy-engine path, microseconds a send of more than `TENSORWIRE_CE_INLINE_MAX` (4 MiB) that comes "
+        "before its receive waits on "
         "the host for it, so that the sending GPU pushes the bytes (each GPU then copies what leaves it: both "
         "directions at full speed) instead of the receiving GPU pulling them; 0: never wait. Between two processes "
         "of one GPU no send waits; there it bounds a large copy's host wait for its peer's flag instead.",
         300.0,
+    )
+    ce_inline_max: int = _var(
+        parse_size,
+        "On the copy-engine path, the largest copy (K/M/G suffixes) that the side that comes second queues on its "
+        "caller's stream when the peer's stream is past its call; larger ones go on an internal stream ordered after "
+        "the caller's, so that the caller's next kernels do not wait for the copy (a GPU-side hop the ping-pong pays).",
+        4 << 20,
+        shown="4M",
     )
     ce_lock_spin_us: float = _var(
         _microseconds,

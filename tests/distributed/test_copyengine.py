@@ -89,6 +89,21 @@ def pair(tmp_path):
     p.close()
 
 
+def test_the_largest_copy_on_the_callers_stream_is_a_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_CE_INLINE_MAX", "1M")
+    p = Pair(str(tmp_path))
+    try:
+        assert p.a.inline_max == p.b.inline_max == 1 << 20
+    finally:
+        p.close()
+    monkeypatch.delenv("TENSORWIRE_CE_INLINE_MAX")
+    p = Pair(str(tmp_path))
+    try:
+        assert p.a.inline_max == 4 << 20  # (the default)
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "internal-stream"])
 @pytest.mark.parametrize("first", ["sender", "receiver"])
 @pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (1 << 18,)])
@@ -733,6 +748,7 @@ def test_write_then_wait_is_one_batch_in_that_order_or_two_calls_where_refused(r
     drv = CeDriver.__new__(CeDriver)  # (no libcuda here: only what write_wait() uses)
     drv._batch = batch
     drv._error_name = None
+    drv._calls = None  # (the per-message calls through ctypes: no cuda-python bindings)
     drv._write = lambda stream, addr, value, flags: single.append(("write", stream, addr, value)) or 0
     drv._wait = lambda stream, addr, value, flags: single.append(("wait", stream, addr, value)) or 0
     drv.write_wait(5, 0x1000, 7, 0x2000, (1 << 32) + 9)
@@ -771,6 +787,7 @@ def test_wait_then_reset_is_one_batch_in_that_order_or_two_calls_where_refused(r
     drv = CeDriver.__new__(CeDriver)  # (no libcuda here: only what wait_reset() uses)
     drv._batch = batch
     drv._error_name = None
+    drv._calls = None  # (the per-message calls through ctypes: no cuda-python bindings)
     drv._write = lambda stream, addr, value, flags: single.append(("write", stream, addr, value)) or 0
     drv._wait = lambda stream, addr, value, flags: single.append(("wait", stream, addr, value)) or 0
     drv.wait_reset(3, 0x3000, 1)

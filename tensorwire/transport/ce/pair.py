@@ -67,9 +67,9 @@ _NO_HANDLE = bytes(64)
 # receiver's GPU pulling them: a GPU moves ~380 GB/s with its copy engines, but between processes about half that
 # each way when it makes the copies of both directions (bench/ce_engines_gpu.py), so each message is best copied by
 # the GPU it leaves from. A receiver that has not come by then gets the bytes by a pull.
-#: up to this many bytes, a copy whose peer is ready already goes on the caller's stream (a copy of 4 MiB over
-#: NVLink takes ~12 us; a larger one would hold back the caller's next kernels, so it goes on an internal stream)
-INLINE_MAX = 4 << 20
+# Up to TENSORWIRE_CE_INLINE_MAX bytes (4 MiB), a copy whose peer is ready already goes on the caller's stream (a
+# copy of 4 MiB over NVLink takes ~12 us; a larger one would hold back the caller's next kernels, so it goes on an
+# internal stream).
 #: between two processes of one GPU, a copy of more than this many bytes whose peer's stream has not reached its
 #: call yet waits for the peer's flag on the host (bounded) rather than on the GPU: a stream of one context waiting
 #: on a flag of the other's can hold the GPU for a time slice of its scheduler. Measured in turns on one H200 (two
@@ -234,7 +234,7 @@ class CePair(Capture):
         self._closed = False
         self._side = region.side
         #: a copy whose peer's stream is already past its call goes on the caller's stream up to this size
-        self.inline_max = INLINE_MAX
+        self.inline_max = setting("ce_inline_max")
         self.one_gpu_wait_min = ONE_GPU_HOST_WAIT_MIN  # (one GPU: a copy above it waits for its peer on the host)
         #: a large send waits up to this long for its receiver (see the comment at the top)
         self.push_wait_s = setting("ce_push_wait_us") * 1e-6
