@@ -69,13 +69,17 @@ def main() -> None:
     )
     ap.add_argument(
         "--ab-change",
-        choices=("prune", "capture-lock", "bindings"),
+        choices=("prune", "capture-lock", "bindings", "inline-wait", "inline-host-wait"),
         default=None,
         help="what --ab switches off (default prune): 'prune', the callers completing and dropping completed "
         "messages themselves (before: only the watchdog's look every 50 ms does); 'capture-lock', the two cuts of "
         "f7b3f2a (before: every call asks the driver whether the stream is captured; a lock found taken is slept "
         "for at once); 'bindings', the per-message driver calls through cuda-python's bindings (before: through "
-        "ctypes; needs cuda-bindings installed for the driver's CUDA major)",
+        "ctypes; needs cuda-bindings installed for the driver's CUDA major); 'inline-wait', a second side whose peer "
+        "has not reached its call yet copying on the caller's stream after a wait for the peer there, copies of up "
+        "to --bytes inline (before: such a copy goes on an internal stream ordered by an event); 'inline-host-wait', "
+        "such a side waiting on the host (up to 50 us) for its peer's flag instead, then copying on the caller's "
+        "stream",
     )
     ap.add_argument(
         "--ab-inline-kib",
@@ -126,7 +130,7 @@ def main() -> None:
         return (time.perf_counter() - t0) / (2 * n)
 
     if args.ab:
-        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib, args.ab_change or "prune")
+        _ab(rank, loop, args.ab, args.iters, args.ab_inline_kib, args.ab_change or "prune", args.bytes)
         dist.destroy_process_group()
         return
 
@@ -339,7 +343,13 @@ def _memcpy_dtod() -> object:
 
 
 def _ab(
-    rank: int, loop: Callable[[int], float], turns: int, iters: int, inline_kib: int = 0, change: str = "prune"
+    rank: int,
+    loop: Callable[[int], float],
+    turns: int,
+    iters: int,
+    inline_kib: int = 0,
+    change: str = "prune",
+    nbytes: int = 0,
 ) -> None:
     """``--ab``: one-way time of the ``dist.send``/``dist.recv`` ping-pong (``loop``: seconds per message) with
     ``change`` switched off ("before") and as it is ("after"), in turns (ABBA; both ranks switch at the same turn:
@@ -356,6 +366,7 @@ def _ab(
     if pair is None:
         raise SystemExit("--ab: no copy-engine pair with the peer (CUDA tensors do not take the copy-engine path)")
     drv, lock = pair.driver, pair.region.mutex  # type: ignore[attr-defined]
+    inline_max = pair.inline_max  # type: ignore[attr-defined]
     spin = lock.spin_ns
 
     def ask(stream: int) -> bool:  # (the call as it was: the driver is asked for every stream, 0 included)
@@ -375,6 +386,12 @@ def _ab(
             pair._prune_at = (1 << 40) if before else PRUNE_AT  # type: ignore[attr-defined]
         elif change == "bindings":
             drv.use_bindings(not before)
+        elif change == "inline-host-wait":
+            pair.inline_host_wait_s = 0.0 if before else 50e-6  # type: ignore[attr-defined]
+            pair.inline_max = inline_max if before else max(inline_max, nbytes)  # type: ignore[attr-defined]
+        elif change == "inline-wait":
+            pair.wait_inline = not before  # type: ignore[attr-defined]
+            pair.inline_max = inline_max if before else max(inline_max, nbytes)  # type: ignore[attr-defined]
         elif before:
             drv.capturing = ask
             lock.spin_ns = 0
@@ -384,13 +401,16 @@ def _ab(
 
     got: dict[str, list[float]] = {"before": [], "after": []}
     gcs = {"before": _GcClock(), "after": _GcClock()}
+    parts = {"before": [0, 0, 0], "after": [0, 0, 0]}
     for turn in range(2 * turns):
         before = turn % 4 in (0, 3)  # ABBA
         name = "before" if before else "after"
         variant(before)
         one_way(20)  # (settle into the variant)
+        c0 = list(pair.counts[:3])  # type: ignore[attr-defined]
         with gcs[name]:
             got[name].append(one_way(iters))
+        parts[name] = [p + b - a for p, a, b in zip(parts[name], c0, pair.counts[:3])]  # type: ignore[attr-defined]
     variant(False)
     if rank == 0:
         b, a = statistics.median(got["before"]), statistics.median(got["after"])
@@ -399,6 +419,11 @@ def _ab(
         print(f"ab median one-way: before {b:.1f} us, after {a:.1f} us: after / before {a / b:.3f}")
     for name, clock in gcs.items():
         print(f"ab {name:<7s} rank {rank}: cycle collector {clock.describe()}")
+    for name, (first, inline, queued) in parts.items():
+        print(
+            f"ab {name:<7s} rank {rank}'s part in its messages: first {first}, second with the copy on the caller's "
+            f"stream {inline}, second with the copy on an internal stream {queued}"
+        )
 
 
 class _GcClock:

@@ -127,6 +127,34 @@ def test_bytes_arrive_whichever_side_comes_first(pair, first, shape, inline):
     assert s.error is None and r.error is None
 
 
+@pytest.mark.parametrize("first", ["sender", "receiver"])
+def test_wait_inline_copies_on_the_callers_stream_after_a_wait_for_a_peer_not_yet_there(pair, first):
+    """With ``wait_inline`` (a diagnostic), a second side whose peer's stream has not reached its call yet waits for
+    the peer's flag on its caller's stream and copies there: the bytes arrive once the peer's stream goes on."""
+    pair.a.wait_inline = pair.b.wait_inline = True
+    src = pair.tensor((1 << 12,), fill=3)
+    dst = pair.tensor((1 << 12,), fill=-1)
+    # the first side's stream is held back by a gate of its own, so its ready flag is not written yet
+    gate = pair.sim.alloc(4)
+    held = pair.sa if first == "sender" else pair.sb
+    pair.sim.wait(held, gate.data_ptr(), 1)
+    if first == "sender":
+        s = pair.send(src)
+        r = pair.recv(dst)
+        second = r
+    else:
+        r = pair.recv(dst)
+        s = pair.send(src)
+        second = s
+    assert second.stream != -1  # the copy went on the caller's stream, behind a wait for the peer's flag
+    assert not pair.sim.streams[held].drain(0.3)  # (held at its gate: the first side's flag is not written)
+    assert not torch.equal(dst, src)  # (so nothing moved: the copy waits on the caller's stream for that flag)
+    gate.view(torch.int32)[0] = 1
+    pair.settle(s, r)
+    assert torch.equal(dst, src)
+    assert s.error is None and r.error is None
+
+
 def test_a_large_send_waits_for_its_receiver_and_pushes_the_bytes_itself(pair):
     """Above inline_max, a sender that comes first waits (a bounded host wait) for the receiver, so that the copy is
     the sender's -- a push, on the sender's GPU -- not the receiver's pull."""

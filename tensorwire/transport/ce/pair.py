@@ -236,6 +236,15 @@ class CePair(Capture):
         #: a copy whose peer's stream is already past its call goes on the caller's stream up to this size
         self.inline_max = setting("ce_inline_max")
         self.one_gpu_wait_min = ONE_GPU_HOST_WAIT_MIN  # (one GPU: a copy above it waits for its peer on the host)
+        #: diagnostic (bench/profile_ce_host.py --ab-change inline-wait): a second side whose peer's stream has not
+        #: reached its call yet also copies on the caller's stream (up to inline_max), after a wait for the peer's
+        #: flag there -- no internal stream, but the caller's next kernels wait for the peer. Not for use: it breaks
+        #: the rule above (a stream waits only on what the peer queued before), so two ranks that match messages of
+        #: two tags in crossed orders deadlock on their GPUs (bench/results/ce-inline-wait-ab_h200x2_2026-11-30.log)
+        self.wait_inline = False
+        #: diagnostic (--ab-change inline-host-wait): a second side whose peer's stream has not reached its call yet
+        #: waits on the host up to this long for it, so that a copy up to inline_max goes on the caller's stream
+        self.inline_host_wait_s = 0.0
         #: a large send waits up to this long for its receiver (see the comment at the top)
         self.push_wait_s = setting("ce_push_wait_us") * 1e-6
         #: device -> whether the peer's memory is on that very GPU (:meth:`peer_gpu`, else the first export opened):
@@ -386,13 +395,17 @@ class CePair(Capture):
                 # long held the GPU from the peer's context for a time slice of its scheduler (~2-3 ms a message);
                 # wait (bounded) on the host for the flag instead (ONE_GPU_HOST_WAIT_MIN says where from, and why
                 # not for small copies).
-                peer_past = self._await_flag(entry, ready, seq)
-            if peer_past and (nbytes <= self.inline_max or self._one_gpu.get(device)):
+                peer_past = self._await_flag(entry, ready, seq, self.push_wait_s)
+            elif not peer_past and self.inline_host_wait_s > 0 and nbytes <= self.inline_max:
+                peer_past = self._await_flag(entry, ready, seq, self.inline_host_wait_s)
+            if (peer_past or self.wait_inline) and (nbytes <= self.inline_max or self._one_gpu.get(device)):
                 # so a small copy goes on the caller's stream itself -- no event, no internal stream (any copy between
                 # two processes of one GPU: the GPU's own engines and SMs are shared by both anyway, and a second
                 # stream's event and flag wait cost more there -- bench/results/ce-gpu_h200_*.md)
                 inner = stream
                 op.stream = stream
+                if not peer_past:
+                    d.wait(stream, dev + ready, seq)
                 self.counts[1] += 1
             else:
                 inner, event = (st[0], st[2]) if sending else (st[1], st[3])
@@ -507,10 +520,10 @@ class CePair(Capture):
         except TensorWireError:  # (unknown: keep the behaviour for two GPUs)
             self._one_gpu[device] = False
 
-    def _await_flag(self, entry: int, which: int, seq: int) -> bool:
-        """Whether flag ``which`` of ``entry`` reached ``seq`` within ``push_wait_s`` (a host wait, GIL kept)."""
+    def _await_flag(self, entry: int, which: int, seq: int, budget_s: float) -> bool:
+        """Whether flag ``which`` of ``entry`` reached ``seq`` within ``budget_s`` (a host wait, GIL kept)."""
         r = self.region
-        spin = Spin(int(self.push_wait_s * 1e9))
+        spin = Spin(int(budget_s * 1e9))
         while not reached(r.flag(entry, which), seq):
             if spin.over() or self.error is not None:
                 return False
