@@ -350,16 +350,16 @@ def main() -> int:
     pg = dist.distributed_c10d._get_default_group()
     dist.barrier()  # (the group's backend is made on its first call)
     try:
-        kinds = dict(getattr(pg._get_backend(device), "transports", {}))
+        backend = pg._get_backend(device)
     except RuntimeError:
-        kinds = {}
+        backend = None
+    kinds = dict(getattr(backend, "transports", {}))
+    pairs = [p.ce for p in getattr(backend, "_peers", {}).values() if p.ce is not None]
     if args.inline_max is not None:
-        for peer in getattr(pg._get_backend(device), "_peers", {}).values():
-            if peer.ce is not None:
-                peer.ce.inline_max = args.inline_max
+        for pair in pairs:
+            pair.inline_max = args.inline_max
     if rank == 0:
-        ce = [p.ce for p in getattr(pg._get_backend(device), "_peers", {}).values() if p.ce is not None]
-        calls = getattr(ce[0].driver, "bindings", "?") if ce else "no copy-engine pair"
+        calls = getattr(pairs[0].driver, "bindings", "?") if pairs else "no copy-engine pair"
         print(
             f"GPUs: {ngpu} ({torch.cuda.get_device_name(device)}); transports: {kinds}; driver calls: {calls}",
             flush=True,

@@ -386,12 +386,12 @@ def _ab(
             pair._prune_at = (1 << 40) if before else PRUNE_AT  # type: ignore[attr-defined]
         elif change == "bindings":
             drv.use_bindings(not before)
-        elif change == "inline-host-wait":
-            pair.inline_host_wait_s = 0.0 if before else 50e-6  # type: ignore[attr-defined]
+        elif change in ("inline-wait", "inline-host-wait"):  # (after: copies of up to --bytes inline)
             pair.inline_max = inline_max if before else max(inline_max, nbytes)  # type: ignore[attr-defined]
-        elif change == "inline-wait":
-            pair.wait_inline = not before  # type: ignore[attr-defined]
-            pair.inline_max = inline_max if before else max(inline_max, nbytes)  # type: ignore[attr-defined]
+            if change == "inline-wait":
+                pair.wait_inline = not before  # type: ignore[attr-defined]
+            else:
+                pair.inline_host_wait_s = 0.0 if before else 50e-6  # type: ignore[attr-defined]
         elif before:
             drv.capturing = ask
             lock.spin_ns = 0

@@ -268,8 +268,8 @@ class Settings:
     ce_push_wait_us: float = _var(
         _microseconds,
         "On the copy-engine path, microseconds a send of more than `TENSORWIRE_CE_INLINE_MAX` (4 MiB) that comes "
-        "before its receive waits on "
-        "the host for it, so that the sending GPU pushes the bytes (each GPU then copies what leaves it: both "
+        "before its receive waits on the host for it, so that the sending GPU pushes the bytes (each GPU then copies "
+        "what leaves it: both "
         "directions at full speed) instead of the receiving GPU pulling them; 0: never wait. Between two processes "
         "of one GPU no send waits; there it bounds a large copy's host wait for its peer's flag instead.",
         300.0,
@@ -302,9 +302,9 @@ class Settings:
         _choice("auto", "cuda-python", "ctypes"),
         "Which Python bindings make the copy-engine path's per-message CUDA driver calls (the copy, the flag writes "
         "and waits). `cuda-python`: NVIDIA's Cython bindings (`pip install 'tensorwire[cuda13]'`, or `[cuda12]` "
-        "for a CUDA 12 driver; a copy's call 0.2-0.7 us shorter than through ctypes on two H200s); `ctypes`: hand-declared "
-        "calls into libcuda, nothing to install; `auto` (the default): cuda-python where it is installed for the "
-        "driver's CUDA major, else ctypes.",
+        "for a CUDA 12 driver; a copy's call 0.2-0.7 us shorter than through ctypes on two H200s); `ctypes`: "
+        "hand-declared calls into libcuda, nothing to install; `auto` (the default): cuda-python where it is "
+        "installed for the driver's CUDA major, else ctypes.",
         "auto",
     )
     # -- observability (links and the torch.distributed backend) ------------------------------------------

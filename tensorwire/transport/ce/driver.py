@@ -292,8 +292,9 @@ class CeDriver:
         self._handle_buf = c.create_string_buffer(HANDLE_BYTES)
         self._export_lock = threading.Lock()
         # The per-message calls (copy, flag write and wait, stream order) go through cuda-python's Cython bindings
-        # where they are installed for this driver: ~0.7 us less per copy than through ctypes on two H200s
-        # (bench/results/ce-host-levels_h200x2_2026-11-30.log); everything else stays ctypes.
+        # where they are installed for this driver: a copy's call 0.2-0.7 us shorter than through ctypes on two H200s
+        # (bench/results/ce-host-levels_h200x2_2026-11-30.log, ce-host-bindings-ab_h200x2_2026-11-30.log); everything
+        # else stays ctypes.
         version = c.c_int()
         self._check(_fn(lib, ("cuDriverGetVersion",), [c.POINTER(c.c_int)])(c.byref(version)), "cuDriverGetVersion")
         module, self.bindings = pick_bindings(setting("ce_bindings"), _load_bindings, version.value // 1000)
