@@ -69,7 +69,16 @@ def main() -> None:
     )
     ap.add_argument(
         "--ab-change",
-        choices=("prune", "capture-lock", "bindings", "inline-wait", "inline-host-wait"),
+        choices=(
+            "prune",
+            "capture-lock",
+            "bindings",
+            "inline-wait",
+            "inline-host-wait",
+            "push-wait",
+            "push-wait-inline",
+            "lookups",
+        ),
         default=None,
         help="what --ab switches off (default prune): 'prune', the callers completing and dropping completed "
         "messages themselves (before: only the watchdog's look every 50 ms does); 'capture-lock', the two cuts of "
@@ -79,7 +88,11 @@ def main() -> None:
         "has not reached its call yet copying on the caller's stream after a wait for the peer there, copies of up "
         "to --bytes inline (before: such a copy goes on an internal stream ordered by an event); 'inline-host-wait', "
         "such a side waiting on the host (up to 50 us) for its peer's flag instead, then copying on the caller's "
-        "stream",
+        "stream; 'push-wait', a send of more than TENSORWIRE_CE_INLINE_MAX waiting on the host for its receive so "
+        "that its own GPU pushes (before: TENSORWIRE_CE_PUSH_WAIT_US=0, whichever side comes second copies); "
+        "'push-wait-inline', the same, and before also copies of up to --bytes on the caller's stream; 'lookups', "
+        "the group's rank() answered in Python and torch's raw-stream function looked up once (before: pybind11's "
+        "rank(), and an import and a lookup of the function per call)",
     )
     ap.add_argument(
         "--ab-inline-kib",
@@ -367,6 +380,7 @@ def _ab(
         raise SystemExit("--ab: no copy-engine pair with the peer (CUDA tensors do not take the copy-engine path)")
     drv, lock = pair.driver, pair.region.mutex  # type: ignore[attr-defined]
     inline_max = pair.inline_max  # type: ignore[attr-defined]
+    push_wait = pair.push_wait_s  # type: ignore[attr-defined]
     spin = lock.spin_ns
 
     def ask(stream: int) -> bool:  # (the call as it was: the driver is asked for every stream, 0 included)
@@ -386,6 +400,12 @@ def _ab(
             pair._prune_at = (1 << 40) if before else PRUNE_AT  # type: ignore[attr-defined]
         elif change == "bindings":
             drv.use_bindings(not before)
+        elif change == "lookups":
+            _lookups(before)
+        elif change in ("push-wait", "push-wait-inline"):
+            pair.push_wait_s = 0.0 if before else push_wait  # type: ignore[attr-defined]
+            if change == "push-wait-inline":  # (before: whoever comes second copies, on the caller's stream)
+                pair.inline_max = max(inline_max, nbytes) if before else inline_max  # type: ignore[attr-defined]
         elif change in ("inline-wait", "inline-host-wait"):  # (after: copies of up to --bytes inline)
             pair.inline_max = inline_max if before else max(inline_max, nbytes)  # type: ignore[attr-defined]
             if change == "inline-wait":
@@ -424,6 +444,31 @@ def _ab(
             f"ab {name:<7s} rank {rank}'s part in its messages: first {first}, second with the copy on the caller's "
             f"stream {inline}, second with the copy on an internal stream {queued}"
         )
+
+
+def _lookups(before: bool) -> None:
+    """``--ab-change lookups``: the two lookups of a message as they were (``before``) or as they are."""
+    import tensorwire.cuda as twcuda
+    from tensorwire.distributed.process_group import ProcessGroupTensorwire as PG
+
+    if not hasattr(_lookups, "saved"):
+        _lookups.saved = (PG.__dict__["rank"], PG.__dict__["size"], twcuda._raw_stream_fn())  # type: ignore[attr-defined]
+    rank, size, fn = _lookups.saved  # type: ignore[attr-defined]
+    if before:
+        for name in ("rank", "size"):  # (torch's then, through pybind11)
+            if name in PG.__dict__:
+                delattr(PG, name)
+
+        def each_time(device: int) -> int:
+            import torch
+
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            return int(raw(device))
+
+        twcuda._RAW_STREAM[0] = each_time
+    else:
+        PG.rank, PG.size = rank, size
+        twcuda._RAW_STREAM[0] = fn
 
 
 class _GcClock:
