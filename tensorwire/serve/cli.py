@@ -252,19 +252,16 @@ def config_from_args(args: argparse.Namespace, environ: Any = None) -> Any:
     return ServeConfig.resolve(flags, environ)
 
 
-def _one_intra_op_thread() -> None:
-    """The daemon runs with one torch intra-op thread unless OMP_NUM_THREADS says otherwise.
+def _intra_op_threads() -> None:
+    """The daemon's torch intra-op threads: one below 8 usable CPUs, a quarter of them (at most 8) from 8, unless
+    OMP_NUM_THREADS says otherwise (:mod:`tensorwire.serve.daemon.threads` says why; the server logs the number)."""
+    from tensorwire.serve.daemon.threads import intra_op_threads
 
-    It parallelises with its own threads (a request thread per session, the
-    gather helper for big get_rows); an OpenMP pool would compete with them and
-    with the transports for the cores (its idle workers spin), which on the
-    2-core VM turned a 0.5 ms gather into 5-8 ms whenever another process was busy.
-    """
-    if os.environ.get("OMP_NUM_THREADS", "").strip():
-        return
-    import torch
+    n = intra_op_threads()
+    if n is not None:
+        import torch
 
-    torch.set_num_threads(1)
+        torch.set_num_threads(n)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -272,7 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if getattr(args, "log_level", None) is None and not setting("log_level"):
         logging.getLogger("tensorwire").setLevel(logging.INFO)
-    _one_intra_op_thread()
+    _intra_op_threads()
     from tensorwire.serve.daemon.server import Server
 
     return Server(config).serve_forever()

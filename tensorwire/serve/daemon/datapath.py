@@ -41,7 +41,9 @@ bench/results/archive/serve_cpu2_2026-11-22.md):
   process's memory (cma) while chunk i + 1 is gathered, so the two processes
   use both cores; the reply's ``chunk`` tells the client how to post;
 - from ``PARALLEL_MIN_BYTES``, gathered by two threads (this one and the
-  session's helper thread, :class:`Gatherer`, made on first use), one message;
+  session's helper thread, :class:`Gatherer`, made on first use), one message,
+  where torch runs one intra-op thread (the daemon below 8 CPUs; above, torch's
+  own threads split every gather: :mod:`tensorwire.serve.daemon.threads`);
 - otherwise (TCP, where the sender is the one copying into the socket) one
   gather, one message.
 

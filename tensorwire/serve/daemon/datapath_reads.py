@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 ROWS_CHUNK_BYTES = 512 << 10
 #: A get_rows of at least this many bytes is gathered by two threads -- this one and the session's
 #: helper thread (:class:`Gatherer`) -- and sent as one message, when torch's own intra-op pool is
-#: one thread (``tensorwire serve`` sets it so). Measured the same way: slower than one thread from
+#: one thread (``tensorwire serve`` sets it so below 8 CPUs). Measured the same way: slower than one thread from
 #: 0.25 to 2 MiB, even at 4 MiB (waking the helper costs 0.1-0.3 ms on the VM), faster from 8 MiB;
 #: at 64 MiB (131,072 rows, 4 rounds of 6 calls) 27.9 ms vs 31.5 ms in 1 MiB chunks (UCX) and 41 ms
 #: with one thread.
@@ -252,7 +252,7 @@ class ReadRequests(RequestHandlers):
         e, spec, nbytes, rb, n = p.entry, p.spec, p.nbytes, p.row_bytes, p.n
         s.reserve_scratch(nbytes)  # charged against --max-bytes before anything is pinned
         t = s.transport
-        # Two threads gather big requests (when torch's own intra-op pool is one thread: the daemon's setting);
+        # Two threads gather big requests (when torch's own intra-op pool is one thread: the daemon's below 8 CPUs);
         # on a transport that posts sends without waiting (UCX), mid-sized ones go in chunks, each sent
         # as soon as it is gathered; else one gather, one message (see the constants for the measurements).
         halves = n >= 2 and nbytes >= PARALLEL_MIN_BYTES and torch.get_num_threads() == 1

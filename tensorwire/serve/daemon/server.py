@@ -45,6 +45,7 @@ from tensorwire.serve.daemon.store import Store
 from tensorwire.serve.daemon.shm import Registry, unlink_all
 from tensorwire.serve.protocol.shm import ShmError
 from tensorwire.serve.daemon.limits import raise_nofile
+from tensorwire.serve.daemon.threads import describe as describe_threads
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
@@ -349,6 +350,7 @@ class Server:
                 else ("every client" if len(self._listeners) == 1 else "clients that ask for it"),
             )
         log.info("transport: %s (asked for %s)", self._primary, cfg.transport)
+        log.info("%s", describe_threads())
         if self._store is not None and self._store.shm is not None:
             log.info(
                 "shared memory: tensors in %s/%s-*; clients on this host that map them copy directly",
