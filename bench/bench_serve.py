@@ -281,8 +281,8 @@ class BaselineClient:
 # -- processes ----------------------------------------------------------------------------------------------
 
 
-def _spawn(cmd: list[str]) -> tuple[subprocess.Popen, dict]:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _spawn(cmd: list[str], **extra_env: str) -> tuple[subprocess.Popen, dict]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra_env)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env, cwd=ROOT
     )
@@ -330,36 +330,55 @@ def _interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1, 
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
-def _concurrent_worker(address: str, transport: str, name: str, seconds: float, barrier: Any, q: Any) -> None:
-    """One client process: connect, warm up, wait for all, get ``name`` for ``seconds``; puts (bytes, seconds)."""
+def _concurrent_worker(
+    address: str, transport: str, name: str, seconds: float, barrier: Any, q: Any, rows: int = 0
+) -> None:
+    """One client process: connect, warm up, wait for all, get ``name`` (``rows``: get_rows of that many random
+    rows of it) for ``seconds``; puts (bytes, seconds)."""
     try:
+        import torch
+
         import tensorwire as tw
 
         with tw.Client(address, transport=transport, timeout=120) as c:
-            t = c.get(name)
-            nbytes = t.numel() * t.element_size()
-            del t
+            if rows:
+                total = c.stat(name).spec.shape[0]
+                gen = torch.Generator().manual_seed(os.getpid())
+                idxs = [torch.randint(0, total, (rows,), generator=gen) for _ in range(16)]
+                out = c.get_rows(name, idxs[0])
+
+                def one(i: int) -> None:
+                    c.get_rows(name, idxs[i % 16], out=out)
+
+            else:
+                out = c.get(name)
+
+                def one(i: int) -> None:
+                    c.get(name)
+
+            nbytes = out.numel() * out.element_size()
             barrier.wait(timeout=300)
             n = 0
             t0 = time.perf_counter()
             stop = t0 + seconds
             while time.perf_counter() < stop:
-                c.get(name)
+                one(n)
                 n += 1
             q.put((n * nbytes, time.perf_counter() - t0))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         q.put(("error", repr(exc)))
 
 
-def _aggregate(address: str, transport: str, name: str, clients: int, seconds: float) -> float:
-    """Aggregate bytes/s of ``clients`` processes getting ``name`` for ``seconds``, all started together."""
+def _aggregate(address: str, transport: str, name: str, clients: int, seconds: float, rows: int = 0) -> float:
+    """Aggregate bytes/s of ``clients`` processes getting ``name`` (``rows``: random rows of it) for ``seconds``,
+    all started together."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients)
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_concurrent_worker, args=(address, transport, name, seconds, barrier, q), daemon=True)
+        ctx.Process(target=_concurrent_worker, args=(address, transport, name, seconds, barrier, q, rows), daemon=True)
         for _ in range(clients)
     ]
     for p in procs:
@@ -905,10 +924,11 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
 
     import tensorwire as tw
 
-    daemon, dinfo = _spawn(
-        [sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--transport", args.transport]
-        + ["--max-bytes", "8GiB"]
-    )
+    serve = [sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--transport", args.transport]
+    serve += ["--max-bytes", "8GiB"]
+    daemon, dinfo = _spawn(serve)
+    # --variant: more daemons, each with its environment variables set, their TCP get_rows in the same turns
+    others = {v: _spawn(serve, **dict(kv.split("=", 1) for kv in v.split(","))) for v in args.variant}
     base, binfo = _spawn([sys.executable, os.path.abspath(__file__), "--baseline-server"])
     raw, rinfo = _spawn([sys.executable, os.path.abspath(__file__), "--raw-server"])
     kinds = [d["kind"] for d in dinfo["data"]]
@@ -919,12 +939,18 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         address = f"127.0.0.1:{dinfo['port']}"
         clients = {k: tw.Client(address, transport=k, timeout=300) for k in kinds}
         assert all(c.data_path == k for k, c in clients.items()), {k: c.data_path for k, c in clients.items()}
+        variant_clients = {
+            f"tcp, {v}": tw.Client(f"127.0.0.1:{info['port']}", transport="tcp", timeout=300)
+            for v, (_, info) in others.items()
+        }
         bc = BaselineClient(f"127.0.0.1:{binfo['port']}")
         rc = RawClient(rinfo["port"])
         first = next(iter(clients.values()))
         R, D, B, table, idxs, out, gdst = _rows_table(args, first, bc)
         it = iter(range(10**9))
-        for c in clients.values():
+        for c in variant_clients.values():
+            c.put("table", table)
+        for c in (*clients.values(), *variant_clients.values()):
             assert torch.equal(c.get_rows("table", idxs[5]), table[idxs[5]])
 
         def rows_of(c: Any) -> Callable[[], Any]:
@@ -933,6 +959,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         res = _interleaved(
             {
                 **{k: rows_of(c) for k, c in clients.items()},
+                **{k: rows_of(c) for k, c in variant_clients.items()},
                 "grpc": lambda: bc.get_rows("table", idxs[next(it) % 64], gdst),
                 "raw": lambda: rc.get(gdst),
                 "local out": lambda: torch.index_select(table, 0, idxs[next(it) % 64], out=out),
@@ -940,11 +967,31 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
             20 * args.rounds,
             warmup=3,
         )
-        for c in clients.values():
+        for c in (*clients.values(), *variant_clients.values()):
             i = idxs[next(it) % 64]
             assert torch.equal(c.get_rows("table", i, out=out), table[i])
         nb = B * D * 4
         op = f"get_rows {B}x{D} f32 of {R:,}"
+        together: list[tuple[str, ...]] = []
+        if args.concurrent:  # every daemon's TCP get_rows with one client, then with --concurrent at once
+            secs = 3.0
+            daemons = {"tcp": address, **{f"tcp, {v}": f"127.0.0.1:{info['port']}" for v, (_, info) in others.items()}}
+            for k, addr in daemons.items():
+                print(f"  {k}: get_rows from 1 and {args.concurrent} client processes at once", file=sys.stderr)
+                one = _aggregate(addr, "tcp", "table", 1, secs, rows=B)
+                many = _aggregate(addr, "tcp", "table", args.concurrent, secs, rows=B)
+                together.append(
+                    (
+                        f"get_rows {B}x{D} f32, clients at once",
+                        f"tensorwire/{k}",
+                        "",
+                        f"{one / 1e9:.2f} / {many / 1e9:.2f} GB/s",
+                        f"1 / {args.concurrent} client processes, {secs:.0f} s each, all bytes moved",
+                    )
+                )
+        for k in variant_clients:
+            variant_clients[k].delete("table")
+            variant_clients[k].close()
         for k in kinds:
             rows.append(
                 (
@@ -961,12 +1008,23 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
                 + f"; {res[k] / res['raw']:.2f}x the time of a raw socket moving the same bytes (target <= 1.5x): "
                 + ("met" if res[k] / res["raw"] <= 1.5 else "MISSED")
             )
+        for k in variant_clients:
+            rows.append(
+                (
+                    op,
+                    f"tensorwire/{k}",
+                    f"{res[k] * 1e3:.3f} ms",
+                    f"{_gbps(nb, res[k])} GB/s",
+                    f"{res['grpc'] / res[k]:.1f}x faster than gRPC, {res[k] / res['raw']:.2f}x the raw socket's time",
+                )
+            )
         for key, label in (
             ("grpc", "gRPC unary"),
             ("raw", "raw TCP socket, the same bytes (no gather)"),
             ("local out", "local index_select(out=) (no network)"),
         ):
             rows.append((op, label, f"{res[key] * 1e3:.3f} ms", f"{_gbps(nb, res[key])} GB/s", ""))
+        rows.extend(together)
         first.delete("table")
         bc.put("table", torch.empty(0))  # (frees the baseline's copy)
         mib = 16 if args.quick else 64
@@ -1012,9 +1070,21 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         rc.close()
     finally:
         _stop(daemon)
+        for proc, _ in others.values():
+            _stop(proc)
         _stop(base)
         _stop(raw)
     return _table(rows), verdicts
+
+
+def threads_note() -> str:
+    """How many intra-op threads ``tensorwire serve`` runs torch with here, and why (the daemon's own choice)."""
+    from tensorwire.serve.daemon.threads import intra_op_threads, usable_cpus
+
+    n = intra_op_threads()
+    if n is None:
+        return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS'].strip()} intra-op threads"
+    return f"{n} intra-op thread{'s' if n > 1 else ''} ({usable_cpus()} usable CPUs; OMP_NUM_THREADS unset)"
 
 
 def _write_remote(
@@ -1040,6 +1110,10 @@ def _write_remote(
         "memory). Medians; every path measured in turns (get_rows: twenty calls of each at a time; get and put: "
         "two). The raw socket moves the same bytes with no gather and no header: the wire's floor.",
         "",
+        f"The daemon ran torch with {threads_note()}. A row `tensorwire/tcp, VAR=VALUE` is another daemon started "
+        "with that environment (`--variant`), its get_rows in the same turns; `clients at once` rows (`--concurrent`): "
+        "every daemon's get_rows from one client process, then from that many at once, all bytes moved per second.",
+        "",
         table_md,
         "",
         "Targets:",
@@ -1051,6 +1125,14 @@ def _write_remote(
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(doc))
     print(f"\nwrote {os.path.relpath(path, ROOT)}", file=sys.stderr)
+
+
+def _variant(text: str) -> str:
+    """``--variant``'s value, checked: ``VAR=VALUE`` pairs separated by commas."""
+    pairs = [kv for kv in text.split(",") if kv]
+    if not pairs or any("=" not in kv or not kv.split("=", 1)[0].strip() for kv in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r} is not VAR=VALUE[,VAR=VALUE...]")
+    return ",".join(pairs)
 
 
 def main() -> int:
@@ -1071,6 +1153,22 @@ def main() -> int:
         help="only the remote reads and writes, in turns: get_rows (2 MiB of rows) and get / put of 64 MiB over "
         "the daemon's data connections (no shared memory) against a raw TCP socket and gRPC; prints the table "
         "and the ratios (writes --out only when it is given)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=_variant,
+        metavar="VAR=VALUE[,VAR=VALUE...]",
+        help="--remote, repeatable: one more daemon with these environment variables (e.g. "
+        "TENSORWIRE_SERVE_GATHER_THREADS=0 or OMP_NUM_THREADS=8), its TCP get_rows in the same turns as the rest",
+    )
+    p.add_argument(
+        "--concurrent",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--remote: also every daemon's TCP get_rows from one client process and from N at once (bytes/s in all)",
     )
     p.add_argument(
         "--rounds", type=int, default=10, help="--remote: turns of every path (default 10; must be at least 1)"

@@ -1,0 +1,55 @@
+"""bench/bench_serve.py --remote: a tiny run end to end with a daemon variant and clients at once (the figures
+are not checked, only that every row is there and says what ran), and its refusal of a malformed variant."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "bench_serve.py"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("OMP_NUM_THREADS", None)
+    return subprocess.run(
+        [sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=280, env=env, cwd=ROOT
+    )
+
+
+def test_a_remote_run_with_a_variant_and_clients_at_once_writes_every_row(tmp_path):
+    out = tmp_path / "remote.md"
+    r = _run(
+        "--remote", "--transport", "tcp", "--quick", "--rounds", "1",
+        "--variant", "OMP_NUM_THREADS=1", "--concurrent", "2", "--out", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| get_rows")]
+    paths = [row.split("|")[2].strip() for row in rows]
+    assert paths == [
+        "tensorwire/tcp",
+        "tensorwire/tcp, OMP_NUM_THREADS=1",
+        "gRPC unary",
+        "raw TCP socket, the same bytes (no gather)",
+        "local index_select(out=) (no network)",
+        "tensorwire/tcp",
+        "tensorwire/tcp, OMP_NUM_THREADS=1",
+    ]
+    assert all("clients at once" in row and " / " in row for row in rows[-2:])  # one client, then two, per daemon
+    assert "The daemon ran torch with " in text and "usable CPUs; OMP_NUM_THREADS unset" in text
+    assert "get_rows tensorwire/tcp:" in text and "put 16 MiB tensorwire/tcp:" in text
+
+
+def test_a_variant_that_is_not_var_equals_value_is_refused():
+    r = _run("--remote", "--variant", "OMP_NUM_THREADS")
+    assert r.returncode == 2 and "is not VAR=VALUE" in r.stderr
+    r = _run("--remote", "--variant", "=3")
+    assert r.returncode == 2 and "is not VAR=VALUE" in r.stderr
