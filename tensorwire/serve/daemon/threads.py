@@ -25,7 +25,9 @@ __all__ = ["cpu_quota", "describe", "intra_op_threads", "usable_cpus"]
 
 
 def cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """CPUs' worth of time this process's cgroup may use (a Kubernetes CPU limit), or None when unlimited or unknown.
+    """CPUs' worth of time the cgroup at ``root`` may use, or None when unlimited or unknown. In a container
+    ``/sys/fs/cgroup`` is the container's own cgroup, where a Kubernetes CPU limit lands; on a host outside one
+    the root cgroup has no quota (a systemd ``CPUQuota=`` of a service is not seen: set ``OMP_NUM_THREADS``).
 
     Reads cgroup v2's ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``), else v1's ``cpu.cfs_quota_us`` and
     ``cpu.cfs_period_us`` (quota -1: unlimited).
