@@ -939,10 +939,8 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         address = f"127.0.0.1:{dinfo['port']}"
         clients = {k: tw.Client(address, transport=k, timeout=300) for k in kinds}
         assert all(c.data_path == k for k, c in clients.items()), {k: c.data_path for k, c in clients.items()}
-        variant_clients = {
-            f"tcp, {v}": tw.Client(f"127.0.0.1:{info['port']}", transport="tcp", timeout=300)
-            for v, (_, info) in others.items()
-        }
+        variant_addresses = {f"tcp, {v}": f"127.0.0.1:{info['port']}" for v, (_, info) in others.items()}
+        variant_clients = {k: tw.Client(a, transport="tcp", timeout=300) for k, a in variant_addresses.items()}
         bc = BaselineClient(f"127.0.0.1:{binfo['port']}")
         rc = RawClient(rinfo["port"])
         first = next(iter(clients.values()))
@@ -975,8 +973,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         together: list[tuple[str, ...]] = []
         if args.concurrent:  # every daemon's TCP get_rows with one client, then with --concurrent at once
             secs = 3.0
-            daemons = {"tcp": address, **{f"tcp, {v}": f"127.0.0.1:{info['port']}" for v, (_, info) in others.items()}}
-            for k, addr in daemons.items():
+            for k, addr in {"tcp": address, **variant_addresses}.items():
                 print(f"  {k}: get_rows from 1 and {args.concurrent} client processes at once", file=sys.stderr)
                 one = _aggregate(addr, "tcp", "table", 1, secs, rows=B)
                 many = _aggregate(addr, "tcp", "table", args.concurrent, secs, rows=B)
@@ -1068,14 +1065,12 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
     return _table(rows), verdicts
 
 
-def threads_note() -> str:
-    """How many intra-op threads ``tensorwire serve`` runs torch with here, and why (the daemon's own choice)."""
-    from tensorwire.serve.daemon.threads import intra_op_threads, usable_cpus
+def daemon_threads() -> str:
+    """The line ``tensorwire serve`` logs about its torch intra-op threads, for a daemon started from here (the
+    same environment and CPUs; with ``OMP_NUM_THREADS`` set, torch's number here is the daemon's)."""
+    from tensorwire.serve.daemon.threads import describe, intra_op_threads
 
-    n = intra_op_threads()
-    if n is None:
-        return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS'].strip()} intra-op threads"
-    return f"{n} intra-op thread{'s' if n > 1 else ''} ({usable_cpus()} usable CPUs; OMP_NUM_THREADS unset)"
+    return describe(intra_op_threads())
 
 
 def _write_remote(
@@ -1101,7 +1096,7 @@ def _write_remote(
         "memory). Medians; every path measured in turns (get_rows: twenty calls of each at a time; get and put: "
         "two). The raw socket moves the same bytes with no gather and no header: the wire's floor.",
         "",
-        f"The daemon ran torch with {threads_note()}. A row `tensorwire/tcp, VAR=VALUE` is another daemon started "
+        f"The daemon's log: `{daemon_threads()}`. A row `tensorwire/tcp, VAR=VALUE` is another daemon started "
         "with that environment (`--variant`), its get_rows in the same turns; `clients at once` rows (`--concurrent`): "
         "every daemon's get_rows from one client process, then from that many at once, all bytes moved per second.",
         "",
@@ -1124,6 +1119,17 @@ def _variant(text: str) -> str:
     if not pairs or any("=" not in kv or not kv.split("=", 1)[0].strip() for kv in pairs):
         raise argparse.ArgumentTypeError(f"{text!r} is not VAR=VALUE[,VAR=VALUE...]")
     return ",".join(pairs)
+
+
+def _clients(text: str) -> int:
+    """``--concurrent``'s value: a whole number >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of client processes (0 or more)")
+    return n
 
 
 def main() -> int:
@@ -1152,11 +1158,11 @@ def main() -> int:
         type=_variant,
         metavar="VAR=VALUE[,VAR=VALUE...]",
         help="--remote, repeatable: one more daemon with these environment variables (e.g. "
-        "TENSORWIRE_SERVE_GATHER_THREADS=0 or OMP_NUM_THREADS=8), its TCP get_rows in the same turns as the rest",
+        "OMP_NUM_THREADS=1 or OMP_NUM_THREADS=8), its TCP get_rows in the same turns as the rest",
     )
     p.add_argument(
         "--concurrent",
-        type=int,
+        type=_clients,
         default=0,
         metavar="N",
         help="--remote: also every daemon's TCP get_rows from one client process and from N at once (bytes/s in all)",

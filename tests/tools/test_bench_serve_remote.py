@@ -1,5 +1,6 @@
 """bench/bench_serve.py --remote: a tiny run end to end with a daemon variant and clients at once (the figures
-are not checked, only that every row is there and says what ran), and its refusal of a malformed variant."""
+are not checked, only that every row is there and says what ran), and its refusal of a malformed variant or
+count of clients."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_a_remote_run_with_a_variant_and_clients_at_once_writes_every_row(tmp_pa
         "tensorwire/tcp, OMP_NUM_THREADS=1",
     ]
     assert all("clients at once" in row and " / " in row for row in rows[-2:])  # one client, then two, per daemon
-    assert "The daemon ran torch with " in text and "usable CPUs; OMP_NUM_THREADS unset" in text
+    assert "The daemon's log: `torch intra-op threads: " in text and "usable CPUs; OMP_NUM_THREADS sets another" in text
     assert "get_rows tensorwire/tcp:" in text and "put 16 MiB tensorwire/tcp:" in text
 
 
@@ -53,3 +54,9 @@ def test_a_variant_that_is_not_var_equals_value_is_refused():
     assert r.returncode == 2 and "is not VAR=VALUE" in r.stderr
     r = _run("--remote", "--variant", "=3")
     assert r.returncode == 2 and "is not VAR=VALUE" in r.stderr
+
+
+def test_a_negative_or_non_numeric_count_of_clients_is_refused():
+    for bad in ("-1", "many"):
+        r = _run("--remote", "--concurrent", bad)
+        assert r.returncode == 2 and "is not a number of client processes" in r.stderr

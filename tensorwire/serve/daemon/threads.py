@@ -21,6 +21,8 @@ import math
 import os
 from typing import Mapping
 
+from tensorwire.serve.protocol.shm import usable_cpus as affinity_cpus
+
 __all__ = ["cpu_quota", "describe", "intra_op_threads", "usable_cpus"]
 
 
@@ -49,11 +51,9 @@ def cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
 
 
 def usable_cpus(root: str = "/sys/fs/cgroup") -> int:
-    """The CPUs this process may run on (its affinity mask), no more than its cgroup's CPU quota rounds up to."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - no affinity call on this platform
-        cpus = os.cpu_count() or 1
+    """The CPUs this process may run on (its affinity mask: :func:`tensorwire.serve.protocol.shm.usable_cpus`), no
+    more than the CPU quota of the cgroup at ``root`` rounds up to."""
+    cpus = affinity_cpus()
     quota = cpu_quota(root)
     if quota is not None:
         cpus = min(cpus, max(1, math.ceil(quota)))
@@ -70,11 +70,12 @@ def intra_op_threads(environ: Mapping[str, str] | None = None, cpus: int | None 
     return 1 if n < 8 else min(8, n // 4)
 
 
-def describe() -> str:
-    """The daemon's log line: torch's intra-op threads now and where the number came from."""
+def describe(threads: int | None = None) -> str:
+    """The daemon's log line: torch's intra-op threads (``threads``, else torch's number now) and where the number
+    came from."""
     import torch
 
-    n = torch.get_num_threads()
+    n = torch.get_num_threads() if threads is None else threads
     if os.environ.get("OMP_NUM_THREADS", "").strip():
         return f"torch intra-op threads: {n} (OMP_NUM_THREADS)"
     return f"torch intra-op threads: {n} ({usable_cpus()} usable CPUs; OMP_NUM_THREADS sets another number)"
