@@ -230,7 +230,8 @@ class Settings:
     )
     cma_threads: int = _var(
         _count,
-        "Threads that copy one cross-memory message in pieces of at least 1 MiB; 0: a quarter of the cores, 2 to 4 (1 on one core).",
+        "Threads that copy one cross-memory message in pieces of at least 1 MiB; 0: a quarter of the usable CPUs "
+        "(affinity mask, cgroup CPU quota), 2 to 4 (1 on one CPU).",
         0,
     )
     # -- UCX ---------------------------------------------------------------------------------------------

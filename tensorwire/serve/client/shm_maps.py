@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire import lifecycle
 from tensorwire.buffers import cuda_available
+from tensorwire.cpus import usable_cpus
 from tensorwire.hostmap import map_host
 from tensorwire.serve.client.gather_choice import GatherChoice
 from tensorwire.serve.protocol.shm import (
@@ -47,7 +48,6 @@ from tensorwire.serve.protocol.shm import (
     map_fd,
     page_ahead,
     page_counters,
-    usable_cpus,
     valid_name,
 )
 

@@ -51,9 +51,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from tensorwire.cpus import usable_cpus
 from tensorwire.errors import ClosedError, PeerLostError, ProtocolError, TensorWireError, TransferTimeout
 from tensorwire.serve.protocol.common import TAG_REQUEST, TAG_WATCH
-from tensorwire.serve.protocol.shm import usable_cpus
 from tensorwire.serve.protocol.wire import MAX_REQUEST_BYTES, MalformedRequest
 from tensorwire.serve.daemon.jobs import Job, PendingWrite
 from tensorwire.serve.daemon.metrics import Tally

@@ -17,47 +17,12 @@ between them on every part).
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Mapping
 
-from tensorwire.serve.protocol.shm import usable_cpus as affinity_cpus
+from tensorwire.cpus import cpu_quota, usable_cpus
 
 __all__ = ["cpu_quota", "describe", "intra_op_threads", "usable_cpus"]
-
-
-def cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """CPUs' worth of time the cgroup at ``root`` may use, or None when unlimited or unknown. In a container
-    ``/sys/fs/cgroup`` is the container's own cgroup, where a Kubernetes CPU limit lands; on a host outside one
-    the root cgroup has no quota (a systemd ``CPUQuota=`` of a service is not seen: set ``OMP_NUM_THREADS``).
-
-    Reads cgroup v2's ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``), else v1's ``cpu.cfs_quota_us`` and
-    ``cpu.cfs_period_us`` (quota -1: unlimited).
-    """
-    try:
-        with open(os.path.join(root, "cpu.max"), encoding="ascii") as f:
-            quota, period = f.read().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us"), encoding="ascii") as f:
-            q = int(f.read().strip())
-        with open(os.path.join(root, "cpu", "cpu.cfs_period_us"), encoding="ascii") as f:
-            p = int(f.read().strip())
-        return None if q <= 0 or p <= 0 else q / p
-    except (OSError, ValueError):
-        return None
-
-
-def usable_cpus(root: str = "/sys/fs/cgroup") -> int:
-    """The CPUs this process may run on (its affinity mask: :func:`tensorwire.serve.protocol.shm.usable_cpus`), no
-    more than the CPU quota of the cgroup at ``root`` rounds up to."""
-    cpus = affinity_cpus()
-    quota = cpu_quota(root)
-    if quota is not None:
-        cpus = min(cpus, max(1, math.ceil(quota)))
-    return cpus
 
 
 def intra_op_threads(environ: Mapping[str, str] | None = None, cpus: int | None = None) -> int | None:

@@ -71,7 +71,6 @@ __all__ = [
     "cuda_unregister",
     "page_counters",
     "page_ahead",
-    "usable_cpus",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,14 +109,6 @@ _PAGE = mmap.PAGESIZE
 #: A region's name: ``tensorwire-<pid>-<8 hex>-<24 hex>`` (the daemon's pid and registry tag, then the region's).
 NAME_RE = re.compile(r"^tensorwire-([0-9]{1,10})-([0-9a-f]{8})-([0-9a-f]{24})$")
 _MMAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover
-        return os.cpu_count() or 1
 
 
 class ShmError(OSError):

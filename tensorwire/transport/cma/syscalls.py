@@ -22,6 +22,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
+from tensorwire.cpus import usable_cpus
+
 __all__ = [
     "PIECE_MIN",
     "load_libc",
@@ -144,12 +146,13 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def default_threads() -> int:
-    """Copy threads per message under ``TENSORWIRE_CMA_THREADS=0``: a quarter of the cores, 2 to 4 (1 on one core).
+    """Copy threads per message under ``TENSORWIRE_CMA_THREADS=0``: a quarter of the CPUs this process may use
+    (:func:`tensorwire.cpus.usable_cpus`: its affinity, its cgroup's quota), 2 to 4 (1 on one CPU).
 
     Two even on two cores: while a message is copied its receiver waits, so a second core is free (16 MiB
     ping-pong on a 2-core VM: 4.1-5.2 ms per round trip with two threads, 8.0-8.5 ms with one, in turns).
     """
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     return 1 if cores < 2 else max(2, min(4, cores // 4))
 
 
