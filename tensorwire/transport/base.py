@@ -230,6 +230,29 @@ class Transport(abc.ABC):
             PeerLostError, ClosedError.
         """
 
+    def send_two(
+        self,
+        first: "tuple[int, torch.Tensor, int | None]",
+        second: "tuple[int, torch.Tensor, int | None]",
+        *,
+        timeout: float | None,
+    ) -> None:
+        """Send two messages, each ``(tag, buf, step)``, in this order, as two :meth:`send` calls would.
+
+        A transport may put both on the wire at once where both credits are there already (TCP: one
+        ``sendmsg``); here they are two sends, each within ``timeout``.
+
+        Raises:
+            TransferTimeout, PeerLostError, ClosedError: as :meth:`send` (the first may be out when the second
+                fails).
+        """
+        self.send(first[0], first[1], step=first[2], timeout=timeout)
+        self.send(second[0], second[1], step=second[2], timeout=timeout)
+
+    def set_spin(self, us: float) -> None:
+        """Poll for ``us`` microseconds before a wait sleeps, on transports whose waits can poll (TCP); else
+        nothing."""
+
     def has_credit(self, tag: int) -> bool:
         """Whether a send on ``tag`` would find a posted buffer of the peer right now (never blocks).
 

@@ -19,6 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import ConfigError, ProtocolError, TensorWireError
+from tensorwire.settings import setting
 from tensorwire.serve.client.context import ClientContext, Progress, warn_once
 from tensorwire.serve.client.grpc_path import GrpcPath
 from tensorwire.serve.client.request_path import RequestPath
@@ -127,6 +128,8 @@ def open_session(
             if isinstance(exc, ImportError):
                 raise ConfigError(f"transport {addr.kind!r} is not available here: {exc}") from exc
             raise
+        if addr.kind == "tcp" and setting("serve_spin_us"):
+            t.set_spin(setting("serve_spin_us"))
         if want == "auto" and kind == "auto" and all(d.kind != "ucx" for d in resp.data):
             warn_once("ucx-server", "transport auto: the server offers no UCX; using TCP")
         session = Session(

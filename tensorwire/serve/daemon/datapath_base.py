@@ -89,11 +89,17 @@ class RequestHandlers:
         **fields: Any,
     ) -> None:
         """An OK (or GO) reply with the stored tensor's spec, as message ``reply_step`` of tag 5."""
+        out = self._ok_reply(s, req, spec, status, **fields)
+        t.send(TAG_REPLY, out, step=reply_step, timeout=max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _ok_reply(s: "Session", req: Request, spec: TensorSpec, status: int = OK, **fields: Any) -> Any:
+        """:meth:`_ok`'s reply packed into the session's reply buffer, not sent: the bytes to send."""
         into, out = s.reply_buffer()
         pack_reply(
             into, status=status, op=req.op, req_id=req.req_id, dtype=DTYPE_CODES[spec.dtype], shape=spec.shape, **fields
         )
-        t.send(TAG_REPLY, out, step=reply_step, timeout=max(0.0, deadline - time.monotonic()))
+        return out
 
     def _fail_reply(
         self, s: "Session", t: "Transport", reply_step: int, req: Request, exc: BaseException, deadline: float

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire import errors
 from tensorwire.spec import DTYPE_CODES, TensorSpec
-from tensorwire.serve.protocol.common import TAG_DOWN
+from tensorwire.serve.protocol.common import TAG_DOWN, TAG_REPLY
 from tensorwire.serve.daemon.ops import plan_rows
 from tensorwire.serve.daemon.ops import check_tensor_name as _name
 from tensorwire.serve.daemon.ops import send as _send
@@ -71,6 +71,11 @@ def _payload(s: "Session", slot: Any) -> Any:
     if s.kind == "tcp":
         return memoryview(slot.host_array())
     return slot.raw
+
+
+def _until(deadline: float) -> float:
+    """Seconds to ``deadline``, at least 0."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _expected(req: Request, spec: TensorSpec, shape: tuple[int, ...], nbytes: int) -> bool:
@@ -213,20 +218,11 @@ class ReadRequests(RequestHandlers):
                 if skip:
                     self._skip(t, step, deadline)
                     step += 1
-                self._ok(
-                    s,
-                    t,
-                    job.reply_step,
-                    req,
-                    spec,
-                    deadline,
-                    version=version,
-                    step=step,
-                    nbytes=nbytes,
-                    chunk=nbytes,
-                )
-                if nbytes:
-                    _send(t, raw, step, deadline)
+                ok = self._ok_reply(s, req, spec, version=version, step=step, nbytes=nbytes, chunk=nbytes)
+                if nbytes:  # one write where the client's receive is posted already (TCP: one sendmsg)
+                    t.send_two((TAG_REPLY, ok, job.reply_step), (TAG_DOWN, raw, step), timeout=_until(deadline))
+                else:
+                    t.send(TAG_REPLY, ok, step=job.reply_step, timeout=_until(deadline))
                 return None
 
             return self._job(
@@ -323,6 +319,8 @@ class ReadRequests(RequestHandlers):
                         start_send = t.start_send
                         ops.append(start_send(TAG_DOWN, out[a * rb : b * rb], step=step + i, timeout=left()))
                     release()
+                    if job.request_read is not None:  # the row numbers are read: the request's buffer may go
+                        job.request_read()
                     for op in ops:
                         t.wait_send(op, timeout=left())
                     return None
@@ -332,8 +330,12 @@ class ReadRequests(RequestHandlers):
                     _gather_rows(table, p.index, out, 0, helper.chunk_rows, rb)
                     helper.wait(helper.chunks - 1, deadline)
                 release()
-                if posted:
-                    reply()
+                if job.request_read is not None:  # the row numbers are read: post the request's buffer again, its
+                    job.request_read()  # credit riding on the reply and the rows
+                if posted:  # the reply and the rows in one write where the transport can (TCP: one sendmsg)
+                    ok = self._ok_reply(s, req, spec, version=version, step=step, nbytes=nbytes, chunk=chunk)
+                    t.send_two((TAG_REPLY, ok, job.reply_step), (TAG_DOWN, out, step), timeout=left())
+                    return None
                 _send(t, out, step, deadline)
                 return None
             finally:

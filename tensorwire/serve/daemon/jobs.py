@@ -84,6 +84,7 @@ class Job:
         "client_copy",
         "done",
         "holds_request",
+        "request_read",
         "result",
         "error",
         "_cleaned",
@@ -119,6 +120,10 @@ class Job:
         self.done = Done()
         #: The job reads the request's receive buffer (row numbers in place): it is posted again only after.
         self.holds_request = False
+        #: Set by the session for a job that holds its request: the job calls it once it no longer reads the
+        #: request's buffer (a get_rows, once gathered), which posts the buffer again then -- its credit rides on
+        #: the reply instead of a frame of its own after the job. Idempotent; the session calls it after the job.
+        self.request_read: Callable[[], None] | None = None
         self.result: Any = None
         self.error: BaseException | None = None
         self._cleaned = False

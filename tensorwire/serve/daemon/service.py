@@ -29,6 +29,7 @@ import grpc
 
 from tensorwire import errors
 from tensorwire._proto import spec_from_proto
+from tensorwire.settings import setting
 from tensorwire.spec import MAX_NAME_LEN
 from tensorwire.transport.select import auto_preference, host_id
 from tensorwire.transport.base import new_nonce
@@ -88,6 +89,8 @@ class StoreService(TransferCalls, store_pb2_grpc.StoreServicer):
         self.primary = primary
         self.metrics = metrics
         self.connect_timeout = connect_timeout
+        #: TENSORWIRE_SERVE_SPIN_US, read once (a bad value stops the start, not a session later)
+        self.spin_us: float = setting("serve_spin_us")
         self.default_timeout = default_timeout
         self.draining = False
         #: The data-plane requests sessions may use (tensorwire.serve.protocol.common.DATA_REQUESTS_LEVEL); 0 = none
@@ -245,6 +248,7 @@ class StoreService(TransferCalls, store_pb2_grpc.StoreServicer):
                 nonce,
                 self.listeners[kind],
                 connect_timeout=self.connect_timeout,
+                spin_us=self.spin_us,
                 metrics=self.metrics,
                 on_close=self._forget,
                 client=client,

@@ -91,6 +91,23 @@ _SPIN_SLOTS = threading.BoundedSemaphore(max(1, _spin_slots()))
 _CAN_SPIN = _spin_slots() > 0
 
 
+class _Repost:
+    """Post a request buffer again on the session's transport, once (``Job.request_read``)."""
+
+    __slots__ = ("_t", "_buf", "_posted")
+
+    def __init__(self, t: "Transport", buf: "torch.Tensor", posted: "collections.deque[torch.Tensor]") -> None:
+        self._t: "Transport | None" = t
+        self._buf = buf
+        self._posted = posted
+
+    def __call__(self) -> None:
+        t, self._t = self._t, None
+        if t is not None:
+            t.post_recv(TAG_REQUEST, self._buf, header=True)
+            self._posted.append(self._buf)
+
+
 class Session(SessionBuffers, SessionShm):
     """One client's data-plane session (see the module docstring)."""
 
@@ -101,6 +118,7 @@ class Session(SessionBuffers, SessionShm):
         listener: "Listener",
         *,
         connect_timeout: float,
+        spin_us: float = 0.0,
         metrics: "Metrics | None",
         on_close: Callable[["Session"], None],
         client: str = "",
@@ -114,6 +132,7 @@ class Session(SessionBuffers, SessionShm):
         self.kind = listener.kind
         self._listener = listener
         self._connect_timeout = connect_timeout
+        self._spin_us = spin_us  # how long the data connection polls before it sleeps (TENSORWIRE_SERVE_SPIN_US)
         self._metrics = metrics
         self._on_close = on_close
         self._jobs: "queue.Queue[Job | None]" = queue.Queue()
@@ -223,6 +242,8 @@ class Session(SessionBuffers, SessionShm):
                 self._drain_queue()
                 return
             self.transport = t
+        if t.kind == "tcp" and self._spin_us:
+            t.set_spin(self._spin_us)
         log.info("session %s: data connection up (%s)", self.id[:8], t.describe())
         if self._handler is not None:
             with self._lock:
@@ -329,13 +350,16 @@ class Session(SessionBuffers, SessionShm):
                     # (posted after the reply, the credit went out in a frame of its own, a send per request).
                     t.post_recv(TAG_REQUEST, buf, header=True)
                     posted.append(buf)
+                else:  # the job posts it again as soon as it is done reading it (before its reply, as above)
+                    assert job is not None
+                    job.request_read = _Repost(t, buf, posted)
                 if job is not None:  # None: answered by nothing (a RELEASE), done already
                     self.submit(job)
                     while not job.done.wait(1.0):  # queued behind the worker's jobs: wait for it
                         self.check_open()
                 if not early:
-                    t.post_recv(TAG_REQUEST, buf, header=True)
-                    posted.append(buf)
+                    assert job is not None and job.request_read is not None
+                    job.request_read()
                 if self.shm and len(posted) < 3:
                     b = self.request_buffer(MAX_REQUEST_BYTES)
                     t.post_recv(TAG_REQUEST, b, header=True)

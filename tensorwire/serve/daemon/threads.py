@@ -7,7 +7,7 @@ with one thread. From 8 it runs a quarter of them (at most 8): one ``index_selec
 waiting on memory (4,096 rows of 512 B of a 1,000,000-row table: 0.36 ms with one thread, 0.09 with 4, 0.04 with 8
 on a 16-core host). There a get_rows over TCP of those 2 MiB took 1.14 ms with 4 threads against 1.36 ms with one
 (``bench/bench_serve.py --remote --variant OMP_NUM_THREADS=1 --concurrent 16``, daemons side by side,
-``bench/results/serve-remote_h200_2026-12-01-4.md``; 1.19-1.20 against 1.38-1.45 ms in the runs before it); one
+``bench/results/archive/serve-remote_h200_2026-12-01-4.md``; 1.19-1.20 against 1.38-1.45 ms in the runs before it); one
 client moved 12-47 % more in every run, sixteen at once between 10 % less and 8 % more. The daemon's own helper
 threads splitting the gather, tried instead, were slower than one thread (1.78 against 1.38 ms: the GIL handed
 between them on every part).

@@ -105,6 +105,15 @@ class Connection(Transport):
     def describe(self) -> str:
         return f"tcp to {self._peer}"
 
+    @property
+    def spin_us(self) -> float:
+        """Microseconds a blocking read polls the socket before it sleeps (0: never)."""
+        return self._spin * 1e6
+
+    def set_spin(self, us: float) -> None:
+        """Poll the socket for ``us`` microseconds before a blocking read sleeps (0: never), from the next wait."""
+        self._spin = self._rspin = max(0.0, us) * 1e-6
+
     def forget_buffer(self, buf: Any) -> None:
         cached = self._views.get(id(buf))
         if cached is not None and cached[0] is buf:

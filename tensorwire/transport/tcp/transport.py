@@ -139,6 +139,49 @@ class TcpTransport(FrameReader):
             # and left the credits to us. Nobody else may try again before blocking on the peer.
             self._flush_credits()
 
+    def send_two(
+        self,
+        first: tuple[int, Any, int | None],
+        second: tuple[int, Any, int | None],
+        *,
+        timeout: float | None,
+    ) -> None:
+        """Two messages in one ``sendmsg`` where both credits are there and nobody else is sending (a reply and
+        the payload right behind it: one system call and one wake-up of the reader instead of two); else two
+        :meth:`send` calls. Not on a connection with cross-memory attach (its payloads may skip the socket)."""
+        tag1, buf1, step1 = first
+        tag2, buf2, step2 = second
+        if self.cma is None and self._send_lock.acquire(False):
+            try:
+                p1 = buf1 if type(buf1) is memoryview else host_view(buf1)
+                p2 = buf2 if type(buf2) is memoryview else host_view(buf2)
+                have = self._credits
+                c1 = c2 = None
+                with self._lock:  # both DATA credits there: both claims succeed
+                    if self._error is None and have[tag1] > 0 and have[tag2] > (1 if tag1 == tag2 else 0):
+                        c1 = self._claim(tag1, len(p1), step1)
+                        c2 = self._claim(tag2, len(p2), step2)
+                if c1 is not None and c2 is not None:
+                    views: list[memoryview] = []
+                    for (ftype, wire_step, grants, ctrl), tag, p in ((c1, tag1, p1), (c2, tag2, p2)):
+                        header = self._header(ftype, NO_SHAPE, tag, wire_step, len(p), grants, ctrl, ZERO_DIMS)
+                        views.append(memoryview(header))
+                        if len(p):
+                            views.append(p)
+                    self._write(views, None if timeout is None else time.monotonic() + timeout)
+                    self.bytes_sent += len(p1) + len(p2)
+                    sent = True
+                else:
+                    sent = False
+            finally:
+                self._send_lock.release()
+            if sent:
+                if self in URGENT:
+                    self._flush_credits()  # as send(): credits left to this frame while it was on the wire
+                return
+        self.send(tag1, buf1, step=step1, timeout=timeout)
+        self.send(tag2, buf2, step=step2, timeout=timeout)
+
     def try_send(
         self, tag: int, buf: Any, *, step: int | None = None, shape: tuple[int, ...] | None = None
     ) -> "bool | PartialSend":
