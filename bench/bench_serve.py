@@ -32,7 +32,7 @@ machine info, the exact command). Usage::
     python bench/bench_serve.py [--quick] [--out bench/results/serve_<machine kind>_<date>.md]
 
 ``--remote`` measures only what a client on another host gets (:func:`run_remote`): get_rows of 2 MiB
-of rows and get / put of 64 MiB over the daemon's data connections, in turns with the raw socket and
+of rows, small requests (one row, a 4 KiB get) and get / put of 64 MiB over the daemon's data connections, in turns with the raw socket and
 the gRPC baseline, and prints the ratios (a file only with ``--out``)::
 
     python bench/bench_serve.py --remote --transport tcp [--rounds 10] [--out FILE]
@@ -41,6 +41,7 @@ the gRPC baseline, and prints the ratios (a file only with ``--out``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -50,7 +51,7 @@ import subprocess
 import sys
 import time
 from concurrent import futures
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -291,6 +292,21 @@ def _spawn(cmd: list[str], **extra_env: str) -> tuple[subprocess.Popen, dict]:
         proc.kill()
         raise SystemExit(f"could not start: {' '.join(cmd)}")
     return proc, json.loads(line)
+
+
+@contextlib.contextmanager
+def _env(pairs: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``pairs`` set for the block (the values before restored after it)."""
+    before = {k: os.environ.get(k) for k in pairs}
+    os.environ.update(pairs)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -917,8 +933,9 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
     turns with a raw TCP socket moving the same bytes and with the gRPC baseline.
 
     get_rows of 4,096 rows x 128 float32 (2 MiB) of a 1,000,000-row table (200,000 with ``--quick``): every path
-    ``--rounds`` turns of twenty back-to-back calls; get and put of 64 MiB (16 with ``--quick``): ``--rounds``
-    turns of two calls. Ratios are of medians taken in the same turns.
+    ``--rounds`` turns of twenty back-to-back calls; the same for get_rows of one row and a get of 4 KiB (the
+    request's own cost); get and put of 64 MiB (16 with ``--quick``): ``--rounds`` turns of two calls. Ratios are
+    of medians taken in the same turns.
     """
     import torch
 
@@ -940,7 +957,11 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         clients = {k: tw.Client(address, transport=k, timeout=300) for k in kinds}
         assert all(c.data_path == k for k, c in clients.items()), {k: c.data_path for k, c in clients.items()}
         variant_addresses = {f"tcp, {v}": f"127.0.0.1:{info['port']}" for v, (_, info) in others.items()}
-        variant_clients = {k: tw.Client(a, transport="tcp", timeout=300) for k, a in variant_addresses.items()}
+        variant_env = {f"tcp, {v}": dict(kv.split("=", 1) for kv in v.split(",")) for v in args.variant}
+        variant_clients = {}
+        for k, a in variant_addresses.items():
+            with _env(variant_env[k]):  # (settings a client reads when it connects, e.g. TENSORWIRE_SERVE_SPIN_US)
+                variant_clients[k] = tw.Client(a, transport="tcp", timeout=300)
         bc = BaselineClient(f"127.0.0.1:{binfo['port']}")
         rc = RawClient(rinfo["port"])
         first = next(iter(clients.values()))
@@ -975,8 +996,9 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
             secs = 3.0
             for k, addr in {"tcp": address, **variant_addresses}.items():
                 print(f"  {k}: get_rows from 1 and {args.concurrent} client processes at once", file=sys.stderr)
-                one = _aggregate(addr, "tcp", "table", 1, secs, rows=B)
-                many = _aggregate(addr, "tcp", "table", args.concurrent, secs, rows=B)
+                with _env(variant_env.get(k, {})):  # the client processes start with the variant's environment
+                    one = _aggregate(addr, "tcp", "table", 1, secs, rows=B)
+                    many = _aggregate(addr, "tcp", "table", args.concurrent, secs, rows=B)
                 together.append(
                     (
                         f"get_rows {B}x{D} f32, clients at once",
@@ -986,6 +1008,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
                         f"1 / {args.concurrent} client processes, {secs:.0f} s each, all bytes moved",
                     )
                 )
+        small = _small_requests(args, {**clients, **variant_clients}, rc, R, D)
         for k in variant_clients:
             variant_clients[k].delete("table")
             variant_clients[k].close()
@@ -1013,6 +1036,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         ):
             rows.append((op, label, f"{res[key] * 1e3:.3f} ms", f"{_gbps(nb, res[key])} GB/s", ""))
         rows.extend(together)
+        rows.extend(small)
         first.delete("table")
         bc.put("table", torch.empty(0))  # (frees the baseline's copy)
         mib = 16 if args.quick else 64
@@ -1065,6 +1089,48 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
     return _table(rows), verdicts
 
 
+def _small_requests(
+    args: argparse.Namespace, clients: dict[str, Any], rc: Any, R: int, D: int
+) -> list[tuple[str, ...]]:
+    """Rows of small remote requests, where a request's own cost (Python, system calls, wake-ups) is all there is:
+    get_rows of one row of the table and a get of 4 KiB, every client in turns with a raw socket moving the same
+    bytes (``--rounds`` turns of twenty calls each)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    ones = [torch.randint(0, R, (1,), generator=gen) for _ in range(64)]
+    one_out, small = torch.empty(1, D), torch.randn(1024)
+    small_out = torch.empty(1024)
+    for c in clients.values():
+        c.put("small", small)
+    it = iter(range(10**9))
+    rows: list[tuple[str, ...]] = []
+    for op, nb in ((f"get_rows 1x{D} f32 (one row)", D * 4), ("get 4 KiB", 4096)):
+        fns: dict[str, Callable[[], Any]] = {}
+        for k, c in clients.items():
+            if nb == 4096:
+                fns[k] = lambda c=c: c.get("small", out=small_out)
+            else:
+                fns[k] = lambda c=c: c.get_rows("table", ones[next(it) % 64], out=one_out)
+        fns["raw"] = (lambda: rc.get(small_out)) if nb == 4096 else (lambda: rc.get(one_out))
+        res = _interleaved(fns, 20 * args.rounds, warmup=20)
+        for k in clients:
+            rows.append(
+                (
+                    op,
+                    f"tensorwire/{k}",
+                    f"{res[k] * 1e6:.1f} us",
+                    "",
+                    f"{res[k] / res['raw']:.2f}x the raw socket's time",
+                )
+            )
+        rows.append((op, "raw TCP socket, the same bytes", f"{res['raw'] * 1e6:.1f} us", "", ""))
+    for c in clients.values():
+        assert torch.equal(c.get("small", out=small_out), small)
+        c.delete("small")
+    return rows
+
+
 def daemon_threads() -> str:
     """The line ``tensorwire serve`` logs about its torch intra-op threads, for a daemon started from here (the
     same environment and CPUs; with ``OMP_NUM_THREADS`` set, torch's number here is the daemon's)."""
@@ -1093,11 +1159,11 @@ def _write_remote(
         "",
         "Daemon, gRPC baseline and raw socket server each run in their own process on this machine, the clients in "
         "the bench process, over loopback; the tensorwire clients use the data connection they name (no shared "
-        "memory). Medians; every path measured in turns (get_rows: twenty calls of each at a time; get and put: "
-        "two). The raw socket moves the same bytes with no gather and no header: the wire's floor.",
+        "memory). Medians; every path measured in turns (get_rows, one row, 4 KiB: twenty calls of each at a time; "
+        "get and put of 64 MiB: two). The raw socket moves the same bytes with no gather and no header: the wire's floor.",
         "",
         f"The daemon's log: `{daemon_threads()}`. A row `tensorwire/tcp, VAR=VALUE` is another daemon started "
-        "with that environment (`--variant`), its get_rows in the same turns; `clients at once` rows (`--concurrent`): "
+        "with that environment (`--variant`; its clients connect with it set), its get_rows in the same turns; `clients at once` rows (`--concurrent`): "
         "every daemon's get_rows from one client process, then from that many at once, all bytes moved per second.",
         "",
         table_md,
@@ -1158,7 +1224,8 @@ def main() -> int:
         type=_variant,
         metavar="VAR=VALUE[,VAR=VALUE...]",
         help="--remote, repeatable: one more daemon with these environment variables (e.g. "
-        "OMP_NUM_THREADS=1 or OMP_NUM_THREADS=8), its TCP get_rows in the same turns as the rest",
+        "OMP_NUM_THREADS=1 or TENSORWIRE_SERVE_SPIN_US=0), its clients connecting with them set too, its TCP "
+        "get_rows in the same turns as the rest",
     )
     p.add_argument(
         "--concurrent",

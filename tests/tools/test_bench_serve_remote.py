@@ -33,7 +33,7 @@ def test_a_remote_run_with_a_variant_and_clients_at_once_writes_every_row(tmp_pa
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     text = out.read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| get_rows")]
+    rows = [line for line in text.splitlines() if line.startswith("| get_rows") and "one row" not in line]
     paths = [row.split("|")[2].strip() for row in rows]
     assert paths == [
         "tensorwire/tcp",
@@ -45,6 +45,14 @@ def test_a_remote_run_with_a_variant_and_clients_at_once_writes_every_row(tmp_pa
         "tensorwire/tcp, OMP_NUM_THREADS=1",
     ]
     assert all("clients at once" in row and " / " in row for row in rows[-2:])  # one client, then two, per daemon
+    for op in ("get_rows 1x128 f32 (one row)", "get 4 KiB"):  # small requests: every client and the raw socket
+        small = [line.split("|") for line in text.splitlines() if line.startswith(f"| {op} ")]
+        assert [c[2].strip() for c in small] == [
+            "tensorwire/tcp",
+            "tensorwire/tcp, OMP_NUM_THREADS=1",
+            "raw TCP socket, the same bytes",
+        ], op
+        assert all(c[3].strip().endswith(" us") for c in small) and "x the raw socket's time" in small[0][5]
     assert "The daemon's log: `torch intra-op threads: " in text and "usable CPUs; OMP_NUM_THREADS sets another" in text
     assert "get_rows tensorwire/tcp:" in text and "put 16 MiB tensorwire/tcp:" in text
 
