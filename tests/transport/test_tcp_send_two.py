@@ -9,23 +9,16 @@ import pytest
 import torch
 
 from tensorwire.transport.base import Transport
-from tensorwire.transport.tcp import TcpListener
 
-from tcp_pairs import tcp_pair
+from tcp_pairs import tcp_pair_on_port_0
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def pair():
-    lst = TcpListener("127.0.0.1", port=0)
-    a, b = tcp_pair(lst)
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
-        lst.close()
+    with tcp_pair_on_port_0() as ab:
+        yield ab
 
 
 def _credits_reach(a, b) -> None:
