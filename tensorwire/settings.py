@@ -207,7 +207,7 @@ class Settings:
     tcp_spin_us: float = _var(
         _microseconds,
         "Microseconds a TCP link's reader polls its socket before it sleeps in the kernel (links that proved the "
-        "link secret only; the serve daemon's connections never spin). A peer that answers within it is seen "
+        "link secret only; serve's connections poll for `TENSORWIRE_SERVE_SPIN_US`). A peer that answers within it is seen "
         "without a wake-up: on a 2-core VM a 4 KiB `dist.send/recv` round trip took 56-135 us with 100-300, "
         "171-238 us with 0. After the first 20 us the reader yields the core between polls (two ranks sharing "
         "one core: 222 us instead of 395). A wait for a receive of n bytes polls longer by about the time they take to "

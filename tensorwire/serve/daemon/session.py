@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 #: that has gone to sleep took ~0.2 ms longer to answer on the 2-core VM (measured: a 16 MiB put's two
 #: round trips 400 -> 190 us each). At most one session per CPU but one polls at a time, so many busy
 #: clients never spin the daemon's cores away; the others block as before. 0 = never poll. Not on TCP data
-#: connections (see _request_loop).
+#: connections (see _request_loop): there the connection's own reader polls (TENSORWIRE_SERVE_SPIN_US).
 SHM_SPIN_S = 0.002
 #: ... but not after a reply that leaves the client more than this many bytes to copy: that copy outlasts
 #: the poll anyway, and a polling daemon keeps the client from splitting its copy over two cores.
