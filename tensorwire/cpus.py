@@ -27,9 +27,9 @@ def affinity_cpus() -> int:
 
 
 def cpu_quota(root: str | None = None) -> float | None:
-    """CPUs' worth of time the cgroup at ``root`` (None: :data:`CGROUP_ROOT`) may use, or None when unlimited or unknown. In a container
-    ``/sys/fs/cgroup`` is the container's own cgroup, where a Kubernetes CPU limit lands; on a host outside one
-    the root cgroup has no quota (a systemd ``CPUQuota=`` of a service is not seen there).
+    """CPUs' worth of time the cgroup at ``root`` (None: :data:`CGROUP_ROOT`) may use, or None when unlimited or
+    unknown. In a container ``/sys/fs/cgroup`` is the container's own cgroup, where a Kubernetes CPU limit lands;
+    on a host outside one the root cgroup has no quota (a systemd ``CPUQuota=`` of a service is not seen there).
 
     Reads cgroup v2's ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``), else v1's ``cpu.cfs_quota_us`` and
     ``cpu.cfs_period_us`` (quota -1: unlimited).

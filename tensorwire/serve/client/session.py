@@ -128,8 +128,9 @@ def open_session(
             if isinstance(exc, ImportError):
                 raise ConfigError(f"transport {addr.kind!r} is not available here: {exc}") from exc
             raise
-        if addr.kind == "tcp" and setting("serve_spin_us"):
-            t.set_spin(setting("serve_spin_us"))
+        spin = setting("serve_spin_us") if addr.kind == "tcp" else 0.0
+        if spin:
+            t.set_spin(spin)
         if want == "auto" and kind == "auto" and all(d.kind != "ucx" for d in resp.data):
             warn_once("ucx-server", "transport auto: the server offers no UCX; using TCP")
         session = Session(
