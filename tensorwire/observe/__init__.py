@@ -80,7 +80,8 @@ def metrics() -> dict[str, Any]:
     (``kind``: the error's class), ``held`` (``slots``, ``slot_bytes``, ``mapped_bytes``),
     ``ce`` (per peer on the copy-engine path, how many of this side's messages played each part of
     :data:`CE_PARTS`: came first, came second and copied on the caller's stream or on an internal stream, a
-    large send whose receiver came while it waited or did not), ``totals``
+    large send whose receiver came while it waited, did not, or that stopped because the peer waited in a send
+    too), ``totals``
     (``{"send"|"recv": {"messages", "bytes"}}``) and ``enabled``.
     """
     snap = REGISTRY.snapshot()
@@ -178,7 +179,7 @@ def summary(rank: int | None = None) -> str:
     ce = "".join(
         f"; copy engine ->{e['peer']}: first {e['first']}, second {e['second_inline'] + e['second_queued']} "
         f"({e['second_queued']} on an internal stream), large sends pushed after a wait {e['push_waited']}, "
-        f"waited in vain {e['push_wait_missed']}"
+        f"waited in vain {e['push_wait_missed']}, stopped for the peer's own wait {e['push_wait_crossed']}"
         for e in sorted(m["ce"], key=lambda e: e["peer"])
     )
     who = f" rank {rank}" if rank is not None else ""

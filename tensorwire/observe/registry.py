@@ -82,8 +82,9 @@ PATHS = ("ucx", "tcp", "cma", "staged", "ce")
 
 #: The parts a message of the copy-engine path plays on one side (``tensorwire.transport.ce.CePair.counts``): it
 #: came first (queued a flag write); came second and copied on the caller's stream; came second and copied on an
-#: internal stream; a large send whose receiver came while it waited (it pushed); one whose receiver did not.
-CE_PARTS = ("first", "second_inline", "second_queued", "push_waited", "push_wait_missed")
+#: internal stream; a large send whose receiver came while it waited (it pushed); one whose receiver did not; one that
+#: stopped waiting because the peer was waiting in a send to it (an exchange: both send before they receive).
+CE_PARTS = ("first", "second_inline", "second_queued", "push_waited", "push_wait_missed", "push_wait_crossed")
 
 
 _clock = time.perf_counter_ns

@@ -177,6 +177,52 @@ def test_a_large_send_waits_for_its_receiver_and_pushes_the_bytes_itself(pair):
     assert pair.b.counts[1] + pair.b.counts[2] == 0
 
 
+def test_large_sends_both_ways_at_once_stop_waiting_for_each_other(pair):
+    """An exchange -- each side ``isend``s a large tensor, then ``irecv``s the peer's -- must not hold both senders
+    for the whole wait: neither receiver can come before its own send returns. Each sees the other waiting, both
+    stop at once, and each receiver pulls (so each GPU still makes one copy)."""
+    pair.a.inline_max = pair.b.inline_max = 64
+    pair.a.push_wait_s = pair.b.push_wait_s = 5.0
+    src_a, src_b = pair.tensor((256,), fill=3), pair.tensor((256,), fill=7)
+    dst_a, dst_b = pair.tensor((256,), fill=-1), pair.tensor((256,), fill=-1)
+    box: dict = {}
+
+    def exchange(side: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        t0 = time.monotonic()
+        s = pair.send(src, side=side)
+        box[f"{side} waited"] = time.monotonic() - t0
+        r = pair.recv(dst, side=side)
+        box[side] = (s, r)
+
+    threads = [
+        threading.Thread(target=exchange, args=("a", src_a, dst_a)),
+        threading.Thread(target=exchange, args=("b", src_b, dst_b)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert box["a waited"] < 2.0 and box["b waited"] < 2.0, box  # (5 s each before: the whole wait)
+    pair.settle(*box["a"], *box["b"])
+    assert torch.equal(dst_a, src_b) and torch.equal(dst_b, src_a)  # (what each side received)
+    # At least one stopped because the other waited; the other stopped for the same reason, or found its receiver
+    # already there (the first to stop may reach its receive before the other's next look: threads of one process
+    # here). Nobody waited its time out.
+    assert pair.a.counts[5] + pair.b.counts[5] >= 1
+    assert pair.a.counts[5] + pair.a.counts[3] == 1 and pair.b.counts[5] + pair.b.counts[3] == 1
+    assert pair.a.counts[4] + pair.b.counts[4] == 0
+    # and the words say nobody waits any more: a later lone large send waits for its receiver as before
+    box.clear()
+    later = threading.Thread(target=lambda: box.setdefault("s", pair.send(src_a)))
+    later.start()
+    time.sleep(0.05)
+    assert "s" not in box  # still waiting for its receiver
+    r = pair.recv(dst_b)
+    later.join(timeout=10)
+    pair.settle(box["s"], r)
+    assert pair.a.counts[3] + pair.a.counts[5] == 2 and pair.a.counts[4] == 0  # (it pushed after its wait)
+
+
 def test_a_large_send_to_a_peer_on_the_same_gpu_does_not_wait_for_its_receiver(pair):
     """Two processes on one GPU share its copy engines: once a side has seen that the peer's memory is on its own
     GPU, its large sends go on at once (a GPU-side wait between two contexts of one GPU can cost a time slice)."""

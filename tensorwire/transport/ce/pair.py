@@ -253,8 +253,9 @@ class CePair(Capture):
         self._one_gpu: dict[int, bool] = {}
         #: messages by this side's part: [came first, came second and copied on the caller's stream, came second
         #: and copied on an internal stream, large sends whose receiver came while they waited, large sends whose
-        #: receiver did not] (where the host time goes: bench/profile_ce_host.py prints them)
-        self.counts = [0, 0, 0, 0, 0]
+        #: receiver did not, large sends that stopped waiting because the peer waited in a send too] (where the host
+        #: time goes: bench/profile_ce_host.py prints them)
+        self.counts = [0, 0, 0, 0, 0, 0]
         #: how captured messages write and wait on their flags (TENSORWIRE_CE_GRAPH_FLAGS; graphs.py)
         self.graph_flags = setting("ce_graph_flags")
         self._flags_said: set[int] = set()  # (devices whose captured flags' calls were said in the log)
@@ -533,19 +534,37 @@ class CePair(Capture):
         """Wait (host, at most ``push_wait_s``) until the receiver has come to message ``seq`` of ``chan``.
 
         A look at the entry's head in shared memory per turn, no lock: :meth:`_arrive` decides under the lock.
+        Stops at once when the peer is (or was, during this wait) in such a wait itself: both ranks sending
+        before they receive (an exchange: ``isend`` then ``irecv`` on each side) would otherwise hold each other
+        for the whole wait, since neither comes to its receive before its send returns. Both stop; each
+        receiver then pulls, so each GPU still makes one copy.
         """
         r = self.region
         entry = r.entry(chan.offset, seq)
         s32 = seq & 0xFFFFFFFF
         spin = Spin(int(self.push_wait_s * 1e9))
-        while True:
-            eseq, state, _err = r.head(entry)
-            if eseq == s32 and state & RECEIVED:
-                self.counts[3] += 1
+        r.push_waiting(True)
+        try:
+            waiting, gave_up = r.peer_push()
+            if waiting:
+                r.push_gave_up()
+                self.counts[5] += 1
                 return
-            if spin.over() or self.error is not None:
-                self.counts[4] += 1
-                return
+            while True:
+                eseq, state, _err = r.head(entry)
+                if eseq == s32 and state & RECEIVED:
+                    self.counts[3] += 1
+                    return
+                waiting, now = r.peer_push()
+                if waiting or now != gave_up:
+                    r.push_gave_up()
+                    self.counts[5] += 1
+                    return
+                if spin.over() or self.error is not None:
+                    self.counts[4] += 1
+                    return
+        finally:
+            r.push_waiting(False)
 
     def _done(self, entry: int, eseq: int, state: int) -> bool:
         """Whether the entry's message ``eseq`` is over on both sides (its entry may be reused)."""

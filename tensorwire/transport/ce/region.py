@@ -10,6 +10,7 @@ and written by both hosts and both GPUs. Layout (little-endian)::
     64     a robust, process-shared pthread mutex (64 bytes reserved)
     128    per side (lower rank = side 0): pid u64, pid namespace u64, heartbeat u64, closed u64 (32 bytes each)
     256    channel table: CHANNELS x u64 (0 free, else key + 1)
+    768    per side: in a large send's wait for its receiver u32 (0/1), such waits given up u32 (8 bytes each)
     4096   channels: CHANNELS x (ENTRIES + GRAPH_ENTRIES) entries of ENTRY bytes
 
 A channel is one direction of one torch tag between the pair: key
@@ -87,6 +88,7 @@ _MUTEX = 64
 SPIN_YIELD_NS = 200_000
 _SIDES = 128
 _TABLE = 256
+_PUSH = 768
 
 SRC_READY, DST_READY, LANDED, RECV_DONE = 0, 4, 8, 12
 _SEQ = 64
@@ -104,6 +106,7 @@ _ADDR = struct.Struct("<Q64s")  # offset, handle: after the signature
 _SIDE = struct.Struct("<QQQQ")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_PUSH_WORDS = struct.Struct("<II")
 _MASK = 0xFFFFFFFF
 
 
@@ -305,6 +308,20 @@ class Region:
     def peer_state(self) -> tuple[int, int, int, int]:
         """The peer side's ``(pid, pid namespace, heartbeat, closed)``."""
         return _SIDE.unpack_from(self.buf, _SIDES + 32 * (1 - self.side))
+
+    def push_waiting(self, on: bool) -> None:
+        """Say whether this side is in a large send's host wait for its receiver (``CePair._await_receiver``)."""
+        _U32.pack_into(self.buf, _PUSH + 8 * self.side, 1 if on else 0)
+
+    def push_gave_up(self) -> None:
+        """Count a wait this side gave up because the peer was waiting in a send too (the peer sees it change)."""
+        off = _PUSH + 8 * self.side + 4
+        (n,) = _U32.unpack_from(self.buf, off)
+        _U32.pack_into(self.buf, off, (n + 1) & _MASK)
+
+    def peer_push(self) -> tuple[int, int]:
+        """The peer's ``(in a send's wait for its receiver, waits given up)`` (see :meth:`push_waiting`)."""
+        return _PUSH_WORDS.unpack_from(self.buf, _PUSH + 8 * (1 - self.side))
 
     def mark_closed(self) -> None:
         _U64.pack_into(self.buf, _SIDES + 32 * self.side + 24, 1)
