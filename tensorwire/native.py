@@ -55,6 +55,7 @@ MODULES = (
     "tensorwire.transport.ce.watched",
     "tensorwire.transport.ce.closing",
     "tensorwire.transport.ce.graphs",
+    "tensorwire.transport.ce.waits",
     "tensorwire.transport.ce.pair",
 )
 

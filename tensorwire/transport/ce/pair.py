@@ -42,7 +42,8 @@ from ...settings import setting
 from .driver import CeDriver
 from .exports import Exports
 from .watched import PRUNE_AT
-from .graphs import CaptureError, Capture
+from .graphs import CaptureError
+from .waits import HostWaits
 from .region import (
     DST_READY,
     ERR_MISMATCH,
@@ -54,7 +55,6 @@ from .region import (
     SRC_READY,
     STAGED,
     Region,
-    Spin,
     pack_block,
     reached,
 )
@@ -181,7 +181,7 @@ class Channel:
         self.lock = threading.Lock()
 
 
-class CePair(Capture):
+class CePair(HostWaits):
     """The copy-engine path between this process and one peer process on the same host.
 
     Args:
@@ -520,51 +520,6 @@ class CePair(Capture):
             self._one_gpu[device] = self.driver.device_of(peer_addr) == device
         except TensorWireError:  # (unknown: keep the behaviour for two GPUs)
             self._one_gpu[device] = False
-
-    def _await_flag(self, entry: int, which: int, seq: int, budget_s: float) -> bool:
-        """Whether flag ``which`` of ``entry`` reached ``seq`` within ``budget_s`` (a host wait, GIL kept)."""
-        r = self.region
-        spin = Spin(int(budget_s * 1e9))
-        while not reached(r.flag(entry, which), seq):
-            if spin.over() or self.error is not None:
-                return False
-        return True
-
-    def _await_receiver(self, chan: Channel, seq: int) -> None:
-        """Wait (host, at most ``push_wait_s``) until the receiver has come to message ``seq`` of ``chan``.
-
-        A look at the entry's head in shared memory per turn, no lock: :meth:`_arrive` decides under the lock.
-        Stops at once when the peer is (or was, during this wait) in such a wait itself: both ranks sending
-        before they receive (an exchange: ``isend`` then ``irecv`` on each side) would otherwise hold each other
-        for the whole wait, since neither comes to its receive before its send returns. Both stop; each
-        receiver then pulls, so each GPU still makes one copy.
-        """
-        r = self.region
-        entry = r.entry(chan.offset, seq)
-        s32 = seq & 0xFFFFFFFF
-        spin = Spin(int(self.push_wait_s * 1e9))
-        r.push_waiting(True)
-        try:
-            waiting, gave_up = r.peer_push()
-            if waiting:
-                r.push_gave_up()
-                self.counts[5] += 1
-                return
-            while True:
-                eseq, state, _err = r.head(entry)
-                if eseq == s32 and state & RECEIVED:
-                    self.counts[3] += 1
-                    return
-                waiting, now = r.peer_push()
-                if waiting or now != gave_up:
-                    r.push_gave_up()
-                    self.counts[5] += 1
-                    return
-                if spin.over() or self.error is not None:
-                    self.counts[4] += 1
-                    return
-        finally:
-            r.push_waiting(False)
 
     def _done(self, entry: int, eseq: int, state: int) -> bool:
         """Whether the entry's message ``eseq`` is over on both sides (its entry may be reused)."""
