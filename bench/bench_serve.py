@@ -14,7 +14,8 @@ Not a test. One run measures, side by side:
    (``Client(data_requests=False)``, what an older daemon offers);
 3. 16 concurrent client processes' aggregate get throughput vs a single client;
 4. beside the remote paths, a raw TCP socket moving the same bytes (no gather, no
-   header: the wire's floor for the get_rows and get rows);
+   header: the wire's floor for the get_rows and get rows), and (``--remote``) the same
+   socket whose server gathers the rows itself as the daemon does (the whole get_rows' floor);
 5. on a CUDA host, the ``-> GPU`` section (:func:`gpu_section`): get_rows into a CUDA
    tensor against the local floors measured in the same turns -- the GPU gathering
    from the table's pages mapped into its address space (UVA), a pinned gather +
@@ -54,7 +55,20 @@ from concurrent import futures
 from typing import Any, Callable, Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# The checkout comes after what is on the path already: a build put first on PYTHONPATH (a compiled one, `make
+# native`) or installed is the one measured, here and in the processes started from here; the report says which.
+sys.path.append(ROOT)
+
+
+#: the daemon's command: ``-P``, so that ``-m`` does not put the current directory (the checkout) before
+#: ``PYTHONPATH`` -- the daemon runs the build this process runs (or a ``--variant PYTHONPATH=...``'s)
+SERVE = [sys.executable, "-P", "-m", "tensorwire"]
+
+
+def _pythonpath() -> str:
+    """``PYTHONPATH`` for the processes started from here: the caller's, then the checkout."""
+    return os.pathsep.join([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [ROOT])
+
 
 MiB = 1 << 20
 CHUNK = 1 * MiB
@@ -171,25 +185,55 @@ def _recv_exactly(sock: Any, view: memoryview) -> None:
         got += k
 
 
+#: raw-socket requests other than a length: make a table of ``R x D`` float32 whose row ``i`` holds ``i`` (two
+#: int64 follow; so a gather can be checked), or gather
+#: ``k`` rows of it (an int64 ``k`` and ``k`` int64 row numbers follow) and send them
+RAW_TABLE, RAW_GATHER = -(1 << 62), -(1 << 62) + 1
+
+
 def serve_raw() -> None:
     """A raw TCP socket server: each request is 8 bytes, a signed length n; n >= 0: the reply is n bytes of a
-    preallocated buffer; n < 0: -n bytes follow (received into that buffer), the reply is one byte."""
+    preallocated buffer; n < 0: -n bytes follow (received into that buffer), the reply is one byte.
+    :data:`RAW_GATHER`: the rows asked for are gathered from its own table with ``torch.index_select`` on as many
+    intra-op threads as ``tensorwire serve`` would run here, then sent -- a get_rows with nothing of tensorwire
+    (the floor of a remote get_rows: the gather and the wire)."""
     import socket
 
+    import torch
+
+    from tensorwire.serve.daemon.threads import intra_op_threads
+
+    threads = intra_op_threads()
+    torch.set_num_threads(threads or 1)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
     print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
     buf = memoryview(bytearray(256 * MiB))
+    table = torch.empty(0, 0)
     while True:
         conn, _ = srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        head = memoryview(bytearray(8))
+        head = memoryview(bytearray(16))
         try:
             while True:
-                _recv_exactly(conn, head)
-                (n,) = struct.unpack("<q", head)
-                if n >= 0:
+                _recv_exactly(conn, head[:8])
+                (n,) = struct.unpack("<q", head[:8])
+                if n == RAW_TABLE:
+                    _recv_exactly(conn, head)
+                    rows, width = struct.unpack("<qq", head)
+                    table = torch.arange(rows, dtype=torch.float32).unsqueeze(1).expand(rows, width).contiguous()
+                    conn.sendall(b"k")
+                elif n == RAW_GATHER:
+                    _recv_exactly(conn, head[:8])
+                    (k,) = struct.unpack("<q", head[:8])
+                    idx = torch.empty(k, dtype=torch.int64)
+                    _recv_exactly(conn, memoryview(idx.numpy()).cast("B"))
+                    nb = k * table.shape[1] * 4
+                    out = torch.frombuffer(buf, dtype=torch.float32, count=k * table.shape[1]).view(k, -1)
+                    torch.index_select(table, 0, idx, out=out)
+                    conn.sendall(buf[:nb])
+                elif n >= 0:
                     conn.sendall(buf[:n])
                 else:
                     _recv_exactly(conn, buf[:-n])
@@ -211,6 +255,17 @@ class RawClient:
         mv = memoryview(dst.numpy()).cast("B")
         self.sock.sendall(struct.pack("<q", len(mv)))
         _recv_exactly(self.sock, mv)
+
+    def table(self, rows: int, width: int) -> None:
+        """Make the server's table for :meth:`get_rows` (float32, row ``i`` all ``i``)."""
+        self.sock.sendall(struct.pack("<qqq", RAW_TABLE, rows, width))
+        _recv_exactly(self.sock, memoryview(bytearray(1)))
+
+    def get_rows(self, idx: Any, dst: Any) -> None:
+        """Rows ``idx`` (int64) of the server's table into ``dst`` (float32, contiguous): the index goes over
+        with the request, as a get_rows' does."""
+        self.sock.sendall(struct.pack("<qq", RAW_GATHER, idx.numel()) + idx.numpy().tobytes())
+        _recv_exactly(self.sock, memoryview(dst.numpy()).cast("B"))
 
     def put(self, src: Any) -> None:
         mv = memoryview(src.numpy()).cast("B")
@@ -283,7 +338,7 @@ class BaselineClient:
 
 
 def _spawn(cmd: list[str], **extra_env: str) -> tuple[subprocess.Popen, dict]:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra_env)
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), **extra_env}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True, env=env, cwd=ROOT
     )
@@ -423,6 +478,8 @@ def machine_info() -> dict[str, str]:
     import grpc
     import torch
 
+    from tensorwire import native
+
     cpu = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -456,6 +513,7 @@ def machine_info() -> dict[str, str]:
         "grpcio": grpc.__version__,
         "ucxx": ucx,
         "cuda": str(torch.cuda.is_available()),
+        "tensorwire hot path": native.summary(),
     }
 
 
@@ -604,9 +662,7 @@ def run(args: argparse.Namespace) -> tuple[str, list[str]]:
     reps = {16: 15, 64: 9, 256: 5} if not args.quick else {16: 4, 64: 2}
     daemon, dinfo = _spawn(
         [
-            sys.executable,
-            "-m",
-            "tensorwire",
+            *SERVE,
             "serve",
             "--port",
             "0",
@@ -941,7 +997,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
 
     import tensorwire as tw
 
-    serve = [sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--transport", args.transport]
+    serve = [*SERVE, "serve", "--port", "0", "--transport", args.transport]
     serve += ["--max-bytes", "8GiB"]
     daemon, dinfo = _spawn(serve)
     # --variant: more daemons, each with its environment variables set, their TCP get_rows in the same turns
@@ -966,6 +1022,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         rc = RawClient(rinfo["port"])
         first = next(iter(clients.values()))
         R, D, B, table, idxs, out, gdst = _rows_table(args, first, bc)
+        rc.table(R, D)
         it = iter(range(10**9))
         for c in variant_clients.values():
             c.put("table", table)
@@ -981,6 +1038,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
                 **{k: rows_of(c) for k, c in variant_clients.items()},
                 "grpc": lambda: bc.get_rows("table", idxs[next(it) % 64], gdst),
                 "raw": lambda: rc.get(gdst),
+                "raw gather": lambda: rc.get_rows(idxs[next(it) % 64], gdst.view(torch.float32).view(B, D)),
                 "local out": lambda: torch.index_select(table, 0, idxs[next(it) % 64], out=out),
             },
             20 * args.rounds,
@@ -989,6 +1047,8 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         for c in (*clients.values(), *variant_clients.values()):
             i = idxs[next(it) % 64]
             assert torch.equal(c.get_rows("table", i, out=out), table[i])
+        rc.get_rows(i, out)
+        assert torch.equal(out, i.to(torch.float32).unsqueeze(1).expand(B, D)), "the floor's gather sent other rows"
         nb = B * D * 4
         op = f"get_rows {B}x{D} f32 of {R:,}"
         together: list[tuple[str, ...]] = []
@@ -1019,7 +1079,8 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
                     f"tensorwire/{k}",
                     f"{res[k] * 1e3:.3f} ms",
                     f"{_gbps(nb, res[k])} GB/s",
-                    f"{res['grpc'] / res[k]:.1f}x faster than gRPC, {res[k] / res['raw']:.2f}x the raw socket's time",
+                    f"{res['grpc'] / res[k]:.1f}x faster than gRPC, {res[k] / res['raw']:.2f}x the raw socket's time, "
+                    f"{res[k] / res['raw gather']:.2f}x the floor's",
                 )
             )
         for k in kinds:
@@ -1032,6 +1093,7 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
         for key, label in (
             ("grpc", "gRPC unary"),
             ("raw", "raw TCP socket, the same bytes (no gather)"),
+            ("raw gather", "raw TCP socket, the server gathering as the daemon does (the floor)"),
             ("local out", "local index_select(out=) (no network)"),
         ):
             rows.append((op, label, f"{res[key] * 1e3:.3f} ms", f"{_gbps(nb, res[key])} GB/s", ""))
@@ -1160,9 +1222,14 @@ def _write_remote(
         "Daemon, gRPC baseline and raw socket server each run in their own process on this machine, the clients in "
         "the bench process, over loopback; the tensorwire clients use the data connection they name (no shared "
         "memory). Medians; every path measured in turns (get_rows, one row, 4 KiB: twenty calls of each at a time; "
-        "get and put of 64 MiB: two). The raw socket moves the same bytes with no gather and no header: the wire's floor.",
+        "get and put of 64 MiB: two). The raw socket moves the same bytes with no gather and no header: the wire's floor. "
+        "For get_rows it also runs the floor of the whole operation: the index goes over with the request, the raw "
+        "server gathers the rows from a table of the same shape with `index_select` on as many threads as the daemon "
+        "runs, then sends them -- a get_rows with nothing of tensorwire in it.",
         "",
-        f"The daemon's log: `{daemon_threads()}`. A row `tensorwire/tcp, VAR=VALUE` is another daemon started "
+        f"The daemon's log: `{daemon_threads()}`; it runs the build this process runs (the machine line's hot path: "
+        "it starts with `python -P`, this process's `PYTHONPATH` first, then the checkout) unless a variant sets "
+        "`PYTHONPATH`. A row `tensorwire/tcp, VAR=VALUE` is another daemon started "
         "with that environment (`--variant`; its clients connect with it set), its get_rows in the same turns; `clients at once` rows (`--concurrent`): "
         "every daemon's get_rows from one client process, then from that many at once, all bytes moved per second.",
         "",

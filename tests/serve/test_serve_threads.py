@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tensorwire import native
 from tensorwire.serve import cli
 from tensorwire.serve.daemon import threads
 from tensorwire.serve.daemon.threads import cpu_quota, intra_op_threads, usable_cpus
@@ -100,3 +101,4 @@ def test_the_daemons_log_says_how_many(tmp_path):
         _, err = proc.communicate(timeout=60)
     expected = intra_op_threads({})
     assert f"torch intra-op threads: {expected} ({usable_cpus()} usable CPUs" in err, err
+    assert f"hot path: {native.summary()} (tensorwire.native)" in err, err  # (the build it runs: the same here)

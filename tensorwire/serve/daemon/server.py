@@ -46,6 +46,7 @@ from tensorwire.serve.daemon.shm import Registry, unlink_all
 from tensorwire.serve.protocol.shm import ShmError
 from tensorwire.serve.daemon.limits import raise_nofile
 from tensorwire.serve.daemon.threads import describe as describe_threads
+from tensorwire import native
 
 if TYPE_CHECKING:  # pragma: no cover
     import grpc
@@ -351,6 +352,7 @@ class Server:
             )
         log.info("transport: %s (asked for %s)", self._primary, cfg.transport)
         log.info("%s", describe_threads())
+        log.info("hot path: %s (tensorwire.native)", native.summary())
         if self._store is not None and self._store.shm is not None:
             log.info(
                 "shared memory: tensors in %s/%s-*; clients on this host that map them copy directly",
