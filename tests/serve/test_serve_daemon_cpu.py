@@ -117,6 +117,9 @@ def _request_thread_cpu(srv) -> float:
 def test_a_shared_memory_session_on_tcp_does_not_spin_between_requests(monkeypatch):
     """TCP's zero-timeout receive does not read: a poll there only burned ~2 ms of CPU per request."""
     monkeypatch.setenv(LEASES_ENV, "0")  # every get is a request to the daemon
+    # Without the poll the daemon's sessions make by design (TENSORWIRE_SERVE_SPIN_US, 200 us by default): this
+    # is about the zero-timeout receive only, and the designed poll put a loaded 2-core VM past the bound below.
+    monkeypatch.setenv("TENSORWIRE_SERVE_SPIN_US", "0")
     with in_process(transport="tcp") as srv:
         c = Client(srv.address, transport="shm", timeout=30)
         try:
@@ -133,8 +136,9 @@ def test_a_shared_memory_session_on_tcp_does_not_spin_between_requests(monkeypat
                 time.sleep(0.003)  # the client is busy elsewhere for longer than the old poll
             per = (_request_thread_cpu(srv) - before) / n
             assert torch.equal(out, x)
-            # ~0.1-0.3 ms of work per get; a poll would add its whole 2 ms each time
-            assert per < 1e-3, f"the request thread used {per * 1e3:.2f} ms of CPU per get"
+            # ~0.1-0.3 ms of work per get (0.6-0.75 ms on a 2-core VM busy with other tests); the old poll added its
+            # whole 2 ms each time
+            assert per < 1.5e-3, f"the request thread used {per * 1e3:.2f} ms of CPU per get"
         finally:
             c.close()
 
