@@ -201,10 +201,9 @@ def serve_raw() -> None:
 
     import torch
 
-    from tensorwire.serve.daemon.threads import intra_op_threads
+    from tensorwire.serve.cli import _intra_op_threads
 
-    threads = intra_op_threads()
-    torch.set_num_threads(threads or 1)
+    _intra_op_threads()  # the daemon's own setting of torch's threads (OMP_NUM_THREADS, where set, decides)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
