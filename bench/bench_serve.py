@@ -191,6 +191,65 @@ def _recv_exactly(sock: Any, view: memoryview) -> None:
 RAW_TABLE, RAW_GATHER = -(1 << 62), -(1 << 62) + 1
 
 
+#: tags of the transport-alone path (``--transport-server``): requests one way, payloads the other
+_T_REQ, _T_DOWN = 4, 1
+
+
+def serve_transport() -> None:
+    """tensorwire's TCP transport alone, with as little Python around it as it takes: each request is one message
+    of 8 bytes (a length n) into a posted buffer, the reply one message of n bytes of a preallocated buffer, sent
+    straight back -- the connection ``tensorwire serve`` gives a client (no link secret, so no cross-memory
+    attach; no polling unless ``TENSORWIRE_SERVE_SPIN_US`` says so), without the daemon's request handling."""
+    import secrets
+
+    from tensorwire.settings import setting
+    from tensorwire.transport.tcp import TcpListener
+
+    lst = TcpListener("127.0.0.1", port=0)
+    nonce = secrets.token_bytes(16)
+    lst.expect(nonce)
+    print(json.dumps({"port": lst.address[1], "nonce": nonce.hex()}), flush=True)
+    t = lst.accept(nonce, timeout=120)
+    spin = setting("serve_spin_us")
+    if spin:
+        t.set_spin(spin)
+    buf = memoryview(bytearray(4 * MiB))
+    req = memoryview(bytearray(8))
+    try:
+        while True:
+            t.post_recv(_T_REQ, req)
+            t.wait_recv(_T_REQ, timeout=None)
+            (n,) = struct.unpack_from("<q", req)
+            t.send(_T_DOWN, buf[:n], timeout=30)
+    except Exception:  # noqa: BLE001 - the client went away: the bench is over
+        return
+
+
+class TransportClient:
+    """The client of :func:`serve_transport`: post the destination, send the length, wait for the payload."""
+
+    def __init__(self, port: int, nonce: str) -> None:
+        from tensorwire.settings import setting
+        from tensorwire.transport.tcp import TcpListener
+
+        self.t = TcpListener.connect("127.0.0.1", port, bytes.fromhex(nonce), timeout=60)
+        spin = setting("serve_spin_us")
+        if spin:
+            self.t.set_spin(spin)
+        self.req = memoryview(bytearray(8))
+
+    def get(self, dst: Any) -> None:
+        mv = memoryview(dst.numpy()).cast("B")
+        t = self.t
+        t.post_recv(_T_DOWN, mv)
+        struct.pack_into("<q", self.req, 0, len(mv))
+        t.send(_T_REQ, self.req, timeout=30)
+        t.wait_recv(_T_DOWN, timeout=30)
+
+    def close(self) -> None:
+        self.t.close()
+
+
 def serve_raw() -> None:
     """A raw TCP socket server: each request is 8 bytes, a signed length n; n >= 0: the reply is n bytes of a
     preallocated buffer; n < 0: -n bytes follow (received into that buffer), the reply is one byte.
@@ -385,19 +444,51 @@ def _timed(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     return statistics.median(ts)
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1, per_turn: int = 20) -> dict[str, float]:
-    """Median seconds of ``reps`` calls of each function, taken ``per_turn`` calls at a time, in turns."""
+def _interleaved(
+    fns: dict[str, Callable[[], Any]],
+    reps: int,
+    warmup: int = 1,
+    per_turn: int = 20,
+    cpu: "dict[str, tuple[int, list[float]]] | None" = None,
+) -> dict[str, float]:
+    """Median seconds of ``reps`` calls of each function, taken ``per_turn`` calls at a time, in turns.
+
+    ``cpu``: path -> (its server's pid, a list this fills with two figures): the CPU seconds per call of this
+    thread (the client) and of every thread of the server process, summed over that path's turns (outside the
+    clocks: the server's is read from /proc before and after each turn)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     ts: dict[str, list[float]] = {k: [] for k in fns}
+    used = {k: [0.0, 0.0] for k in fns}
     while any(len(v) < reps for v in ts.values()):
         for k, fn in fns.items():
+            pid = cpu[k][0] if cpu and k in cpu else 0
+            s0, c0 = (_process_cpu(pid), time.thread_time()) if pid else (0.0, 0.0)
             for _ in range(min(per_turn, reps - len(ts[k]))):
                 t0 = time.perf_counter()
                 fn()
                 ts[k].append(time.perf_counter() - t0)
+            if pid:
+                used[k][0] += time.thread_time() - c0
+                used[k][1] += _process_cpu(pid) - s0
+    if cpu:
+        for k, (_, figures) in cpu.items():
+            figures[:] = [x / len(ts[k]) for x in used[k]]
     return {k: statistics.median(v) for k, v in ts.items()}
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds every thread of process ``pid`` has run (Linux: each thread's schedstat, in nanoseconds)."""
+    total = 0
+    base = f"/proc/{pid}/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat", encoding="ascii") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def _concurrent_worker(
@@ -1003,11 +1094,13 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
     others = {v: _spawn(serve, **dict(kv.split("=", 1) for kv in v.split(","))) for v in args.variant}
     base, binfo = _spawn([sys.executable, os.path.abspath(__file__), "--baseline-server"])
     raw, rinfo = _spawn([sys.executable, os.path.abspath(__file__), "--raw-server"])
+    tsrv, tinfo = _spawn([sys.executable, "-P", os.path.abspath(__file__), "--transport-server"])
     kinds = [d["kind"] for d in dinfo["data"]]
     print(f"daemon data connections: {', '.join(kinds)}; baseline on port {binfo['port']}", file=sys.stderr)
     rows: list[tuple[str, ...]] = []
     verdicts: list[str] = []
     try:
+        tc = TransportClient(tinfo["port"], tinfo["nonce"])
         address = f"127.0.0.1:{dinfo['port']}"
         clients = {k: tw.Client(address, transport=k, timeout=300) for k in kinds}
         assert all(c.data_path == k for k, c in clients.items()), {k: c.data_path for k, c in clients.items()}
@@ -1067,7 +1160,11 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
                         f"1 / {args.concurrent} client processes, {secs:.0f} s each, all bytes moved",
                     )
                 )
-        small = _small_requests(args, {**clients, **variant_clients}, rc, R, D)
+        pids = {k: daemon.pid for k in clients}
+        pids.update({f"tcp, {v}": proc.pid for v, (proc, _) in others.items()})
+        small = _small_requests(
+            args, {**clients, **variant_clients}, rc, tc, R, D, {**pids, "raw": raw.pid, "transport": tsrv.pid}
+        )
         for k in variant_clients:
             variant_clients[k].delete("table")
             variant_clients[k].close()
@@ -1141,21 +1238,32 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
             c.close()
         bc.close()
         rc.close()
+        tc.close()
     finally:
         _stop(daemon)
         for proc, _ in others.values():
             _stop(proc)
         _stop(base)
         _stop(raw)
+        _stop(tsrv)
     return _table(rows), verdicts
 
 
 def _small_requests(
-    args: argparse.Namespace, clients: dict[str, Any], rc: Any, R: int, D: int
+    args: argparse.Namespace,
+    clients: dict[str, Any],
+    rc: Any,
+    tc: Any,
+    R: int,
+    D: int,
+    pids: dict[str, int],
 ) -> list[tuple[str, ...]]:
     """Rows of small remote requests, where a request's own cost (Python, system calls, wake-ups) is all there is:
     get_rows of one row of the table and a get of 4 KiB, every client in turns with a raw socket moving the same
-    bytes (``--rounds`` turns of twenty calls each)."""
+    bytes and with tensorwire's TCP transport alone (``tc``, :class:`TransportClient`: the same bytes, one message
+    each way, none of serve's request handling) -- ``--rounds`` turns of twenty calls each. ``pids``: path (and
+    "raw", "transport") -> its server's process, whose CPU per call each row gives beside the client's (where /proc
+    is there to read it)."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
@@ -1173,8 +1281,17 @@ def _small_requests(
                 fns[k] = lambda c=c: c.get("small", out=small_out)
             else:
                 fns[k] = lambda c=c: c.get_rows("table", ones[next(it) % 64], out=one_out)
+        fns["transport"] = (lambda: tc.get(small_out)) if nb == 4096 else (lambda: tc.get(one_out))
         fns["raw"] = (lambda: rc.get(small_out)) if nb == 4096 else (lambda: rc.get(one_out))
-        res = _interleaved(fns, 20 * args.rounds, warmup=20)
+        cpu: dict[str, tuple[int, list[float]]] = {k: (pid, []) for k, pid in pids.items() if pid}
+        if not os.path.isdir("/proc/self/task"):
+            cpu = {}
+        res = _interleaved(fns, 20 * args.rounds, warmup=20, cpu=cpu)
+
+        def used(k: str) -> str:
+            fig = cpu[k][1] if k in cpu else []
+            return f"; CPU per call: client {fig[0] * 1e6:.0f} us, server {fig[1] * 1e6:.0f} us" if fig else ""
+
         for k in clients:
             rows.append(
                 (
@@ -1182,10 +1299,20 @@ def _small_requests(
                     f"tensorwire/{k}",
                     f"{res[k] * 1e6:.1f} us",
                     "",
-                    f"{res[k] / res['raw']:.2f}x the raw socket's time",
+                    f"{res[k] / res['raw']:.2f}x the raw socket's time, {res[k] / res['transport']:.2f}x the "
+                    f"transport alone's{used(k)}",
                 )
             )
-        rows.append((op, "raw TCP socket, the same bytes", f"{res['raw'] * 1e6:.1f} us", "", ""))
+        rows.append(
+            (
+                op,
+                "tensorwire's TCP transport alone, the same bytes (no request handling)",
+                f"{res['transport'] * 1e6:.1f} us",
+                "",
+                f"{res['transport'] / res['raw']:.2f}x the raw socket's time{used('transport')}",
+            )
+        )
+        rows.append((op, "raw TCP socket, the same bytes", f"{res['raw'] * 1e6:.1f} us", "", used("raw")[2:]))
     for c in clients.values():
         assert torch.equal(c.get("small", out=small_out), small)
         c.delete("small")
@@ -1224,7 +1351,10 @@ def _write_remote(
         "get and put of 64 MiB: two). The raw socket moves the same bytes with no gather and no header: the wire's floor. "
         "For get_rows it also runs the floor of the whole operation: the index goes over with the request, the raw "
         "server gathers the rows from a table of the same shape with `index_select` on as many threads as the daemon "
-        "runs, then sends them -- a get_rows with nothing of tensorwire in it.",
+        "runs, then sends them -- a get_rows with nothing of tensorwire in it. The small requests' rows also give "
+        "the CPU per call of both ends: the client's (the bench's thread, `time.thread_time`) and the server "
+        "process's (all its threads, `/proc/<pid>/task/*/schedstat`), summed over that path's turns, divided by its "
+        "calls (means, where the time is a median); a wait that polls before it sleeps (`TENSORWIRE_SERVE_SPIN_US`, both ends) counts as CPU.",
         "",
         f"The daemon's log: `{daemon_threads()}`; it runs the build this process runs (the machine line's hot path: "
         "it starts with `python -P`, this process's `PYTHONPATH` first, then the checkout) unless a variant sets "
@@ -1268,6 +1398,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--transport-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions (a smoke run)")
     p.add_argument(
         "--transport",
@@ -1309,6 +1440,9 @@ def main() -> int:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.baseline_server:
         serve_baseline()
+        return 0
+    if args.transport_server:
+        serve_transport()
         return 0
     if args.raw_server:
         serve_raw()
