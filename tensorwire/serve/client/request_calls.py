@@ -52,7 +52,9 @@ class RequestCalls:
         self.req_id = 0  # requests sent on the session (tag 4 steps)
         self.replies = 0  # replies received on it (tag 5 steps)
         self._req_buf: "torch.Tensor | None" = None
+        self._req_view: memoryview = memoryview(b"")  # the bytes of _req_buf (made with it, not per request)
         self._reply_bufs: "list[torch.Tensor]" = []
+        self._reply_views: "list[memoryview]" = []  # the bytes of each of _reply_bufs
         self._posted: "collections.deque[torch.Tensor]" = collections.deque()  # on tag 5, in order
         #: Reads post their payload's receive before the request (see the module docstring): over TCP only (UCX
         #: pipelines a get_rows in chunks instead), never through shared memory.
@@ -62,6 +64,7 @@ class RequestCalls:
         """Continue the requests ``other`` sent on the same session (its counters and buffers)."""
         self.req_id, self.replies = other.req_id, other.replies
         self._req_buf, self._reply_bufs, self._posted = other._req_buf, other._reply_bufs, other._posted
+        self._req_view, self._reply_views = other._req_view, other._reply_views
 
     def close(self) -> None:
         self.session.close(self.ctx)
@@ -77,6 +80,7 @@ class RequestCalls:
         b = self._req_buf
         if b is None or b.numel() < size:
             b = self._req_buf = torch.empty(max(64 << 10, 1 << (size - 1).bit_length()), dtype=torch.uint8)
+            self._req_view = memoryview(b.numpy())
         return b
 
     def post_reply(self, pr: Progress) -> None:
@@ -85,6 +89,7 @@ class RequestCalls:
 
         if not self._reply_bufs:
             self._reply_bufs = [torch.zeros(wire.REPLY_BYTES, dtype=torch.uint8) for _ in range(3)]
+            self._reply_views = [memoryview(b.numpy()) for b in self._reply_bufs]
         buf = next(b for b in self._reply_bufs if all(b is not q for q in self._posted))
         try:
             self.transport.post_recv(TAG_REPLY, buf)
@@ -102,11 +107,12 @@ class RequestCalls:
         """Send a request that no reply answers (a RELEASE)."""
         nb = self.ctx.name_bytes(name)
         size = wire.request_size(len(nb), 0)
-        buf = self._request_buffer(size)
+        self._request_buffer(size)
+        view = self._req_view
         req_id = self.req_id + 1
-        wire.pack_request(memoryview(buf.numpy()), op=op, req_id=req_id, name=nb, flags=flags)
+        wire.pack_request(view, op=op, req_id=req_id, name=nb, flags=flags)
         self.req_id = req_id
-        self.transport.send(TAG_REQUEST, buf[:size], step=req_id, timeout=self.ctx.timeout)
+        self.transport.send(TAG_REQUEST, view[:size], step=req_id, timeout=self.ctx.timeout)
 
     def call(
         self,
@@ -138,8 +144,6 @@ class RequestCalls:
         shape: tuple[int, ...],
         flags: int,
     ) -> None:
-        import torch
-
         ctx = self.ctx
         nb = ctx.name_bytes(name)
         n = 0 if index is None else index.numel()
@@ -147,10 +151,11 @@ class RequestCalls:
         if layout:
             flags |= wire.FLAG_LAYOUT
         size = wire.request_size(len(nb), n, layout=bool(layout))
-        buf = self._request_buffer(size)
+        self._request_buffer(size)
+        view = self._req_view
         req_id = self.req_id + 1
         off = wire.pack_request(
-            memoryview(buf.numpy()),
+            view,
             op=op,
             req_id=req_id,
             name=nb,
@@ -163,11 +168,11 @@ class RequestCalls:
         )
         if n:
             assert index is not None
-            buf[off : off + 8 * n].view(torch.int64).copy_(index)
+            view[off : off + 8 * n] = memoryview(index.contiguous().numpy()).cast("B")  # (1-D int64, on the CPU)
         self.prepost_reply(pr)
         try:
             self.req_id = req_id
-            self.transport.send(TAG_REQUEST, buf[:size], step=req_id, timeout=pr.left(ctx.timeout))
+            self.transport.send(TAG_REQUEST, view[:size], step=req_id, timeout=pr.left(ctx.timeout))
             if self.shm and len(self._posted) < 2:
                 # the next request's reply buffer, while the daemon works on this one (a shared-memory
                 # operation has no bytes to wait for, during which the socket paths post it)
@@ -257,7 +262,7 @@ class RequestCalls:
                     f"reply of {r.nbytes} bytes (step {r.step}); expected {wire.REPLY_BYTES} (step {self.replies})"
                 )
             try:
-                rep = wire.parse_reply(memoryview(buf.numpy()))
+                rep = wire.parse_reply(self._reply_view(buf))
             except ValueError as exc:
                 raise ProtocolError(f"bad reply from the server: {exc}") from None
             if rep.req_id != self.req_id or rep.op != op:
@@ -271,6 +276,13 @@ class RequestCalls:
                 raise TransportError(f"{wire.OPS[op]}: {rep.message or 'the server failed'}")
             raise cls(rep.message)
         return rep
+
+    def _reply_view(self, buf: "torch.Tensor") -> memoryview:
+        """The bytes of reply buffer ``buf`` (made with the buffers, not per reply)."""
+        for b, v in zip(self._reply_bufs, self._reply_views):
+            if b is buf:
+                return v
+        return memoryview(buf.numpy())
 
     @staticmethod
     def lost(pr: Progress, msg: str) -> ProtocolError:

@@ -108,10 +108,13 @@ from tensorwire.serve.protocol.wire import (
     parse_request,
 )
 from tensorwire.serve.daemon.datapath_base import error_class
+from tensorwire.serve.daemon.datapath_fast import fast_get_rows
 from tensorwire.serve.daemon.datapath_reads import Gatherer, ReadRequests
 from tensorwire.serve.daemon.datapath_writes import WriteRequests
 
 if TYPE_CHECKING:  # pragma: no cover
+    import collections
+
     import torch
 
     from tensorwire.transport.base import Transport
@@ -126,6 +129,13 @@ class DataRequests(ReadRequests, WriteRequests):
     """Turns a request received on tag 4 into the job that answers it (see the module docstring)."""
 
     # -- entry point (the session's request thread) -------------------------------------------
+    def fast_read(
+        self, s: "Session", buf: "torch.Tensor", nbytes: int, posted: "collections.deque[torch.Tensor]"
+    ) -> bool:
+        """A plain posted get_rows answered in the request thread (:func:`~.datapath_fast.fast_get_rows`); False:
+        not one (nothing changed), call this object."""
+        return fast_get_rows(self, s, buf, nbytes, posted)
+
     def __call__(self, s: "Session", buf: "torch.Tensor", nbytes: int) -> Job | None:
         """Validate the request in ``buf[:nbytes]`` and return its job (which may read ``buf`` until it is done).
 

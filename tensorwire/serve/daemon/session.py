@@ -211,6 +211,25 @@ class Session(SessionBuffers, SessionShm):
             self._run_job(job, t)
         self._job_done()
 
+    def begin_inline(self) -> tuple[int, int] | None:
+        """From the request thread, for a read it answers itself (:mod:`.datapath_fast`): the next step on tag 1
+        and on tag 5, the session counted active, if no job is queued or running; None: one is (or the session
+        closed), nothing taken. :meth:`end_inline` ends it; :meth:`running` is held meanwhile."""
+        with self._lock:
+            if self.closed or self.active:
+                return None
+            self._down_step += 1
+            self._reply_step += 1
+            self.active += 1
+            return self._down_step, self._reply_step
+
+    def end_inline(self) -> None:
+        self._job_done()
+
+    def running(self) -> threading.Lock:
+        """The lock held while a job (or a read answered inline) runs: one at a time."""
+        return self._exec
+
     def next_op_id(self) -> int:
         with self._lock:
             self._op_ids += 1
@@ -306,6 +325,7 @@ class Session(SessionBuffers, SessionShm):
         t = self.transport
         handler = self._handler
         assert t is not None and handler is not None
+        fast = getattr(handler, "fast_read", None)
         self._probe_buf = torch.zeros(8, dtype=torch.uint8)
         # Two request buffers: the client always has a credit for its next request, and a job may
         # use its request's bytes (the row numbers) in place; its buffer is posted again once the
@@ -343,6 +363,8 @@ class Session(SessionBuffers, SessionShm):
                 if r.step is not None and r.step != expected:
                     raise MalformedRequest(f"request step {r.step}, expected {expected}")
                 self.touch()
+                if fast is not None and fast(self, buf, r.nbytes, posted):
+                    continue  # answered in this thread, ``buf`` posted again (tensorwire.serve.daemon.datapath_fast)
                 job = handler(self, buf, r.nbytes)  # validated; may read ``buf`` until it is done
                 early = job is None or not job.holds_request
                 if early:
