@@ -220,6 +220,8 @@ def serve_transport() -> None:
             t.post_recv(_T_REQ, req)
             t.wait_recv(_T_REQ, timeout=None)
             (n,) = struct.unpack_from("<q", req)
+            if n > len(buf):
+                buf = memoryview(bytearray(n))
             t.send(_T_DOWN, buf[:n], timeout=30)
     except Exception:  # noqa: BLE001 - the client went away: the bench is over
         return
