@@ -91,6 +91,10 @@ class Recorder:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if not os.path.exists(os.path.join(self.dir, "perf.data")):
+            # it gave up without writing anything, only after this looked (the process was gone, say)
+            self._failed()
+            return self.error
         self._close()
         try:
             rep = subprocess.run(

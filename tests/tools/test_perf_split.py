@@ -156,3 +156,25 @@ def test_a_perf_that_cannot_run_says_why_and_leaves_nothing(monkeypatch):
     assert rec.error == "perf record could not start: [Errno 13] Permission denied: 'perf'"
     assert rec.stop() == rec.error
     assert not os.path.exists(rec.dir)
+
+
+@pytest.mark.timeout(60)
+def test_a_recorder_whose_perf_ends_without_data_when_stopped_says_why(monkeypatch):
+    """perf still running at stop() (slow to give up on a loaded machine), then ending without a perf.data: a
+    failed record, not an empty report."""
+    rec = perf_split.Recorder(os.getpid())
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(perf_split.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(
+        perf_split.subprocess,
+        "Popen",
+        lambda argv, **kw: real_popen(
+            [sys.executable, "-c", "import sys, time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
+             "    sys.stderr.write('no such process'); sys.exit(0)"],
+            **kw,
+        ),
+    )  # fmt: skip
+    assert rec.start(settle=0.3) is True
+    why = rec.stop()
+    assert why == "perf record failed (exit 0): no such process" and why == rec.error
+    assert not os.path.exists(rec.dir)
