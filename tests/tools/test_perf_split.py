@@ -78,20 +78,20 @@ def test_a_recorder_that_cannot_sample_says_why_and_leaves_nothing():
     assert not rec.dir or not os.path.exists(rec.dir)
 
 
+def _stand_in_perf(monkeypatch, code: str) -> None:
+    """``perf`` found on the PATH, and ``perf record`` run as ``python -c code`` instead."""
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(perf_split.shutil, "which", lambda name: sys.executable)
+    monkeypatch.setattr(
+        perf_split.subprocess, "Popen", lambda argv, **kw: real_popen([sys.executable, "-c", code], **kw)
+    )
+
+
 @pytest.mark.timeout(60)
 def test_a_recorder_whose_perf_fails_after_start_says_why(monkeypatch):
     rec = perf_split.Recorder(os.getpid())
     # a perf record that gives up only after start() returned (settle 0: not yet looked at)
-    real_popen = subprocess.Popen
-    monkeypatch.setattr(perf_split.shutil, "which", lambda name: sys.executable)
-    monkeypatch.setattr(
-        perf_split.subprocess,
-        "Popen",
-        lambda argv, **kw: real_popen(
-            [sys.executable, "-c", "import sys, time; time.sleep(0.2); sys.stderr.write('no leave'); sys.exit(3)"],
-            **kw,
-        ),
-    )
+    _stand_in_perf(monkeypatch, "import sys, time; time.sleep(0.2); sys.stderr.write('no leave'); sys.exit(3)")
     assert rec.start(settle=0) is True
     time.sleep(1.0)
     assert rec.stop() == "perf record failed (exit 3): no leave"
@@ -163,17 +163,11 @@ def test_a_recorder_whose_perf_ends_without_data_when_stopped_says_why(monkeypat
     """perf still running at stop() (slow to give up on a loaded machine), then ending without a perf.data: a
     failed record, not an empty report."""
     rec = perf_split.Recorder(os.getpid())
-    real_popen = subprocess.Popen
-    monkeypatch.setattr(perf_split.shutil, "which", lambda name: sys.executable)
-    monkeypatch.setattr(
-        perf_split.subprocess,
-        "Popen",
-        lambda argv, **kw: real_popen(
-            [sys.executable, "-c", "import sys, time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
-             "    sys.stderr.write('no such process'); sys.exit(0)"],
-            **kw,
-        ),
-    )  # fmt: skip
+    _stand_in_perf(
+        monkeypatch,
+        "import sys, time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
+        "    sys.stderr.write('no such process'); sys.exit(0)",
+    )
     assert rec.start(settle=0.3) is True
     why = rec.stop()
     assert why == "perf record failed (exit 0): no such process" and why == rec.error

@@ -74,14 +74,16 @@ class RequestCalls:
         return None
 
     # -- requests and replies ------------------------------------------------------------------------
-    def _request_buffer(self, size: int) -> "torch.Tensor":
+    def _request_view(self, size: int) -> memoryview:
+        """The bytes of the request buffer, at least ``size`` of them (the buffer grown if need be; its view is
+        made with it, not per request)."""
         import torch
 
         b = self._req_buf
         if b is None or b.numel() < size:
             b = self._req_buf = torch.empty(max(64 << 10, 1 << (size - 1).bit_length()), dtype=torch.uint8)
             self._req_view = memoryview(b.numpy())
-        return b
+        return self._req_view
 
     def post_reply(self, pr: Progress) -> None:
         """Post a reply buffer on tag 5 (replies fill them in the order they were posted)."""
@@ -107,8 +109,7 @@ class RequestCalls:
         """Send a request that no reply answers (a RELEASE)."""
         nb = self.ctx.name_bytes(name)
         size = wire.request_size(len(nb), 0)
-        self._request_buffer(size)
-        view = self._req_view
+        view = self._request_view(size)
         req_id = self.req_id + 1
         wire.pack_request(view, op=op, req_id=req_id, name=nb, flags=flags)
         self.req_id = req_id
@@ -151,8 +152,7 @@ class RequestCalls:
         if layout:
             flags |= wire.FLAG_LAYOUT
         size = wire.request_size(len(nb), n, layout=bool(layout))
-        self._request_buffer(size)
-        view = self._req_view
+        view = self._request_view(size)
         req_id = self.req_id + 1
         off = wire.pack_request(
             view,

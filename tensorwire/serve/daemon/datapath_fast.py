@@ -21,15 +21,15 @@ made before the version is pinned and the steps taken.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING
 
 from tensorwire.errors import TensorWireError
 from tensorwire.spec import DTYPE_CODES
 from tensorwire.serve.daemon import datapath_reads
+from tensorwire.serve.daemon.datapath_reads import _gather_rows
 from tensorwire.serve.daemon.ops import status_of
-from tensorwire.serve.protocol.common import TAG_DOWN, TAG_REPLY, TAG_REQUEST
+from tensorwire.serve.protocol.common import TAG_DOWN, TAG_REPLY, TAG_REQUEST, check_index
 from tensorwire.serve.protocol.wire import FLAG_POSTED, OP_GET_ROWS, OPS, parse_request
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,8 +41,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from tensorwire.serve.daemon.session import Session
 
 __all__ = ["fast_get_rows"]
-
-log = logging.getLogger(__name__)
 
 #: Offsets of the op and the flags in a request's fixed header (``wire.REQUEST``: magic, version, op, flags).
 _OP_AT, _FLAGS_AT = 5, 6
@@ -91,15 +89,8 @@ def fast_get_rows(
     import torch
 
     a = req.index_offset
-    index = buf[a : a + 8 * n].view(torch.int64)
-    if n == 1:
-        lo = hi = int(index[0])
-    else:
-        lo_t, hi_t = torch.aminmax(index)
-        lo, hi = int(lo_t), int(hi_t)
-    if lo < 0 or hi >= rows:
-        return False
     try:
+        index = check_index(buf[a : a + 8 * n].view(torch.int64), rows)
         s.reserve_scratch(nb)
         idx, version = e.acquire_read(time.monotonic())  # no waiting: a row update under way goes the usual way
     except TensorWireError:
@@ -114,9 +105,7 @@ def fast_get_rows(
     try:
         with s.running():
             out = s.scratch(nb)
-            table = e.slot(idx).tensor
-            dst = out.view(table.dtype).view((n, *shape[1:]))
-            torch.index_select(table, 0, index, out=dst)
+            _gather_rows(e.slot(idx).tensor, index, out, 0, n, rb)
             e.release_read(idx)
             released = True
             t.post_recv(TAG_REQUEST, buf, header=True)  # its credit rides on the reply
@@ -127,18 +116,12 @@ def fast_get_rows(
     except BaseException as exc:  # noqa: BLE001 - as a failed job: counted, logged, the session closed
         if not released:
             e.release_read(idx)
-        log.warning("session %s: get_rows transfer failed: %s", s.id[:8], exc)
-        if h.metrics is not None:
-            h.metrics.errors.labels(type(exc).__name__).inc()
-        if s.tally is not None:
-            s.tally.op(OPS[OP_GET_ROWS], status_of(exc).name, time.monotonic() - t0)
-        s.close(f"get_rows transfer failed: {exc}")
+        h._record(s, OPS[OP_GET_ROWS], status_of(exc).name, t0)
+        s.transfer_failed("get_rows", exc)
         return True
     finally:
         s.end_inline()
-    tally = s.tally
-    if tally is not None:
-        dt = time.monotonic() - t0
-        tally.op(OPS[OP_GET_ROWS], "ok", dt)
-        tally.transfer(s.kind, "out", nb, dt)
+    h._record(s, OPS[OP_GET_ROWS], "ok", t0)
+    if s.tally is not None:
+        s.tally.transfer(s.kind, "out", nb, time.monotonic() - t0)
     return True

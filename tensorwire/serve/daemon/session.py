@@ -290,13 +290,17 @@ class Session(SessionBuffers, SessionShm):
         t0 = time.monotonic()
         job.execute(t)
         if job.error is not None:
-            err = job.error
-            log.warning("session %s: %s transfer failed: %s", self.id[:8], job.kind, err)
-            if self._metrics is not None:
-                self._metrics.errors.labels(type(err).__name__).inc()
-            self.close(f"{job.kind} transfer failed: {err}")
+            self.transfer_failed(job.kind, job.error)
         elif job.direction and self.tally is not None:
             self.tally.transfer(job.via or self.kind, job.direction, job.nbytes, time.monotonic() - t0)
+
+    def transfer_failed(self, kind: str, err: BaseException) -> None:
+        """A transfer of this session failed once begun (a job's, or a read answered inline): logged, counted,
+        the session closed (its stream may be mid-message)."""
+        log.warning("session %s: %s transfer failed: %s", self.id[:8], kind, err)
+        if self._metrics is not None:
+            self._metrics.errors.labels(type(err).__name__).inc()
+        self.close(f"{kind} transfer failed: {err}")
 
     def _job_done(self) -> None:
         with self._lock:
