@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from tensorwire.errors import TensorWireError
 from tensorwire.spec import DTYPE_CODES
 from tensorwire.serve.daemon import datapath_reads
-from tensorwire.serve.daemon.datapath_reads import _gather_rows
+from tensorwire.serve.daemon.datapath_reads import gather_rows
 from tensorwire.serve.daemon.ops import status_of
 from tensorwire.serve.protocol.common import TAG_DOWN, TAG_REPLY, TAG_REQUEST, check_index
 from tensorwire.serve.protocol.wire import FLAG_POSTED, OP_GET_ROWS, OPS, parse_request
@@ -105,7 +105,7 @@ def fast_get_rows(
     try:
         with s.running():
             out = s.scratch(nb)
-            _gather_rows(e.slot(idx).tensor, index, out, 0, n, rb)
+            gather_rows(e.slot(idx).tensor, index, out, 0, n, rb)
             e.release_read(idx)
             released = True
             t.post_recv(TAG_REQUEST, buf, header=True)  # its credit rides on the reply

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tensorwire.transport.base import Transport
     from tensorwire.serve.daemon.session import Session
 
-__all__ = ["ReadRequests", "Gatherer", "ROWS_CHUNK_BYTES", "PARALLEL_MIN_BYTES"]
+__all__ = ["ReadRequests", "Gatherer", "ROWS_CHUNK_BYTES", "PARALLEL_MIN_BYTES", "gather_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class _Once:
             fn()
 
 
-def _gather_rows(table: "torch.Tensor", index: "torch.Tensor", out: "torch.Tensor", a: int, b: int, rb: int) -> None:
+def gather_rows(table: "torch.Tensor", index: "torch.Tensor", out: "torch.Tensor", a: int, b: int, rb: int) -> None:
     """Rows ``index[a:b]`` of ``table`` into bytes ``[a * rb, b * rb)`` of ``out``."""
     import torch
 
@@ -135,7 +135,7 @@ class _Gather:
         n, cr = self.index.numel(), self.chunk_rows
         try:
             for i in range(self.first, self.chunks):
-                _gather_rows(self.table, self.index, self.out, i * cr, min(n, (i + 1) * cr), self.row_bytes)
+                gather_rows(self.table, self.index, self.out, i * cr, min(n, (i + 1) * cr), self.row_bytes)
                 with self.cond:
                     self.done = i + 1
                     self.cond.notify_all()
@@ -314,7 +314,7 @@ class ReadRequests(RequestHandlers):
                     ops = []
                     for i in range(chunks):
                         a, b = i * chunk_rows, min(n, (i + 1) * chunk_rows)
-                        _gather_rows(table, p.index, out, a, b, rb)
+                        gather_rows(table, p.index, out, a, b, rb)
                         # chunk i is copied out (by the client, on UCX) while chunk i + 1 is gathered
                         start_send = t.start_send
                         ops.append(start_send(TAG_DOWN, out[a * rb : b * rb], step=step + i, timeout=left()))
@@ -325,9 +325,9 @@ class ReadRequests(RequestHandlers):
                         t.wait_send(op, timeout=left())
                     return None
                 if helper is None:
-                    _gather_rows(table, p.index, out, 0, n, rb)
+                    gather_rows(table, p.index, out, 0, n, rb)
                 else:
-                    _gather_rows(table, p.index, out, 0, helper.chunk_rows, rb)
+                    gather_rows(table, p.index, out, 0, helper.chunk_rows, rb)
                     helper.wait(helper.chunks - 1, deadline)
                 release()
                 if job.request_read is not None:  # the row numbers are read: post the request's buffer again, its
