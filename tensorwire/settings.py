@@ -243,14 +243,6 @@ class Settings:
         "on a 2-core VM 0.82x and 0.85x. 0: never. At most one second.",
         200.0,
     )
-    serve_rows_stream: int = _var(
-        parse_size,
-        "A `tensorwire serve` get_rows over a TCP data connection of more than 1.5 times this many bytes is "
-        "gathered in pieces of about this size by a helper thread while the session's thread writes each gathered "
-        "piece to the socket: one message, its gather and its send overlapped. 0 (the default): gathered whole, "
-        "then sent.",
-        0,
-    )
     # -- UCX ---------------------------------------------------------------------------------------------
     ucx_spin_us: float = _var(
         _microseconds, "Microseconds a wait polls UCX before it sleeps (at most one second).", 100.0

@@ -40,7 +40,7 @@ import hmac
 import os
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from tensorwire.errors import ConfigError
 
@@ -248,23 +248,6 @@ class Transport(abc.ABC):
         """
         self.send(first[0], first[1], step=first[2], timeout=timeout)
         self.send(second[0], second[1], step=second[2], timeout=timeout)
-
-    def send_two_pieces(
-        self,
-        first: "tuple[int, torch.Tensor, int | None]",
-        second: "tuple[int, torch.Tensor, int | None]",
-        ready: "Iterator[int]",
-        *,
-        timeout: float | None,
-    ) -> None:
-        """:meth:`send_two` of a second payload another thread is still writing: ``ready`` yields how many of
-        its leading bytes are final (rising; each ``next`` may wait), the last its length. A transport may
-        put the bytes on the wire as they are ready, as one message (TCP); here ``ready`` runs to its end
-        first, then :meth:`send_two`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in ready:
-            pass
-        self.send_two(first, second, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def set_spin(self, us: float) -> None:
         """Poll for ``us`` microseconds before a wait sleeps, on transports whose waits can poll (TCP); else

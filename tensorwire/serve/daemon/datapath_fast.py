@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from tensorwire.errors import TensorWireError
 from tensorwire.spec import DTYPE_CODES
 from tensorwire.serve.daemon import datapath_reads
-from tensorwire.serve.daemon.datapath_reads import gather_rows, stream_rows
+from tensorwire.serve.daemon.datapath_reads import gather_rows
 from tensorwire.serve.daemon.ops import status_of
 from tensorwire.serve.protocol.common import TAG_DOWN, TAG_REPLY, TAG_REQUEST, check_index
 from tensorwire.serve.protocol.wire import FLAG_POSTED, OP_GET_ROWS, OPS, parse_request
@@ -105,26 +105,14 @@ def fast_get_rows(
     try:
         with s.running():
             out = s.scratch(nb)
+            gather_rows(e.slot(idx).tensor, index, out, 0, n, rb)
+            e.release_read(idx)
+            released = True
+            t.post_recv(TAG_REQUEST, buf, header=True)  # its credit rides on the reply
+            posted.append(buf)
+            ok = h._ok_reply(s, req, spec, version=version, step=down, nbytes=nb, chunk=nb)
             deadline = t0 + h._timeout(req)
-            piece = h.service.rows_stream
-            if piece and nb > piece * 3 // 2:  # gathered by the helper while its pieces go out
-                index = index.clone()  # (the request buffer is posted again before the gather ends)
-                t.post_recv(TAG_REQUEST, buf, header=True)
-                posted.append(buf)
-                ok = h._ok_reply(s, req, spec, version=version, step=down, nbytes=nb, chunk=nb)
-                first = (TAG_REPLY, ok, reply)
-                stream_rows(s, t, e.slot(idx).tensor, index, out, max(1, piece // rb), rb, first, down, deadline)
-                e.release_read(idx)
-                released = True
-            else:
-                gather_rows(e.slot(idx).tensor, index, out, 0, n, rb)
-                e.release_read(idx)
-                released = True
-                t.post_recv(TAG_REQUEST, buf, header=True)  # its credit rides on the reply
-                posted.append(buf)
-                ok = h._ok_reply(s, req, spec, version=version, step=down, nbytes=nb, chunk=nb)
-                first = (TAG_REPLY, ok, reply)
-                t.send_two(first, (TAG_DOWN, out, down), timeout=max(0.0, deadline - time.monotonic()))
+            t.send_two((TAG_REPLY, ok, reply), (TAG_DOWN, out, down), timeout=max(0.0, deadline - time.monotonic()))
     except BaseException as exc:  # noqa: BLE001 - as a failed job: counted, logged, the session closed
         if not released:
             e.release_read(idx)

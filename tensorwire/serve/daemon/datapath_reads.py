@@ -15,7 +15,7 @@ import math
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from tensorwire import errors
 from tensorwire.spec import DTYPE_CODES, TensorSpec
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from tensorwire.transport.base import Transport
     from tensorwire.serve.daemon.session import Session
 
-__all__ = ["ReadRequests", "Gatherer", "ROWS_CHUNK_BYTES", "PARALLEL_MIN_BYTES", "gather_rows", "stream_rows"]
+__all__ = ["ReadRequests", "Gatherer", "ROWS_CHUNK_BYTES", "PARALLEL_MIN_BYTES", "gather_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -169,43 +169,6 @@ class _Gather:
                 if rem <= 0:
                     return
                 self.cond.wait(rem)
-
-
-def stream_rows(
-    s: "Session",
-    t: "Transport",
-    table: "torch.Tensor",
-    index: "torch.Tensor",
-    out: "torch.Tensor",
-    piece_rows: int,
-    row_bytes: int,
-    first: "tuple[int, Any, int | None]",
-    step: int,
-    deadline: float,
-) -> None:
-    """Send ``first``, then rows ``index`` of ``table`` as one message (tag 1, ``step``) gathered into ``out`` by
-    the session's helper thread in pieces of ``piece_rows``, each written to the wire as soon as it is gathered
-    (:meth:`~tensorwire.transport.base.Transport.send_two_pieces`; ``TENSORWIRE_SERVE_ROWS_STREAM``). ``index``
-    must stay as it is until this returns; the helper has stopped writing into ``out`` when it does.
-
-    Raises:
-        TransferTimeout, PeerLostError, ClosedError: as the transport's sends; a failed gather as TransportError.
-    """
-    n = index.numel()
-    task = _Gather(table, index, out, piece_rows, row_bytes)
-    if s.gatherer is None:
-        s.gatherer = Gatherer(s.id)
-    s.gatherer.start(task)
-
-    def ready() -> "Iterator[int]":
-        for i in range(task.chunks):
-            task.wait(i, deadline)
-            yield min(n, (i + 1) * piece_rows) * row_bytes
-
-    try:
-        t.send_two_pieces(first, (TAG_DOWN, out[: n * row_bytes], step), ready(), timeout=_until(deadline))
-    finally:  # never leave it writing into the row buffer
-        task.join(_until(deadline) + 5.0)
 
 
 class Gatherer:

@@ -91,8 +91,6 @@ class StoreService(TransferCalls, store_pb2_grpc.StoreServicer):
         self.connect_timeout = connect_timeout
         #: TENSORWIRE_SERVE_SPIN_US, read once (a bad value stops the start, not a session later)
         self.spin_us: float = setting("serve_spin_us")
-        #: TENSORWIRE_SERVE_ROWS_STREAM, read once: a get_rows over TCP gathered and sent in pieces of this size
-        self.rows_stream: int = setting("serve_rows_stream")
         self.default_timeout = default_timeout
         self.draining = False
         #: The data-plane requests sessions may use (tensorwire.serve.protocol.common.DATA_REQUESTS_LEVEL); 0 = none

@@ -20,7 +20,7 @@ from __future__ import annotations
 import select
 import socket
 import time
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from tensorwire.errors import ClosedError, PeerLostError, TensorWireError, TransferTimeout
 from tensorwire.transport.base import remaining
@@ -181,72 +181,6 @@ class TcpTransport(FrameReader):
                 return
         self.send(tag1, buf1, step=step1, timeout=timeout)
         self.send(tag2, buf2, step=step2, timeout=timeout)
-
-    def send_two_pieces(
-        self,
-        first: tuple[int, Any, int | None],
-        second: tuple[int, Any, int | None],
-        ready: Iterator[int],
-        *,
-        timeout: float | None,
-    ) -> None:
-        """:meth:`send_two` of a second payload that is still being written by another thread: ``ready`` yields
-        how many of its leading bytes are final (rising, the last its length; each ``next`` may wait for them).
-        Where both credits are there and nobody else is sending, the two headers go out with the first bytes
-        ready and the rest as it is ready, all one frame for the peer; else ``ready`` is run to its end first and
-        the two go as :meth:`send_two` would.
-
-        Raises:
-            TransferTimeout, PeerLostError, ClosedError: as :meth:`send`. Once the second frame is partly out, any
-                failure -- ``ready``'s own included -- breaks the connection (a frame cannot be resumed).
-        """
-        tag1, buf1, step1 = first
-        tag2, buf2, step2 = second
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self.cma is None and self._send_lock.acquire(False):
-            try:
-                p1 = buf1 if type(buf1) is memoryview else host_view(buf1)
-                p2 = buf2 if type(buf2) is memoryview else host_view(buf2)
-                have = self._credits
-                c1 = c2 = None
-                done = next(ready, len(p2))  # before the claims: a gather that fails here loses nothing
-                with self._lock:
-                    if self._error is None and have[tag1] > 0 and have[tag2] > (1 if tag1 == tag2 else 0):
-                        c1 = self._claim(tag1, len(p1), step1)
-                        c2 = self._claim(tag2, len(p2), step2)
-                if c1 is not None and c2 is not None:
-                    f1, s1, g1, x1 = c1
-                    f2, s2, g2, x2 = c2
-                    views = [memoryview(self._header(f1, NO_SHAPE, tag1, s1, len(p1), g1, x1, ZERO_DIMS))]
-                    if len(p1):
-                        views.append(p1)
-                    views.append(memoryview(self._header(f2, NO_SHAPE, tag2, s2, len(p2), g2, x2, ZERO_DIMS)))
-                    if done:
-                        views.append(p2[:done])
-                    self._write(views, deadline)
-                    try:
-                        while done < len(p2):
-                            end = min(len(p2), next(ready, len(p2)))
-                            if end > done:
-                                self._write([p2[done:end]], deadline)
-                                done = end
-                    except BaseException as exc:
-                        if not isinstance(exc, TensorWireError) or self._error is None:
-                            self._fail(PeerLostError(f"a message to {self._peer} broke off mid-frame: {exc}"))
-                        raise
-                    self.bytes_sent += len(p1) + len(p2)
-                    sent = True
-                else:
-                    sent = False
-            finally:
-                self._send_lock.release()
-            if sent:
-                if self in URGENT:
-                    self._flush_credits()  # as send(): credits left to this frame while it was on the wire
-                return
-        for _ in ready:  # the whole second payload first, then as send_two
-            pass
-        self.send_two(first, second, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def try_send(
         self, tag: int, buf: Any, *, step: int | None = None, shape: tuple[int, ...] | None = None
