@@ -1122,6 +1122,11 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
             c.put("table", table)
         for c in (*clients.values(), *variant_clients.values()):
             assert torch.equal(c.get_rows("table", idxs[5]), table[idxs[5]])
+        tcp = clients.get("tcp")
+        if tcp is not None:  # the same bytes as one tensor: a get with no gather (the request and the wire)
+            block = table[idxs[7]]
+            tcp.put("block", block)
+            assert torch.equal(tcp.get("block", out=out), block)
 
         def rows_of(c: Any) -> Callable[[], Any]:
             return lambda: c.get_rows("table", idxs[next(it) % 64], out=out)
@@ -1133,6 +1138,8 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
                 "grpc": lambda: bc.get_rows("table", idxs[next(it) % 64], gdst),
                 "raw": lambda: rc.get(gdst),
                 "raw gather": lambda: rc.get_rows(idxs[next(it) % 64], gdst.view(torch.float32).view(B, D)),
+                "transport": lambda: tc.get(gdst),
+                **({"tw get": lambda: tcp.get("block", out=out)} if tcp is not None else {}),
                 "local out": lambda: torch.index_select(table, 0, idxs[next(it) % 64], out=out),
             },
             20 * args.rounds,
@@ -1189,15 +1196,21 @@ def run_remote(args: argparse.Namespace) -> tuple[str, list[str]]:
                 + ("met" if res[k] / res["raw"] <= 1.5 else "MISSED")
             )
         for key, label in (
+            ("tw get", "tensorwire/tcp get of the same bytes, one tensor (no gather)"),
+            ("transport", "tensorwire's TCP transport alone, the same bytes (no request handling)"),
             ("grpc", "gRPC unary"),
             ("raw", "raw TCP socket, the same bytes (no gather)"),
             ("raw gather", "raw TCP socket, the server gathering as the daemon does (the floor)"),
             ("local out", "local index_select(out=) (no network)"),
         ):
-            rows.append((op, label, f"{res[key] * 1e3:.3f} ms", f"{_gbps(nb, res[key])} GB/s", ""))
+            if key in res:
+                note = f"{res[key] / res['raw']:.2f}x the raw socket's time" if key in ("tw get", "transport") else ""
+                rows.append((op, label, f"{res[key] * 1e3:.3f} ms", f"{_gbps(nb, res[key])} GB/s", note))
         rows.extend(together)
         rows.extend(small)
         first.delete("table")
+        if tcp is not None:
+            tcp.delete("block")
         bc.put("table", torch.empty(0))  # (frees the baseline's copy)
         mib = 16 if args.quick else 64
         n = mib * MiB
@@ -1353,7 +1366,10 @@ def _write_remote(
         "get and put of 64 MiB: two). The raw socket moves the same bytes with no gather and no header: the wire's floor. "
         "For get_rows it also runs the floor of the whole operation: the index goes over with the request, the raw "
         "server gathers the rows from a table of the same shape with `index_select` on as many threads as the daemon "
-        "runs, then sends them -- a get_rows with nothing of tensorwire in it. The small requests' rows also give "
+        "runs, then sends them -- a get_rows with nothing of tensorwire in it. Between the two, in the same turns: "
+        "a tensorwire get of the same bytes as one stored tensor (the request and the wire, no gather) and "
+        "tensorwire's TCP transport alone moving them (the wire through tensorwire's framing, no request handling). "
+        "The small requests' rows also give "
         "the CPU per call of both ends: the client's (the bench's thread, `time.thread_time`) and the server "
         "process's (all its threads, `/proc/<pid>/task/*/schedstat`), summed over that path's turns, divided by its "
         "calls (means, where the time is a median); a wait that polls before it sleeps (`TENSORWIRE_SERVE_SPIN_US`, both ends) counts as CPU.",

@@ -136,3 +136,36 @@ def test_what_the_short_way_does_not_take_goes_the_usual_way(srv, taken, monkeyp
         assert c.get("fast/other").shape == (20, 5)
         assert taken == [False]
         c.delete("fast/other")
+
+
+def test_views_made_once_follow_the_row_buffer_when_it_grows(srv, taken):
+    """The short way keeps its index and destination views per read; a read that grows the session's row buffer
+    must leave no view of the old one in use (the same small read before and after, bit-exact)."""
+    g = torch.Generator().manual_seed(9)
+    tab = torch.randn(40_000, 64, generator=g)  # 256-byte rows
+    with Client(srv.address, transport="tcp") as c:
+        c.put("fast/grow", tab)
+        c.get_rows("fast/grow", [0])
+        s = _session(srv, c)
+        small = torch.tensor([7, 39_999, 3])
+        assert torch.equal(c.get_rows("fast/grow", small), tab[small])
+        before = s._scratch
+        big = torch.randint(0, 40_000, (20_000,), generator=g)  # 5 MB: more than the buffer held
+        assert torch.equal(c.get_rows("fast/grow", big), tab[big])
+        assert s._scratch is not before  # it grew
+        for _ in range(3):
+            assert torch.equal(c.get_rows("fast/grow", small), tab[small])
+        c.put("fast/grow", tab * 2)  # a new version: the same views, other bytes
+        assert torch.equal(c.get_rows("fast/grow", small), (tab * 2)[small])
+        c.delete("fast/grow")
+
+
+def test_an_index_out_of_range_is_refused_at_every_size(srv):
+    with Client(srv.address, transport="tcp") as c:
+        c.put("fast/range", torch.zeros(100, 4))
+        c.get_rows("fast/range", [0])
+        for idx in ([100], [0, -1], list(range(20)) + [100], [-5] * 17):
+            with pytest.raises(tw.SpecError, match="out of range"):
+                c.get_rows("fast/range", idx)
+        assert torch.equal(c.get_rows("fast/range", [99, 0]), torch.zeros(2, 4))
+        c.delete("fast/range")

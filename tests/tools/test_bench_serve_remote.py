@@ -40,6 +40,8 @@ def test_a_remote_run_with_a_variant_and_clients_at_once_writes_every_row(tmp_pa
     assert paths == [
         "tensorwire/tcp",
         "tensorwire/tcp, OMP_NUM_THREADS=1",
+        "tensorwire/tcp get of the same bytes, one tensor (no gather)",
+        "tensorwire's TCP transport alone, the same bytes (no request handling)",
         "gRPC unary",
         "raw TCP socket, the same bytes (no gather)",
         "raw TCP socket, the server gathering as the daemon does (the floor)",
@@ -48,6 +50,7 @@ def test_a_remote_run_with_a_variant_and_clients_at_once_writes_every_row(tmp_pa
         "tensorwire/tcp, OMP_NUM_THREADS=1",
     ]
     assert "x the raw socket's time, " in rows[0] and "x the floor's" in rows[0]
+    assert all(row.split("|")[5].strip().endswith("x the raw socket's time") for row in rows[2:4])  # the two between
     assert all("clients at once" in row and " / " in row for row in rows[-2:])  # one client, then two, per daemon
     for op in ("get_rows 1x128 f32 (one row)", "get 4 KiB"):  # small requests: every client and the raw socket
         small = [line.split("|") for line in text.splitlines() if line.startswith(f"| {op} ")]

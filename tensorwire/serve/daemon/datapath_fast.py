@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from tensorwire.errors import TensorWireError
 from tensorwire.spec import DTYPE_CODES
 from tensorwire.serve.daemon import datapath_reads
-from tensorwire.serve.daemon.datapath_reads import gather_rows
 from tensorwire.serve.daemon.ops import status_of
 from tensorwire.serve.protocol.common import TAG_DOWN, TAG_REPLY, TAG_REQUEST, check_index
 from tensorwire.serve.protocol.wire import FLAG_POSTED, OP_GET_ROWS, OPS, parse_request
@@ -88,10 +87,9 @@ def fast_get_rows(
         return False
     import torch
 
-    a = req.index_offset
     try:
-        index = check_index(buf[a : a + 8 * n].view(torch.int64), rows)
         s.reserve_scratch(nb)
+        index = check_index(s.index_view(buf, req.index_offset, n), rows)
         idx, version = e.acquire_read(time.monotonic())  # no waiting: a row update under way goes the usual way
     except TensorWireError:
         return False
@@ -104,8 +102,8 @@ def fast_get_rows(
     released = False
     try:
         with s.running():
-            out = s.scratch(nb)
-            gather_rows(e.slot(idx).tensor, index, out, 0, n, rb)
+            dst, out = s.rows_out(nb, n, spec.torch_dtype, shape[1:])
+            torch.index_select(e.slot(idx).tensor, 0, index, out=dst)
             e.release_read(idx)
             released = True
             t.post_recv(TAG_REQUEST, buf, header=True)  # its credit rides on the reply

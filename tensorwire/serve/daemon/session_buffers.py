@@ -59,6 +59,9 @@ class SessionBuffers:
         self.reply_buf: "torch.Tensor | None" = None  # the request path's reply buffer (jobs run one at a time)
         self._reply: "tuple[memoryview, Any] | None" = None  # (view to pack into, what to send): reply_buffer()
         self._req_views: "dict[int, tuple[torch.Tensor, memoryview]]" = {}  # request buffer -> its bytes
+        #: index_view() and rows_out(): the views of a read, by where its index lies and by its rows' layout
+        self._index_views: "dict[tuple[int, int, int], tuple[Any, ...]]" = {}
+        self._rows_out: "dict[tuple[Any, ...], tuple[Any, ...]]" = {}
 
     @staticmethod
     def _scratch_cap(nbytes: int) -> int:
@@ -100,6 +103,39 @@ class SessionBuffers:
             self._scratch = allocate_host(self._scratch_cap(nbytes))
         return self._scratch[:nbytes]
 
+    def index_view(self, buf: "torch.Tensor", at: int, n: int) -> "torch.Tensor":
+        """The int64 index of ``n`` rows at byte ``at`` of request buffer ``buf``, as a tensor view made once per
+        such place (a session repeats its reads; the request thread only)."""
+        key = (id(buf), at, n)
+        got = self._index_views.get(key)
+        if got is not None and got[1] is buf:
+            return got[0]
+        import torch
+
+        index = buf[at : at + 8 * n].view(torch.int64)
+        if len(self._index_views) >= 64:
+            self._index_views.clear()
+        self._index_views[key] = (index, buf)
+        return index
+
+    def rows_out(
+        self, nbytes: int, n: int, dtype: "torch.dtype", row_shape: tuple[int, ...]
+    ) -> "tuple[torch.Tensor, memoryview]":
+        """The row buffer's first ``nbytes`` as ``n`` rows of ``row_shape`` and ``dtype`` (a gather's destination)
+        and as a memoryview (what is sent), made once per such read while the row buffer stays (the thread
+        running a job only)."""
+        key = (nbytes, n, dtype, row_shape)
+        got = self._rows_out.get(key)
+        if got is not None and got[2] is self._scratch:
+            return got[0], got[1]
+        out = self.scratch(nbytes)
+        dst = out.view(dtype).view((n, *row_shape))
+        mv = memoryview(out.numpy())
+        if len(self._rows_out) >= 64:
+            self._rows_out.clear()
+        self._rows_out[key] = (dst, mv, self._scratch)
+        return dst, mv
+
     def request_buffer(self, nbytes: int) -> "torch.Tensor":
         """A request buffer of the request thread (charged at open; freed when the session ends)."""
         import torch
@@ -136,6 +172,7 @@ class SessionBuffers:
                 self._released = True
                 charge, self._scratch_charge_cap = self._scratch_charge_cap, 0
                 bufs = [self._scratch, self.reply_buf]
+                self._rows_out = {}
                 self._scratch = self.reply_buf = None
                 self._reply = None
             for b in bufs:
@@ -160,6 +197,7 @@ class SessionBuffers:
         """The request thread, once it ends: its own buffers (nothing else reads them), then its holder's share."""
         bufs, self._req_bufs = self._req_bufs, []
         self._req_views = {}
+        self._index_views = {}
         for b in bufs:
             _free(b)
         self._drop_holder()
