@@ -214,6 +214,14 @@ class Settings:
         "come (0.2 ns per byte, at most 400 us more; up to 2 MiB). At most one second.",
         100.0,
     )
+    spin_contended: bool = _var(
+        _switch,
+        "Whether a polling wait (`TENSORWIRE_TCP_SPIN_US`, `TENSORWIRE_SERVE_SPIN_US`) still polls while its thread "
+        "has lately waited for a CPU (more than a tenth of the time, from `/proc/thread-self/schedstat`, looked at "
+        "every 20 ms). Off (the default): such a wait sleeps at once, leaving the CPU to the peer that must answer "
+        "and to whatever else runs; it polls again once the CPUs are free. On: poll as configured regardless.",
+        False,
+    )
     cma: Literal["auto", "off"] = _var(
         _choice("auto", "off"),
         "Cross-memory attach on TCP links between processes of one host: the sender copies a large message "

@@ -22,6 +22,7 @@ from tensorwire.errors import ClosedError, ConfigError, PeerLostError, ProtocolE
 from tensorwire.transport.base import Received, remaining
 from tensorwire.transport.tcp.credits import PENDING, URGENT, flush_pending_credits
 from tensorwire.transport.tcp.frames import FrameParser
+from tensorwire.transport.contention import contended
 from tensorwire.transport.tcp.wire import (
     BYE,
     EAGER_TAG,
@@ -243,8 +244,8 @@ class FrameReader(FrameParser):
         try:
             if block:
                 spin = self._rspin
-                if spin:  # poll first: a peer answering within it is seen without a wake-up
-                    now = time.perf_counter()
+                now = time.perf_counter() if spin else 0.0
+                if spin and not contended(now):  # poll first: a peer answering within it is seen without a wake-up
                     end = now + spin
                     polite = now + min(spin, YIELD_AFTER)
                     ready = self._poll_r.poll
