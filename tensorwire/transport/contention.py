@@ -16,10 +16,12 @@ be read, or with ``TENSORWIRE_SPIN_CONTENDED=1``, the answer is always "not cont
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 
+from tensorwire.errors import ConfigError
 from tensorwire.settings import setting
 
 __all__ = ["contended", "CHECK_EVERY", "BUSY_SHARE"]
@@ -29,14 +31,19 @@ CHECK_EVERY = 0.02
 #: The share of wall time spent waiting for a CPU above which this thread's CPUs count as contended.
 BUSY_SHARE = 0.1
 
+log = logging.getLogger(__name__)
+
 _PATH = "/proc/thread-self/schedstat"
 _state = threading.local()
 
 
 def _wanted() -> bool:
+    """Whether to stand down on contended CPUs: not with ``TENSORWIRE_SPIN_CONTENDED=1``. Read once, at import (a
+    wait must not raise over a setting): a bad value is logged, naming it, and the default kept."""
     try:
         return not setting("spin_contended")
-    except Exception:  # noqa: BLE001 - a bad value is reported where the settings are read as a whole
+    except ConfigError as exc:
+        log.warning("%s; polling waits stand down on busy CPUs, as by default", exc)
         return True
 
 

@@ -84,6 +84,13 @@ def test_the_setting_turns_it_off(monkeypatch):
     assert contention._wanted() is True
 
 
+def test_a_bad_value_is_logged_by_name_and_the_default_kept(monkeypatch, caplog):
+    monkeypatch.setenv("TENSORWIRE_SPIN_CONTENDED", "sometimes")
+    with caplog.at_level("WARNING", logger="tensorwire.transport.contention"):
+        assert contention._wanted() is True
+    assert "TENSORWIRE_SPIN_CONTENDED" in caplog.text and "as by default" in caplog.text
+
+
 @pytest.mark.pure_python
 @pytest.mark.parametrize("busy", [False, True])
 def test_a_reader_on_contended_cpus_sleeps_instead_of_polling(monkeypatch, busy):
