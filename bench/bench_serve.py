@@ -1336,10 +1336,13 @@ def _small_requests(
 
 def daemon_threads() -> str:
     """The line ``tensorwire serve`` logs about its torch intra-op threads, for a daemon started from here (the
-    same environment and CPUs; with ``OMP_NUM_THREADS`` set, torch's number here is the daemon's)."""
-    from tensorwire.serve.daemon.threads import describe, intra_op_threads
+    same environment and CPUs; with ``OMP_NUM_THREADS`` set, torch's number here is the daemon's; the daemon adds
+    ``OMP_WAIT_POLICY`` where this environment has none)."""
+    from tensorwire.serve.daemon.threads import describe, intra_op_threads, wait_policy
 
-    return describe(intra_op_threads())
+    env = dict(os.environ)
+    wait_policy(env)
+    return describe(intra_op_threads(env), env)
 
 
 def _write_remote(

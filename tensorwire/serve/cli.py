@@ -266,6 +266,9 @@ def _intra_op_threads() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The daemon: configures logging (INFO unless told otherwise), runs until signalled."""
+    from tensorwire.serve.daemon.threads import wait_policy
+
+    wait_policy()  # (before torch is imported: its OpenMP runtime reads it when loaded)
     config = config_from_args(args)
     if getattr(args, "log_level", None) is None and not setting("log_level"):
         logging.getLogger("tensorwire").setLevel(logging.INFO)

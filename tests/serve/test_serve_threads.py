@@ -1,5 +1,6 @@
 """The daemon's torch intra-op threads: one below 8 usable CPUs, a quarter of them (at most 8) from 8, fewer under a
-cgroup CPU quota (a Kubernetes limit), OMP_NUM_THREADS deciding when set; the daemon says what it chose."""
+cgroup CPU quota (a Kubernetes limit), OMP_NUM_THREADS deciding when set; idle ones sleep (OMP_WAIT_POLICY=PASSIVE
+unless the environment says otherwise); the daemon says what it chose."""
 
 from __future__ import annotations
 
@@ -65,18 +66,72 @@ def test_the_daemon_sets_them_and_says_so(monkeypatch, omp):
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     monkeypatch.setattr(threads, "usable_cpus", lambda root="": 16)
     try:
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
         torch.set_num_threads(3)
         cli._intra_op_threads()
         if omp is None:
             assert torch.get_num_threads() == 4
             assert threads.describe() == (
-                "torch intra-op threads: 4 (16 usable CPUs; OMP_NUM_THREADS sets another number)"
+                "torch intra-op threads: 4 (16 usable CPUs; OMP_NUM_THREADS sets another number); "
+                "idle threads: OMP_WAIT_POLICY=PASSIVE"
             )
         else:
             assert torch.get_num_threads() == 3  # left to torch
-            assert threads.describe() == "torch intra-op threads: 3 (OMP_NUM_THREADS)"
+            assert threads.describe() == (
+                "torch intra-op threads: 3 (OMP_NUM_THREADS); idle threads: OMP_WAIT_POLICY=PASSIVE"
+            )
+        monkeypatch.delenv("OMP_WAIT_POLICY")
+        assert threads.describe().endswith("; idle threads: OpenMP's default (spin a while)")
+        # another process's environment (a daemon about to be started)
+        assert threads.describe(5, {"OMP_NUM_THREADS": "5", "OMP_WAIT_POLICY": "ACTIVE"}) == (
+            "torch intra-op threads: 5 (OMP_NUM_THREADS); idle threads: OMP_WAIT_POLICY=ACTIVE"
+        )
     finally:
         torch.set_num_threads(before)
+
+
+def test_idle_threads_sleep_unless_the_environment_says_otherwise():
+    env: dict[str, str] = {}
+    assert threads.wait_policy(env) is True
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for given in ("ACTIVE", "passive", "active"):
+        env = {"OMP_WAIT_POLICY": given}
+        assert threads.wait_policy(env) is False
+        assert env == {"OMP_WAIT_POLICY": given}  # the user's choice stands
+    env = {"OMP_WAIT_POLICY": "  "}  # blank: unset
+    assert threads.wait_policy(env) is True and env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_no_wait_policy_is_set_once_torch_is_loaded(monkeypatch):
+    """This process has torch (and its OpenMP runtime) loaded: setting the variable now would change nothing, so
+    nothing is set and the caller is told."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert threads.wait_policy() is False
+    assert "OMP_WAIT_POLICY" not in threads.os.environ
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_the_daemon_sets_the_wait_policy_before_torch_loads(policy):
+    """``tensorwire serve`` sets it before torch is imported (where OpenMP reads it), and leaves a given one alone."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    code = (
+        "import os, sys\n"
+        "from tensorwire.serve import cli\n"
+        "cli.config_from_args = lambda args: sys.exit(0 if 'torch' not in sys.modules else 3)\n"
+        "import atexit\n"
+        "atexit.register(lambda: print(os.environ.get('OMP_WAIT_POLICY')))\n"
+        "cli.cmd_serve(None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=100)
+    assert out.returncode == 0, out.stderr  # (3: torch was loaded before the policy was set)
+    assert out.stdout.strip() == (policy or "PASSIVE")
 
 
 @pytest.mark.timeout(120)
@@ -86,7 +141,7 @@ def test_the_daemons_log_says_how_many(tmp_path):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--no-shm"],
         stdout=subprocess.PIPE,
@@ -101,4 +156,5 @@ def test_the_daemons_log_says_how_many(tmp_path):
         _, err = proc.communicate(timeout=60)
     expected = intra_op_threads({})
     assert f"torch intra-op threads: {expected} ({usable_cpus()} usable CPUs" in err, err
+    assert "idle threads: OMP_WAIT_POLICY=PASSIVE" in err, err
     assert f"hot path: {native.summary()} (tensorwire.native)" in err, err  # (the build it runs: the same here)

@@ -13,16 +13,31 @@ threads splitting the gather, tried instead, were slower than one thread (1.78 a
 between them on every part).
 
 ``OMP_NUM_THREADS``, when set, decides instead (torch reads it itself).
+
+Idle threads sleep: ``tensorwire serve`` sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported, unless the
+environment sets it (:func:`wait_policy`). With OpenMP's default, a pool's workers spin for a while after every
+parallel region, so each remote get_rows left the daemon's gather threads holding cores after its reply had gone:
+cores that a client on the same host gathering from the daemon's shared memory with its own 16 threads needed.
+On a 16-core host, a lease get_rows of 2 MiB into a CPU tensor beside a TCP client's reads in turns took 0.96x /
+0.96x the time of a local ``index_select(out=)`` with the daemon's threads passive, against 0.83x / 0.86x spinning
+(``bench/probe_serve_rows.py --tcp-client --daemon-env OMP_WAIT_POLICY=PASSIVE``, two passes each in turns,
+``bench/results/probe-serve-rows_h200_2026-12-02-2.md``); the daemon's own TCP get_rows of 2 MiB paid 1.205
+against 1.134 ms in the same turns (waking its threads per gather). Where the daemon has cores of its own, set
+``OMP_WAIT_POLICY`` (``ACTIVE``: spin) or libgomp's ``GOMP_SPINCOUNT`` (OpenMP's default is about 3 ms of spinning).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+import sys
+from typing import Mapping, MutableMapping
 
 from tensorwire.cpus import cpu_quota, usable_cpus
 
-__all__ = ["cpu_quota", "describe", "intra_op_threads", "usable_cpus"]
+__all__ = ["cpu_quota", "describe", "intra_op_threads", "usable_cpus", "wait_policy", "WAIT_POLICY"]
+
+#: What the daemon sets ``OMP_WAIT_POLICY`` to where the environment does not set it: idle OpenMP threads sleep.
+WAIT_POLICY = "PASSIVE"
 
 
 def intra_op_threads(environ: Mapping[str, str] | None = None, cpus: int | None = None) -> int | None:
@@ -35,12 +50,31 @@ def intra_op_threads(environ: Mapping[str, str] | None = None, cpus: int | None 
     return 1 if n < 8 else min(8, n // 4)
 
 
-def describe(threads: int | None = None) -> str:
-    """The daemon's log line: torch's intra-op threads (``threads``, else torch's number now) and where the number
-    came from."""
+def wait_policy(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Set ``OMP_WAIT_POLICY`` to :data:`WAIT_POLICY` in ``environ`` (default: this process's) unless it is set.
+
+    OpenMP reads it once, when torch's OpenMP runtime is loaded, so for this process it must run before torch is
+    imported: where torch is imported already, nothing is set (it would have no effect). Returns whether it set it.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("OMP_WAIT_POLICY", "").strip():
+        return False
+    if environ is None and "torch" in sys.modules:
+        return False
+    env["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return True
+
+
+def describe(threads: int | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The daemon's log line: torch's intra-op threads (``threads``, else torch's number now), where the number
+    came from, and what its idle threads do (``OMP_WAIT_POLICY``); ``environ``: the daemon's environment
+    (default: this process's)."""
     import torch
 
+    env = os.environ if environ is None else environ
     n = torch.get_num_threads() if threads is None else threads
-    if os.environ.get("OMP_NUM_THREADS", "").strip():
-        return f"torch intra-op threads: {n} (OMP_NUM_THREADS)"
-    return f"torch intra-op threads: {n} ({usable_cpus()} usable CPUs; OMP_NUM_THREADS sets another number)"
+    policy = env.get("OMP_WAIT_POLICY", "").strip()
+    idle = f"; idle threads: OMP_WAIT_POLICY={policy}" if policy else "; idle threads: OpenMP's default (spin a while)"
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return f"torch intra-op threads: {n} (OMP_NUM_THREADS){idle}"
+    return f"torch intra-op threads: {n} ({usable_cpus()} usable CPUs; OMP_NUM_THREADS sets another number){idle}"
