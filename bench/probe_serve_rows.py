@@ -23,6 +23,7 @@ Then the whole call under ``cProfile`` (the functions with the most time of thei
 same indexes and the same destination; medians of ``--reps`` calls per path, ``--per-turn`` at a time.
 
     python bench/probe_serve_rows.py [--rows 200000] [--reps 300] [--out FILE]
+    python bench/probe_serve_rows.py --tcp-client --daemon-env OMP_WAIT_POLICY=PASSIVE   # the daemon's environment only
 """
 
 from __future__ import annotations
@@ -92,8 +93,18 @@ def main() -> int:
         action="store_true",
         help="also the client's get_rows into a CUDA tensor as a path of the turns (needs CUDA)",
     )
+    ap.add_argument(
+        "--daemon-env",
+        default="",
+        metavar="VAR=VALUE[,VAR=VALUE...]",
+        help="environment variables set for the daemon only (the clients in this process keep this environment)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="markdown report")
     args = ap.parse_args()
+    try:
+        daemon_env = dict(kv.split("=", 1) for kv in args.daemon_env.split(",") if kv)
+    except ValueError:
+        ap.error(f"--daemon-env {args.daemon_env!r}: expected VAR=VALUE[,VAR=VALUE...]")
     if args.rows < 1 or args.batch < 1 or args.reps < 1 or args.per_turn < 1 or args.profile_calls < 0:
         ap.error("--rows, --batch, --reps and --per-turn must be >= 1, --profile-calls >= 0")
     import torch
@@ -103,7 +114,9 @@ def main() -> int:
 
     import tensorwire as tw
 
-    daemon, info = _spawn([sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--max-bytes", "8GiB"])
+    daemon, info = _spawn(
+        [sys.executable, "-m", "tensorwire", "serve", "--port", "0", "--max-bytes", "8GiB"], **daemon_env
+    )
     shm_path = ""
     try:
         client = tw.Client(f"127.0.0.1:{info['port']}", transport="shm", timeout=120)
@@ -183,6 +196,7 @@ def main() -> int:
         f"Command: `python bench/probe_serve_rows.py --rows {args.rows} --batch {args.batch} --reps {args.reps}"
         + (" --tcp-client" if args.tcp_client else "")
         + (" --gpu-client" if args.gpu_client else "")
+        + (f" --daemon-env {args.daemon_env}" if args.daemon_env else "")
         + "`.",
         "",
         "| path | median | GB/s | x local | page faults per call (minor / major) |",

@@ -2,6 +2,10 @@
 
 ``torchrun --standalone --nproc-per-node 2 bench/profile_pingpong.py [--bytes N] [--iters N]``: rank 0 prints its
 round trip (median, no profiler) and the functions taking the most time of its own under cProfile.
+
+``--plain`` leaves the profiler out (only the timed round trips), and ``--backend`` runs the same ping-pong over
+gloo or the Python floor (``bench/floor_pg.py``): under ``perf stat``, two runs of one backend with different
+``--iters`` give its counters per round trip by difference (start-up and imports cancel out).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not os.environ.get("PYTHONPATH"):  # (a tree put first on PYTHONPATH, e.g. a compiled build, is the one run)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # floor_pg
 
 
 def main() -> None:
@@ -23,13 +29,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3000)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--cpu", action="store_true", help="profile by the thread's CPU clock (waits left out)")
+    ap.add_argument("--plain", action="store_true", help="no profiler: only the timed round trips")
+    ap.add_argument("--backend", default="tensorwire", choices=("tensorwire", "gloo", "python-floor"))
     args = ap.parse_args()
     import torch
     import torch.distributed as dist
 
     import tensorwire.distributed  # noqa: F401 - registers the backend
+    import floor_pg
 
-    dist.init_process_group("tensorwire")
+    floor_pg.register()
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
     t = torch.zeros(args.bytes // 4)
 
@@ -48,6 +58,11 @@ def main() -> None:
 
     rounds(500)
     plain = statistics.median(rounds(args.iters))
+    if args.plain:  # (no barrier: the floor's group has none; both ranks ran the same round trips)
+        if rank == 0:
+            print(f"{args.backend} round trip {args.bytes} B: {plain * 1e6:.1f} us (median of {args.iters})")
+        dist.destroy_process_group()
+        return
     pr = cProfile.Profile(time.thread_time) if args.cpu else cProfile.Profile()
     pr.enable()
     prof = statistics.median(rounds(args.iters))

@@ -80,3 +80,24 @@ def test_refuses_sizes_below_one():
     assert res.returncode == 2 and "--reps and --per-turn must be >= 1" in res.stderr
     res = run_bench("probe_serve_rows.py", "--profile-calls", "-1", timeout=50)
     assert res.returncode == 2 and "--profile-calls >= 0" in res.stderr
+
+
+@pytest.mark.timeout(120)
+def test_daemon_env_reaches_the_daemon_only():
+    """``--daemon-env TENSORWIRE_SHM=0``: the daemon starts without shared memory (so the probe's client cannot have
+    it), while this process's environment -- the clients' -- is not changed by it."""
+    res = run_bench(
+        "probe_serve_rows.py",
+        "--rows",
+        "1000",
+        "--batch",
+        "16",
+        "--reps",
+        "2",
+        "--daemon-env",
+        "TENSORWIRE_SHM=0",
+        timeout=100,
+    )
+    assert res.returncode != 0 and "the daemon offers no shared memory" in res.stderr, res.stderr[-2000:]
+    res = run_bench("probe_serve_rows.py", "--daemon-env", "TENSORWIRE_SHM", timeout=50)
+    assert res.returncode == 2 and "--daemon-env 'TENSORWIRE_SHM': expected VAR=VALUE" in res.stderr
