@@ -257,12 +257,15 @@ def serve_raw() -> None:
     preallocated buffer; n < 0: -n bytes follow (received into that buffer), the reply is one byte.
     :data:`RAW_GATHER`: the rows asked for are gathered from its own table with ``torch.index_select`` on as many
     intra-op threads as ``tensorwire serve`` would run here, then sent -- a get_rows with nothing of tensorwire
-    (the floor of a remote get_rows: the gather and the wire)."""
+    (the floor of a remote get_rows: the gather and the wire), their idle time spent as the daemon's is
+    (``OMP_WAIT_POLICY``: set before torch loads, as ``tensorwire serve`` does)."""
     import socket
 
-    import torch
-
     from tensorwire.serve.cli import _intra_op_threads
+    from tensorwire.serve.daemon.threads import wait_policy
+
+    wait_policy()  # (this process has not imported torch yet: its OpenMP runtime reads the policy when loaded)
+    import torch
 
     _intra_op_threads()  # the daemon's own setting of torch's threads (OMP_NUM_THREADS, where set, decides)
     srv = socket.socket()
