@@ -38,7 +38,8 @@ __all__ = ["MODULES", "status", "compiled", "summary"]
 #: ``torch.distributed`` Work classes), no method an instance replaces (a compiled caller calls the
 #: class's own). The TCP transport is where a message's Python went: a first try that also compiled the
 #: backend's channel modules (``distributed/{channel,signatures,messages}``) gave no further gain at 4 KiB
-#: (``bench/results/native_cpu2_2026-11-27.md``).
+#: (``bench/results/native_cpu2_2026-11-27.md``); nor did serve's request framing (``serve/protocol/wire.py``) on a
+#: 16-core host (``bench/results/native-serve-wire-ab_h200_2026-12-02.md``).
 MODULES = (
     # TCP: framing, credits, the reader role, the send side
     "tensorwire.transport.tcp.wire",
