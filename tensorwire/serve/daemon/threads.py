@@ -18,11 +18,11 @@ Idle threads sleep: ``tensorwire serve`` sets ``OMP_WAIT_POLICY=PASSIVE`` before
 environment sets it (:func:`wait_policy`). With OpenMP's default, a pool's workers spin for a while after every
 parallel region, so each remote get_rows left the daemon's gather threads holding cores after its reply had gone:
 cores that a client on the same host gathering from the daemon's shared memory with its own 16 threads needed.
-On a 16-core host, a lease get_rows of 2 MiB into a CPU tensor beside a TCP client's reads in turns took 0.96x /
-0.96x the time of a local ``index_select(out=)`` with the daemon's threads passive, against 0.83x / 0.86x spinning
-(``bench/probe_serve_rows.py --tcp-client --daemon-env OMP_WAIT_POLICY=PASSIVE``, two passes each in turns,
-``bench/results/probe-serve-rows_h200_2026-12-02-2.md``); the daemon's own TCP get_rows of 2 MiB paid 1.205
-against 1.134 ms in the same turns (waking its threads per gather). Where the daemon has cores of its own, set
+On a 16-core host, a lease get_rows of 2 MiB into a CPU tensor beside a TCP client's reads in turns ran at
+0.95-0.96x a local ``index_select(out=)`` with the daemon's threads passive, against 0.83-0.90x spinning (four passes
+of each, ``bench/probe_serve_rows.py --tcp-client --daemon-env ...``,
+``bench/results/probe-serve-rows_h200_2026-12-02-2.md``); the daemon's own TCP get_rows of 2 MiB took 6-14 %
+longer in the same turns (1.205 against 1.134 ms, 1.013 against 0.891: each gather wakes its threads). Where the daemon has cores of its own, set
 ``OMP_WAIT_POLICY`` (``ACTIVE``: spin) or libgomp's ``GOMP_SPINCOUNT`` (OpenMP's default is about 3 ms of spinning).
 """
 
