@@ -33,11 +33,19 @@ def run_bench(
     ``checkout_first``: the checkout ahead of any installed tensorwire on ``PYTHONPATH`` (off for scripts that
     pick the source tree themselves); ``keep_transport``: leave a ``TENSORWIRE_TRANSPORT`` of the test run set.
     """
+    env = bench_env(checkout_first=checkout_first, keep_transport=keep_transport)
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+
+
+def bench_env(*, checkout_first: bool = True, keep_transport: bool = False) -> dict[str, str]:
+    """The environment a bench script runs in (:func:`run_bench`'s, also for one started another way, e.g. by
+    torchrun): the checkout first on ``PYTHONPATH`` unless told otherwise, no ``TENSORWIRE_TRANSPORT`` of the test
+    run unless kept."""
     env = dict(os.environ)
     if checkout_first:
         env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     if not keep_transport:
         env.pop("TENSORWIRE_TRANSPORT", None)
-    return subprocess.run(
-        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-    )
+    return env

@@ -3,23 +3,19 @@ timed without the profiler (what ``perf stat`` around two runs of different leng
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
 import pytest
+from bench_scripts import BENCH, bench_env
 
 pytest.importorskip("torch")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("backend", ["tensorwire", "python-floor"])
 def test_plain_runs_each_backend_and_prints_its_round_trip(tmp_path, backend):
-    env = dict(os.environ, PYTHONPATH=ROOT)  # (a tree first on PYTHONPATH is the one run)
-    env.pop("TENSORWIRE_TRANSPORT", None)
     cmd = [
         sys.executable,
         "-m",
@@ -27,14 +23,14 @@ def test_plain_runs_each_backend_and_prints_its_round_trip(tmp_path, backend):
         "--standalone",
         "--nproc-per-node",
         "2",
-        os.path.join(ROOT, "bench", "profile_pingpong.py"),
+        str(BENCH / "profile_pingpong.py"),
         "--plain",
         "--iters",
         "50",
         "--backend",
         backend,
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=bench_env())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = re.search(rf"^{backend} round trip 4096 B: ([\d.]+) us \(median of 50\)$", res.stdout, re.M)
     assert m and float(m.group(1)) > 0, res.stdout
